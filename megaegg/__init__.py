@@ -1,0 +1,21 @@
+"""megaegg: compile a whole model forward pass into one persistent CUDA kernel.
+
+Build a :class:`Graph` of tensor ops over symbolic dims, check it with
+:func:`run_reference`, and compile it with :func:`compile`.
+"""
+
+from .dims import Dim, ceildiv, dmax, dmin, sym
+from .dtypes import DType, bf16, f16, f32, i32
+from .graph import Graph, GraphError, ShapeError, Tensor
+from .ops import (
+    add, argmax, attention, cast, concat, embedding, expand, kv_append, linear, matmul, mul, permute,
+    reshape, rms_norm, rope, rope_inv_freq, silu, slice, softmax, transpose,
+)
+from .reference import run_reference
+
+__all__ = [
+    "Dim", "ceildiv", "dmax", "dmin", "sym", "DType", "bf16", "f16", "f32", "i32", "Graph", "GraphError",
+    "ShapeError", "Tensor", "add", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
+    "linear", "matmul", "mul", "permute", "reshape", "rms_norm", "rope", "rope_inv_freq", "silu", "slice",
+    "softmax", "transpose", "run_reference",
+]

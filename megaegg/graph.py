@@ -1,0 +1,220 @@
+"""The tensor graph users build: nodes in SSA order, symbolic shapes, named leaves.
+
+>>> import megaegg as me
+>>> g = me.Graph()
+>>> x = g.input("x", [1, 64], me.f32)
+>>> w = g.weight("w", [32, 64], me.f32)
+>>> y = g.output("y", me.silu(me.linear(x, w)))
+>>> y.shape
+(Dim(1), Dim(32))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from .dims import Dim, DimLike, as_dim, fmt_shape
+from .dtypes import DType, as_dtype, bf16
+
+LEAF_OPS = ("input", "weight", "constant")
+
+
+class GraphError(ValueError):
+    """A graph that cannot be built or run as asked: the message names the op and tensors."""
+
+
+class ShapeError(GraphError):
+    """Operand shapes or dtypes do not fit the op."""
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One op of the graph. ``inputs`` are ids of earlier nodes (SSA order)."""
+
+    id: int
+    op: str
+    inputs: tuple[int, ...]
+    shape: tuple[Dim, ...]
+    dtype: DType
+    attrs: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How errors and printouts name this tensor."""
+        return repr(self.name) if self.name else f"%{self.id}({self.op})"
+
+    def __str__(self) -> str:
+        args = ", ".join(f"%{i}" for i in self.inputs)
+        extra = ", ".join(f"{k}={_fmt_attr(v)}" for k, v in self.attrs.items() if k != "value")
+        parts = ", ".join(p for p in (args, extra) if p)
+        nm = f" {self.name!r}" if self.name else ""
+        return f"%{self.id} = {self.op}{nm}({parts}) : {self.dtype}{fmt_shape(self.shape)}"
+
+
+def _fmt_attr(v: Any) -> str:
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(_fmt_attr(x) for x in v) + ")"
+    return str(v)
+
+
+class Tensor:
+    """A handle to a node's value while building a graph; supports ``+``, ``*``, ``@``."""
+
+    __slots__ = ("graph", "id")
+
+    def __init__(self, graph: "Graph", id: int) -> None:
+        self.graph = graph
+        self.id = id
+
+    @property
+    def node(self) -> Node:
+        return self.graph.nodes[self.id]
+
+    @property
+    def shape(self) -> tuple[Dim, ...]:
+        return self.node.shape
+
+    @property
+    def dtype(self) -> DType:
+        return self.node.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.node.shape)
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.node.label}: {self.dtype}{fmt_shape(self.shape)})"
+
+    def __add__(self, other: "Tensor") -> "Tensor":
+        from .ops import add
+
+        return add(self, other)
+
+    def __mul__(self, other: "Tensor") -> "Tensor":
+        from .ops import mul
+
+        return mul(self, other)
+
+    def __matmul__(self, other: "Tensor") -> "Tensor":
+        from .ops import matmul
+
+        return matmul(self, other)
+
+    def reshape(self, *shape) -> "Tensor":
+        from .ops import reshape
+
+        return reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (list, tuple)) else shape)
+
+    def transpose(self, d0: int, d1: int) -> "Tensor":
+        from .ops import transpose
+
+        return transpose(self, d0, d1)
+
+
+class Graph:
+    """A forward pass as a list of ops over symbolic shapes.
+
+    Leaves are ``input`` (given per call, e.g. token ids or a KV cache), ``weight``
+    (bound once at compile time) and ``constant`` (a tensor fixed at build time).
+    """
+
+    def __init__(self, name: str = "graph") -> None:
+        self.name = name
+        self.nodes: list[Node] = []
+        self.outputs: dict[str, int] = {}
+        self._leaf_names: dict[str, int] = {}
+
+    # --- leaves ----------------------------------------------------------------
+    def input(self, name: str, shape: Sequence[DimLike], dtype=bf16) -> Tensor:
+        """A per-call input. A KV cache is an input that ``kv_append`` updates in place."""
+        return self._leaf("input", name, shape, dtype)
+
+    def weight(self, name: str, shape: Sequence[DimLike], dtype=bf16) -> Tensor:
+        """A parameter bound once when the graph is compiled."""
+        shape = tuple(as_dim(d) for d in shape)
+        for d in shape:
+            if not d.is_const:
+                raise ShapeError(f"weight {name!r}: shape {fmt_shape(shape)} must be concrete, not symbolic")
+        return self._leaf("weight", name, shape, dtype)
+
+    def constant(self, name: str, value) -> Tensor:
+        """A tensor known when the graph is built (e.g. RoPE inverse frequencies)."""
+        import torch
+
+        value = torch.as_tensor(value).detach().cpu().contiguous()
+        from .dtypes import from_torch
+
+        return self._leaf("constant", name, tuple(value.shape), from_torch(value.dtype), value=value)
+
+    def _leaf(self, op: str, name: str, shape, dtype, **attrs) -> Tensor:
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"{op}: name must be a non-empty string, got {name!r}")
+        if name in self._leaf_names:
+            raise GraphError(f"{op} {name!r}: a leaf with this name already exists")
+        shape = tuple(as_dim(d) for d in shape)
+        t = self.add_node(op, (), shape, as_dtype(dtype), attrs, name=name)
+        self._leaf_names[name] = t.id
+        return t
+
+    # --- outputs ----------------------------------------------------------------
+    def output(self, name: str, tensor: Tensor) -> Tensor:
+        self.check_owned("output", tensor)
+        if name in self.outputs:
+            raise GraphError(f"output {name!r} is already defined")
+        self.outputs[name] = tensor.id
+        return tensor
+
+    # --- building ---------------------------------------------------------------
+    def add_node(self, op: str, inputs: Iterable[int], shape, dtype: DType, attrs=None, name=None) -> Tensor:
+        node = Node(len(self.nodes), op, tuple(inputs), tuple(as_dim(d) for d in shape), dtype, dict(attrs or {}), name)
+        self.nodes.append(node)
+        return Tensor(self, node.id)
+
+    def check_owned(self, op: str, *tensors: Tensor) -> None:
+        for t in tensors:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{op}: expected a Tensor, got {type(t).__name__}")
+            if t.graph is not self:
+                raise GraphError(f"{op}: tensor {t.node.label} belongs to another graph")
+
+    # --- queries ----------------------------------------------------------------
+    def leaves(self, op: str) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes if n.op == op}
+
+    @property
+    def inputs(self) -> dict[str, Node]:
+        return self.leaves("input")
+
+    @property
+    def weights(self) -> dict[str, Node]:
+        return self.leaves("weight")
+
+    def symbols(self) -> set[str]:
+        """Names of the runtime dims used anywhere in the graph."""
+        out: set[str] = set()
+        for n in self.nodes:
+            for d in n.shape:
+                out |= d.symbols()
+            for v in n.attrs.values():
+                if isinstance(v, Dim):
+                    out |= v.symbols()
+                elif isinstance(v, tuple):
+                    for x in v:
+                        if isinstance(x, Dim):
+                            out |= x.symbols()
+        return out
+
+    def consumers(self) -> dict[int, list[int]]:
+        users: dict[int, list[int]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                users[i].append(n.id)
+        return users
+
+    def __str__(self) -> str:
+        lines = [f"graph {self.name}:"]
+        lines += [f"  {n}" for n in self.nodes]
+        lines += [f"  output {k!r} = %{v}" for k, v in self.outputs.items()]
+        return "\n".join(lines)

@@ -1,0 +1,342 @@
+"""Graph ops: each checks its operands, infers the result's shape and dtype, adds a node.
+
+Every function takes and returns :class:`~megaegg.graph.Tensor` handles. A bad
+operand raises :class:`~megaegg.graph.ShapeError` naming the op, the tensors and
+their shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from .dims import Dim, DimLike, as_dim, fmt_shape
+from .dtypes import DType, as_dtype, f32, i32
+from .graph import GraphError, ShapeError, Tensor
+
+__all__ = [
+    "matmul", "linear", "add", "mul", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
+    "softmax", "attention", "kv_append", "argmax", "reshape", "transpose", "permute", "slice",
+    "expand", "concat", "cast",
+]
+
+
+# --- helpers -------------------------------------------------------------------
+def _desc(t: Tensor) -> str:
+    return f"{t.node.label} {t.dtype}{fmt_shape(t.shape)}"
+
+
+def same_dim(a: Dim, b: Dim) -> bool:
+    """Structural equality after the constructors' folding (``S + 1`` equals ``1 + S``)."""
+    return as_dim(a) == as_dim(b)
+
+
+def _check_float(op: str, *ts: Tensor) -> None:
+    for t in ts:
+        if not t.dtype.is_float:
+            raise ShapeError(f"{op}: {_desc(t)} must be a float tensor")
+
+
+def _check_same_dtype(op: str, *ts: Tensor) -> None:
+    if len({t.dtype for t in ts}) > 1:
+        raise ShapeError(f"{op}: dtypes differ: " + ", ".join(_desc(t) for t in ts) + " (use cast)")
+
+
+def _norm_dim(op: str, t: Tensor, dim: int) -> int:
+    n = t.ndim
+    if not -n <= dim < n:
+        raise ShapeError(f"{op}: dim {dim} out of range for {_desc(t)}")
+    return dim % n
+
+
+def _new(op: str, inputs: Sequence[Tensor], out_shape, dtype: DType, name: str | None = None, **attrs) -> Tensor:
+    g = inputs[0].graph
+    g.check_owned(op, *inputs)
+    return g.add_node(op, (t.id for t in inputs), out_shape, dtype, attrs, name=name)
+
+
+def broadcast_shapes(op: str, a: Tensor, b: Tensor) -> tuple[Dim, ...]:
+    sa, sb = list(a.shape), list(b.shape)
+    n = max(len(sa), len(sb))
+    sa = [as_dim(1)] * (n - len(sa)) + sa
+    sb = [as_dim(1)] * (n - len(sb)) + sb
+    out = []
+    for x, y in zip(sa, sb):
+        if same_dim(x, y) or (y.is_const and y.value == 1):
+            out.append(x)
+        elif x.is_const and x.value == 1:
+            out.append(y)
+        else:
+            raise ShapeError(f"{op}: shapes do not broadcast: {_desc(a)} and {_desc(b)}")
+    return tuple(out)
+
+
+# --- arithmetic ----------------------------------------------------------------
+def matmul(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
+    """``a @ b`` with ``a: [..., M, K]`` (or ``[K]``) and ``b: [K, N]``."""
+    _check_float("matmul", a, b)
+    _check_same_dtype("matmul", a, b)
+    if b.ndim != 2 or a.ndim < 1:
+        raise ShapeError(f"matmul: expected a [..., K] and b [K, N], got {_desc(a)} and {_desc(b)}")
+    if not same_dim(a.shape[-1], b.shape[0]):
+        raise ShapeError(f"matmul: inner dims differ: {_desc(a)} @ {_desc(b)}")
+    return _new("matmul", (a, b), a.shape[:-1] + (b.shape[1],), a.dtype, name)
+
+
+def linear(x: Tensor, w: Tensor, *, name: str | None = None) -> Tensor:
+    """``x @ w.T`` with ``x: [..., K]`` and ``w: [N, K]`` (the PyTorch ``Linear`` layout)."""
+    _check_float("linear", x, w)
+    _check_same_dtype("linear", x, w)
+    if w.ndim != 2 or x.ndim < 1:
+        raise ShapeError(f"linear: expected x [..., K] and w [N, K], got {_desc(x)} and {_desc(w)}")
+    if not same_dim(x.shape[-1], w.shape[1]):
+        raise ShapeError(f"linear: in-features differ: x {_desc(x)} vs weight {_desc(w)} (expects [N, K] with K = x.shape[-1])")
+    return _new("linear", (x, w), x.shape[:-1] + (w.shape[0],), x.dtype, name)
+
+
+def _binary(op: str, a: Tensor, b: Tensor, name: str | None) -> Tensor:
+    if not isinstance(b, Tensor) or not isinstance(a, Tensor):
+        raise TypeError(f"{op}: both operands must be Tensors")
+    _check_same_dtype(op, a, b)
+    return _new(op, (a, b), broadcast_shapes(op, a, b), a.dtype, name)
+
+
+def add(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
+    """Elementwise ``a + b`` with NumPy broadcasting."""
+    return _binary("add", a, b, name)
+
+
+def mul(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
+    """Elementwise ``a * b`` with NumPy broadcasting."""
+    return _binary("mul", a, b, name)
+
+
+def silu(x: Tensor, *, name: str | None = None) -> Tensor:
+    """``x * sigmoid(x)``."""
+    _check_float("silu", x)
+    return _new("silu", (x,), x.shape, x.dtype, name)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, name: str | None = None) -> Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim; ``weight: [D]``."""
+    _check_float("rms_norm", x, weight)
+    if weight.ndim != 1 or not same_dim(weight.shape[0], x.shape[-1]):
+        raise ShapeError(f"rms_norm: weight {_desc(weight)} must be [{x.shape[-1]}] for x {_desc(x)}")
+    if not eps > 0:
+        raise GraphError(f"rms_norm: eps must be positive, got {eps}")
+    return _new("rms_norm", (x, weight), x.shape, x.dtype, name, eps=float(eps))
+
+
+def softmax(x: Tensor, dim: int = -1, *, name: str | None = None) -> Tensor:
+    _check_float("softmax", x)
+    return _new("softmax", (x,), x.shape, x.dtype, name, dim=_norm_dim("softmax", x, dim))
+
+
+# --- rotary embedding ------------------------------------------------------------
+def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Mapping | None = None):
+    """RoPE inverse frequencies ``[head_dim // 2]`` (f32), with optional llama3 scaling."""
+    import torch
+
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in (None, "default"):
+            pass
+        elif kind == "llama3":
+            factor = scaling["factor"]
+            lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+            old = scaling.get("original_max_position_embeddings", 8192)
+            lo_wl, hi_wl = old / lo, old / hi
+            wl = 2 * math.pi / inv
+            scaled = torch.where(wl > lo_wl, inv / factor, inv)
+            smooth = (old / wl - lo) / (hi - lo)
+            mid = (1 - smooth) * scaled / factor + smooth * scaled
+            is_mid = (wl >= hi_wl) & (wl <= lo_wl)
+            inv = torch.where(is_mid, mid, scaled)
+        else:
+            raise GraphError(f"rope: rope scaling type {kind!r} is not supported (supported: default, llama3)")
+    return inv.to(torch.float32)
+
+
+def rope(
+    x: Tensor,
+    pos: DimLike | Tensor,
+    *,
+    theta: float = 10000.0,
+    scaling: Mapping | None = None,
+    inv_freq: Tensor | None = None,
+    name: str | None = None,
+) -> Tensor:
+    """Rotary position embedding, rotate-half form, over the last dim of ``x``.
+
+    ``pos`` is a runtime dim (every row at that position: decode) or an i32 tensor
+    ``[T]`` giving the position of each index of ``x``'s first dim.
+    """
+    _check_float("rope", x)
+    d = x.shape[-1]
+    if not d.is_const or d.value % 2:
+        raise ShapeError(f"rope: last dim of {_desc(x)} must be a concrete even head dim")
+    g = x.graph
+    if inv_freq is None:
+        inv = rope_inv_freq(d.value, theta, scaling)
+        inv_freq = g.constant(f"rope_inv_freq_{len(g.nodes)}", inv)
+    elif inv_freq.ndim != 1 or not same_dim(inv_freq.shape[0], d.value // 2) or inv_freq.dtype != f32:
+        raise ShapeError(f"rope: inv_freq {_desc(inv_freq)} must be f32[{d.value // 2}]")
+    if isinstance(pos, Tensor):
+        if pos.dtype != i32 or pos.ndim != 1 or x.ndim < 2 or not same_dim(pos.shape[0], x.shape[0]):
+            raise ShapeError(f"rope: positions {_desc(pos)} must be i32[{x.shape[0] if x.ndim else '?'}] for x {_desc(x)}")
+        return _new("rope", (x, inv_freq, pos), x.shape, x.dtype, name, pos=None)
+    return _new("rope", (x, inv_freq), x.shape, x.dtype, name, pos=as_dim(pos))
+
+
+# --- lookup, attention, cache -------------------------------------------------------
+def embedding(table: Tensor, ids: Tensor, *, name: str | None = None) -> Tensor:
+    """Rows of ``table: [V, D]`` gathered by ``ids`` (i32, any shape) -> ``ids.shape + [D]``."""
+    if table.ndim != 2:
+        raise ShapeError(f"embedding: table {_desc(table)} must be [V, D]")
+    if ids.dtype != i32:
+        raise ShapeError(f"embedding: ids {_desc(ids)} must be i32")
+    return _new("embedding", (table, ids), ids.shape + (table.shape[1],), table.dtype, name)
+
+
+def _check_cache(op: str, cache: Tensor) -> None:
+    node = cache.node
+    while node.op == "kv_append":
+        node = cache.graph.nodes[node.inputs[0]]
+    if node.op != "input" or cache.ndim != 3:
+        raise ShapeError(f"{op}: cache {_desc(cache)} must be a graph input of shape [kv_heads, max_len, head_dim]")
+
+
+def kv_append(cache: Tensor, new: Tensor, pos: DimLike, *, name: str | None = None) -> Tensor:
+    """Write ``new: [Hkv, D]`` at position ``pos`` of ``cache: [Hkv, Smax, D]`` in place.
+
+    Returns a handle to the updated cache; read it (e.g. with ``attention``) to see
+    the new entry. ``pos`` must be below ``Smax`` at run time.
+    """
+    _check_cache("kv_append", cache)
+    _check_same_dtype("kv_append", cache, new)
+    if new.ndim != 2 or not same_dim(new.shape[0], cache.shape[0]) or not same_dim(new.shape[1], cache.shape[2]):
+        raise ShapeError(f"kv_append: new entry {_desc(new)} must be [{cache.shape[0]}, {cache.shape[2]}] for cache {_desc(cache)}")
+    return _new("kv_append", (cache, new), cache.shape, cache.dtype, name, pos=as_dim(pos))
+
+
+def attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, length: DimLike, *, scale: float | None = None, name: str | None = None
+) -> Tensor:
+    """Decode attention of one token: ``q: [Hq, D]`` over the first ``length`` cache rows.
+
+    Caches are ``[Hkv, Smax, D]``; grouped-query heads share a KV head when ``Hq``
+    is a multiple of ``Hkv`` (q head ``h`` reads KV head ``h // (Hq // Hkv)``).
+    """
+    _check_float("attention", q, k_cache, v_cache)
+    _check_same_dtype("attention", q, k_cache, v_cache)
+    for c in (k_cache, v_cache):
+        _check_cache("attention", c)
+    if q.ndim != 2:
+        raise ShapeError(f"attention: q {_desc(q)} must be [heads, head_dim]")
+    if k_cache.shape != v_cache.shape:
+        raise ShapeError(f"attention: k cache {_desc(k_cache)} and v cache {_desc(v_cache)} differ")
+    hq, d = q.shape
+    hkv = k_cache.shape[0]
+    if not same_dim(d, k_cache.shape[2]):
+        raise ShapeError(f"attention: head dim of q {_desc(q)} differs from cache {_desc(k_cache)}")
+    if not (hq.is_const and hkv.is_const) or hq.value % hkv.value:
+        raise ShapeError(f"attention: q heads of {_desc(q)} must be a multiple of the KV heads of {_desc(k_cache)}")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d.value)
+    return _new("attention", (q, k_cache, v_cache), q.shape, q.dtype, name, length=as_dim(length), scale=scale)
+
+
+def argmax(x: Tensor, dim: int = -1, *, name: str | None = None) -> Tensor:
+    """Index of the largest element along ``dim`` (first one on ties), as i32."""
+    d = _norm_dim("argmax", x, dim)
+    return _new("argmax", (x,), x.shape[:d] + x.shape[d + 1 :], i32, name, dim=d)
+
+
+# --- views and data movement ---------------------------------------------------------
+def numel_key(shape) -> tuple[int, tuple[str, ...]]:
+    """(product of constant dims, sorted symbolic dims): equal keys mean equal element counts."""
+    c, syms = 1, []
+    for d in shape:
+        d = as_dim(d)
+        if d.is_const:
+            c *= d.value
+        else:
+            syms.append(str(d))
+    return c, tuple(sorted(syms))
+
+
+def reshape(x: Tensor, shape: Sequence[DimLike], *, name: str | None = None) -> Tensor:
+    """A view with a new shape of the same element count; one entry may be -1."""
+    shape = list(shape)
+    holes = [i for i, s in enumerate(shape) if isinstance(s, int) and s == -1]
+    if len(holes) > 1:
+        raise ShapeError(f"reshape: at most one -1 allowed, got {shape} for {_desc(x)}")
+    if holes:
+        rest = [s for i, s in enumerate(shape) if i != holes[0]]
+        cx, sx = numel_key(x.shape)
+        cr, sr = numel_key(rest)
+        if sx != sr or cr == 0 or cx % cr:
+            raise ShapeError(f"reshape: cannot infer -1 in {shape} for {_desc(x)}")
+        shape[holes[0]] = cx // cr
+    shape = tuple(as_dim(s) for s in shape)
+    if numel_key(shape) != numel_key(x.shape):
+        raise ShapeError(f"reshape: {_desc(x)} cannot become {fmt_shape(shape)}: element counts differ")
+    return _new("reshape", (x,), shape, x.dtype, name, shape=shape)
+
+
+def permute(x: Tensor, dims: Sequence[int], *, name: str | None = None) -> Tensor:
+    dims = tuple(_norm_dim("permute", x, d) for d in dims)
+    if sorted(dims) != list(range(x.ndim)):
+        raise ShapeError(f"permute: {dims} is not a permutation of the dims of {_desc(x)}")
+    return _new("permute", (x,), tuple(x.shape[d] for d in dims), x.dtype, name, dims=dims)
+
+
+def transpose(x: Tensor, d0: int, d1: int, *, name: str | None = None) -> Tensor:
+    dims = list(range(x.ndim))
+    a, b = _norm_dim("transpose", x, d0), _norm_dim("transpose", x, d1)
+    dims[a], dims[b] = dims[b], dims[a]
+    return permute(x, dims, name=name)
+
+
+def slice(x: Tensor, dim: int, start: DimLike, stop: DimLike, *, name: str | None = None) -> Tensor:  # noqa: A001
+    """Elements ``start:stop`` along ``dim`` (a view)."""
+    d = _norm_dim("slice", x, dim)
+    start, stop, size = as_dim(start), as_dim(stop), x.shape[d]
+    if start.is_const and stop.is_const and not 0 <= start.value <= stop.value:
+        raise ShapeError(f"slice: bad range {start}:{stop} on dim {d} of {_desc(x)}")
+    if stop.is_const and size.is_const and stop.value > size.value:
+        raise ShapeError(f"slice: stop {stop} exceeds dim {d} of {_desc(x)}")
+    shape = x.shape[:d] + (stop - start,) + x.shape[d + 1 :]
+    return _new("slice", (x,), shape, x.dtype, name, dim=d, start=start, stop=stop)
+
+
+def expand(x: Tensor, shape: Sequence[DimLike], *, name: str | None = None) -> Tensor:
+    """Broadcast size-1 (or missing leading) dims to ``shape`` without copying."""
+    shape = tuple(as_dim(s) for s in shape)
+    if len(shape) < x.ndim:
+        raise ShapeError(f"expand: {fmt_shape(shape)} has fewer dims than {_desc(x)}")
+    for have, want in zip(x.shape, shape[len(shape) - x.ndim :]):
+        if not (same_dim(have, want) or (have.is_const and have.value == 1)):
+            raise ShapeError(f"expand: {_desc(x)} cannot expand to {fmt_shape(shape)}")
+    return _new("expand", (x,), shape, x.dtype, name, shape=shape)
+
+
+def concat(tensors: Sequence[Tensor], dim: int = 0, *, name: str | None = None) -> Tensor:
+    tensors = list(tensors)
+    if not tensors:
+        raise ShapeError("concat: needs at least one tensor")
+    first = tensors[0]
+    d = _norm_dim("concat", first, dim)
+    _check_same_dtype("concat", *tensors)
+    total = first.shape[d]
+    for t in tensors[1:]:
+        if t.ndim != first.ndim or any(
+            not same_dim(a, b) for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != d
+        ):
+            raise ShapeError(f"concat: {_desc(t)} does not match {_desc(first)} outside dim {d}")
+        total = total + t.shape[d]
+    return _new("concat", tensors, first.shape[:d] + (total,) + first.shape[d + 1 :], first.dtype, name, dim=d)
+
+
+def cast(x: Tensor, dtype, *, name: str | None = None) -> Tensor:
+    return _new("cast", (x,), x.shape, as_dtype(dtype), name)

@@ -1,0 +1,182 @@
+"""The reference executor: runs a Graph with plain torch ops. The oracle for every test.
+
+Float ops compute in float32 and round the result to the node's dtype, the same
+contract the block ops follow (fp32 accumulation, storage in the tensor's dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from .dims import evaluate_shape, fmt_shape
+from .graph import Graph, GraphError, Node
+
+
+def bind_dims(graph: Graph, dims: Mapping[str, int]) -> dict[str, int]:
+    """Check that every runtime dim of the graph has a non-negative int value."""
+    env: dict[str, int] = {}
+    for name in sorted(graph.symbols()):
+        if name not in dims:
+            raise GraphError(f"missing value for runtime dim {name!r} (graph uses: {', '.join(sorted(graph.symbols()))})")
+        v = dims[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise GraphError(f"runtime dim {name!r} must be a non-negative int, got {v!r}")
+        env[name] = v
+    extra = set(dims) - graph.symbols()
+    if extra:
+        raise GraphError(f"unknown runtime dim(s) {sorted(extra)}; graph uses: {sorted(graph.symbols())}")
+    return env
+
+
+def check_leaf(node: Node, value, env: Mapping[str, int], kind: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise GraphError(f"{kind} {node.name!r} must be a torch.Tensor, got {type(value).__name__}")
+    want = evaluate_shape(node.shape, env)
+    if tuple(value.shape) != want:
+        raise GraphError(f"{kind} {node.name!r} has shape {list(value.shape)}, expected {list(want)} ({fmt_shape(node.shape)})")
+    if value.dtype != node.dtype.torch:
+        raise GraphError(f"{kind} {node.name!r} has dtype {value.dtype}, expected {node.dtype.torch}")
+
+
+def collect_leaves(graph: Graph, inputs: Mapping, weights: Mapping, env: Mapping[str, int]) -> dict[int, torch.Tensor]:
+    """Leaf values by node id, after checking names, shapes and dtypes."""
+    for kind, given, want in (("input", inputs, graph.inputs), ("weight", weights, graph.weights)):
+        missing = sorted(set(want) - set(given))
+        if missing:
+            raise GraphError(f"missing {kind}(s): {', '.join(missing)}")
+        unknown = sorted(set(given) - set(want))
+        if unknown:
+            raise GraphError(f"unknown {kind}(s): {', '.join(unknown)}; graph has: {', '.join(sorted(want))}")
+    values: dict[int, torch.Tensor] = {}
+    for node in graph.nodes:
+        if node.op == "input":
+            check_leaf(node, inputs[node.name], env, "input")
+            values[node.id] = inputs[node.name]
+        elif node.op == "weight":
+            check_leaf(node, weights[node.name], env, "weight")
+            values[node.id] = weights[node.name]
+    return values
+
+
+def run_reference(
+    graph: Graph,
+    inputs: Mapping[str, torch.Tensor] | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    dims: Mapping[str, int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Run ``graph`` with torch on the device its inputs live on; returns outputs by name.
+
+    ``kv_append`` writes into the cache tensor passed as input, as the megakernel does.
+
+    >>> import torch, megaegg as me
+    >>> g = me.Graph(); x = g.input("x", [2, 3], me.f32)
+    >>> _ = g.output("y", me.silu(x))
+    >>> run_reference(g, {"x": torch.zeros(2, 3)})["y"].shape
+    torch.Size([2, 3])
+    """
+    env = bind_dims(graph, dims or {})
+    values = collect_leaves(graph, inputs or {}, weights or {}, env)
+    device = next((v.device for v in values.values()), torch.device("cpu"))
+    live = _live_nodes(graph)
+    for node in graph.nodes:
+        if node.id in values or node.id not in live:
+            continue
+        args = [values[i] for i in node.inputs]
+        try:
+            out = _EVAL[node.op](node, args, env, device)
+        except (RuntimeError, IndexError) as e:
+            raise GraphError(f"{node.op} {node.label} failed at run time: {e}") from e
+        values[node.id] = out
+    return {name: values[i] for name, i in graph.outputs.items()}
+
+
+def _live_nodes(graph: Graph) -> set[int]:
+    live, stack = set(), list(graph.outputs.values())
+    while stack:
+        i = stack.pop()
+        if i not in live:
+            live.add(i)
+            stack.extend(graph.nodes[i].inputs)
+    return live
+
+
+# --- op semantics -------------------------------------------------------------------
+def _f(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.is_floating_point() else x
+
+
+def _to(node: Node, x: torch.Tensor) -> torch.Tensor:
+    return x.to(node.dtype.torch)
+
+
+def _rope(node: Node, args, env, device):
+    x, inv = _f(args[0]), args[1].to(device).float()
+    if node.attrs["pos"] is not None:
+        pos = torch.full(x.shape[:1] if x.ndim >= 2 else (1,), node.attrs["pos"].eval(env), device=device, dtype=torch.float32)
+    else:
+        pos = args[2].float()
+    angles = pos[:, None] * inv[None, :]  # [T, D/2]
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (inv.shape[0],) if x.ndim >= 2 else (inv.shape[0],)
+    cos, sin = angles.cos().reshape(shape), angles.sin().reshape(shape)
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return _to(node, out)
+
+
+def _rms_norm(node, args, env, device):
+    x, w = _f(args[0]), _f(args[1])
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + node.attrs["eps"])
+    return _to(node, _to(node, y).float() * w)
+
+
+def _attention(node, args, env, device):
+    q, kc, vc = (_f(a) for a in args)
+    length = node.attrs["length"].eval(env)
+    if length < 1 or length > kc.shape[1]:
+        raise GraphError(f"attention {node.label}: length {length} outside [1, {kc.shape[1]}]")
+    group = q.shape[0] // kc.shape[0]
+    k = kc[:, :length].repeat_interleave(group, 0)  # [Hq, L, D]
+    v = vc[:, :length].repeat_interleave(group, 0)
+    scores = torch.einsum("hd,hld->hl", q, k) * node.attrs["scale"]
+    return _to(node, torch.einsum("hl,hld->hd", scores.softmax(-1), v))
+
+
+def _kv_append(node, args, env, device):
+    cache, new = args
+    pos = node.attrs["pos"].eval(env)
+    if not 0 <= pos < cache.shape[1]:
+        raise GraphError(f"kv_append {node.label}: position {pos} outside the cache's {cache.shape[1]} rows")
+    cache[:, pos, :] = new
+    return cache
+
+
+def _slice(node, args, env, device):
+    a = node.attrs
+    return args[0].narrow(a["dim"], a["start"].eval(env), (a["stop"] - a["start"]).eval(env))
+
+
+_EVAL: dict[str, Callable] = {
+    "constant": lambda n, a, e, d: n.attrs["value"].to(d),
+    "matmul": lambda n, a, e, d: _to(n, _f(a[0]) @ _f(a[1])),
+    "linear": lambda n, a, e, d: _to(n, _f(a[0]) @ _f(a[1]).T),
+    "add": lambda n, a, e, d: _to(n, _f(a[0]) + _f(a[1])),
+    "mul": lambda n, a, e, d: _to(n, _f(a[0]) * _f(a[1])),
+    "silu": lambda n, a, e, d: _to(n, torch.nn.functional.silu(_f(a[0]))),
+    "rms_norm": _rms_norm,
+    "softmax": lambda n, a, e, d: _to(n, _f(a[0]).softmax(n.attrs["dim"])),
+    "rope": _rope,
+    "embedding": lambda n, a, e, d: a[0][a[1].long()],
+    "attention": _attention,
+    "kv_append": _kv_append,
+    "argmax": lambda n, a, e, d: _f(a[0]).argmax(n.attrs["dim"]).to(torch.int32),
+    "reshape": lambda n, a, e, d: a[0].reshape(tuple(s.eval(e) for s in n.attrs["shape"])),
+    "permute": lambda n, a, e, d: a[0].permute(n.attrs["dims"]),
+    "slice": _slice,
+    "expand": lambda n, a, e, d: a[0].expand(tuple(s.eval(e) for s in n.attrs["shape"])),
+    "concat": lambda n, a, e, d: torch.cat(a, n.attrs["dim"]),
+    "cast": lambda n, a, e, d: a[0].to(n.dtype.torch),
+}
+

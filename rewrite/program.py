@@ -1,0 +1,119 @@
+"""BlockProgram: the rewrite stage's output, a plain typed value that prints readably.
+
+A program is a list of buffers and a list of block ops in queue (topological)
+order. Each op reads operands and writes one operand; an operand is a buffer seen
+through a chain of views (reshape, permute, slice, expand) that the layout algebra
+(:mod:`megaegg.rewrite.layout`) composes into ``shape:stride`` form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..blockops.footprint import Footprint, fmt_footprint
+from ..dims import Dim, fmt_shape
+from ..dtypes import DType
+
+BUFFER_KINDS = ("input", "weight", "constant", "state", "scratch", "output")
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """Storage for one tensor. ``state`` buffers (KV caches) are inputs written in place."""
+
+    id: int
+    name: str
+    kind: str
+    shape: tuple[Dim, ...]
+    dtype: DType
+
+    def __str__(self) -> str:
+        return f"b{self.id} {self.kind} {self.name!r} {self.dtype}{fmt_shape(self.shape)}"
+
+
+@dataclass(frozen=True)
+class View:
+    """One view step. ``kind``: reshape(shape) | permute(dims) | slice(dim, start, stop) | expand(shape)."""
+
+    kind: str
+    args: tuple
+
+    def __str__(self) -> str:
+        return f"{self.kind}{tuple(str(a) if isinstance(a, Dim) else a for a in self.args)}"
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A buffer seen through ``views`` (applied in order to its natural contiguous shape)."""
+
+    buffer: int
+    shape: tuple[Dim, ...]
+    dtype: DType
+    views: tuple[View, ...] = ()
+
+    def __str__(self) -> str:
+        v = "".join(f".{x}" for x in self.views)
+        return f"b{self.buffer}{v}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Cost-model figures of one block op (bytes at a representative dims binding)."""
+
+    bytes: int
+    instances: int
+    cost: float
+
+
+@dataclass
+class BlockOp:
+    """An op partitioned over a launch grid; each instance runs on one SM.
+
+    ``reads[k]`` is the footprint of input ``k`` for the instance at grid coordinates
+    ``_i0, _i1, ...``; ``writes`` that of the output. ``params`` holds op constants
+    (tile sizes, eps, scale, flags) and runtime-dim expressions (positions, lengths).
+    """
+
+    id: int
+    kind: str
+    sources: tuple[int, ...]
+    inputs: tuple[Operand, ...]
+    output: Operand
+    grid: tuple[Dim, ...]
+    reads: tuple[Footprint, ...]
+    writes: Footprint
+    params: dict[str, Any] = field(default_factory=dict)
+    estimate: Estimate | None = None
+
+    @property
+    def launch_count(self) -> Dim:
+        n = self.grid[0] if self.grid else None
+        for g in self.grid[1:]:
+            n = n * g
+        return n
+
+    def __str__(self) -> str:
+        ins = ", ".join(f"{o}{fmt_footprint(fp)}" for o, fp in zip(self.inputs, self.reads))
+        ps = ", ".join(f"{k}={v}" for k, v in self.params.items())
+        src = ",".join(f"%{s}" for s in self.sources)
+        est = f"  ~{self.estimate.bytes / 1e6:.2f} MB" if self.estimate else ""
+        return (
+            f"op{self.id} {self.kind} grid{fmt_shape(self.grid)} [{src}]\n"
+            f"    {self.output}{fmt_footprint(self.writes)} <- {ins}\n"
+            f"    {{{ps}}}{est}"
+        )
+
+
+@dataclass
+class BlockProgram:
+    buffers: list[Buffer]
+    ops: list[BlockOp]
+    outputs: dict[str, Operand]
+    symbols: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        lines = ["buffers:"] + [f"  {b}" for b in self.buffers]
+        lines += ["ops:"] + [f"  {op}" for op in self.ops]
+        lines += ["outputs:"] + [f"  {k} = {v}" for k, v in self.outputs.items()]
+        return "\n".join(lines)
