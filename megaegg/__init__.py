@@ -12,10 +12,11 @@ from .ops import (
     reshape, rms_norm, rope, rope_inv_freq, silu, slice, softmax, transpose,
 )
 from .reference import run_reference
+from .compiler import Artifact, Kernel, compile
 
 __all__ = [
     "Dim", "ceildiv", "dmax", "dmin", "sym", "DType", "bf16", "f16", "f32", "i32", "Graph", "GraphError",
     "ShapeError", "Tensor", "add", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
     "linear", "matmul", "mul", "permute", "reshape", "rms_norm", "rope", "rope_inv_freq", "silu", "slice",
-    "softmax", "transpose", "run_reference",
+    "softmax", "transpose", "run_reference", "compile", "Kernel", "Artifact",
 ]

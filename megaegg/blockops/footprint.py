@@ -89,3 +89,13 @@ def grid_coords(index: int, grid: Sequence[int]) -> tuple[int, ...]:
         out.append(index % extent)
         index //= extent
     return tuple(reversed(out))
+
+
+def footprint_slices(fp: Footprint, shape: Sequence[Dim], env: dict) -> tuple:
+    """Concrete Python slices of a footprint, with ``env`` binding runtime dims and ``_i*``."""
+    out = []
+    for a, extent in zip(fp, shape):
+        start, stop = access_range(a, extent)
+        lo, hi = start.eval(env), stop.eval(env)
+        out.append(slice(lo, max(lo, hi)))
+    return tuple(out)

@@ -1,0 +1,76 @@
+// The megakernel: a persistent interpreter over the symbolic work queue.
+//
+// Every block (one per SM) loops: claim the next instance (one atomic, queue
+// order), find its entry, wait for its input barriers (acquire), run the inlined
+// block-op body, signal its output barriers (release). Launch counts, offsets,
+// barrier indices and expected counts are expressions of the runtime dims in
+// args.dims, evaluated here, so a new position needs no rebuild.
+//
+// Counters come in two parity sets: a launch uses set `parity` and zeroes the
+// other one (and its claim counter) for the next launch, so no host reset is needed.
+#include "runtime.cuh"
+#include "common.cuh"
+/*@INCLUDES@*/
+
+#define MEGA_ENTRIES /*@ENTRIES@*/
+#define MEGA_COUNTERS /*@COUNTERS@*/
+
+struct MegaArgs {
+  char* arena;
+  unsigned* counters;              // 2 * MEGA_COUNTERS
+  unsigned long long* control;     // see runtime.cuh
+  long long parity;
+  long long dims[/*@NDIMS@*/];
+  void* ptr[/*@NPTRS@*/];
+};
+
+extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
+  extern __shared__ __align__(16) char smem[];
+  __shared__ long long prefix[MEGA_ENTRIES + 1];
+  __shared__ long long claimed;
+  __shared__ int abort_block;
+
+  unsigned long long* control = args.control;
+  const int parity = (int)args.parity;
+  unsigned* ctr = args.counters + (parity ? MEGA_COUNTERS : 0);
+  /*@DIMS@*/
+
+  if (threadIdx.x == 0) {
+    mega_control_ptr = control;
+    abort_block = 0;
+    prefix[0] = 0;
+    /*@PREFIX@*/
+  }
+  {  // zero the other parity's counters and claim counter for the next launch
+    unsigned* next = args.counters + (parity ? 0 : MEGA_COUNTERS);
+    for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < MEGA_COUNTERS;
+         k += (long long)gridDim.x * blockDim.x)
+      next[k] = 0;
+    if (blockIdx.x == 0 && threadIdx.x == 0) control[1 - parity] = 0;
+  }
+  __syncthreads();
+  const long long total = prefix[MEGA_ENTRIES];
+
+  while (true) {
+    if (threadIdx.x == 0) {
+      claimed = *(volatile unsigned long long*)&control[2] ? total : (long long)atomicAdd(&control[parity], 1ULL);
+    }
+    __syncthreads();
+    const long long g = claimed;
+    if (g >= total) break;
+    int lo = 0, hi = MEGA_ENTRIES - 1;  // entry e holds instances [prefix[e], prefix[e+1])
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
+    }
+    const int entry = lo;
+    const long long local = g - prefix[entry];
+    if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; }
+    switch (entry) {
+/*@CASES@*/
+      default: break;
+    }
+    __syncthreads();
+    if (abort_block) break;
+  }
+}

@@ -1,0 +1,66 @@
+// Interpreter runtime: the barrier protocol, bounded waits and the error record.
+//
+// control[] layout (u64): [0..1] claim counter per parity, [2] abort flag,
+// [3] error code, [4] queue entry, [5] instance, [6] detail (wait index / value).
+#pragma once
+
+#define MEGA_ERR_TIMEOUT 1
+#define MEGA_ERR_INDEX 2
+
+#ifndef MEGA_TIMEOUT_NS
+#define MEGA_TIMEOUT_NS 2000000000ULL  // 2 s: far beyond any legitimate wait
+#endif
+
+__device__ __forceinline__ unsigned long long mega_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned mega_ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void mega_red_release(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Which entry and instance this block is running, for error records from bodies.
+__shared__ int mega_cur_entry;
+__shared__ long long mega_cur_instance;
+__device__ unsigned long long* mega_control_ptr;
+
+__device__ void mega_record_error(unsigned long long* control, int code, int entry, long long instance,
+                                  long long detail) {
+  if (atomicCAS(&control[3], 0ULL, (unsigned long long)code) == 0ULL) {
+    control[4] = (unsigned long long)entry;
+    control[5] = (unsigned long long)instance;
+    control[6] = (unsigned long long)detail;
+  }
+  __threadfence();
+  atomicExch(&control[2], 1ULL);
+}
+
+__device__ void mega_body_error(int code, long long detail) {
+  mega_record_error(mega_control_ptr, code, mega_cur_entry, mega_cur_instance, detail);
+}
+
+// Spin until *counter >= expected (acquire). False on abort or timeout (error recorded).
+__device__ bool mega_wait(const unsigned* counter, unsigned expected, unsigned long long* control, int entry,
+                          long long instance, int wait_id) {
+  if (mega_ld_acquire(counter) >= expected) return true;
+  const unsigned long long t0 = mega_globaltimer();
+  unsigned sleep = 32;
+  while (mega_ld_acquire(counter) < expected) {
+    if (*(volatile unsigned long long*)&control[2]) return false;
+    if (mega_globaltimer() - t0 > MEGA_TIMEOUT_NS) {
+      mega_record_error(control, MEGA_ERR_TIMEOUT, entry, instance, wait_id);
+      return false;
+    }
+    __nanosleep(sleep);
+    if (sleep < 256) sleep *= 2;
+  }
+  return true;
+}

@@ -1,0 +1,89 @@
+"""Toolchain discovery and NVRTC compilation, with an on-disk cubin cache.
+
+The cache key covers the source, the options and the NVRTC version, so a changed
+kernel, flag or toolkit never reuses a stale cubin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CUDA_DIR = Path(__file__).parent / "cuda"
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected the generated source; the message carries its log."""
+
+
+@dataclass(frozen=True)
+class CompiledCubin:
+    cubin: bytes
+    log: str
+    seconds: float
+    cached: bool
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MEGAEGG_CACHE") or Path.home() / ".cache" / "megaegg"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _check(result, what: str):
+    from cuda.bindings import nvrtc
+
+    err, *rest = result
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"{what} failed: {nvrtc.nvrtcGetErrorString(err)[1].decode()}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+
+    return tuple(_check(nvrtc.nvrtcVersion(), "nvrtcVersion"))
+
+
+def include_dirs() -> list[str]:
+    from cuda.pathfinder import find_nvidia_header_directory
+
+    found = find_nvidia_header_directory("cudart")
+    if not found:
+        raise CompileError("CUDA headers (cuda_bf16.h) not found: install the nvidia-cuda-runtime wheel or a CUDA toolkit")
+    return [str(CUDA_DIR), found]
+
+
+def compile_cubin(source: str, *, arch: str = "sm_90a", defines: dict[str, int] | None = None,
+                  use_cache: bool = True) -> CompiledCubin:
+    from cuda.bindings import nvrtc
+
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", "-lineinfo", "--ptxas-options=-v"]
+    opts += [f"-I{d}" for d in include_dirs()]
+    opts += [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+    headers = "".join(p.read_text() for p in sorted(CUDA_DIR.glob("*.cuh")))
+    key = hashlib.sha256("\0".join([source, headers, *opts, str(nvrtc_version())]).encode()).hexdigest()
+    path = cache_dir() / f"{key}.cubin"
+    if use_cache and path.exists():
+        return CompiledCubin(path.read_bytes(), "", 0.0, True)
+    t0 = time.perf_counter()
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"megakernel.cu", 0, [], []), "nvrtcCreateProgram")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.decode(errors="replace").rstrip("\0 \n")
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(f"NVRTC could not compile the megakernel:\n{log}")
+        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        cubin = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    path.write_bytes(cubin)
+    return CompiledCubin(cubin, log, time.perf_counter() - t0, False)

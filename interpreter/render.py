@@ -1,0 +1,95 @@
+"""Render the megakernel's CUDA source from a WorkQueue and the block-op registry.
+
+The template ``cuda/megakernel.cu`` holds the interpreter loop; this module fills
+its slots: runtime dims, the launch-count prefix, and one ``case`` per queue entry
+(grid coordinates, barrier waits, the kind's body call, barrier signals).
+"""
+
+from __future__ import annotations
+
+from ..blockops import REGISTRY, CudaOperand
+from ..blockops.base import dimc
+from ..dims import Dim
+from ..lowering.queue import QueueEntry, WorkQueue
+from ..rewrite.program import Operand
+from .nvrtc import CUDA_DIR
+
+THREADS = 256
+SMEM_BYTES = 160 * 1024  # dynamic shared memory per block (Hopper offers 227 KB)
+DEFINES = {"MEGA_THREADS": THREADS, "MEGA_SMEM": SMEM_BYTES}
+
+
+def c_expr(d: Dim) -> str:
+    return d.to_c(dimc)
+
+
+def operand_c(q: WorkQueue, o: Operand) -> CudaOperand:
+    layout = q.layout(o)
+    ctype = o.dtype.c_type
+    mem = q.memory
+    if o.buffer in mem.arena_offset:
+        base = f"(({ctype}*)(args.arena + {mem.arena_offset[o.buffer]}))"
+    else:
+        base = f"(({ctype}*)args.ptr[{mem.pointer_slot[o.buffer]}])"
+    ptr = base if layout.offset.is_const and layout.offset.value == 0 else f"({base} + {c_expr(layout.offset)})"
+    return CudaOperand(ptr, tuple(c_expr(s) for s in layout.stride), tuple(c_expr(s) for s in layout.shape), ctype)
+
+
+def render_case(q: WorkQueue, k: int, e: QueueEntry) -> str:
+    op = e.op
+    kind = REGISTRY[op.kind]
+    lines = [f"      case {k}: {{  // op{op.id} {op.kind} sources {list(op.sources)}"]
+    # grid coordinates, row-major from the local instance index
+    lines.append("        long long rem = local;")
+    for axis in range(len(op.grid) - 1, 0, -1):
+        lines.append(f"        const long long c{axis} = rem % ({c_expr(op.grid[axis])}); rem /= ({c_expr(op.grid[axis])});")
+    lines.append("        const long long c0 = rem;")
+    lines.append("        " + " ".join(f"const long long D__i{a} = c{a}; (void)D__i{a};" for a in range(max(1, len(op.grid)))))
+    if e.waits:
+        lines.append(f"        if (threadIdx.x < {len(e.waits)}) {{")
+        lines.append("          bool ok = true;")
+        lines.append("          switch (threadIdx.x) {")
+        for w_id, w in enumerate(e.waits):
+            base = q.memory.counter_base[w.barrier_set]
+            lines.append(
+                f"            case {w_id}: ok = mega_wait(&ctr[{base} + ({c_expr(w.index)})], (unsigned)({c_expr(w.expected)}), "
+                f"control, {k}, local, {w_id}); break;"
+            )
+        lines.append("          }")
+        lines.append("          if (!ok) abort_block = 1;")
+        lines.append("        }")
+        lines.append("        __syncthreads();")
+        lines.append("        if (abort_block) break;")
+    ins = [operand_c(q, o) for o in op.inputs]
+    out = operand_c(q, op.output)
+    lines.append(f"        {kind.cuda_call(op, ins, out)};")
+    if e.signals:
+        lines.append("        __syncthreads();")
+        lines.append("        if (threadIdx.x == 0) {")
+        lines.append("          __threadfence();")
+        for s in e.signals:
+            lines.append(f"          mega_red_release(&ctr[{q.memory.counter_base[s.id]} + ({c_expr(s.signal)})], 1u);")
+        lines.append("        }")
+    lines.append("      } break;")
+    return "\n".join(lines)
+
+
+def render(q: WorkQueue) -> str:
+    src = (CUDA_DIR / "megakernel.cu").read_text()
+    kinds = sorted({REGISTRY[e.op.kind].cuda_file for e in q.entries if REGISTRY[e.op.kind].cuda_file})
+    symbols = q.program.symbols
+    slots = {
+        "INCLUDES": "\n".join(f'#include "{f}"' for f in kinds),
+        "ENTRIES": str(len(q.entries)),
+        "COUNTERS": str(max(1, q.memory.counters)),
+        "NDIMS": str(max(1, len(symbols))),
+        "NPTRS": str(max(1, len(q.memory.pointer_slot))),
+        "DIMS": " ".join(f"const long long {dimc(s)} = args.dims[{k}];" for k, s in enumerate(symbols)),
+        "PREFIX": "\n    ".join(
+            f"prefix[{k + 1}] = prefix[{k}] + max_i64(0LL, {c_expr(e.launch)});" for k, e in enumerate(q.entries)
+        ),
+        "CASES": "\n".join(render_case(q, k, e) for k, e in enumerate(q.entries)),
+    }
+    for name, text in slots.items():
+        src = src.replace(f"/*@{name}@*/", text)
+    return src

@@ -1,0 +1,116 @@
+"""Host runtime: load the cubin with the driver API and launch one persistent kernel per call.
+
+Weights and constants are bound once; the arena (scratch), the barrier counters
+and the control record are allocated once. Each call packs the runtime dims and
+the pointers of the caller's tensors into the kernel's by-value argument struct
+and launches on torch's current stream. Nothing else changes between calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..lowering.queue import WorkQueue
+from .render import SMEM_BYTES, THREADS
+
+CONTROL_WORDS = 8
+ERR_TIMEOUT, ERR_INDEX = 1, 2
+
+
+class MegakernelError(RuntimeError):
+    """The kernel stopped itself: a barrier timed out or a data-dependent index was out of range."""
+
+
+def _drv(result, what: str):
+    from cuda.bindings import driver
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name = driver.cuGetErrorName(err)[1]
+        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+@dataclass
+class LaunchStats:
+    launches: int = 0
+
+
+class CudaRunner:
+    def __init__(self, queue: WorkQueue, cubin: bytes, bound: dict[int, torch.Tensor], device: torch.device) -> None:
+        from cuda.bindings import driver
+
+        self.q = queue
+        self.device = device
+        torch.empty(1, device=device)  # torch creates the primary context lazily: touch it first
+        self.module = _drv(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        self.func = _drv(driver.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
+        props = torch.cuda.get_device_properties(device)
+        self.sms = props.multi_processor_count
+        self.smem = SMEM_BYTES
+        if smem_bytes(device) < self.smem:
+            raise RuntimeError(f"the megakernel needs {self.smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
+        _drv(driver.cuFuncSetAttribute(
+            self.func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem),
+            "cuFuncSetAttribute")
+        mem = queue.memory
+        self.arena = torch.empty(mem.arena_bytes, dtype=torch.uint8, device=device)
+        self.counters = torch.zeros(2 * max(1, mem.counters), dtype=torch.int32, device=device)
+        self.control = torch.zeros(CONTROL_WORDS, dtype=torch.int64, device=device)
+        self.parity = 0
+        self.bound = bound  # weights and constants, kept alive here
+        nd, np_ = max(1, len(queue.program.symbols)), max(1, len(mem.pointer_slot))
+        self.args = np.zeros(4 + nd + np_, dtype=np.int64)
+        self.args[0:3] = [self.arena.data_ptr(), self.counters.data_ptr(), self.control.data_ptr()]
+        self.dim_base, self.ptr_base = 4, 4 + nd
+        for buf, t in bound.items():
+            self.args[self.ptr_base + mem.pointer_slot[buf]] = t.data_ptr()
+        self._param = (ctypes.c_void_p * 1)(self.args.ctypes.data)
+        self.stats = LaunchStats()
+
+    def launch(self, dims: list[int], tensors: dict[int, torch.Tensor]) -> None:
+        from cuda.bindings import driver
+
+        a = self.args
+        a[3] = self.parity
+        a[self.dim_base : self.dim_base + len(dims)] = dims
+        for buf, t in tensors.items():
+            a[self.ptr_base + self.q.memory.pointer_slot[buf]] = t.data_ptr()
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        _drv(driver.cuLaunchKernel(self.func, self.sms, 1, 1, THREADS, 1, 1, self.smem, stream,
+                                   ctypes.addressof(self._param), 0), "cuLaunchKernel")
+        self.parity ^= 1
+        self.stats.launches += 1
+
+    def check(self) -> None:
+        """Synchronize and raise MegakernelError if the last launches recorded an error."""
+        rec = self.control.cpu().tolist()
+        if rec[3] == 0:
+            return
+        self.counters.zero_()
+        self.control.zero_()
+        self.parity = 0
+        code, entry, inst, detail = rec[3], rec[4], rec[5], rec[6]
+        op = self.q.entries[entry].op if 0 <= entry < len(self.q.entries) else None
+        what = f"op{op.id} {op.kind} (graph nodes {list(op.sources)})" if op else f"entry {entry}"
+        if code == ERR_TIMEOUT:
+            w = self.q.entries[entry].waits[detail]
+            raise MegakernelError(
+                f"barrier wait timed out in {what}, instance {inst}: waiting on barrier set {w.barrier_set} "
+                f"(producer op{self.q.barriers.sets[w.barrier_set].producer}), counter {w.index}, expected {w.expected}")
+        if code == ERR_INDEX:
+            raise MegakernelError(f"index out of range in {what}, instance {inst}: value {detail}")
+        raise MegakernelError(f"megakernel error code {code} in {what}, instance {inst}")
+
+
+def smem_bytes(device: torch.device) -> int:
+    """The device's opt-in maximum of dynamic shared memory per block, less room for static."""
+    from cuda.bindings import driver
+
+    dev = _drv(driver.cuDeviceGet(device.index or 0), "cuDeviceGet")
+    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    return int(_drv(driver.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute")) - 8 * 1024

@@ -1,0 +1,128 @@
+"""A CPU simulator of the megakernel: the same queue, barriers and expressions.
+
+Simulated SMs claim instances in queue order, wait on the derived barrier
+counters, run each instance's CPU semantics (the kind's ``cpu``) and signal. The
+scheduler picks which SM moves next at random, or adversarially (one chosen op's
+instances are delayed as long as anything else can move). Scratch buffers start
+as NaN, and every element an instance reads must already have been written in
+this launch (or come from outside it): a barrier that lets a consumer in early
+fails the run, naming the op, the instance and the buffer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..blockops import REGISTRY
+from ..blockops.footprint import footprint_slices, grid_coords
+from ..lowering.queue import WorkQueue
+from ..rewrite.program import Operand
+
+
+class SimulationError(AssertionError):
+    """The queue misbehaved: an early read, a double write, or a deadlock."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    sms: int = 8
+    seed: int = 0
+    adversarial: bool = False  # delay one op's instances as long as possible
+
+
+def poison(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(-(2**31))
+
+
+class Simulation:
+    def __init__(self, queue: WorkQueue, buffers: dict[int, torch.Tensor], env: dict[str, int]) -> None:
+        """``buffers`` maps every buffer id to a flat tensor; scratch ones are poisoned here."""
+        self.q, self.buf, self.env = queue, buffers, env
+        self.ready = {}
+        for b in queue.program.buffers:
+            if b.kind == "scratch":
+                poison(buffers[b.id])
+            self.ready[b.id] = torch.full((buffers[b.id].numel(),), b.kind != "scratch")
+        self.written = {b: torch.zeros_like(r) for b, r in self.ready.items()}
+        self.instances = []  # (entry index, local index) in queue order
+        for k, e in enumerate(queue.entries):
+            n = e.launch.eval(env)
+            self.instances += [(k, i) for i in range(max(0, n))]
+        for k, i in self.instances:  # elements written in place this launch are not ready yet
+            op = queue.entries[k].op
+            if queue.program.buffers[op.output.buffer].kind != "scratch":
+                self.ready[op.output.buffer][self.elements(op.output, op.writes, self.coords(k, i))] = False
+        self.counters: dict[tuple[int, int], int] = {}
+
+    # --- addressing ------------------------------------------------------------------
+    def coords(self, k: int, i: int) -> dict[str, int]:
+        op = self.q.entries[k].op
+        grid = [g.eval(self.env) for g in op.grid] or [1]
+        return {**self.env, **{f"_i{a}": c for a, c in enumerate(grid_coords(i, grid))}}
+
+    def view(self, o: Operand, env: dict[str, int], base: torch.Tensor | None = None) -> torch.Tensor:
+        lay = self.q.layout(o)
+        t = self.buf[o.buffer] if base is None else base
+        shape = [d.eval(env) for d in lay.shape]
+        stride = [d.eval(env) for d in lay.stride]
+        return t.as_strided(shape, stride, lay.offset.eval(env))
+
+    def elements(self, o: Operand, fp, env: dict[str, int]) -> torch.Tensor:
+        index = torch.arange(self.buf[o.buffer].numel())
+        region = self.view(o, env, index)[footprint_slices(fp, o.shape, env)]
+        return region.reshape(-1)
+
+    # --- one instance ----------------------------------------------------------------
+    def waits_met(self, k: int, i: int) -> bool:
+        e = self.q.entries[k]
+        env = self.coords(k, i)
+        return all(self.counters.get((w.barrier_set, w.index.eval(env)), 0) >= w.expected.eval(env) for w in e.waits)
+
+    def execute(self, k: int, i: int) -> None:
+        e = self.q.entries[k]
+        op = e.op
+        env = self.coords(k, i)
+        where = f"op{op.id} {op.kind} (entry {k}) instance {i}"
+        for o, fp in zip(op.inputs, op.reads):
+            idx = self.elements(o, fp, env)
+            if not bool(self.ready[o.buffer][idx].all()):
+                name = self.q.program.buffers[o.buffer].name
+                raise SimulationError(f"{where} read unwritten elements of buffer {name!r}: a barrier let it in early")
+        out_idx = self.elements(op.output, op.writes, env)
+        if bool(self.written[op.output.buffer][out_idx].any()):
+            raise SimulationError(f"{where} writes elements another instance already wrote in this launch")
+        ins = [self.view(o, env) for o in op.inputs]
+        REGISTRY[op.kind].cpu(op, env, ins, self.view(op.output, env))
+        self.ready[op.output.buffer][out_idx] = True
+        self.written[op.output.buffer][out_idx] = True
+        for s in e.signals:
+            key = (s.id, s.signal.eval(env))
+            self.counters[key] = self.counters.get(key, 0) + 1
+
+    # --- the scheduler ------------------------------------------------------------------
+    def run(self, schedule: Schedule) -> None:
+        rng = random.Random(schedule.seed)
+        victim = rng.randrange(len(self.q.entries)) if schedule.adversarial and self.q.entries else None
+        held: list[tuple[int, int] | None] = [None] * schedule.sms
+        nxt = 0
+        while nxt < len(self.instances) or any(h is not None for h in held):
+            movable = [s for s, h in enumerate(held) if (h is None and nxt < len(self.instances)) or (h is not None and self.waits_met(*h))]
+            if not movable:
+                stuck = [h for h in held if h is not None]
+                k, i = stuck[0]
+                op = self.q.entries[k].op
+                raise SimulationError(f"deadlock: op{op.id} {op.kind} instance {i} waits forever ({len(stuck)} SMs stuck)")
+            preferred = [s for s in movable if held[s] is None or held[s][0] != victim]
+            s = rng.choice(preferred or movable)
+            if held[s] is None:
+                held[s] = self.instances[nxt]
+                nxt += 1
+            else:
+                self.execute(*held[s])
+                held[s] = None

@@ -1,0 +1,529 @@
+"""Barrier derivation: which counter each producer instance signals, which counters
+each consumer instance waits on, and how many signals it waits for.
+
+One generic pass over the declared footprints (no per-op barrier code). For every
+consumer op, input operand and EARLIER op in queue order that writes the same
+buffer (several may: concat pieces, ``kv_append`` into a KV cache), both footprints
+are mapped to the buffer's natural coordinates (:func:`_in_buffer_coords`, the only
+place that sees views) and compared per dim, per producer grid axis:
+
+=====================================  =====================  ===================  =====================
+producer access / consumer access      producer signals       consumer waits       expected (this axis)
+=====================================  =====================  ===================  =====================
+no axis moves the dim (Full, At(pos))  --                     --                   1
+Tile(p, Tp) / Full, Span, non-nested   0  (axis collapsed)    0                    G  (all instances)
+Tile(p, Tp) / Tile(c, m*Tp)            p // m                 c                    min(m, G - c*m)
+Tile(p, m*Tc) / Tile(c, Tc)            p                      c // m               1
+Tile(p, Tp) / At(e)                    p                      e // Tp              1
+=====================================  =====================  ===================  =====================
+
+``G`` is the producer's grid extent along axis ``p`` (``ceildiv(extent, Tp)`` for
+a canonical grid), so ragged tails count exactly. Tiles whose bases differ (slice
+views) are handled when the offset is a whole number of tiles (``(p + r) // m``).
+The counter index is the row-major linearization of the per-axis counter coords;
+``expected`` is the product of the per-axis counts, times a 0/1 overlap guard per
+dim where a consumer instance may fall outside the producer's region (a concat
+piece, a partial tile): the guard makes ``expected`` 0 there, and the wait is
+vacuous. One :class:`BarrierSet` exists per distinct ``(producer, count, signal)``,
+so a producer signals each counter family once however many consumers share it.
+
+Protocol (see docs/barriers.md):
+
+- producer instance: all its stores; block barrier; then ONE thread does
+  ``__threadfence(); atomicAdd(&ctr[set][signal], 1)`` for each set of its op
+  (release: the fence orders the block's stores, made visible by the barrier,
+  before the increment).
+- consumer instance: for each wait with ``expected > 0`` (a wait with
+  ``expected <= 0`` is skipped without touching the counter, its ``index`` may be
+  out of range), ONE thread spins ``ld.acquire.gpu`` on ``ctr[set][index]`` until
+  it is ``>= expected`` (bounded: on timeout it records an error naming op, set and
+  index, and exits); then block barrier; then activations are read with
+  L1-bypassing loads (``ld.global.cg``).
+- counters only ever count completions, never claims, so a consumer cannot slip
+  through between a producer's claim and its stores (no claim/signal race), and
+  ``expected`` is an exact count, not a "nobody in flight" test.
+- counters live in two ping-pong banks; launch ``t`` uses bank ``t % 2`` and zeroes
+  bank ``(t + 1) % 2`` (nothing in launch ``t`` touches it), so every launch starts
+  from zero with no host-side rebuild even when runtime dims change counts.
+- liveness: instances are claimed in queue (topological) order and every wait
+  targets a set of an EARLIER op, so it waits only on instances already claimed
+  by running blocks.
+
+Runtime dims are assumed non-negative (sizes, positions).
+
+>>> from megaegg.dims import sym, ceildiv
+>>> from megaegg.dtypes import f32
+>>> from megaegg.blockops.footprint import Full, Tile
+>>> from megaegg.rewrite.program import Buffer, Operand, BlockOp, BlockProgram
+>>> S = sym("S")
+>>> buf = Buffer(0, "y", "scratch", (S, 64), f32)
+>>> y = Operand(0, (S, 64), f32)
+>>> prod = BlockOp(1, "rows", (), (), y, (ceildiv(S, 32),), (), (Tile(0, 32), Full()))
+>>> cons = BlockOp(2, "rows", (), (y,), y, (ceildiv(S, 64),), ((Tile(0, 64), Full()),), (Tile(0, 64), Full()))
+>>> print(derive_barriers(BlockProgram([buf], [prod, cons], {})))
+sets:
+  B0 op1 signals [_i0 // 2] of ceildiv(S, 64)
+waits:
+  op2.in0 B0[_i0] >= min(ceildiv(S, 32) + _i0 * -2, 2)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence, Union
+
+from ..blockops.footprint import At, Full, Span, Tile, coord
+from ..dims import Dim, as_dim, ceildiv, const, dmax, dmin
+from .. import dims as _dims
+from ..rewrite.program import BlockOp, BlockProgram, Buffer, Operand
+
+__all__ = ["BarrierSet", "Wait", "BarrierPlan", "derive_barriers"]
+
+_COORD = re.compile(r"_i(\d+)$")
+
+
+# --- the plan ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BarrierSet:
+    """A family of ``count`` completion counters; producer instance adds 1 to ``[signal]``.
+
+    ``signal`` is an expression of the producer's ``_i*`` and runtime dims, in ``[0, count)``.
+    """
+
+    id: int
+    producer: int
+    count: Dim
+    signal: Dim
+
+    def __str__(self) -> str:
+        return f"B{self.id} op{self.producer} signals [{self.signal}] of {self.count}"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Consumer instance waits until ``B[barrier_set][index] >= expected`` before reading input ``input``.
+
+    ``index`` and ``expected`` are expressions of the consumer's ``_i*`` and runtime dims;
+    ``expected`` is the exact number of producer instances signalling that counter, or
+    ``<= 0`` when this instance reads nothing that producer writes (the wait is skipped).
+    """
+
+    consumer: int
+    input: int
+    barrier_set: int
+    index: Dim
+    expected: Dim
+
+    def __str__(self) -> str:
+        return f"op{self.consumer}.in{self.input} B{self.barrier_set}[{self.index}] >= {self.expected}"
+
+
+@dataclass(frozen=True)
+class BarrierPlan:
+    """All counter families and, per consumer op id, the waits of each of its instances."""
+
+    sets: list[BarrierSet]
+    waits: dict[int, list[Wait]]
+    launches: dict[int, Dim] = field(default_factory=dict)  # op id -> launch count, for totals
+
+    def num_counters(self, env: Mapping[str, int]) -> int:
+        """Counters of one bank for concrete runtime dims."""
+        return sum(s.count.eval(env) for s in self.sets)
+
+    def waits_per_instance(self) -> dict[int, int]:
+        return {op: len(ws) for op, ws in self.waits.items()}
+
+    def signals_per_instance(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for s in self.sets:
+            out[s.producer] = out.get(s.producer, 0) + 1
+        return out
+
+    def total_waits(self, env: Mapping[str, int]) -> int:
+        """Spins over the whole launch (vacuous waits included) for concrete runtime dims."""
+        return sum(len(ws) * self.launches[op].eval(env) for op, ws in self.waits.items() if op in self.launches)
+
+    def summary(self, env: Mapping[str, int]) -> str:
+        return (
+            f"{len(self.sets)} sets, {self.num_counters(env)} counters, "
+            f"{sum(self.waits_per_instance().values())} waits/instance over {len(self.waits)} ops, "
+            f"{self.total_waits(env)} waits in all"
+        )
+
+    def __str__(self) -> str:
+        lines = ["sets:"] + [f"  {s}" for s in self.sets]
+        lines += ["waits:"] + [f"  {w}" for ws in self.waits.values() for w in ws]
+        return "\n".join(lines)
+
+
+# --- the pass ----------------------------------------------------------------
+
+
+def derive_barriers(program: BlockProgram) -> BarrierPlan:
+    """Counter families and waits for every producer -> consumer pair of ``program``."""
+    buffers = {b.id: b for b in program.buffers}
+    raw: list[tuple[BlockOp, int, BlockOp, _Pair]] = []
+    for pos, consumer in enumerate(program.ops):
+        for k, operand in enumerate(consumer.inputs):
+            buf = buffers[operand.buffer]
+            for producer in program.ops[:pos]:  # queue order: only earlier ops (liveness)
+                if producer.output.buffer != operand.buffer:
+                    continue
+                pair = _derive_pair(producer, consumer, k, buf)
+                if pair is not None:
+                    raw.append((producer, k, consumer, pair))
+    # one batch through the simplifier, then dedupe counter families
+    exprs = [e for *_, p in raw for e in (p.count, p.signal, p.index, p.expected)]
+    simple = dict(zip(exprs, _simplify_many(exprs)))
+    sets: dict[tuple[int, Dim, Dim], BarrierSet] = {}
+    waits: dict[int, list[Wait]] = {op.id: [] for op in program.ops}
+    for producer, k, consumer, p in raw:
+        key = (producer.id, simple[p.count], simple[p.signal])
+        if key not in sets:
+            sets[key] = BarrierSet(len(sets), producer.id, key[1], key[2])
+        w = Wait(consumer.id, k, sets[key].id, simple[p.index], simple[p.expected])
+        if not any((x.barrier_set, x.index, x.expected) == (w.barrier_set, w.index, w.expected) for x in waits[consumer.id]):
+            waits[consumer.id].append(w)
+    launches = {op.id: _launch_count(op) for op in program.ops}
+    return BarrierPlan(list(sets.values()), {k: v for k, v in waits.items() if v}, launches)
+
+
+def _launch_count(op: BlockOp) -> Dim:
+    n = const(1)
+    for g in op.grid:
+        n = n * g
+    return n
+
+
+def _in_buffer_coords(operand: Operand, buffer: Buffer, fp) -> tuple:
+    """The footprint in the buffer's natural coordinates: the one place that sees views."""
+    if not operand.views:
+        return tuple(fp)
+    try:
+        from ..rewrite.layout import pullback
+    except ImportError:  # layout algebra not there: every instance touches everything (sound)
+        return (Full(),) * len(buffer.shape)
+    return tuple(pullback(operand.views, buffer.shape, fp))
+
+
+def _simplify_many(exprs: Sequence[Dim]) -> list[Dim]:
+    try:
+        from ..rewrite.dimsort import simplify_many
+    except ImportError:
+        return list(exprs)
+    return simplify_many(list(exprs)) if exprs else []
+
+
+# --- per-dim accesses, normalized --------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """``[lo, hi)``, the same for every instance (Full, At/Span of runtime dims)."""
+
+    lo: Dim
+    hi: Dim
+
+
+@dataclass(frozen=True)
+class _Tiled:
+    """``[base + _i{axis}*size, min(base + _i{axis}*size + size, limit))``."""
+
+    axis: int
+    size: int
+    base: Dim
+    limit: Dim
+
+
+@dataclass(frozen=True)
+class _Moving:
+    """Any other instance-dependent ``[lo, hi)``; ``point`` when it is one element."""
+
+    lo: Dim
+    hi: Dim
+    axes: frozenset
+    point: bool
+
+
+_Acc = Union[_Fixed, _Tiled, _Moving]
+
+
+def _normalize(a, extent: Dim) -> _Acc:
+    extent = as_dim(extent)
+    if isinstance(a, Full):
+        return _Fixed(const(0), extent)
+    if isinstance(a, Tile):
+        return _Tiled(a.axis, a.size, const(0), as_dim(a.stop) if a.stop is not None else extent)
+    if isinstance(a, At):
+        e = as_dim(a.index)
+        axes = _coords(e)
+        if not axes:
+            return _Fixed(e, e + 1)
+        lin = _lin(e)
+        (ax,) = axes if len(axes) == 1 else (None,)
+        if ax is not None and lin.get(coord(ax)) == 1:  # _iA + base: a tile of one element
+            return _Tiled(ax, 1, _unlin({t: c for t, c in lin.items() if t != coord(ax)}), extent)
+        return _Moving(e, e + 1, frozenset(axes), True)
+    if isinstance(a, Span):
+        lo, hi = as_dim(a.start), as_dim(a.stop)
+        axes = _coords(lo) | _coords(hi)
+        if not axes:
+            return _Fixed(lo, hi)
+        return _parse_tile(lo, hi, extent) or _Moving(lo, hi, frozenset(axes), False)
+    raise TypeError(f"unknown access {a!r}")
+
+
+def _parse_tile(lo: Dim, hi: Dim, extent: Dim) -> _Tiled | None:
+    """Recognize ``Span(b + _iA*T, min(b + _iA*T + T, L))`` (or ``... + T``) as a tile."""
+    lin = _lin(lo)
+    moving = [t for t in lin if t is not None and _coords(t)]
+    if len(moving) != 1 or moving[0].op != "sym" or lin[moving[0]] <= 0:
+        return None
+    ax, size = _coords(moving[0]).pop(), lin[moving[0]]
+    base = _unlin({t: c for t, c in lin.items() if t != moving[0]})
+    if _const_diff(hi, lo) == size:
+        return _Tiled(ax, size, base, extent)
+    if hi.op == "min":
+        for x, limit in (hi.args, hi.args[::-1]):
+            if _const_diff(x, lo) == size and not _coords(limit):
+                return _Tiled(ax, size, base, limit)
+    return None
+
+
+def _instance_range(a: _Acc) -> tuple[Dim, Dim]:
+    """``[lo, hi)`` of one instance (expressions of its ``_i*``); empty when ``hi <= lo``."""
+    if isinstance(a, _Tiled):
+        start = a.base + coord(a.axis) * a.size
+        return start, dmin(start + a.size, a.limit)
+    return a.lo, a.hi
+
+
+def _hull(a: _Acc, extent: Dim, grid: Sequence[Dim]) -> tuple[Dim, Dim]:
+    """``[lo, hi)`` containing every instance's range."""
+    if isinstance(a, _Fixed):
+        return a.lo, a.hi
+    if isinstance(a, _Tiled):
+        g = grid[a.axis]
+        if _le(ceildiv(a.limit - a.base, a.size), g):  # the grid covers the range
+            return a.base, a.limit
+        return a.base, dmin(a.limit, a.base + g * a.size)
+    lo, hi = _bounds(a.lo, grid), _bounds(a.hi, grid)
+    return (lo[0] if lo else const(0)), (hi[1] if hi else as_dim(extent))
+
+
+def _all_nonempty(a: _Acc, grid: Sequence[Dim]) -> bool:
+    if isinstance(a, _Tiled):  # no instance past the last tile
+        return _le(grid[a.axis], ceildiv(a.limit - a.base, a.size))
+    if isinstance(a, _Fixed):
+        return _le(a.lo + 1, a.hi)
+    return a.point
+
+
+# --- one producer -> consumer pair -------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pair:
+    count: Dim
+    signal: Dim
+    index: Dim
+    expected: Dim
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Producer instances along one axis grouped ``(p + r) // m``; the consumer waits group ``q``."""
+
+    m: int
+    r: int
+    q: Dim
+
+
+def _derive_pair(producer: BlockOp, consumer: BlockOp, k: int, buf: Buffer) -> _Pair | None:
+    shape = tuple(as_dim(e) for e in buf.shape)
+    pw = _in_buffer_coords(producer.output, buf, producer.writes)
+    cr = _in_buffer_coords(consumer.inputs[k], buf, consumer.reads[k])
+    P = [_normalize(a, e) for a, e in zip(pw, shape)]
+    C = [_normalize(a, e) for a, e in zip(cr, shape)]
+    phull = [_hull(a, e, producer.grid) for a, e in zip(P, shape)]
+    chull = [_hull(a, e, consumer.grid) for a, e in zip(C, shape)]
+    if any(_le(ch, pl) or _le(ph, cl) for (pl, ph), (cl, ch) in zip(phull, chull)):
+        return None  # provably disjoint somewhere: no instance pair conflicts
+
+    # which dims each producer axis moves; an axis moving exactly one dim as a tile may be grouped
+    moves: dict[int, list[int]] = {}
+    for d, a in enumerate(P):
+        for ax in ({a.axis} if isinstance(a, _Tiled) else a.axes if isinstance(a, _Moving) else ()):
+            moves.setdefault(ax, []).append(d)
+    plans: dict[int, _Group | None] = {}
+    for ax, g in enumerate(producer.grid):
+        ds = moves.get(ax, [])
+        ok = len(ds) == 1 and isinstance(P[ds[0]], _Tiled)
+        plans[ax] = _match(P[ds[0]], C[ds[0]]) if ok else None
+
+    # counter coords per axis, row-major
+    count, signal, index, expected = const(1), const(0), const(0), const(1)
+    for ax, g in enumerate(producer.grid):
+        plan = plans[ax]
+        if plan is None:  # collapsed: every instance along the axis signals coord 0
+            expected = expected * g
+            continue
+        m, r, q = plan.m, plan.r, plan.q
+        n = ceildiv(g + r, m)
+        count, signal, index = count * n, signal * n + (coord(ax) + r) // m, index * n + q
+        if r:
+            expected = expected * (dmin(g, q * m + (m - r)) - dmax(0, q * m - r))
+        elif m > 1:
+            expected = expected * dmin(m, g - q * m)
+
+    # overlap guards: 0 where this consumer instance misses the producer's region on a dim
+    guards = const(1)
+    for d, (a, c) in enumerate(zip(P, C)):
+        grouped = isinstance(a, _Tiled) and plans.get(a.axis) is not None
+        (pl, ph), (cl, ch) = phull[d], chull[d]
+        inside = _le(pl, cl) and _le(ch, ph)
+        if grouped:  # q must be in range whenever expected > 0
+            needed = not (inside and _all_nonempty(c, consumer.grid))
+        else:  # precision only: drop when every consumer instance overlaps
+            covers = isinstance(c, _Fixed) and _le(c.lo, pl) and _le(ph, c.hi)
+            needed = not (inside or covers)
+        if needed:
+            lo, hi = _instance_range(c)
+            lo = lo if _le(pl, cl) else dmax(lo, pl)
+            hi = hi if _le(ch, ph) else dmin(hi, ph)
+            guards = guards * dmin(1, dmax(0, hi - lo))
+    return _Pair(count, signal, index, guards * expected)
+
+
+def _match(p: _Tiled, c: _Acc) -> _Group | None:
+    """Group producer tiles along ``p.axis`` so that consumer instance ``c`` needs one group."""
+    tp = p.size
+    if isinstance(c, _Tiled):
+        delta = _const_diff(c.base, p.base)
+        if delta is None:
+            return None
+        tc, cc = c.size, coord(c.axis)
+        if tc % tp == 0 and delta % tp == 0:  # consumer tile = m whole producer tiles
+            m, k = tc // tp, delta // tp
+            r = (-k) % m
+            return _Group(m, r, cc + (k + r) // m)
+        if tp % tc == 0 and delta % tc == 0:  # consumer tile inside one producer tile
+            return _Group(1, 0, (cc + delta // tc) // (tp // tc))
+        return None  # non-nested tiles: the axis collapses (sound, less precise)
+    if isinstance(c, _Moving) and c.point:
+        return _Group(1, 0, (c.lo - p.base) // tp)
+    if isinstance(c, _Fixed):
+        lo, hi = _const_diff(c.lo, p.base), _const_diff(c.hi, p.base)
+        if lo is not None and hi is not None and lo < hi and lo // tp == (hi - 1) // tp:
+            return _Group(1, 0, const(lo // tp))  # a constant range inside one producer tile
+    return None
+
+
+# --- small symbolic reasoning: linear forms, bounds, <= ----------------------
+
+
+def _coords(e: Dim) -> set[int]:
+    return {int(m[1]) for s in e.symbols() if (m := _COORD.match(s))}
+
+
+def _lin(e: Dim) -> dict:
+    """``e`` as ``{atom: coeff}`` (``None`` keys the constant); atoms are canonical non-linear terms."""
+    if e.op == "const":
+        return {None: e.value} if e.value else {}
+    if e.op == "sym":
+        return {e: 1}
+    a, b = e.args
+    if e.op == "add":
+        out = dict(_lin(a))
+        for t, c in _lin(b).items():
+            out[t] = out.get(t, 0) + c
+        return {t: c for t, c in out.items() if c}
+    if e.op == "mul" and (a.is_const or b.is_const):
+        k, x = (a.value, b) if a.is_const else (b.value, a)
+        return {t: c * k for t, c in _lin(x).items()} if k else {}
+    return {_dims.binary(e.op, _unlin(_lin(a)), _unlin(_lin(b))): 1}
+
+
+def _unlin(lin: dict) -> Dim:
+    out = const(0)
+    for t, c in sorted(((t, c) for t, c in lin.items() if t is not None), key=lambda tc: str(tc[0])):
+        out = out + t * c
+    return out + lin.get(None, 0)
+
+
+def _const_diff(a: Dim, b: Dim) -> int | None:
+    """``a - b`` when it is a constant."""
+    la, lb = _lin(as_dim(a)), _lin(as_dim(b))
+    diff = {t: la.get(t, 0) - lb.get(t, 0) for t in set(la) | set(lb)}
+    if any(c for t, c in diff.items() if t is not None):
+        return None
+    return diff.get(None, 0)
+
+
+def _nonneg(e: Dim) -> bool:
+    """Provably ``e >= 0`` (runtime dims and grid coordinates are non-negative)."""
+    lin = _lin(e)
+    return lin.get(None, 0) >= 0 and all(c > 0 and _nonneg_atom(t) for t, c in lin.items() if t is not None)
+
+
+def _nonneg_atom(t: Dim) -> bool:
+    if t.op in ("sym", "const"):
+        return t.op == "sym" or t.value >= 0
+    a, b = t.args
+    if t.op in ("floordiv", "ceildiv", "mod"):
+        return b.is_const and b.value > 0 and (t.op == "mod" or _nonneg(a))
+    if t.op in ("mul", "min"):
+        return _nonneg(a) and _nonneg(b)
+    if t.op == "max":
+        return _nonneg(a) or _nonneg(b)
+    return False
+
+
+def _le(a: Dim, b: Dim) -> bool:
+    """Provably ``a <= b`` for all non-negative runtime dims (False may mean unknown)."""
+    a, b = as_dim(a), as_dim(b)
+    if _nonneg(b - a):
+        return True
+    if a.op == "min" and (_le(a.args[0], b) or _le(a.args[1], b)):
+        return True
+    if a.op == "max" and _le(a.args[0], b) and _le(a.args[1], b):
+        return True
+    if b.op == "max" and (_le(a, b.args[0]) or _le(a, b.args[1])):
+        return True
+    if b.op == "min" and _le(a, b.args[0]) and _le(a, b.args[1]):
+        return True
+    sa, sb = _simplify_many([a, b])
+    return (sa, sb) != (a, b) and _nonneg(sb - sa)
+
+
+def _bounds(e: Dim, grid: Sequence[Dim]) -> tuple[Dim, Dim] | None:
+    """Inclusive ``[lo, hi]`` of ``e`` over the grid (``_iA`` in ``[0, grid[A] - 1]``), if monotone."""
+    if e.op == "const":
+        return e, e
+    if e.op == "sym":
+        m = _COORD.match(e.args[0])
+        if not m:
+            return e, e  # a runtime dim is one value for the whole launch
+        ax = int(m[1])
+        return (const(0), as_dim(grid[ax]) - 1) if ax < len(grid) else None
+    a, b = (_bounds(x, grid) for x in e.args)
+    if a is None or b is None:
+        return None
+    if e.op == "add":
+        return a[0] + b[0], a[1] + b[1]
+    if e.op in ("min", "max"):
+        f = dmin if e.op == "min" else dmax
+        return f(a[0], b[0]), f(a[1], b[1])
+    k = e.args[1]
+    if e.op == "mul" and k.is_const:
+        return (a[0] * k, a[1] * k) if k.value >= 0 else (a[1] * k, a[0] * k)
+    if e.op == "mul" and _nonneg(a[0]) and _nonneg(b[0]):
+        return a[0] * b[0], a[1] * b[1]
+    if e.op in ("floordiv", "ceildiv") and k.is_const and k.value > 0:
+        return _dims.binary(e.op, a[0], k), _dims.binary(e.op, a[1], k)
+    if e.op == "mod" and k.is_const and k.value > 0:
+        return const(0), const(k.value - 1)
+    return None

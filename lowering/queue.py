@@ -1,0 +1,117 @@
+"""The symbolic work queue and the memory plan.
+
+One queue entry per block op, in topological order: its launch count and every
+offset, barrier index and expected count stay *expressions* of the runtime dims,
+evaluated on the device each launch. Changing ``pos`` changes only the dims array.
+
+Memory plan: scratch buffers live in one arena, each at its own offset. Nothing is
+reused inside a launch (DESIGN.md barrier rule 6), so no anti-dependency barriers
+are needed. Weights and constants are bound once; inputs, KV caches and outputs
+are the caller's tensors, passed by pointer each call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from ..dims import Dim, as_dim
+from ..rewrite.layout import Layout, layout_of
+from ..rewrite.program import BlockOp, BlockProgram, Operand
+from .barriers import BarrierPlan, BarrierSet, Wait, derive_barriers
+
+ARENA_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    op: BlockOp
+    launch: Dim  # instances, an expression of the runtime dims
+    waits: tuple[Wait, ...]
+    signals: tuple[BarrierSet, ...]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    arena_bytes: int
+    arena_offset: dict[int, int]  # scratch buffer id -> byte offset in the arena
+    pointer_slot: dict[int, int]  # non-arena buffer id -> slot in the kernel's pointer table
+    counter_base: dict[int, int]  # barrier set id -> first counter
+    counters: int  # counters per parity
+
+
+@dataclass(frozen=True)
+class WorkQueue:
+    program: BlockProgram
+    barriers: BarrierPlan
+    entries: tuple[QueueEntry, ...]
+    memory: MemoryPlan
+    max_dims: dict[str, int]
+
+    def layout(self, operand: Operand) -> Layout:
+        layout = layout_of(self.program.buffers[operand.buffer].shape, operand.views)
+        if layout is None:  # the rewrite inserts copies, so this is a stage-invariant breach
+            raise AssertionError(f"operand {operand} has no strided layout")
+        return layout
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "entries": len(self.entries),
+            "barrier_sets": len(self.barriers.sets),
+            "counters": self.memory.counters,
+            "waits": sum(len(e.waits) for e in self.entries),
+            "arena_bytes": self.memory.arena_bytes,
+        }
+
+
+def upper_bound(d: Dim, max_env: Mapping[str, int]) -> int:
+    """An upper bound of ``d`` with every runtime dim in ``[0, max_env[name]]``.
+
+    ``+ * min max`` are monotone for non-negative values; a quotient is bounded by
+    dividing by a constant divisor (or by the dividend itself); ``x % c < c``.
+    """
+    if d.op in ("const", "sym"):
+        return d.eval(max_env)
+    a = upper_bound(d.args[0], max_env)
+    divisor = d.args[1]
+    if d.op in ("floordiv", "ceildiv", "mod"):
+        if not divisor.is_const:
+            return a
+        c = divisor.value
+        return {"floordiv": a // c, "ceildiv": -(-a // c), "mod": min(a, c - 1)}[d.op]
+    b = upper_bound(divisor, max_env)
+    return {"add": a + b, "mul": a * b, "min": min(a, b), "max": max(a, b)}[d.op]
+
+
+def build_queue(program: BlockProgram, max_dims: Mapping[str, int]) -> WorkQueue:
+    missing = set(program.symbols) - set(max_dims)
+    if missing:
+        raise ValueError(f"no maximum given for runtime dim(s) {sorted(missing)}")
+    barriers = derive_barriers(program)
+    signals: dict[int, list[BarrierSet]] = {}
+    for s in barriers.sets:
+        signals.setdefault(s.producer, []).append(s)
+    entries = tuple(
+        QueueEntry(op, op.launch_count if op.grid else as_dim(1), tuple(barriers.waits.get(op.id, ())),
+                   tuple(signals.get(op.id, ())))
+        for op in program.ops
+    )
+    return WorkQueue(program, barriers, entries, plan_memory(program, barriers, max_dims), dict(max_dims))
+
+
+def plan_memory(program: BlockProgram, barriers: BarrierPlan, max_dims: Mapping[str, int]) -> MemoryPlan:
+    arena, offset, slots = 0, {}, {}
+    for b in program.buffers:
+        if b.kind == "scratch":
+            nbytes = b.dtype.itemsize
+            for d in b.shape:
+                nbytes *= upper_bound(d, max_dims)
+            offset[b.id] = arena
+            arena += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        else:
+            slots[b.id] = len(slots)
+    base, counters = {}, 0
+    for s in barriers.sets:
+        base[s.id] = counters
+        counters += max(1, upper_bound(s.count, max_dims))
+    return MemoryPlan(max(arena, ARENA_ALIGN), offset, slots, base, counters)

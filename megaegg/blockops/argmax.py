@@ -1,0 +1,60 @@
+"""argmax in two block ops: partials over column chunks, then one reduce.
+
+``argmax_partial``: ``x[M, N]`` -> ``part[M, T, 2]`` (f32: best value, its index),
+``T = ceil(N / chunk)``, one chunk per instance. ``argmax_reduce``: ``part`` -> i32
+``out[M]``. Ties resolve to the lowest index, as ``torch.argmax`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dims import ceildiv
+from .base import BlockKind, Partition, dimc, f32, register
+from .footprint import Full, Tile
+
+
+@register
+class ArgmaxPartial(BlockKind):
+    name = "argmax_partial"
+    cuda_file = "argmax.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        chunk = params["chunk"]
+        return Partition(
+            grid=(ceildiv(inputs[0].shape[1], chunk),),
+            reads=((Full(), Tile(0, chunk)),),
+            writes=(Full(), Tile(0, 1), Full()),
+        )
+
+    def cpu(self, op, env, ins, out):
+        chunk, t = op.params["chunk"], env["_i0"]
+        x = f32(ins[0][:, t * chunk : (t + 1) * chunk])
+        val, idx = x.max(-1)
+        out[:, t, 0] = val
+        out[:, t, 1] = (idx + t * chunk).float()
+
+    def cuda_call(self, op, ins, out):
+        x = ins[0]
+        return (f"argmax_partial<{x.ctype}>({x.ptr}, {x.strides[0]}, {x.strides[1]}, {op.inputs[0].shape[0].value}, "
+                f"{op.inputs[0].shape[1].to_c(dimc)}, {op.params['chunk']}, {out.ptr}, {out.strides[0]}, c0)")
+
+
+@register
+class ArgmaxReduce(BlockKind):
+    name = "argmax_reduce"
+    cuda_file = "argmax.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        return Partition(grid=(ceildiv(inputs[0].shape[0], 1),), reads=((Tile(0, 1), Full(), Full()),), writes=(Tile(0, 1),))
+
+    def cpu(self, op, env, ins, out):
+        m = env["_i0"]
+        part = ins[0][m]
+        best = torch.argmax(part[:, 0])  # first maximal chunk holds the lowest index
+        out[m] = int(part[best, 1].item())
+
+    def cuda_call(self, op, ins, out):
+        p = ins[0]
+        return (f"argmax_reduce({p.ptr}, {p.strides[0]}, {op.inputs[0].shape[1].to_c(dimc)}, {out.ptr}, "
+                f"{out.strides[0]}, c0)")

@@ -1,0 +1,92 @@
+"""Split-KV decode attention in two block ops.
+
+``attn_partial``: grid ``(Hkv, ceil(L / chunk))``; instance ``(h, s)`` attends the
+``group`` query heads of KV head ``h`` over cache rows ``[s*chunk, min(s*chunk+chunk, L))``
+and writes, per query head, the unnormalised output, the running max and the sum
+of exponentials into ``part[Hq, S, D + 2]`` (f32). ``attn_merge``: combines the
+``ceil(L / chunk)`` partials of ``rows_per`` query heads into ``out[Hq, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dims import ceildiv
+from .base import BlockKind, Partition, dimc, f32, register
+from .footprint import Full, Span, Tile
+
+
+@register
+class AttnPartial(BlockKind):
+    name = "attn_partial"
+    cuda_file = "attention.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        q, kc, _ = inputs
+        g, c, length = params["group"], params["chunk"], params["length"]
+        kv = (Tile(0, 1), Tile(1, c, stop=length), Full())
+        return Partition(
+            grid=(kc.shape[0], ceildiv(length, c)),
+            reads=((Tile(0, g), Full()), kv, kv),
+            writes=(Tile(0, g), Tile(1, 1), Full()),
+        )
+
+    def cpu(self, op, env, ins, out):
+        q, kc, vc = ins
+        p = op.params
+        h, s = env["_i0"], env["_i1"]
+        length = p["length"].eval(env)
+        p0, p1 = s * p["chunk"], min(s * p["chunk"] + p["chunk"], length)
+        qh = f32(q[h * p["group"] : (h + 1) * p["group"]])  # [G, D]
+        k, v = f32(kc[h, p0:p1]), f32(vc[h, p0:p1])  # [C, D]
+        scores = qh @ k.T * p["scale"]  # [G, C]
+        m = scores.max(-1).values
+        e = torch.exp(scores - m[:, None])
+        d = q.shape[1]
+        rows = slice(h * p["group"], (h + 1) * p["group"])
+        out[rows, s, :d] = e @ v
+        out[rows, s, d] = m
+        out[rows, s, d + 1] = e.sum(-1)
+
+    def cuda_call(self, op, ins, out):
+        q, kc, vc = ins
+        p = op.params
+        hq, d = (x.value for x in op.inputs[0].shape)
+        return (f"attn_partial<{q.ctype}, {d}, {p['group']}>({q.ptr}, {q.strides[0]}, {kc.ptr}, {vc.ptr}, "
+                f"{kc.strides[0]}, {kc.strides[1]}, {p['length'].to_c(dimc)}, {p['chunk']}, {p['scale']!r}f, "
+                f"{out.ptr}, {out.strides[0]}, {out.strides[1]}, c0, c1)")
+
+
+@register
+class AttnMerge(BlockKind):
+    name = "attn_merge"
+    cuda_file = "attention.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        rows = params["rows_per"]
+        nsplit = ceildiv(params["length"], params["chunk"])
+        return Partition(
+            grid=(ceildiv(output.shape[0], rows),),
+            reads=((Tile(0, rows), Span(0, nsplit), Full()),),
+            writes=(Tile(0, rows), Full()),
+        )
+
+    def cpu(self, op, env, ins, out):
+        p = op.params
+        r0 = env["_i0"] * p["rows_per"]
+        nsplit = ceildiv(p["length"], p["chunk"]).eval(env)
+        part = ins[0][r0 : r0 + p["rows_per"], :nsplit]  # [R, S, D+2]
+        d = out.shape[1]
+        m = part[:, :, d]
+        big = m.max(-1, keepdim=True).values
+        wgt = torch.exp(m - big)  # [R, S]
+        num = (part[:, :, :d] * wgt[:, :, None]).sum(1)
+        den = (part[:, :, d + 1] * wgt).sum(1)
+        out[r0 : r0 + p["rows_per"]] = (num / den[:, None]).to(out.dtype)
+
+    def cuda_call(self, op, ins, out):
+        part = ins[0]
+        p = op.params
+        hq, d = (x.value for x in op.output.shape)
+        return (f"attn_merge<{out.ctype}, {d}>({part.ptr}, {part.strides[0]}, {part.strides[1]}, "
+                f"{p['length'].to_c(dimc)}, {p['chunk']}, {hq}, {p['rows_per']}, {out.ptr}, {out.strides[0]}, c0)")

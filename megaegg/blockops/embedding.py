@@ -1,0 +1,27 @@
+"""embedding: ``out[t, :] = table[ids[t], :]``, one row per instance."""
+
+from __future__ import annotations
+
+from .base import BlockKind, Partition, dimc, register
+from .footprint import Full, Tile
+
+
+@register
+class Embedding(BlockKind):
+    name = "embedding"
+    cuda_file = "embedding.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        return Partition(grid=(inputs[1].shape[0],), reads=((Full(), Full()), (Tile(0, 1),)), writes=(Tile(0, 1), Full()))
+
+    def cpu(self, op, env, ins, out):
+        t = env["_i0"]
+        row = int(ins[1][t].item())
+        if not 0 <= row < ins[0].shape[0]:
+            raise IndexError(f"embedding: token id {row} outside the table's {ins[0].shape[0]} rows")
+        out[t] = ins[0][row]
+
+    def cuda_call(self, op, ins, out):
+        table, ids = ins
+        return (f"embedding_row<{table.ctype}>({table.ptr}, {table.strides[0]}, {ids.ptr}, {ids.strides[0]}, "
+                f"{op.inputs[0].shape[0].value}, {op.inputs[0].shape[1].value}, {out.ptr}, {out.strides[0]}, c0)")

@@ -1,0 +1,29 @@
+"""kv_append: write ``new[Hkv, D]`` into row ``pos`` of a KV cache ``[Hkv, Smax, D]`` in place."""
+
+from __future__ import annotations
+
+from ..dims import as_dim
+from .base import BlockKind, Partition, dimc, register
+from .footprint import At, Full
+
+
+@register
+class KvAppend(BlockKind):
+    name = "kv_append"
+    cuda_file = "kv_append.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        return Partition(grid=(as_dim(1),), reads=((Full(), Full()),),
+                         writes=(Full(), At(params["pos"]), Full()))
+
+    def cpu(self, op, env, ins, out):
+        pos = op.params["pos"].eval(env)
+        if not 0 <= pos < out.shape[1]:
+            raise IndexError(f"kv_append: position {pos} outside the cache's {out.shape[1]} rows")
+        out[:, pos, :] = ins[0]
+
+    def cuda_call(self, op, ins, out):
+        new = ins[0]
+        hkv, smax, d = (x.value for x in op.output.shape)
+        return (f"kv_append<{new.ctype}>({new.ptr}, {new.strides[0]}, {out.ptr}, {out.strides[0]}, {out.strides[1]}, "
+                f"{hkv}, {smax}, {d}, {op.params['pos'].to_c(dimc)})")

@@ -1,0 +1,33 @@
+"""rms_norm: row-wise RMSNorm of ``x[rows, D]`` with weight ``g[D]``, ``rows_per`` rows per instance."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dims import ceildiv
+from .base import BlockKind, Partition, dimc, f32, register
+from .footprint import Full, Tile
+
+
+@register
+class RmsNorm(BlockKind):
+    name = "rms_norm"
+    cuda_file = "rownorm.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        rows = params["rows_per"]
+        tile = (Tile(0, rows), Full())
+        return Partition(grid=(ceildiv(inputs[0].shape[0], rows),), reads=(tile, (Full(),)), writes=tile)
+
+    def cpu(self, op, env, ins, out):
+        rows = op.params["rows_per"]
+        r0 = env["_i0"] * rows
+        x = f32(ins[0][r0 : r0 + rows])
+        y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + op.params["eps"])).to(out.dtype)
+        out[r0 : r0 + rows] = (y.float() * f32(ins[1])).to(out.dtype)
+
+    def cuda_call(self, op, ins, out):
+        x, g = ins
+        return (f"rms_norm_rows<{x.ctype}>({x.ptr}, {x.strides[0]}, {g.ptr}, {out.ptr}, {out.strides[0]}, "
+                f"{op.inputs[0].shape[1].value}, {op.inputs[0].shape[0].to_c(dimc)}, {op.params['rows_per']}, "
+                f"{op.params['eps']!r}f, c0)")

@@ -1,0 +1,29 @@
+"""softmax: row-wise softmax of ``x[rows, D]`` (other dims reach it as permuted views)."""
+
+from __future__ import annotations
+
+from ..dims import ceildiv
+from .base import BlockKind, Partition, dimc, f32, register
+from .footprint import Full, Tile
+
+
+@register
+class Softmax(BlockKind):
+    name = "softmax"
+    cuda_file = "softmax.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        rows = params["rows_per"]
+        tile = (Tile(0, rows), Full())
+        return Partition(grid=(ceildiv(inputs[0].shape[0], rows),), reads=(tile,), writes=tile)
+
+    def cpu(self, op, env, ins, out):
+        rows = op.params["rows_per"]
+        r0 = env["_i0"] * rows
+        out[r0 : r0 + rows] = f32(ins[0][r0 : r0 + rows]).softmax(-1).to(out.dtype)
+
+    def cuda_call(self, op, ins, out):
+        x = ins[0]
+        return (f"softmax_rows<{x.ctype}>({x.ptr}, {x.strides[0]}, {x.strides[1]}, {out.ptr}, {out.strides[0]}, "
+                f"{out.strides[1]}, {op.inputs[0].shape[1].to_c(dimc)}, {op.inputs[0].shape[0].to_c(dimc)}, "
+                f"{op.params['rows_per']}, c0)")

@@ -1,0 +1,19 @@
+"""Model definitions on the Graph API: Llama / Qwen3 configs, the decode-step graph, weights, generation.
+
+>>> from megaegg.models import ModelConfig, build_decode_graph
+>>> graph, spec = build_decode_graph(ModelConfig.preset("llama-3.2-1b"), max_len=2048)
+>>> round(spec.weight_bytes / 1e9, 2)
+2.47
+"""
+
+from .config import ModelConfig, UnsupportedConfig
+from .decoder import ModelSpec, build_decode_graph, decoder_layer
+from .generate import Generation, Generator, StepFn, reference_step
+from .presets import PRESETS
+from .weights import CheckpointError, load_checkpoint, random_weights, read_config
+
+__all__ = [
+    "ModelConfig", "UnsupportedConfig", "ModelSpec", "build_decode_graph", "decoder_layer", "Generation",
+    "Generator", "StepFn", "reference_step", "PRESETS", "CheckpointError", "load_checkpoint", "random_weights",
+    "read_config",
+]

@@ -1,0 +1,140 @@
+"""Model hyperparameters, read from a Hugging Face ``config.json`` dict.
+
+Only what the decode graph needs is kept; a feature the graph does not implement
+(biases, sliding windows, other rope scalings, ...) raises :class:`UnsupportedConfig`
+naming the config field, instead of silently computing something else.
+
+>>> from megaegg.models.presets import PRESETS
+>>> cfg = ModelConfig.from_hf(PRESETS["llama-3.2-1b"])
+>>> cfg.arch, cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.rope_scaling["rope_type"], cfg.dtype
+('llama', 16, 8, 64, 'llama3', bf16)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..dtypes import DType, bf16, f16, f32
+from ..graph import GraphError
+
+ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ROPE_TYPES = ("default", "llama3")
+_DTYPES = {"bfloat16": bf16, "float16": f16, "float32": f32}
+
+
+class UnsupportedConfig(GraphError):
+    """A config.json asks for something the decode graph does not implement; names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (Llama / Qwen3 family), sizes in elements."""
+
+    arch: str  # "llama" | "qwen3" (qwen3 adds per-head q/k RMSNorm)
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    rms_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None (plain RoPE) or a llama3 dict with "rope_type": "llama3"
+    tie_embeddings: bool  # the LM head reads model.embed_tokens.weight
+    max_positions: int
+    dtype: DType
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        """Read a Hugging Face config.json dict (transformers 4 or 5 layout) of a supported model."""
+        arch = cfg.get("model_type")
+        if arch not in ARCHS:
+            _unsupported("model_type", arch, f"one of {', '.join(ARCHS)}")
+        archs = cfg.get("architectures") or [ARCHS[arch]]
+        if list(archs) != [ARCHS[arch]]:
+            _unsupported("architectures", archs, f"[{ARCHS[arch]!r}]")
+        _require(cfg, "hidden_act", "silu", "silu")
+        _require(cfg, "attention_bias", False, "false")
+        _require(cfg, "mlp_bias", False, "false")
+        _require(cfg, "use_sliding_window", False, "false (sliding-window attention is not implemented)")
+        for field in ("quantization_config", "final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(field) is not None:
+                _unsupported(field, cfg[field], "absent")
+        layer_types = cfg.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            _unsupported("layer_types", sorted(set(layer_types)), "only 'full_attention'")
+
+        heads = _int(cfg, "num_attention_heads")
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            _unsupported("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
+        hidden = _int(cfg, "hidden_size")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        if head_dim % 2:
+            _unsupported("head_dim", head_dim, "even")
+        theta, scaling = _rope(cfg)
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"  # transformers' default
+        if dtype_name not in _DTYPES:
+            _unsupported("torch_dtype", dtype_name, f"one of {', '.join(_DTYPES)}")
+        return cls(
+            arch=arch,
+            hidden=hidden,
+            intermediate=_int(cfg, "intermediate_size"),
+            layers=_int(cfg, "num_hidden_layers"),
+            heads=heads,
+            kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            vocab=_int(cfg, "vocab_size"),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_positions=int(cfg.get("max_position_embeddings", 2048)),
+            dtype=_DTYPES[dtype_name],
+        )
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        """A named preset (``tiny``, ``llama-3.2-1b``, ``qwen3-8b``, ...): see ``presets.PRESETS``."""
+        from .presets import PRESETS
+
+        if name not in PRESETS:
+            raise GraphError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+        return cls.from_hf(PRESETS[name])
+
+
+def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(theta, scaling or None): transformers 5 nests both in ``rope_parameters``."""
+    field = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+    params = dict(cfg.get(field) or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        _unsupported(field, f"rope_type {kind!r}", f"one of {', '.join(ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        _unsupported(field, f"partial_rotary_factor {params['partial_rotary_factor']}", "1.0")
+    if kind == "default":
+        return theta, None
+    if "factor" not in params:
+        _unsupported(field, params, "a llama3 scaling with a 'factor'")
+    params["rope_type"] = kind
+    params.pop("type", None)
+    return theta, params
+
+
+def _int(cfg: Mapping[str, Any], field: str) -> int:
+    v = cfg.get(field)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise UnsupportedConfig(f"config field {field!r} must be a positive int, got {v!r}")
+    return v
+
+
+def _require(cfg: Mapping[str, Any], field: str, want: Any, desc: str) -> None:
+    if field in cfg and cfg[field] is not None and cfg[field] != want:
+        _unsupported(field, cfg[field], desc)
+
+
+def _unsupported(field: str, value: Any, want: str) -> None:
+    raise UnsupportedConfig(f"config field {field!r} = {value!r} is not supported (supported: {want})")

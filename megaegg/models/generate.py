@@ -1,0 +1,91 @@
+"""Greedy generation over any decode-step executor.
+
+A step function is ``step(token, pos) -> (logits, next_token)``: ``token`` is i32[1]
+on the executor's device, ``pos`` its position; the executor owns the KV caches and
+appends to them. The same :class:`Generator` drives the reference executor
+(:func:`reference_step`) and, later, the compiled megakernel.
+
+>>> import megaegg as me
+>>> from megaegg.models import ModelConfig, build_decode_graph, random_weights
+>>> g, spec = build_decode_graph(ModelConfig.preset("tiny"), max_len=32)
+>>> gen = Generator(reference_step(g, random_weights(spec, seed=0), spec.new_caches()), max_len=32)
+>>> len(gen.generate([1, 2, 3], max_new_tokens=4).tokens)
+4
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from ..graph import Graph, GraphError
+from ..reference import run_reference
+
+StepFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Generation:
+    """The result of :meth:`Generator.generate`."""
+
+    prompt: list[int]
+    tokens: list[int]  # generated tokens (the prompt excluded)
+    logits: list[torch.Tensor] | None = None  # if kept: logits[i] is the step at position i, [1, vocab]
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each step, prompt steps first
+
+
+class Generator:
+    """Greedy decoding: the prompt is fed one token per step (prefill as decode), then the argmax."""
+
+    def __init__(self, step: StepFn, *, max_len: int, device="cpu") -> None:
+        self.step = step
+        self.max_len = max_len
+        self.device = torch.device(device)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        stop_tokens: Sequence[int] = (),
+        keep_logits: bool = False,
+    ) -> Generation:
+        """Generate up to ``max_new_tokens`` after ``prompt`` (positions from 0; the caches are overwritten)."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise GraphError("generate: the prompt must hold at least one token")
+        if len(prompt) + max_new_tokens - 1 > self.max_len:
+            raise GraphError(
+                f"generate: {len(prompt)} prompt + {max_new_tokens} new tokens need "
+                f"{len(prompt) + max_new_tokens - 1} cache rows, the caches hold {self.max_len}"
+            )
+        out = Generation(prompt=prompt, tokens=[], logits=[] if keep_logits else None)
+        token = prompt[0]
+        for pos in range(len(prompt) + max_new_tokens - 1):
+            t0 = time.perf_counter()
+            logits, next_token = self.step(torch.tensor([token], dtype=torch.int32, device=self.device), pos)
+            nxt = int(next_token.reshape(-1)[0])  # syncs with the device
+            out.step_seconds.append(time.perf_counter() - t0)
+            if keep_logits:
+                out.logits.append(logits)
+            if pos + 1 < len(prompt):
+                token = prompt[pos + 1]
+                continue
+            out.tokens.append(nxt)
+            if nxt in stop_tokens:
+                break
+            token = nxt
+        return out
+
+
+def reference_step(graph: Graph, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> StepFn:
+    """A step function over :func:`megaegg.run_reference`; ``caches`` are updated in place."""
+
+    def step(token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = run_reference(graph, {"token": token, **caches}, weights, {"pos": pos})
+        return out["logits"], out["next_token"]
+
+    return step

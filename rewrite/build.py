@@ -1,0 +1,257 @@
+"""Chosen alternatives -> BlockProgram: buffers, operands (buffer + views), block ops.
+
+Each family's ``lower_*`` function turns one chosen alternative into block ops of
+the registered kinds; the kinds' ``build`` gives grids and footprints. Operands
+whose view chain has no strided layout are materialised by an inserted copy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from ..blockops import REGISTRY
+from ..dims import Dim, as_dim, ceildiv
+from ..dtypes import f32
+from ..graph import Graph, GraphError, Node
+from .encode import VIEW_OPS, base_node
+from .extract import Choice
+from .layout import layout_of
+from .program import BlockOp, BlockProgram, Buffer, Estimate, Operand, View
+from .terms import NONE
+
+
+def view_shape(shape: tuple[Dim, ...], view: View) -> tuple[Dim, ...]:
+    if view.kind in ("reshape", "expand"):
+        return tuple(view.args)
+    if view.kind == "permute":
+        return tuple(shape[d] for d in view.args)
+    dim, start, stop = view.args
+    return shape[:dim] + (as_dim(stop) - start,) + shape[dim + 1 :]
+
+
+def with_view(o: Operand, view: View) -> Operand:
+    return Operand(o.buffer, view_shape(o.shape, view), o.dtype, o.views + (view,))
+
+
+def _graph_view(n: Node) -> View:
+    a = n.attrs
+    if n.op == "reshape":
+        return View("reshape", tuple(a["shape"]))
+    if n.op == "permute":
+        return View("permute", tuple(a["dims"]))
+    if n.op == "slice":
+        return View("slice", (a["dim"], a["start"], a["stop"]))
+    return View("expand", tuple(a["shape"]))
+
+
+class ProgramBuilder:
+    """Accumulates buffers and block ops while lowering chosen alternatives in order."""
+
+    def __init__(self, graph: Graph, env_hint: dict[str, int]) -> None:
+        self.graph = graph
+        self.env_hint = env_hint
+        self.buffers: list[Buffer] = []
+        self.buffer_of: dict[int, int] = {}
+        self.ops: list[BlockOp] = []
+
+    # --- buffers and operands ----------------------------------------------------------
+    def new_buffer(self, name: str, kind: str, shape, dtype) -> int:
+        self.buffers.append(Buffer(len(self.buffers), name, kind, tuple(as_dim(d) for d in shape), dtype))
+        return len(self.buffers) - 1
+
+    def buffer(self, i: int) -> int:
+        """Buffer holding base node ``i`` (created on first use)."""
+        if i not in self.buffer_of:
+            n = self.graph.nodes[i]
+            if n.op == "kv_append":  # writes its cache in place
+                self.buffer_of[i] = self.buffer(base_node(self.graph, n.inputs[0]))
+            else:
+                kind = n.op if n.op in ("input", "weight", "constant") else "scratch"
+                if kind == "input" and any(m.op == "kv_append" and base_node(self.graph, m.inputs[0]) == i for m in self.graph.nodes):
+                    kind = "state"
+                self.buffer_of[i] = self.new_buffer(n.name or f"t{i}", kind, n.shape, n.dtype)
+        return self.buffer_of[i]
+
+    def operand(self, ref: int) -> Operand:
+        chain = []
+        i = ref
+        while self.graph.nodes[i].op in VIEW_OPS:
+            chain.append(_graph_view(self.graph.nodes[i]))
+            i = self.graph.nodes[i].inputs[0]
+        base = self.graph.nodes[i]
+        o = Operand(self.buffer(i), base.shape, base.dtype)
+        for v in reversed(chain):
+            o = with_view(o, v)
+        return o
+
+    def output(self, n: Node) -> Operand:
+        return Operand(self.buffer(n.id), n.shape, n.dtype)
+
+    # --- ops -----------------------------------------------------------------------------
+    def emit(self, kind: str, sources, inputs, output: Operand, params: dict) -> BlockOp:
+        inputs = [self.strided(o, sources) for o in inputs]
+        if layout_of(self.buffers[output.buffer].shape, output.views) is None:
+            raise GraphError(f"{kind}: cannot write through view chain {output} (no strided layout)")
+        part = REGISTRY[kind].build(inputs, output, params)
+        op = BlockOp(len(self.ops), kind, tuple(sources), tuple(inputs), output, part.grid, part.reads, part.writes, params)
+        op.estimate = self.estimate(op)
+        self.ops.append(op)
+        return op
+
+    def estimate(self, op: BlockOp) -> Estimate:
+        env = dict(self.env_hint)
+        nbytes = REGISTRY[op.kind].bytes_moved(op, env)
+        inst = op.launch_count.eval(env) if op.grid else 1
+        return Estimate(nbytes, inst, 0.0)
+
+    def strided(self, o: Operand, sources) -> Operand:
+        """``o`` itself if its views have a strided layout, else a contiguous copy of it."""
+        if layout_of(self.buffers[o.buffer].shape, o.views) is not None:
+            return o
+        dst = Operand(self.new_buffer(f"copy{len(self.buffers)}", "scratch", o.shape, o.dtype), o.shape, o.dtype)
+        self.emit("elementwise", sources, [o], dst, elementwise_params("copy", dst.shape, self.env_hint))
+        return dst
+
+
+def to_rows(o: Operand) -> Operand:
+    """View ``[..., D]`` as ``[rows, D]``."""
+    if len(o.shape) == 2:
+        return o
+    rows = as_dim(1)
+    for d in o.shape[:-1]:
+        rows = rows * d
+    return with_view(o, View("reshape", (rows, o.shape[-1])))
+
+
+def broadcast_to(o: Operand, shape: tuple[Dim, ...]) -> Operand:
+    if len(o.shape) < len(shape):
+        o = with_view(o, View("reshape", (as_dim(1),) * (len(shape) - len(o.shape)) + o.shape))
+    if o.shape != shape:
+        o = with_view(o, View("expand", shape))
+    return o
+
+
+def elementwise_params(fn: str, shape, env: dict[str, int], tile: int = 8192) -> dict:
+    """Tile along the largest dim, ``tile`` elements per instance in all."""
+    if not shape:
+        return {"fn": fn, "axis": 0, "tile": 1}
+    sizes = [d.eval(env) for d in shape]
+    axis = max(range(len(shape)), key=lambda k: sizes[k])
+    other = math.prod(sizes) // max(1, sizes[axis])
+    return {"fn": fn, "axis": axis, "tile": max(1, tile // max(1, other))}
+
+
+# --- lowering of each family ------------------------------------------------------------
+def lower_matvec(b: ProgramBuilder, n: Node, c: Choice) -> None:
+    x, w, w2, g, eps, r, rows = c.args
+    roles = {"x": x, "w": w, "w2": w2, "g": g, "r": r}
+    present = tuple(k for k, v in roles.items() if v != NONE)
+    inputs = []
+    for role in present:
+        o = b.operand(roles[role])
+        inputs.append(to_rows(o) if role in ("x", "r") else o)
+    if n.op == "matmul":  # out = a @ B: B [K, N] read as w [N, K]
+        inputs[1] = with_view(inputs[1], View("permute", (1, 0)))
+    out = to_rows(b.output(n))
+    b.emit("matvec", absorbed(b.graph, n.id, set(roles.values())), inputs, out, {"rows": rows, "roles": present, "eps": eps})
+
+
+def absorbed(graph: Graph, i: int, refs: set[int]) -> list[int]:
+    """Graph nodes a fused op computes: ``i`` and its producers up to the operands it reads."""
+    seen, stack = set(), [i]
+    while stack:
+        j = stack.pop()
+        if j in seen or j in refs or graph.nodes[j].op in ("input", "weight", "constant"):
+            continue
+        seen.add(j)
+        stack.extend(graph.nodes[j].inputs)
+    return sorted(seen)
+
+
+def lower_block(b: ProgramBuilder, n: Node, c: Choice) -> None:
+    tile = c.args[0]
+    ins = [b.operand(i) for i in n.inputs]
+    out = b.output(n)
+    family = c.kind
+    if family == "rms_norm":
+        b.emit("rms_norm", [n.id], [to_rows(ins[0]), ins[1]], to_rows(out), {"rows_per": tile, "eps": n.attrs["eps"]})
+    elif family == "elementwise" or family in ("cast", "copy"):
+        fn = n.op if n.op in ("add", "mul", "silu", "cast") else "copy"
+        params = elementwise_params(fn, out.shape, b.env_hint, tile)
+        b.emit("elementwise", [n.id], [broadcast_to(o, out.shape) for o in ins], out, params)
+    elif family == "concat":
+        d, start = n.attrs["dim"], as_dim(0)
+        for o in ins:
+            stop = start + o.shape[d]
+            piece = with_view(out, View("slice", (d, start, stop)))
+            b.emit("elementwise", [n.id], [o], piece, elementwise_params("copy", o.shape, b.env_hint, tile))
+            start = stop
+    elif family == "rope":
+        x = to_rows(ins[0])
+        params = {"rows_per": tile, "pos": n.attrs["pos"], "group": 1}
+        inputs = [x, ins[1]]
+        if n.attrs["pos"] is None:
+            params["group"] = math.prod(d.value for d in n.shape[1:-1]) if len(n.shape) > 2 else 1
+            inputs.append(ins[2])
+        b.emit("rope", [n.id], inputs, to_rows(out), params)
+    elif family == "softmax":
+        if n.attrs["dim"] != len(n.shape) - 1:
+            raise GraphError(f"softmax {n.label}: only the last dim is supported by the megakernel (dim={n.attrs['dim']})")
+        b.emit("softmax", [n.id], [to_rows(ins[0])], to_rows(out), {"rows_per": tile})
+    elif family == "embedding":
+        ids = ins[1] if len(ins[1].shape) == 1 else with_view(ins[1], View("reshape", (_numel(ins[1].shape),)))
+        b.emit("embedding", [n.id], [ins[0], ids], to_rows(out), {})
+    elif family == "kv_append":
+        b.emit("kv_append", [n.id], [ins[1]], b.operand(n.id), {"pos": n.attrs["pos"]})
+    elif family == "attention":
+        lower_attention(b, n, ins, out, tile)
+    elif family == "argmax":
+        lower_argmax(b, n, ins[0], out, tile)
+    elif family == "matmul":
+        lower_matvec(b, n, Choice(n.id, "matvec", (n.inputs[0], n.inputs[1], NONE, NONE, 0.0, NONE, tile)))
+    else:
+        raise GraphError(f"{n.op} {n.label}: no block-op lowering for family {family!r}")
+
+
+def lower_attention(b: ProgramBuilder, n: Node, ins, out: Operand, chunk: int) -> None:
+    q, kc, vc = ins
+    hq, d = (x.value for x in q.shape)
+    hkv, smax = kc.shape[0].value, kc.shape[1]
+    part_shape = (hq, ceildiv(smax, chunk), d + 2)
+    part = Operand(b.new_buffer(f"attn_part{n.id}", "scratch", part_shape, f32), tuple(as_dim(s) for s in part_shape), f32)
+    length = n.attrs["length"]
+    common = {"length": length, "chunk": chunk}
+    b.emit("attn_partial", [n.id], [q, kc, vc], part, {**common, "group": hq // hkv, "scale": n.attrs["scale"]})
+    b.emit("attn_merge", [n.id], [part], out, {**common, "rows_per": max(1, hq // hkv)})
+
+
+def lower_argmax(b: ProgramBuilder, n: Node, x: Operand, out: Operand, chunk: int) -> None:
+    if n.attrs["dim"] != len(x.shape) - 1:
+        raise GraphError(f"argmax {n.label}: only the last dim is supported by the megakernel")
+    x = to_rows(x) if len(x.shape) != 1 else with_view(x, View("reshape", (as_dim(1), x.shape[0])))
+    m, cols = x.shape
+    part_shape = (m, ceildiv(cols, chunk), as_dim(2))
+    part = Operand(b.new_buffer(f"argmax_part{n.id}", "scratch", part_shape, f32), part_shape, f32)
+    b.emit("argmax_partial", [n.id], [x], part, {"chunk": chunk})
+    flat = out if len(out.shape) == 1 else with_view(out, View("reshape", (m,)))
+    b.emit("argmax_reduce", [n.id], [part], flat, {})
+
+
+def _numel(shape) -> Dim:
+    total = as_dim(1)
+    for d in shape:
+        total = total * d
+    return total
+
+
+LOWER: dict[str, Callable[[ProgramBuilder, Node, Choice], None]] = {"matvec": lower_matvec}
+
+
+def build_program(graph: Graph, chosen: dict[int, Choice], env_hint: dict[str, int]) -> BlockProgram:
+    b = ProgramBuilder(graph, env_hint)
+    for i in sorted(chosen):
+        c = chosen[i]
+        LOWER.get(c.kind, lower_block)(b, graph.nodes[i], c)
+    outputs = {name: b.operand(i) for name, i in graph.outputs.items()}
+    return BlockProgram(b.buffers, b.ops, outputs, tuple(sorted(graph.symbols())))

@@ -1,0 +1,26 @@
+"""The extraction cost model: estimated seconds of one block op on a persistent grid.
+
+All constants are parameters. Defaults describe a Hopper GPU (132 SMs, ~3 TB/s read).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostModel:
+    bandwidth: float = 3.0e12  # bytes/s the whole chip streams
+    sms: int = 132
+    sm_bandwidth_share: float = 3.0  # one SM alone can pull ~3x its fair share of bandwidth
+    instance_overhead: float = 0.15e-6  # s per instance: queue pop + barrier check (DESIGN.md)
+    op_overhead: float = 1.5e-6  # s per block op: the dependency hand-off latency it adds
+
+    def seconds(self, nbytes: int, instances: int) -> float:
+        """Time for ``instances`` equal instances moving ``nbytes`` in all."""
+        instances = max(1, instances)
+        waves = math.ceil(instances / self.sms)
+        per_sm_bw = self.bandwidth / self.sms * self.sm_bandwidth_share
+        stream = max(nbytes / self.bandwidth, waves * (nbytes / instances) / per_sm_bw)
+        return stream + waves * self.instance_overhead + self.op_overhead

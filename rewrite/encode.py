@@ -1,0 +1,56 @@
+"""Graph -> e-graph: one ``Op`` term per computing node, unioned into ``node(i)``."""
+
+from __future__ import annotations
+
+from egglog import EGraph, union
+
+from ..graph import LEAF_OPS, Graph, Node
+from .terms import Op, node
+
+VIEW_OPS = ("reshape", "permute", "slice", "expand")
+
+
+def base_node(graph: Graph, i: int) -> int:
+    """Follow view nodes down to the node that owns the storage."""
+    while graph.nodes[i].op in VIEW_OPS:
+        i = graph.nodes[i].inputs[0]
+    return i
+
+
+def term_of(graph: Graph, n: Node) -> Op:
+    ins = n.inputs
+    same = int(all(graph.nodes[j].shape == n.shape for j in ins))
+    if n.op == "linear":
+        return Op.linear(*ins)
+    if n.op == "rms_norm":
+        return Op.rms_norm(ins[0], ins[1], n.attrs["eps"])
+    if n.op == "add":
+        return Op.add(ins[0], ins[1], same)
+    if n.op == "mul":
+        return Op.mul(ins[0], ins[1], same)
+    if n.op == "silu":
+        return Op.silu(ins[0])
+    return Op.other(n.op, n.id)
+
+
+def encode(graph: Graph, live: set[int]) -> EGraph:
+    """An e-graph holding every live computing node's term (leaves and views have none)."""
+    egraph = EGraph()
+    actions = [
+        union(node(n.id)).with_(term_of(graph, n))
+        for n in graph.nodes
+        if n.id in live and n.op not in LEAF_OPS and n.op not in VIEW_OPS
+    ]
+    if actions:
+        egraph.register(*actions)
+    return egraph
+
+
+def live_nodes(graph: Graph) -> set[int]:
+    live, stack = set(), list(graph.outputs.values())
+    while stack:
+        i = stack.pop()
+        if i not in live:
+            live.add(i)
+            stack.extend(graph.nodes[i].inputs)
+    return live

@@ -1,0 +1,86 @@
+"""Rewrite rules, as named rulesets next to the ``Op`` sort. ``schedule.py`` runs them.
+
+``lowering``: every graph op gets its block-op alternatives (tile sizes).
+``fusion``: fused alternatives side by side with the unfused ones; the extractor
+chooses by cost.
+"""
+
+from __future__ import annotations
+
+from egglog import eq, f64, i64, rule, ruleset, union
+
+from .terms import NONE, Op, node
+
+# Rows of the weight per matvec instance. 16 rows x K=2048 x bf16 = 64 KB per instance;
+# DESIGN.md: pops cost a few % below ~128 KB, so the larger tiles win on big layers.
+MATVEC_ROWS = (8, 16, 32, 64, 128)
+ELEMENTWISE_TILES = (1024, 8192)
+ROW_TILES = (1, 4)
+ATTENTION_CHUNKS = (64, 256)  # KV rows per split-KV instance
+ARGMAX_CHUNKS = (1024, 4096)
+
+# Which tile alternatives each op family gets when lowered as a single-node block op.
+BLOCK_TILES: dict[str, tuple[int, ...]] = {
+    "rms_norm": ROW_TILES,
+    "elementwise": ELEMENTWISE_TILES,
+    "rope": ROW_TILES,
+    "softmax": ROW_TILES,
+    "attention": ATTENTION_CHUNKS,
+    "argmax": ARGMAX_CHUNKS,
+    "embedding": (1,),
+    "kv_append": (1,),
+    "concat": ELEMENTWISE_TILES,
+    "cast": ELEMENTWISE_TILES,
+    "copy": ELEMENTWISE_TILES,
+    "matmul": MATVEC_ROWS,
+}
+
+lowering = ruleset(name="lowering")
+fusion = ruleset(name="fusion")
+
+
+@lowering.register
+def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
+    # linear -> matvec with each tile height
+    yield rule(eq(node(i)).to(Op.linear(x, w))).then(
+        *(union(node(i)).with_(Op.matvec(x, w, NONE, NONE, 0.0, NONE, r)) for r in MATVEC_ROWS)
+    )
+    yield rule(eq(node(i)).to(Op.rms_norm(x, g, eps))).then(
+        *(union(node(i)).with_(Op.block("rms_norm", i, t)) for t in ROW_TILES)
+    )
+    for build in (lambda: Op.add(a, b, s), lambda: Op.mul(a, b, s), lambda: Op.silu(a)):
+        yield rule(eq(node(i)).to(build())).then(
+            *(union(node(i)).with_(Op.block("elementwise", i, t)) for t in ELEMENTWISE_TILES)
+        )
+    for family, tiles in BLOCK_TILES.items():
+        if family in ("rms_norm", "elementwise"):
+            continue
+        yield rule(eq(node(i)).to(Op.other(family, i))).then(
+            *(union(node(i)).with_(Op.block(family, i, t)) for t in tiles)
+        )
+
+
+@fusion.register
+def _fuse(
+    x: i64, h: i64, w: i64, w2: i64, g: i64, r: i64, a: i64, b: i64, u: i64, eps: f64, rows: i64, i: i64
+):
+    # RMSNorm prologue: matvec(norm(x)) -> matvec reading x, normalising per instance.
+    # Recomputing the norm in every instance costs K elements each; it saves an op.
+    yield rule(
+        eq(node(i)).to(Op.matvec(h, w, w2, NONE, 0.0, r, rows)),
+        eq(node(h)).to(Op.rms_norm(x, g, eps)),
+    ).then(union(node(i)).with_(Op.matvec(x, w, w2, g, eps, r, rows)))
+    # Residual epilogue: r + matvec(...) (either operand order), when shapes agree.
+    for lhs in (Op.add(r, b, 1), Op.add(b, r, 1)):
+        yield rule(
+            eq(node(i)).to(lhs),
+            eq(node(b)).to(Op.matvec(x, w, w2, g, eps, NONE, rows)),
+        ).then(union(node(i)).with_(Op.matvec(x, w, w2, g, eps, r, rows)))
+    # Gated MLP: silu(x w^T) * (x w2^T) -> one matvec over both weights.
+    for lhs in (Op.mul(a, u, 1), Op.mul(u, a, 1)):
+        yield rule(
+            eq(node(i)).to(lhs),
+            eq(node(a)).to(Op.silu(b)),
+            eq(node(b)).to(Op.matvec(x, w, NONE, g, eps, NONE, rows)),
+            eq(node(u)).to(Op.matvec(x, w2, NONE, g, eps, NONE, rows)),
+        ).then(union(node(i)).with_(Op.matvec(x, w, w2, g, eps, NONE, rows)))

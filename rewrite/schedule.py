@@ -1,0 +1,65 @@
+"""The rewrite stage's entry: graph -> BlockProgram, as a list of named passes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..graph import Graph
+from .build import build_program
+from .cost import CostModel
+from .encode import encode, live_nodes
+from .extract import alternatives, choose, computing_nodes
+from .program import BlockProgram
+from .rules import fusion, lowering
+
+DEFAULT_DIM_HINT = 512  # representative value of every runtime dim for cost estimates
+
+
+@dataclass
+class RewriteStats:
+    seconds: dict[str, float] = field(default_factory=dict)
+    alternatives: int = 0
+
+    def lap(self, name: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.seconds[name] = now - t0
+        return now
+
+
+def rewrite(
+    graph: Graph, *, cost_model: CostModel | None = None, dims_hint: dict[str, int] | None = None,
+    stats: RewriteStats | None = None,
+) -> BlockProgram:
+    cost_model = cost_model or CostModel()
+    env = {s: DEFAULT_DIM_HINT for s in graph.symbols()} | dict(dims_hint or {})
+    stats = stats or RewriteStats()
+    t = time.perf_counter()
+    live = live_nodes(graph)  # dead ops never reach the e-graph
+    egraph = encode(graph, live)  # one SSA term per computing node
+    t = stats.lap("encode", t)
+    egraph.run(lowering.saturate())  # block-op alternatives: tile sizes per op
+    egraph.run(fusion.saturate())  # fused alternatives beside the unfused ones
+    t = stats.lap("saturate", t)
+    alts = alternatives(egraph, graph, computing_nodes(graph, live))
+    stats.alternatives = sum(len(a) for a in alts.values())
+    t = stats.lap("alternatives", t)
+    costs = _choice_costs(graph, alts, cost_model, env)
+    chosen = choose(graph, alts, costs.__getitem__)  # DAG extraction by cost
+    t = stats.lap("extract", t)
+    program = build_program(graph, chosen, env)  # buffers, operands, block ops
+    stats.lap("build", t)
+    return program
+
+
+def _choice_costs(graph, alts, model: CostModel, env) -> dict:
+    """Cost of each alternative: lower it alone and price its block ops."""
+    from .build import LOWER, ProgramBuilder, lower_block
+
+    costs = {}
+    for cs in alts.values():
+        for c in cs:
+            b = ProgramBuilder(graph, env)
+            LOWER.get(c.kind, lower_block)(b, graph.nodes[c.node], c)
+            costs[c] = sum(model.seconds(op.estimate.bytes, op.estimate.instances) for op in b.ops)
+    return costs

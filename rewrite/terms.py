@@ -1,0 +1,55 @@
+"""The e-graph encoding of a graph: one small ``Op`` term per node, in SSA form.
+
+``node(i)`` is the e-class of graph node ``i``. Tensor operands are node ids
+(``i64``), never nested terms: nested terms share subterms across layers and make
+extraction cost overflow (DESIGN.md, egglog facts). A node whose operand is a view
+refers to the view node's id; views have no term, so no fusion rule sees through
+one (a fused body reads its operands unviewed).
+
+Graph-op constructors (what the user wrote) and block-op constructors (how it runs)
+live in one sort so that rules can union them into the same e-class. Absent
+optional operands are ``-1``.
+"""
+
+from __future__ import annotations
+
+from egglog import Expr, StringLike, f64Like, function, i64Like
+
+NONE = -1
+
+
+class Op(Expr):
+    # --- graph ops with rewrite rules --------------------------------------------------
+    @classmethod
+    def linear(cls, x: i64Like, w: i64Like) -> Op: ...
+
+    @classmethod
+    def rms_norm(cls, x: i64Like, g: i64Like, eps: f64Like) -> Op: ...
+
+    @classmethod
+    def add(cls, a: i64Like, b: i64Like, same_shape: i64Like) -> Op: ...
+
+    @classmethod
+    def mul(cls, a: i64Like, b: i64Like, same_shape: i64Like) -> Op: ...
+
+    @classmethod
+    def silu(cls, a: i64Like) -> Op: ...
+
+    @classmethod
+    def other(cls, op: StringLike, i: i64Like) -> Op:
+        """Any other graph op (rope, attention, argmax, ...): lowered by one rule family."""
+
+    # --- block ops ----------------------------------------------------------------------
+    @classmethod
+    def matvec(
+        cls, x: i64Like, w: i64Like, w2: i64Like, g: i64Like, eps: f64Like, r: i64Like, rows: i64Like
+    ) -> Op:
+        """``matvec`` kind: x @ w^T [* silu gate w2] [with RMSNorm(g) prologue] [+ r]."""
+
+    @classmethod
+    def block(cls, kind: StringLike, i: i64Like, tile: i64Like) -> Op:
+        """A single-node block op of ``kind`` for node ``i`` with tile parameter ``tile``."""
+
+
+@function
+def node(i: i64Like) -> Op: ...

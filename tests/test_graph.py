@@ -1,0 +1,121 @@
+"""Graph API: shape inference, symbolic dims, and every error path naming op and tensors."""
+
+import pytest
+import torch
+
+import megaegg as me
+from megaegg import GraphError, ShapeError
+
+S, P = me.sym("S"), me.sym("pos")
+
+
+def test_dim_arithmetic_and_eval():
+    d = me.ceildiv(S * 4 + 3, 2)
+    assert d.eval({"S": 5}) == 12
+    assert str(S + 0) == "S" and str(S * 1) == "S" and (S * 0).value == 0
+    assert (S + 2) + 3 == S + 5
+    assert 3 + S == S + 3
+    assert (S // 4).eval({"S": 17}) == 4 and (S % 4).eval({"S": 17}) == 1
+    assert me.dmin(S, 7).eval({"S": 9}) == 7 and me.dmax(S, 7).eval({"S": 9}) == 9
+    with pytest.raises(KeyError, match="S"):
+        d.eval({})
+    with pytest.raises(ValueError):
+        me.sym("not an identifier")
+
+
+def test_shape_inference():
+    g = me.Graph()
+    x = g.input("x", [S, 64], me.bf16)
+    w = g.weight("w", [128, 64], me.bf16)
+    y = me.linear(x, w)
+    assert y.shape == (S, me.Dim("const", (128,))) and y.dtype == me.bf16
+    assert (x @ g.weight("b", [64, 32], me.bf16)).shape[-1].value == 32
+    assert (y + g.input("bias", [128], me.bf16)).shape == y.shape
+    assert me.reshape(y, [-1]).shape[0].eval({"S": 3}) == 384
+    assert me.transpose(y, 0, 1).shape == (y.shape[1], y.shape[0])
+    assert me.slice(y, 1, 16, 48).shape[1].value == 32
+    assert me.concat([y, y], 1).shape[1].value == 256
+    assert me.argmax(y).dtype == me.i32 and me.argmax(y).shape == (S,)
+    assert me.expand(g.input("one", [1, 128], me.bf16), [S, 128]).shape == (S, y.shape[1])
+    assert me.cast(y, me.f32).dtype == me.f32
+    emb = me.embedding(g.weight("emb", [1000, 64], me.bf16), g.input("ids", [S], me.i32))
+    assert emb.shape == (S, me.Dim("const", (64,)))
+
+
+def _layer_graph():
+    g = me.Graph()
+    q = g.input("q", [8, 64], me.bf16)
+    kc = g.input("kc", [2, 128, 64], me.bf16)
+    return g, q, kc
+
+
+@pytest.mark.parametrize(
+    "build, pattern",
+    [
+        (lambda g: me.linear(g.input("x", [1, 64], me.f32), g.weight("w", [32, 48], me.f32)), r"linear: in-features differ.*'x'.*'w'"),
+        (lambda g: me.matmul(g.input("a", [2, 3], me.f32), g.input("b", [4, 5], me.f32)), r"matmul: inner dims differ.*'a'.*\[2, 3\].*'b'.*\[4, 5\]"),
+        (lambda g: me.add(g.input("a", [2, 3], me.f32), g.input("b", [4, 3], me.f32)), r"add: shapes do not broadcast.*'a'.*'b'"),
+        (lambda g: me.add(g.input("a", [3], me.f32), g.input("b", [3], me.bf16)), r"add: dtypes differ"),
+        (lambda g: me.rms_norm(g.input("x", [2, 8], me.f32), g.weight("g", [4], me.f32)), r"rms_norm: weight 'g'"),
+        (lambda g: me.rope(g.input("x", [2, 7], me.f32), P), r"rope: last dim.*even"),
+        (lambda g: me.embedding(g.weight("t", [10, 4], me.f32), g.input("i", [3], me.f32)), r"embedding: ids 'i'.*i32"),
+        (lambda g: me.reshape(g.input("x", [4, 6], me.f32), [5, 5]), r"reshape: 'x'.*element counts differ"),
+        (lambda g: me.permute(g.input("x", [4, 6], me.f32), [0, 0]), r"permute"),
+        (lambda g: me.slice(g.input("x", [4, 6], me.f32), 1, 2, 9), r"slice: stop 9 exceeds"),
+        (lambda g: me.expand(g.input("x", [2, 6], me.f32), [4, 6]), r"expand: 'x'"),
+        (lambda g: me.concat([g.input("a", [2, 3], me.f32), g.input("b", [2, 4], me.f32)], 0), r"concat: 'b'"),
+        (lambda g: me.softmax(g.input("x", [2, 3], me.f32), dim=2), r"softmax: dim 2 out of range"),
+        (lambda g: me.silu(g.input("x", [2], me.i32)), r"silu: 'x' i32.*float"),
+        (lambda g: me.attention(g.input("q", [6, 64], me.f32), g.input("k", [4, 16, 64], me.f32),
+                                g.input("v", [4, 16, 64], me.f32), P + 1), r"attention: q heads.*multiple"),
+        (lambda g: me.attention(g.input("q", [8, 32], me.f32), g.input("k", [4, 16, 64], me.f32),
+                                g.input("v", [4, 16, 64], me.f32), P + 1), r"attention: head dim"),
+        (lambda g: me.kv_append(g.input("k", [4, 16, 64], me.f32), g.input("n", [4, 32], me.f32), P), r"kv_append: new entry 'n'"),
+        (lambda g: me.kv_append(g.weight("k", [4, 16, 64], me.f32), g.input("n", [4, 64], me.f32), P), r"kv_append: cache 'k'.*graph input"),
+        (lambda g: g.weight("w", [S, 4], me.f32), r"weight 'w'.*concrete"),
+    ],
+)
+def test_errors_name_op_and_tensors(build, pattern):
+    with pytest.raises(ShapeError, match=pattern):
+        build(me.Graph())
+
+
+def test_graph_errors():
+    g = me.Graph()
+    g.input("x", [2], me.f32)
+    with pytest.raises(GraphError, match="'x'.*already exists"):
+        g.input("x", [3], me.f32)
+    other = me.Graph().input("y", [2], me.f32)
+    with pytest.raises(GraphError, match="another graph"):
+        me.add(me.Tensor(g, 0), other)
+    with pytest.raises(GraphError, match="rope scaling type 'yarn'"):
+        me.rope(g.input("r", [2, 8], me.f32), P, scaling={"rope_type": "yarn", "factor": 2.0})
+
+
+def test_reference_errors():
+    g = me.Graph()
+    x = g.input("x", [S, 4], me.f32)
+    g.output("y", me.linear(x, g.weight("w", [3, 4], me.f32)))
+    w = {"w": torch.randn(3, 4)}
+    with pytest.raises(GraphError, match="missing value for runtime dim 'S'"):
+        me.run_reference(g, {"x": torch.randn(2, 4)}, w)
+    with pytest.raises(GraphError, match="missing input.*x"):
+        me.run_reference(g, {}, w, {"S": 2})
+    with pytest.raises(GraphError, match="missing weight.*w"):
+        me.run_reference(g, {"x": torch.randn(2, 4)}, {}, {"S": 2})
+    with pytest.raises(GraphError, match=r"input 'x' has shape \[3, 4\], expected \[2, 4\]"):
+        me.run_reference(g, {"x": torch.randn(3, 4)}, w, {"S": 2})
+    with pytest.raises(GraphError, match="input 'x' has dtype torch.float16"):
+        me.run_reference(g, {"x": torch.randn(2, 4).half()}, w, {"S": 2})
+    with pytest.raises(GraphError, match="unknown input"):
+        me.run_reference(g, {"x": torch.randn(2, 4), "z": torch.randn(1)}, w, {"S": 2})
+    with pytest.raises(GraphError, match="runtime dim 'S' must be a non-negative int"):
+        me.run_reference(g, {"x": torch.randn(2, 4)}, w, {"S": -1})
+
+
+def test_kv_append_position_out_of_range():
+    g = me.Graph()
+    kc = g.input("kc", [2, 4, 8], me.f32)
+    g.output("k", me.kv_append(kc, g.input("n", [2, 8], me.f32), P))
+    with pytest.raises(GraphError, match="position 4 outside"):
+        me.run_reference(g, {"kc": torch.randn(2, 4, 8), "n": torch.randn(2, 8)}, {}, {"pos": 4})

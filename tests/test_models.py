@@ -1,0 +1,225 @@
+"""Model graphs (Llama, Qwen3) on the reference executor against Hugging Face transformers (CPU, f32)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+import torch
+
+import megaegg as me
+from megaegg.models import (
+    PRESETS, CheckpointError, Generator, ModelConfig, UnsupportedConfig, build_decode_graph, load_checkpoint,
+    random_weights, read_config, reference_step,
+)
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+TINY = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=97, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,  # no EOS: 16 tokens always
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+}
+
+
+def hf_model(arch: str, *, tie: bool, seed: int):
+    """A tiny random HF model whose weights all matter (norm weights != 1, logits spread out)."""
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            **TINY, tie_word_embeddings=tie, rope_parameters=LLAMA3_ROPE, max_position_embeddings=131072
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(**TINY, tie_word_embeddings=tie, rope_theta=1e6, max_position_embeddings=4096)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.15 * torch.randn_like(p))
+    return model.float().eval()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize(
+    "arch,tie,shard,seed",
+    [("llama", True, False, 10), ("llama", False, True, 11), ("qwen3", False, False, 12), ("qwen3", True, True, 13)],
+)
+def test_greedy_matches_transformers(tmp_path, arch, tie, shard, seed):
+    model = hf_model(arch, tie=tie, seed=seed)
+    model.save_pretrained(tmp_path, max_shard_size="40KB" if shard else "1GB")
+    assert (tmp_path / ("model.safetensors.index.json" if shard else "model.safetensors")).is_file()
+
+    cfg = read_config(tmp_path)
+    assert (cfg.arch, cfg.tie_embeddings, cfg.dtype) == (arch, tie, me.f32)
+    assert (cfg.rope_scaling or {}).get("rope_type") == ("llama3" if arch == "llama" else None)
+    max_len = 32
+    graph, spec = build_decode_graph(cfg, max_len=max_len)
+    weights = load_checkpoint(tmp_path, spec)
+    gen = Generator(reference_step(graph, weights, spec.new_caches()), max_len=max_len)
+
+    prompt = torch.randint(0, cfg.vocab, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = gen.generate(prompt, max_new_tokens=16, keep_logits=True)
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt + out.tokens])
+        want = model.generate(ids[:, : len(prompt)], max_new_tokens=16, do_sample=False)
+        assert want[0, len(prompt) :].tolist() == out.tokens
+        hf_logits = model(ids[:, :-1]).logits[0]  # logits at every position the driver stepped over
+    ours = torch.cat(out.logits)
+    assert ours.shape == hf_logits.shape == (len(prompt) + 15, cfg.vocab)
+    errs = [rel_err(ours[pos], hf_logits[pos]) for pos in range(ours.shape[0])]
+    print(f"\n{arch} tie={tie} shard={shard}: max logits rel err {max(errs):.2e}, tokens {out.tokens}")
+    assert max(errs) < 1e-4, f"logits differ at position {errs.index(max(errs))}: rel err {max(errs):.2e}"
+    assert len(set(out.tokens)) > 1  # not a degenerate model
+
+
+def test_generate_stops_and_checks_length():
+    cfg = ModelConfig.preset("tiny")
+    graph, spec = build_decode_graph(dataclasses.replace(cfg, dtype=me.f32), max_len=16)
+    weights = random_weights(spec, seed=1)
+    gen = Generator(reference_step(graph, weights, spec.new_caches()), max_len=16)
+    first = gen.generate([3, 4], max_new_tokens=8)
+    assert len(first.tokens) == 8 and len(first.step_seconds) == 9
+    again = gen.generate([3, 4], max_new_tokens=8, stop_tokens=[first.tokens[2]])  # caches reused from position 0
+    assert again.tokens == first.tokens[: first.tokens.index(first.tokens[2]) + 1]
+    with pytest.raises(me.GraphError, match="cache rows"):
+        gen.generate([1] * 10, max_new_tokens=8)
+
+
+def test_random_weights_bf16_logits_not_degenerate():
+    graph, spec = build_decode_graph(ModelConfig.preset("tiny"), max_len=8)
+    weights = random_weights(spec, seed=2)
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    logits, _ = reference_step(graph, weights, spec.new_caches())(torch.tensor([5], dtype=torch.int32), 0)
+    assert logits.dtype == torch.bfloat16 and logits.shape == (1, 1024)
+    assert torch.isfinite(logits).all() and logits.float().std() > 0.1
+    with pytest.raises(me.GraphError, match="rebuild"):
+        spec.new_caches(dtype=torch.float16)
+
+
+# --- config errors name the field ----------------------------------------------------------------
+LLAMA_HF = {**PRESETS["tiny"]}
+QWEN_HF = {**PRESETS["qwen3-0.6b"]}
+
+
+@pytest.mark.parametrize(
+    "base,override,field",
+    [
+        (LLAMA_HF, {"model_type": "mistral"}, "model_type"),
+        (LLAMA_HF, {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+        (LLAMA_HF, {"hidden_act": "gelu"}, "hidden_act"),
+        (LLAMA_HF, {"attention_bias": True}, "attention_bias"),
+        (LLAMA_HF, {"mlp_bias": True}, "mlp_bias"),
+        (LLAMA_HF, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        (LLAMA_HF, {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+        (LLAMA_HF, {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_parameters"),
+        (LLAMA_HF, {"num_key_value_heads": 3}, "num_key_value_heads"),
+        (LLAMA_HF, {"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
+        (LLAMA_HF, {"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+        (LLAMA_HF, {"hidden_size": None}, "hidden_size"),
+        (QWEN_HF, {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
+        (QWEN_HF, {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ],
+)
+def test_config_errors_name_the_field(base, override, field):
+    with pytest.raises(UnsupportedConfig, match=repr(field)):
+        ModelConfig.from_hf({**base, **override})
+
+
+def test_config_reads_both_rope_layouts():
+    old = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])  # transformers 4: rope_theta + rope_scaling
+    new_hf = {k: v for k, v in PRESETS["llama-3.1-8b"].items() if k not in ("rope_theta", "rope_scaling")}
+    rope_parameters = {**PRESETS["llama-3.1-8b"]["rope_scaling"], "rope_theta": 5e5}
+    new = ModelConfig.from_hf({**new_hf, "rope_parameters": rope_parameters})
+    assert old == new and old.rope_theta == 5e5 and old.rope_scaling["factor"] == 8.0
+    qwen = ModelConfig.from_hf(PRESETS["qwen3-8b"])
+    got = (qwen.arch, qwen.rope_scaling, qwen.rope_theta, qwen.head_dim, qwen.tie_embeddings)
+    assert got == ("qwen3", None, 1e6, 128, False)
+
+
+# --- checkpoint errors name the tensor -----------------------------------------------------------
+def write_checkpoint(path, hf_config: dict, tensors: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config))
+    safetensors_torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+
+
+@pytest.fixture
+def tiny_f32():
+    hf = {**PRESETS["tiny"], "torch_dtype": "float32"}
+    graph, spec = build_decode_graph(ModelConfig.from_hf(hf), max_len=8)
+    return hf, spec, random_weights(spec, seed=3)
+
+
+def test_checkpoint_round_trip_casts_to_model_dtype(tmp_path, tiny_f32):
+    hf, spec, weights = tiny_f32
+    write_checkpoint(tmp_path, hf, {**weights, "unused.extra": torch.zeros(2)})
+    loaded = load_checkpoint(tmp_path, spec)
+    assert list(loaded) == list(spec.weights) and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    _, spec16 = build_decode_graph(ModelConfig.from_hf(PRESETS["tiny"]), max_len=8)  # same model in bf16
+    loaded16 = load_checkpoint(tmp_path, spec16, dtype=torch.bfloat16)
+    assert all(w.dtype == torch.bfloat16 for w in loaded16.values())
+
+
+def test_checkpoint_missing_tensor_is_named(tmp_path, tiny_f32):
+    hf, spec, weights = tiny_f32
+    name = "model.layers.1.mlp.up_proj.weight"
+    write_checkpoint(tmp_path, hf, {k: v for k, v in weights.items() if k != name})
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        load_checkpoint(tmp_path, spec)
+
+
+def test_checkpoint_misshaped_tensor_is_named(tmp_path, tiny_f32):
+    hf, spec, weights = tiny_f32
+    name = "model.layers.0.self_attn.k_proj.weight"
+    write_checkpoint(tmp_path, hf, {**weights, name: weights[name][:64]})
+    with pytest.raises(CheckpointError, match=rf"{name.replace('.', '[.]')}.*shape \[64, 256\], expected \[128, 256\]"):
+        load_checkpoint(tmp_path, spec)
+
+
+def test_checkpoint_of_another_model_names_the_field(tmp_path, tiny_f32):
+    hf, spec, weights = tiny_f32
+    write_checkpoint(tmp_path, {**hf, "num_hidden_layers": 3}, weights)
+    with pytest.raises(CheckpointError, match="layers is 3"):
+        load_checkpoint(tmp_path, spec)
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_checkpoint(tmp_path / "nowhere", spec)
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match="neither model.safetensors"):
+        load_checkpoint(tmp_path / "config_only", spec)
+
+
+# --- presets --------------------------------------------------------------------------------------
+PARAMS = {  # published parameter counts (tied heads counted once)
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.1-8b": 8_030_261_248,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "qwen3-8b": 8_190_735_360,
+}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_build(name):
+    cfg = ModelConfig.preset(name)
+    t0 = time.perf_counter()
+    graph, spec = build_decode_graph(cfg, max_len=2048)
+    seconds = time.perf_counter() - t0
+    print(f"\n{name}: {len(graph.nodes)} nodes, {spec.weight_bytes / 1e9:.2f} GB, built in {seconds * 1e3:.1f} ms")
+    assert seconds < 2.0
+    assert graph.symbols() == {"pos"} and set(graph.outputs) == {"logits", "next_token"}
+    assert len(spec.caches) == 2 * cfg.layers
+    assert ("lm_head.weight" in spec.weights) != cfg.tie_embeddings
+    assert ("model.layers.0.self_attn.q_norm.weight" in spec.weights) == (cfg.arch == "qwen3")
+    if name in PARAMS:
+        assert spec.weight_bytes == 2 * PARAMS[name]
