@@ -17,12 +17,14 @@ that are sound for every integer value of the symbols with positive divisors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence, TypeAlias
+from typing import Callable, Iterable, Sequence, TypeAlias, TypeVar
 
-from egglog import EGraph, Expr, ne, String, StringLike, eq, get_callable_args, get_literal_value, i64, i64Like
-from egglog import rewrite, ruleset
+from egglog import EGraph, Expr, StringLike, eq, i64, i64Like, ne, rewrite, ruleset
+from egglog.declarations import CallDecl, ClassMethodRef, InitRef, MethodRef
 
 from ..dims import Dim, as_dim, binary
+
+T = TypeVar("T")
 
 dims_ruleset = ruleset(name="dims")
 
@@ -51,6 +53,38 @@ class DimE(Expr, ruleset=dims_ruleset):
 
 
 DimELike: TypeAlias = DimE | i64Like
+
+
+class DimBatch(Expr):
+    """A balanced tree of Dim roots, so that a batch extracts in ONE call (~2 ms a call).
+
+    ``Vec[DimE]`` would be the obvious container, but its extraction returned the
+    elements out of order here (egglog 13.2.0).
+    """
+
+    @classmethod
+    def one(cls, x: DimE) -> DimBatch: ...
+
+    @classmethod
+    def pair(cls, left: DimBatch, right: DimBatch) -> DimBatch: ...
+
+
+def _batch(roots: Sequence[DimE]) -> DimBatch:
+    if len(roots) == 1:
+        return DimBatch.one(roots[0])
+    mid = len(roots) // 2
+    return DimBatch.pair(_batch(roots[:mid]), _batch(roots[mid:]))
+
+
+def _leaves(e: object, out: list[Dim], memo: dict[object, Dim]) -> list[Dim]:
+    """The Dims of an extracted :class:`DimBatch` tree, left to right."""
+    args = [a.expr for a in e.args]
+    if e.callable.method_name == "one":
+        out.append(_from_decl(args[0], memo))
+    else:
+        for a in args:
+            _leaves(a, out, memo)
+    return out
 
 
 def _floor(a: i64, b: i64) -> i64:
@@ -135,10 +169,15 @@ def _division(x: DimE, y: DimE, a: i64, b: i64) -> Iterable:
     yield rewrite((y + ca) // cb).to(y // cb + DimE(a / b), b > 0, eq(a % b).to(i64(0)))
     yield rewrite((x * ca + y) % cb).to(y % cb, b > 0, eq(a % b).to(i64(0)))
     yield rewrite((y + x * ca) % cb).to(y % cb, b > 0, eq(a % b).to(i64(0)))
-    yield rewrite((y + ca) % cb).to(y % cb + DimE(_fmod(a, b)) , b > 0, eq(a % b).to(i64(0)))
+    yield rewrite((y + ca) % cb).to(y % cb, b > 0, eq(a % b).to(i64(0)))
     yield rewrite((x * ca + y).ceildiv(cb)).to(x * DimE(a / b) + y.ceildiv(cb), b > 0, eq(a % b).to(i64(0)))
     yield rewrite((y + x * ca).ceildiv(cb)).to(y.ceildiv(cb) + x * DimE(a / b), b > 0, eq(a % b).to(i64(0)))
     yield rewrite((y + ca).ceildiv(cb)).to(y.ceildiv(cb) + DimE(a / b), b > 0, eq(a % b).to(i64(0)))
+    # division by a positive constant is monotone, so it moves inside min/max (a capped tile end)
+    yield rewrite(x.min(y) // cb).to((x // cb).min(y // cb), b > 0)
+    yield rewrite(x.max(y) // cb).to((x // cb).max(y // cb), b > 0)
+    yield rewrite(x.min(y).ceildiv(cb)).to(x.ceildiv(cb).min(y.ceildiv(cb)), b > 0)
+    yield rewrite(x.max(y).ceildiv(cb)).to(x.ceildiv(cb).max(y.ceildiv(cb)), b > 0)
     # nested divisions by positive constants combine
     yield rewrite((x // ca) // cb).to(x // DimE(a * b), a > 0, b > 0)
     yield rewrite(x.ceildiv(ca).ceildiv(cb)).to(x.ceildiv(DimE(a * b)), a > 0, b > 0)
@@ -172,15 +211,16 @@ def _minmax(x: DimE, y: DimE, a: i64, b: i64) -> Iterable:
 
 # --- conversion --------------------------------------------------------------
 
-_TO_EGG = {
-    "add": DimE.__add__,
-    "mul": DimE.__mul__,
-    "floordiv": DimE.__floordiv__,
-    "mod": DimE.__mod__,
-    "min": DimE.min,
-    "max": DimE.max,
-    "ceildiv": DimE.ceildiv,
+_METHODS = {
+    "add": "__add__",
+    "mul": "__mul__",
+    "floordiv": "__floordiv__",
+    "mod": "__mod__",
+    "min": "min",
+    "max": "max",
+    "ceildiv": "ceildiv",
 }
+_TO_EGG: dict[str, Callable[[DimE, DimE], DimE]] = {op: getattr(DimE, m) for op, m in _METHODS.items()}
 
 
 def to_egg(dim: Dim, _memo: dict[Dim, DimE] | None = None) -> DimE:
@@ -199,16 +239,34 @@ def to_egg(dim: Dim, _memo: dict[Dim, DimE] | None = None) -> DimE:
     return out
 
 
+_FROM_EGG = {m: op for op, m in _METHODS.items()}
+
+
 def from_egg(expr: DimE) -> Dim:
-    """The :class:`Dim` of an extracted term, rebuilt through the folding constructors."""
-    if (args := get_callable_args(expr, DimE)) is not None:
-        return as_dim(get_literal_value(args[0]))
-    if (args := get_callable_args(expr, DimE.sym)) is not None:
-        return Dim("sym", (get_literal_value(args[0]),))
-    for op, fn in _TO_EGG.items():
-        if (args := get_callable_args(expr, fn)) is not None:
-            return binary(op, from_egg(args[0]), from_egg(args[1]))
-    raise ValueError(f"not a Dim term: {expr}")
+    """The :class:`Dim` of an extracted term, rebuilt through the folding constructors.
+
+    Reads egglog's declarations directly: ``get_callable_args`` costs ~0.4 ms a node.
+    """
+    return _from_decl(expr.__egg_typed_expr__.expr, {})
+
+
+def _from_decl(e: object, memo: dict[object, Dim]) -> Dim:
+    got = memo.get(e)
+    if got is not None:
+        return got
+    if not isinstance(e, CallDecl):
+        raise ValueError(f"not a Dim term: {e}")
+    ref, args = e.callable, [a.expr for a in e.args]
+    if isinstance(ref, InitRef):
+        out = as_dim(args[0].value)
+    elif isinstance(ref, ClassMethodRef) and ref.method_name == "sym":
+        out = Dim("sym", (args[0].value,))
+    elif isinstance(ref, MethodRef) and ref.method_name in _FROM_EGG:
+        out = binary(_FROM_EGG[ref.method_name], _from_decl(args[0], memo), _from_decl(args[1], memo))
+    else:
+        raise ValueError(f"not a Dim term: {e}")
+    memo[e] = out
+    return out
 
 
 def size(dim: Dim) -> int:
@@ -217,6 +275,16 @@ def size(dim: Dim) -> int:
 
 
 # --- simplification ----------------------------------------------------------
+
+
+def _guarded(fn: Callable[[], T]) -> T | None:
+    """``fn()``, or None when egglog fails; its PanicException derives from BaseException."""
+    try:
+        return fn()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException:  # noqa: BLE001
+        return None
 
 
 @dataclass
@@ -236,11 +304,14 @@ class DimSimplifier:
             egraph = EGraph()
             memo: dict[Dim, DimE] = {}
             roots = [to_egg(d, memo) for d in todo]
-            egraph.register(*roots)
+            batch = _batch(roots)
+            egraph.register(batch)
             egraph.run(self.iterations, ruleset=dims_ruleset)
-            for d, root in zip(todo, roots):
-                out = from_egg(egraph.extract(root))
-                self.memo[d] = out if size(out) <= size(d) else d  # never return a larger form
+            outs = _guarded(lambda: _leaves(egraph.extract(batch).__egg_typed_expr__.expr, [], {}))
+            if outs is None:  # the batch failed to extract: retry one by one, keeping inputs that fail
+                outs = [_guarded(lambda r=r: from_egg(egraph.extract(r))) for r in roots]
+            for d, out in zip(todo, outs):
+                self.memo[d] = out if out is not None and size(out) <= size(d) else d  # never larger
         return [self.memo[as_dim(d)] for d in dims]
 
     def equal(self, a: Dim, b: Dim) -> bool:

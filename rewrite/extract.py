@@ -54,9 +54,20 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[int, li
 
 
 def choose(graph: Graph, alts: dict[int, list[Choice]], cost: Callable[[Choice], float]) -> dict[int, Choice]:
-    """Greedy DAG extraction: returns the chosen alternative of every node left live."""
+    """Greedy DAG extraction: returns the chosen alternative of every node left live.
+
+    An alternative is charged its own cost plus the cheapest cost of each operand it
+    alone would keep alive: operands already needed, or upstream of every alternative
+    of the node (needed whichever is chosen), are free.
+    """
     own = {c: cost(c) for cs in alts.values() for c in cs}
     cheapest = {i: min(own[c] for c in cs) for i, cs in alts.items()}
+    ancestors: list[int] = []  # bitset of each node and its graph ancestors
+    for n in graph.nodes:
+        bits = 1 << n.id
+        for j in n.inputs:
+            bits |= ancestors[j]
+        ancestors.append(bits)
 
     def storage(i: int) -> int:
         return base_node(graph, i)
@@ -66,14 +77,21 @@ def choose(graph: Graph, alts: dict[int, list[Choice]], cost: Callable[[Choice],
     for i in sorted(alts, reverse=True):  # node ids are topological: consumers first
         if i not in needed:
             continue
+        deps = {c: {storage(r) for r in c.refs(graph)} for c in alts[i]}
+        upstream = ~0
+        for ds in deps.values():
+            reach = 0
+            for j in ds:
+                reach |= ancestors[j]
+            upstream &= reach
 
         def total(c: Choice) -> float:
-            extra = {storage(r) for r in c.refs(graph)} - needed
+            extra = [j for j in deps[c] if j not in needed and not (upstream >> j) & 1]
             return own[c] + sum(cheapest.get(j, 0.0) for j in extra)
 
         best = min(alts[i], key=total)
         chosen[i] = best
-        needed |= {storage(r) for r in best.refs(graph)}
+        needed |= deps[best]
     return chosen
 
 

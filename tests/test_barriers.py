@@ -349,6 +349,35 @@ def test_nested_tilings_reductions_and_at_reads_are_precise(case):
     check(pair_program(shape, pfp, pgrid, cfp, cgrid), env, precise=True)
 
 
+@st.composite
+def offset_pair(draw):
+    """Tiles whose grids start at different offsets (what slice views of concat pieces give),
+    nested, the offset a whole number of the smaller tile."""
+    e = draw(st.sampled_from([40, 64, 100, 200, 300]))
+    tp = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    m = draw(st.sampled_from([1, 2, 3, 4]))
+    coarse_consumer = draw(st.booleans())
+    tc = tp * m if coarse_consumer else tp
+    tp = tp if coarse_consumer else tp * m
+    small = min(tp, tc)
+    bp = draw(st.integers(0, (e - 1) // small)) * small
+    bc = draw(st.integers(0, (e - 1) // small)) * small
+    symbolic = draw(st.booleans())
+    extent = sym("S") if symbolic else as_dim(e)
+    env = {"S": e} if symbolic else {}
+    i = coord(0)
+    pfp = (Span(i * tp + bp, dmin(i * tp + bp + tp, extent)), Full())
+    cfp = (Span(i * tc + bc, dmin(i * tc + bc + tc, extent)), Full())
+    return (extent, 2), env, pfp, (ceildiv(extent - bp, tp),), cfp, (ceildiv(extent - bc, tc),)
+
+
+@settings(max_examples=120, **SETTINGS)
+@given(offset_pair())
+def test_offset_tiles_are_precise(case):
+    shape, env, pfp, pgrid, cfp, cgrid = case
+    check(pair_program(shape, pfp, pgrid, cfp, cgrid), env, precise=True)
+
+
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 200, 3072])
 @pytest.mark.parametrize("tp,tc", [(64, 64), (32, 64), (16, 64), (64, 32), (64, 16), (64, 1)])
 def test_ragged_rows(n, tp, tc):

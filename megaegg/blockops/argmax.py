@@ -36,8 +36,14 @@ class ArgmaxPartial(BlockKind):
 
     def cuda_call(self, op, ins, out):
         x = ins[0]
-        return (f"argmax_partial<{x.ctype}>({x.ptr}, {x.strides[0]}, {x.strides[1]}, {op.inputs[0].shape[0].value}, "
-                f"{op.inputs[0].shape[1].to_c(dimc)}, {op.params['chunk']}, {out.ptr}, {out.strides[0]}, c0)")
+        m, n = op.inputs[0].shape
+        args = [
+            "smem",
+            x.ptr, x.strides[0], x.strides[1], m.to_c(dimc), n.to_c(dimc), f"{op.params['chunk']}LL",
+            out.ptr, out.strides[0], out.strides[1],
+            "c0",
+        ]
+        return f"argmax_partial<{x.ctype}>({', '.join(args)})"
 
 
 @register
@@ -56,5 +62,5 @@ class ArgmaxReduce(BlockKind):
 
     def cuda_call(self, op, ins, out):
         p = ins[0]
-        return (f"argmax_reduce({p.ptr}, {p.strides[0]}, {op.inputs[0].shape[1].to_c(dimc)}, {out.ptr}, "
-                f"{out.strides[0]}, c0)")
+        args = ["smem", p.ptr, p.strides[0], p.strides[1], op.inputs[0].shape[1].to_c(dimc), out.ptr, out.strides[0], "c0"]
+        return f"argmax_reduce({', '.join(args)})"

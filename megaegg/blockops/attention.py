@@ -52,9 +52,16 @@ class AttnPartial(BlockKind):
         q, kc, vc = ins
         p = op.params
         hq, d = (x.value for x in op.inputs[0].shape)
-        return (f"attn_partial<{q.ctype}, {d}, {p['group']}>({q.ptr}, {q.strides[0]}, {kc.ptr}, {vc.ptr}, "
-                f"{kc.strides[0]}, {kc.strides[1]}, {p['length'].to_c(dimc)}, {p['chunk']}, {p['scale']!r}f, "
-                f"{out.ptr}, {out.strides[0]}, {out.strides[1]}, c0, c1)")
+        args = [
+            "smem",
+            q.ptr, *q.strides[:2],
+            kc.ptr, *kc.strides[:3],
+            vc.ptr, *vc.strides[:3],
+            p["length"].to_c(dimc), f"{p['chunk']}LL", f"{float(p['scale'])!r}f",
+            out.ptr, out.strides[0], out.strides[1],
+            "c0", "c1",
+        ]
+        return f"attn_partial<{q.ctype}, {d}, {p['group']}>({', '.join(args)})"
 
 
 @register
@@ -88,5 +95,10 @@ class AttnMerge(BlockKind):
         part = ins[0]
         p = op.params
         hq, d = (x.value for x in op.output.shape)
-        return (f"attn_merge<{out.ctype}, {d}>({part.ptr}, {part.strides[0]}, {part.strides[1]}, "
-                f"{p['length'].to_c(dimc)}, {p['chunk']}, {hq}, {p['rows_per']}, {out.ptr}, {out.strides[0]}, c0)")
+        args = [
+            part.ptr, part.strides[0], part.strides[1],
+            p["length"].to_c(dimc), f"{p['chunk']}LL", f"{hq}LL", str(p["rows_per"]),
+            out.ptr, out.strides[0], out.strides[1],
+            "c0",
+        ]
+        return f"attn_merge<{out.ctype}, {d}>({', '.join(args)})"

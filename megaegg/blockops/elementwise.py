@@ -42,9 +42,15 @@ class Elementwise(BlockKind):
 
     def cuda_call(self, op, ins, out):
         nd = len(op.output.shape)
-        shape = ", ".join(d.to_c(dimc) for d in op.output.shape) or "1"
-        def strides(o):
-            return ", ".join(o.strides) or "0"
-        args = "".join(f", {o.ptr}, IDX{{{strides(o)}}}" for o in ins)
-        return (f"elementwise<{op.params['fn'].upper()}, {nd or 1}, {out.ctype}{''.join(', ' + o.ctype for o in ins)}>("
-                f"IDX{{{shape}}}, {op.params['axis']}, {op.params['tile']}, c0, {out.ptr}, IDX{{{strides(out)}}}{args})")
+        if nd > 4:
+            raise NotImplementedError(f"elementwise: the CUDA body takes at most 4 dims, op{op.id} has {nd}")
+
+        def idx(values) -> str:  # a scalar output is one element of a 1-d tile
+            return f"Idx4{{{', '.join(values) or '0'}}}"
+
+        shape = [d.to_c(dimc) for d in op.output.shape] or ["1"]
+        types = ", ".join([out.ctype] + [o.ctype for o in ins])
+        args = [idx(shape), str(op.params["axis"]), f"{op.params['tile']}LL", "c0", out.ptr, idx(out.strides)]
+        for o in ins:
+            args += [o.ptr, idx(o.strides)]
+        return f"elementwise<Ew{op.params['fn'].capitalize()}, {max(nd, 1)}, {types}>({', '.join(args)})"

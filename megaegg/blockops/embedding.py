@@ -23,5 +23,11 @@ class Embedding(BlockKind):
 
     def cuda_call(self, op, ins, out):
         table, ids = ins
-        return (f"embedding_row<{table.ctype}>({table.ptr}, {table.strides[0]}, {ids.ptr}, {ids.strides[0]}, "
-                f"{op.inputs[0].shape[0].value}, {op.inputs[0].shape[1].value}, {out.ptr}, {out.strides[0]}, c0)")
+        v, d = (x.value for x in op.inputs[0].shape)
+        args = [
+            table.ptr, table.strides[0], table.strides[1],
+            ids.ptr, ids.strides[0], f"{v}LL", f"{d}LL",
+            out.ptr, out.strides[0], out.strides[1],
+            "c0",
+        ]
+        return f"embedding_row<{table.ctype}, {ids.ctype}>({', '.join(args)})"

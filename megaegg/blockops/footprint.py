@@ -48,6 +48,9 @@ class Tile:
 class At:
     index: Dim
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "index", as_dim(self.index))
+
     def __str__(self) -> str:
         return f"at({self.index})"
 
@@ -56,6 +59,10 @@ class At:
 class Span:
     start: Dim
     stop: Dim
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "start", as_dim(self.start))
+        object.__setattr__(self, "stop", as_dim(self.stop))
 
     def __str__(self) -> str:
         return f"{self.start}:{self.stop}"

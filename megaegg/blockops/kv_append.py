@@ -25,5 +25,9 @@ class KvAppend(BlockKind):
     def cuda_call(self, op, ins, out):
         new = ins[0]
         hkv, smax, d = (x.value for x in op.output.shape)
-        return (f"kv_append<{new.ctype}>({new.ptr}, {new.strides[0]}, {out.ptr}, {out.strides[0]}, {out.strides[1]}, "
-                f"{hkv}, {smax}, {d}, {op.params['pos'].to_c(dimc)})")
+        args = [
+            new.ptr, new.strides[0], new.strides[1],
+            out.ptr, out.strides[0], out.strides[1], out.strides[2],
+            f"{hkv}LL", f"{smax}LL", f"{d}LL", op.params["pos"].to_c(dimc),
+        ]
+        return f"kv_append<{new.ctype}>({', '.join(args)})"

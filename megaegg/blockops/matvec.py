@@ -59,17 +59,28 @@ class MatVec(BlockKind):
         k = roles(op)
         p = op.params
         x, w = ins[k["x"]], ins[k["w"]]
-        w2 = ins[k["w2"]].ptr if "w2" in k else "nullptr"
-        g = ins[k["g"]].ptr if "g" in k else "nullptr"
-        r = ins[k["r"]] if "r" in k else None
+
+        def optional(role: str, n_strides: int) -> list[str]:  # absent operands: nullptr, zero strides
+            if role not in k:
+                return ["nullptr"] + ["0"] * n_strides
+            o = ins[k[role]]
+            return [o.ptr, *o.strides[:n_strides]]
+
         m = op.inputs[k["x"]].shape[0].value
         kdim = op.inputs[k["w"]].shape[1].value
-        return (
-            f"matvec<{x.ctype}, {m}, {kdim}, {p['rows']}, {int('g' in k)}, {int('w2' in k)}, {int(r is not None)}>("
-            f"smem, {x.ptr}, {x.strides[0]}, {w.ptr}, {w2}, {g}, {float(p.get('eps', 0.0))!r}f, "
-            f"{r.ptr if r else 'nullptr'}, {r.strides[0] if r else '0'}, {r.strides[1] if r else '0'}, "
-            f"{out.ptr}, {out.strides[0]}, {out.strides[1]}, {op.inputs[k['w']].shape[0].value}, c0)"
-        )
+        n = op.inputs[k["w"]].shape[0].value
+        flags = ", ".join("true" if role in k else "false" for role in ("g", "w2", "r"))
+        args = [
+            "smem",
+            x.ptr, x.strides[0], x.strides[1],
+            *optional("g", 1), f"{float(p.get('eps', 0.0))!r}f",
+            w.ptr, w.strides[0], w.strides[1],
+            *optional("w2", 2),
+            *optional("r", 2),
+            out.ptr, out.strides[0], out.strides[1],
+            f"{n}LL", "c0",
+        ]
+        return f"matvec<{x.ctype}, {m}, {kdim}, {p['rows']}, {flags}>({', '.join(args)})"
 
     def bytes_moved(self, op, env):
         k = roles(op)

@@ -43,8 +43,13 @@ class Rope(BlockKind):
 
     def cuda_call(self, op, ins, out):
         x, inv = ins[0], ins[1]
-        pos_ptr = ins[2].ptr if len(ins) == 3 else "nullptr"
-        pos = op.params["pos"].to_c(dimc) if op.params.get("pos") is not None else "0"
-        return (f"rope_rows<{x.ctype}>({x.ptr}, {x.strides[0]}, {inv.ptr}, {pos_ptr}, {pos}, {op.params.get('group', 1)}, "
-                f"{out.ptr}, {out.strides[0]}, {op.inputs[0].shape[1].value}, {op.inputs[0].shape[0].to_c(dimc)}, "
-                f"{op.params['rows_per']}, c0)")
+        p = op.params
+        pos_ids = [ins[2].ptr, ins[2].strides[0]] if len(ins) == 3 else ["nullptr", "0"]
+        pos = p["pos"].to_c(dimc) if p.get("pos") is not None else "0"
+        args = [
+            x.ptr, x.strides[0], x.strides[1], inv.ptr,
+            *pos_ids, pos, f"{p.get('group', 1)}LL",
+            out.ptr, out.strides[0], out.strides[1],
+            op.inputs[0].shape[0].to_c(dimc), str(p["rows_per"]), "c0",
+        ]
+        return f"rope_rows<{x.ctype}, {op.inputs[0].shape[1].value}>({', '.join(args)})"

@@ -28,6 +28,11 @@ class RmsNorm(BlockKind):
 
     def cuda_call(self, op, ins, out):
         x, g = ins
-        return (f"rms_norm_rows<{x.ctype}>({x.ptr}, {x.strides[0]}, {g.ptr}, {out.ptr}, {out.strides[0]}, "
-                f"{op.inputs[0].shape[1].value}, {op.inputs[0].shape[0].to_c(dimc)}, {op.params['rows_per']}, "
-                f"{op.params['eps']!r}f, c0)")
+        p = op.params
+        args = [
+            "smem",
+            x.ptr, x.strides[0], x.strides[1], g.ptr, g.strides[0], f"{float(p['eps'])!r}f",
+            out.ptr, out.strides[0], out.strides[1],
+            op.inputs[0].shape[0].to_c(dimc), str(p["rows_per"]), "c0",
+        ]
+        return f"rms_norm_rows<{x.ctype}, {op.inputs[0].shape[1].value}>({', '.join(args)})"

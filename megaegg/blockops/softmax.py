@@ -24,6 +24,11 @@ class Softmax(BlockKind):
 
     def cuda_call(self, op, ins, out):
         x = ins[0]
-        return (f"softmax_rows<{x.ctype}>({x.ptr}, {x.strides[0]}, {x.strides[1]}, {out.ptr}, {out.strides[0]}, "
-                f"{out.strides[1]}, {op.inputs[0].shape[1].to_c(dimc)}, {op.inputs[0].shape[0].to_c(dimc)}, "
-                f"{op.params['rows_per']}, c0)")
+        rows, d = op.inputs[0].shape
+        args = [
+            "smem",
+            x.ptr, x.strides[0], x.strides[1],
+            out.ptr, out.strides[0], out.strides[1],
+            d.to_c(dimc), rows.to_c(dimc), str(op.params["rows_per"]), "c0",
+        ]
+        return f"softmax_rows<{x.ctype}>({', '.join(args)})"

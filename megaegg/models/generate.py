@@ -89,3 +89,13 @@ def reference_step(graph: Graph, weights: Mapping[str, torch.Tensor], caches: Ma
         return out["logits"], out["next_token"]
 
     return step
+
+
+def kernel_step(kernel, caches: Mapping[str, torch.Tensor], *, check: bool = True) -> StepFn:
+    """A step function over a compiled megakernel (one launch per step); ``caches`` updated in place."""
+
+    def step(token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = kernel(token=token, pos=pos, check=check, **caches)
+        return out["logits"], out["next_token"]
+
+    return step

@@ -1,0 +1,87 @@
+// argmax in two block ops (blockops/argmax.py); ties resolve to the lowest index.
+// argmax_partial: instance c0 scans columns [c0*chunk, min(c0*chunk + chunk, N)) of every
+//   row of x[M, N] and writes part[m, c0, 0] = best value, part[m, c0, 1] = float(index).
+// argmax_reduce: instance c0 picks row c0's best over the T chunk partials (first chunk
+//   holding the max = lowest index) and writes the i32 index to out[c0].
+// NaN is not handled.
+#pragma once
+#include "common.cuh"
+
+namespace argmax {
+
+// (v, i) beats (bv, bi): larger value, or equal value at a lower index.
+__device__ __forceinline__ bool better(float v, long long i, float bv, long long bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+// Block-wide best (value, index); every thread gets it. red: >= 2 * MEGA_WARPS * 8 bytes.
+__device__ __forceinline__ void block_best(float& bv, long long& bi, char* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(MEGA_FULL_MASK, bv, o);
+        const long long i = __shfl_xor_sync(MEGA_FULL_MASK, bi, o);
+        if (better(v, i, bv, bi)) bv = v, bi = i;
+    }
+    float* rv = reinterpret_cast<float*>(red);
+    long long* ri = reinterpret_cast<long long*>(red + 8 * MEGA_WARPS);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) rv[warp] = bv, ri[warp] = bi;
+    __syncthreads();
+    bv = lane < MEGA_WARPS ? rv[lane] : MEGA_NEG_INF;
+    bi = lane < MEGA_WARPS ? ri[lane] : 0x7fffffffffffffffll;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(MEGA_FULL_MASK, bv, o);
+        const long long i = __shfl_xor_sync(MEGA_FULL_MASK, bi, o);
+        if (better(v, i, bv, bi)) bv = v, bi = i;
+    }
+}
+
+}  // namespace argmax
+
+template <class T>
+__device__ __forceinline__ void argmax_partial(char* smem, const T* x, long long x_s0, long long x_s1, long long M,
+                                               long long N, long long chunk, float* part, long long p_s0,
+                                               long long p_s1, long long c0) {
+    constexpr int VEC = VecN<T>::value;
+    const long long k0 = c0 * chunk, k1 = min_i64(k0 + chunk, N);
+    for (long long m = 0; m < M; ++m) {
+        const T* xr = x + m * x_s0;
+        float bv = MEGA_NEG_INF;
+        long long bi = 0x7fffffffffffffffll;
+        if (x_s1 == 1 && aligned16(xr + k0) && (k1 - k0) % VEC == 0) {
+            #pragma unroll 4
+            for (long long k = k0 + (long long)threadIdx.x * VEC; k < k1; k += (long long)MEGA_THREADS * VEC) {
+                float f[VEC];
+                load16_f32(xr + k, f);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    if (argmax::better(f[e], k + e, bv, bi)) bv = f[e], bi = k + e;
+            }
+        } else {
+#pragma unroll 4
+            for (long long k = k0 + threadIdx.x; k < k1; k += MEGA_THREADS) {
+                const float v = ld_f32(xr + k * x_s1);
+                if (argmax::better(v, k, bv, bi)) bv = v, bi = k;
+            }
+        }
+        argmax::block_best(bv, bi, smem);
+        if (threadIdx.x == 0) {
+            part[m * p_s0 + c0 * p_s1] = bv;
+            part[m * p_s0 + c0 * p_s1 + 1] = (float)bi;
+        }
+    }
+}
+
+__device__ __forceinline__ void argmax_reduce(char* smem, const float* part, long long p_s0, long long p_s1,
+                                              long long T, int* out, long long out_s0, long long c0) {
+    float bv = MEGA_NEG_INF;
+    long long bi = 0x7fffffffffffffffll;  // chunk number: the first best chunk has the lowest index
+    for (long long t = threadIdx.x; t < T; t += MEGA_THREADS) {
+        const float v = __ldcg(part + c0 * p_s0 + t * p_s1);
+        if (argmax::better(v, t, bv, bi)) bv = v, bi = t;
+    }
+    argmax::block_best(bv, bi, smem);
+    if (threadIdx.x == 0 && bi < T) out[c0 * out_s0] = (int)__ldcg(part + c0 * p_s0 + bi * p_s1 + 1);
+}

@@ -1,0 +1,190 @@
+// Shared device helpers of the block-op bodies (no host code).
+//
+// Every body runs with the whole block (MEGA_THREADS threads) and may use the dynamic
+// shared memory `smem` (MEGA_SMEM bytes). Loads of global memory go through __ldcg
+// (L2 only): activations written by another SM in the same launch are not coherent
+// in L1 (DESIGN.md, barrier protocol 1), and weights stream once, so L1 cannot help.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#ifndef MEGA_THREADS
+#define MEGA_THREADS 256
+#endif
+#ifndef MEGA_SMEM
+#define MEGA_SMEM (96 * 1024)
+#endif
+static_assert(MEGA_THREADS % 32 == 0 && MEGA_THREADS <= 1024, "MEGA_THREADS: whole warps, at most 1024");
+
+#define MEGA_WARPS (MEGA_THREADS / 32)
+#define MEGA_FULL_MASK 0xffffffffu
+#define MEGA_NEG_INF __int_as_float(0xff800000)
+
+// Compile-time helpers (no <type_traits> under NVRTC).
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+template <bool B, class A, class C> struct Cond { using type = A; };
+template <class A, class C> struct Cond<false, A, C> { using type = C; };
+template <class A, class B> struct SameType { static constexpr bool value = false; };
+template <class A> struct SameType<A, A> { static constexpr bool value = true; };
+
+// --- dim expressions (Dim.to_c emits min_i64 / max_i64) ----------------------------
+__device__ __forceinline__ long long min_i64(long long a, long long b) { return a < b ? a : b; }
+__device__ __forceinline__ long long max_i64(long long a, long long b) { return a > b ? a : b; }
+
+// --- element conversions: fp32 is the compute type ---------------------------------
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(int v) { return (float)v; }
+
+template <class T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ int from_f32<int>(float v) { return (int)v; }  // truncates, as torch's .to(int32)
+
+// v rounded to T's precision and back: where a cpu() does `.to(dt).float()`.
+template <class T> __device__ __forceinline__ float round_to(float v) { return to_f32(from_f32<T>(v)); }
+
+// Element conversion between storage types (bit copy when equal; ints stay exact).
+template <class TO, class TI> struct Convert {
+    static __device__ __forceinline__ TO run(TI v) { return from_f32<TO>(to_f32(v)); }
+};
+template <class T> struct Convert<T, T> {
+    static __device__ __forceinline__ T run(T v) { return v; }
+};
+template <class TO, class TI> __device__ __forceinline__ TO convert(TI v) { return Convert<TO, TI>::run(v); }
+
+// --- L2-only loads (ld.global.cg) --------------------------------------------------
+__device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ int ld_cg(const int* p) { return __ldcg(p); }
+__device__ __forceinline__ __nv_bfloat16 ld_cg(const __nv_bfloat16* p) {
+    return __ushort_as_bfloat16(__ldcg(reinterpret_cast<const unsigned short*>(p)));
+}
+__device__ __forceinline__ __half ld_cg(const __half* p) {
+    return __ushort_as_half(__ldcg(reinterpret_cast<const unsigned short*>(p)));
+}
+template <class T> __device__ __forceinline__ float ld_f32(const T* p) { return to_f32(ld_cg(p)); }
+
+// 16-byte vectors: VecN<T> elements (8 bf16/f16, 4 f32) per 16-byte load.
+template <class T> struct VecN { static constexpr int value = 16 / (int)sizeof(T); };
+
+__device__ __forceinline__ uint4 ldcg16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0; }
+
+// Can rows of `rows` elements of T at `p` (row stride s0, unit column stride) be read
+// with 16-byte vectors? (Pointer and row stride 16-byte aligned, row length whole vectors.)
+template <class T>
+__device__ __forceinline__ bool vec_rows_ok(const T* p, long long s0, long long s1, long long cols) {
+    const long long v = VecN<T>::value;
+    return s1 == 1 && cols % v == 0 && aligned16(p) && ((s0 * (long long)sizeof(T)) & 15) == 0;
+}
+
+// Unpack a 16-byte vector of T into VecN<T> floats.
+__device__ __forceinline__ void unpack16(const uint4& u, float* f, const float*) {
+    f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void bf16x2_to_f32(unsigned w, float* f) {
+    f[0] = __uint_as_float(w << 16);
+    f[1] = __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ void unpack16(const uint4& u, float* f, const __nv_bfloat16*) {
+    bf16x2_to_f32(u.x, f); bf16x2_to_f32(u.y, f + 2); bf16x2_to_f32(u.z, f + 4); bf16x2_to_f32(u.w, f + 6);
+}
+__device__ __forceinline__ void half2_to_f32(unsigned w, float* f) {
+    __half2 h = *reinterpret_cast<const __half2*>(&w);
+    float2 v = __half22float2(h);
+    f[0] = v.x; f[1] = v.y;
+}
+__device__ __forceinline__ void unpack16(const uint4& u, float* f, const __half*) {
+    half2_to_f32(u.x, f); half2_to_f32(u.y, f + 2); half2_to_f32(u.z, f + 4); half2_to_f32(u.w, f + 6);
+}
+template <class T> __device__ __forceinline__ void unpack16(const uint4& u, float* f) {
+    unpack16(u, f, static_cast<const T*>(nullptr));
+}
+
+// Pack VecN<T> floats (rounded to nearest even) into a 16-byte vector of T.
+template <class T> __device__ __forceinline__ uint4 pack16(const float* f) {
+    uint4 u;
+    T* t = reinterpret_cast<T*>(&u);
+#pragma unroll
+    for (int e = 0; e < VecN<T>::value; ++e) t[e] = from_f32<T>(f[e]);
+    return u;
+}
+
+// The vector load helper: 16 bytes of T at p (16-byte aligned) as VecN<T> floats.
+template <class T> __device__ __forceinline__ void load16_f32(const T* p, float* f) {
+    unpack16<T>(ldcg16(p), f);
+}
+
+// VecN<T> consecutive elements (column stride s1) as floats: one 16-byte load when
+// `vec`, else element by element.
+template <class T>
+__device__ __forceinline__ void load_vec_f32(const T* p, long long s1, bool vec, float* f) {
+    if (vec) {
+        load16_f32(p, f);
+    } else {
+#pragma unroll
+        for (int e = 0; e < VecN<T>::value; ++e) f[e] = ld_f32(p + e * s1);
+    }
+}
+
+// --- warp and block reductions ------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(MEGA_FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(MEGA_FULL_MASK, v, o));
+    return v;
+}
+
+// Sum (max) over the whole block of N values per thread; every thread gets the results.
+// `red` is shared memory of >= MEGA_WARPS * N floats. Begins with a barrier, so calls
+// may follow each other on the same scratch. All threads must call it.
+template <int N>
+__device__ __forceinline__ void block_reduce_sum_n(float (&v)[N], float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = warp_sum(v[i]);
+    __syncthreads();
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) red[i * MEGA_WARPS + warp] = v[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = warp_sum(lane < MEGA_WARPS ? red[i * MEGA_WARPS + lane] : 0.0f);
+}
+
+__device__ __forceinline__ float block_reduce_sum(float v, float* red) {
+    float a[1] = {v};
+    block_reduce_sum_n<1>(a, red);
+    return a[0];
+}
+
+__device__ __forceinline__ float block_reduce_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    return warp_max(lane < MEGA_WARPS ? red[lane] : MEGA_NEG_INF);
+}
+
+// Online-softmax pair (running max m, sum s of exp(x - m)): merge two partial states.
+__device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, float s2) {
+    const float mn = fmaxf(m, m2);
+    if (mn == MEGA_NEG_INF) return;  // both empty
+    s = s * expf(m - mn) + s2 * expf(m2 - mn);
+    m = mn;
+}
+
+// fp32 silu as torch computes it on the CPU: x / (1 + exp(-x)).
+__device__ __forceinline__ float silu_f32(float v) { return v / (1.0f + expf(-v)); }

@@ -1,0 +1,322 @@
+// matvec: out[M, N] = x[M, K] @ w[N, K]^T, ROWS rows of w per instance (c0 = row tile).
+// Fusions (megaegg/blockops/matvec.py is the definition, rounding included):
+//   HAS_NORM  x <- T(T(x * rsqrt(mean(x^2) + eps)) * g)   (RMSNorm prologue)
+//   HAS_GLU   y <- T(T(silu(T(x w^T))) * T(x w2^T))       (gated pair)
+//   HAS_RES   y <- T(r + T(y))                            (residual epilogue)
+//
+// Batch-1 decode is bound by streaming w, so the body is built around the weight loads:
+// - x (M rows, after the norm) is staged once per instance in shared memory, as float
+//   when it fits (else as T: exact, every value the dots read is T-representable);
+// - each warp owns rows warp, warp + 8, ... of the tile (ragged tiles spread evenly),
+//   in groups of RB <= 4 rows; its lanes stride the row in coalesced 16-byte __ldcg
+//   loads, U vectors per row per step, so RB * U (* 2 with w2) <= 32 loads in flight per
+//   lane (DESIGN.md: 4 rows x 8 loads per lane reached 94% of bandwidth);
+// - the first step's weight loads are issued BEFORE x is staged, so the x round trip
+//   (and the norm's reductions) hide under the weight latency;
+// - fp32 accumulation, warp-shuffle reduction, lanes 0.. write the group's outputs.
+// A scalar path (any K, any weight strides: `matmul` reads w through a permute view)
+// is correct but slow.
+//
+// Shared memory: [red: MEGA_WARPS*M f32][rt: M*ROWS f32 residual tile][xs: M*K of f32 or T].
+// Assumes the interpreter separates instances by a __syncthreads (it must, to release).
+#pragma once
+#include "common.cuh"
+
+namespace mv {
+
+template <class T, int M, int K, int ROWS, bool GLU>
+struct Plan {
+    static constexpr int VEC = VecN<T>::value;
+    static constexpr int KV = K / VEC;                        // 16-byte vectors per row
+    static constexpr int RPW = cdiv(ROWS, MEGA_WARPS);        // rows per warp
+    static constexpr int NG = cdiv(RPW, 4);                   // row groups per warp
+    static constexpr int RB = cdiv(RPW, NG);                  // rows per group (<= 4)
+    static constexpr int NW = GLU ? 2 : 1;                    // weight matrices
+    static constexpr int VPL = cmax(1, cdiv(KV, 32));         // vectors per lane per row
+    static constexpr int U0 = cmin(VPL, cmax(1, 32 / (RB * NW)));
+    static constexpr int STEPS = cdiv(VPL, U0);               // steps per row group
+    static constexpr int U = cdiv(VPL, STEPS);                // vectors per lane per row per step
+    static constexpr int RED_BYTES = MEGA_WARPS * M * 4;
+    static constexpr int RT_BYTES = (M * ROWS * 4 + 15) / 16 * 16;
+    static constexpr int HEAD = (RED_BYTES + 15) / 16 * 16 + RT_BYTES;
+    static constexpr bool XS_F32 = HEAD + M * K * 4 <= MEGA_SMEM;
+    using XS = typename Cond<XS_F32, float, T>::type;         // staged x element type
+    static_assert(HEAD + M * K * (int)sizeof(XS) <= MEGA_SMEM, "matvec: x[M, K] does not fit in shared memory");
+};
+
+// VEC staged x values at p (16-byte aligned) as floats; n = VecN<T>.
+template <int N> __device__ __forceinline__ void xs_load(const float* p, float* f) {
+#pragma unroll
+    for (int e = 0; e < N; e += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(p + e);
+        f[e] = v.x; f[e + 1] = v.y; f[e + 2] = v.z; f[e + 3] = v.w;
+    }
+}
+template <int N, class T> __device__ __forceinline__ void xs_load(const T* p, float* f) {
+    unpack16<T>(*reinterpret_cast<const uint4*>(p), f);
+}
+template <int N> __device__ __forceinline__ void xs_store(float* p, const float* f) {
+#pragma unroll
+    for (int e = 0; e < N; e += 4) *reinterpret_cast<float4*>(p + e) = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
+}
+template <int N, class T> __device__ __forceinline__ void xs_store(T* p, const float* f) {
+    *reinterpret_cast<uint4*>(p) = pack16<T>(f);
+}
+
+// Stage x (normalised when NORM) into xs[M][K] and the residual tile into rt[M][ROWS].
+// All threads call it; ends with a block barrier.
+template <class T, class XS, int M, int K, int ROWS, bool NORM, bool RES>
+__device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x, long long x_s0, long long x_s1,
+                                      const T* g, long long g_s0, float eps, const T* r, long long r_s0,
+                                      long long r_s1, long long row0, long long N) {
+    constexpr int VEC = VecN<T>::value, KV = K / VEC, NVX = cdiv(KV, MEGA_THREADS);
+    const int tid = threadIdx.x;
+    if (RES) {
+        for (int j = tid; j < M * ROWS; j += MEGA_THREADS) {
+            const long long n = row0 + j % ROWS;
+            if (n < N) rt[j] = ld_f32(r + (j / ROWS) * r_s0 + n * r_s1);
+        }
+    }
+    const bool vec = K % VEC == 0 && (M == 1 ? (x_s1 == 1 && aligned16(x)) : vec_rows_ok(x, x_s0, x_s1, K)) &&
+                     (!NORM || (g_s0 == 1 && aligned16(g)));
+    if (vec) {
+        uint4 xr[M][NVX], gr[NORM ? NVX : 1];
+#pragma unroll
+        for (int i = 0; i < NVX; ++i) {
+            const int kv = i * MEGA_THREADS + tid;
+            if (kv < KV) {
+#pragma unroll
+                for (int m = 0; m < M; ++m) xr[m][i] = ldcg16(x + m * x_s0 + kv * VEC);
+                if (NORM) gr[i] = ldcg16(g + kv * VEC);
+            }
+        }
+        float rinv[M];
+        if (NORM) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                rinv[m] = 0.0f;
+#pragma unroll
+                for (int i = 0; i < NVX; ++i) {
+                    if (i * MEGA_THREADS + tid < KV) {
+                        float f[VEC];
+                        unpack16<T>(xr[m][i], f);
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) rinv[m] += f[e] * f[e];
+                    }
+                }
+            }
+            block_reduce_sum_n<M>(rinv, red);
+#pragma unroll
+            for (int m = 0; m < M; ++m) rinv[m] = 1.0f / sqrtf(rinv[m] / (float)K + eps);
+        }
+#pragma unroll
+        for (int i = 0; i < NVX; ++i) {
+            const int kv = i * MEGA_THREADS + tid;
+            if (kv >= KV) continue;
+            float gf[VEC];
+            if (NORM) unpack16<T>(gr[i], gf);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float f[VEC];
+                unpack16<T>(xr[m][i], f);
+                if (NORM) {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) f[e] = round_to<T>(round_to<T>(f[e] * rinv[m]) * gf[e]);
+                }
+                xs_store<VEC>(xs + m * K + kv * VEC, f);
+            }
+        }
+    } else {
+        float ss[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            ss[m] = 0.0f;
+            for (int k = tid; k < K; k += MEGA_THREADS) {
+                const float v = ld_f32(x + m * x_s0 + k * x_s1);
+                ss[m] += v * v;
+                xs[m * K + k] = from_f32<XS>(v);  // exact: x is T
+            }
+        }
+        if (NORM) {
+            block_reduce_sum_n<M>(ss, red);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float rinv = 1.0f / sqrtf(ss[m] / (float)K + eps);
+                for (int k = tid; k < K; k += MEGA_THREADS) {  // the same thread's elements: no barrier
+                    const float v = round_to<T>(to_f32(xs[m * K + k]) * rinv);
+                    xs[m * K + k] = from_f32<XS>(round_to<T>(v * ld_f32(g + k * g_s0)));
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// The fused epilogue for output element (m, n) of tile-local row `local`.
+template <class T, int ROWS, bool GLU, bool RES>
+__device__ __forceinline__ void finish(float dot, float dot2, const float* rt, int m, int local, long long n, T* out,
+                                       long long out_s0, long long out_s1) {
+    float y = round_to<T>(dot);
+    if (GLU) y = round_to<T>(round_to<T>(silu_f32(y)) * round_to<T>(dot2));
+    if (RES) y = round_to<T>(rt[m * ROWS + local] + y);
+    out[m * out_s0 + n * out_s1] = from_f32<T>(y);
+}
+
+// Issue the 16-byte weight loads of step s of row group gi into wa (and wb).
+template <class P, class T, int ROWS, bool GLU>
+__device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
+                                          const T* w, long long w_s0, const T* w2, long long w2_s0, long long row0,
+                                          long long N, int gi, int s, int warp, int lane) {
+#pragma unroll
+    for (int rb = 0; rb < P::RB; ++rb) {
+        const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
+        const long long n = row0 + local;
+        const bool ok = local < ROWS && n < N;
+        const T* wr = w + n * w_s0;
+        const T* wr2 = GLU ? w2 + n * w2_s0 : nullptr;
+#pragma unroll
+        for (int u = 0; u < P::U; ++u) {
+            const int kv = (s * P::U + u) * 32 + lane;
+            const bool in = ok && kv < P::KV;
+            wa[rb][u] = in ? ldcg16(wr + kv * P::VEC) : make_uint4(0, 0, 0, 0);
+            if (GLU) wb[GLU ? rb : 0][GLU ? u : 0] = in ? ldcg16(wr2 + kv * P::VEC) : make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
+__device__ __forceinline__ void run_vec(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
+                                        long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
+                                        long long w2_s0, const T* r, long long r_s0, long long r_s1, T* out,
+                                        long long out_s0, long long out_s1, long long N, long long c0) {
+    using P = Plan<T, M, K, ROWS, GLU>;
+    using XS = typename P::XS;
+    float* red = reinterpret_cast<float*>(smem);
+    float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
+    XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long row0 = c0 * ROWS;
+
+    uint4 wa[P::RB][P::U];
+    uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
+    load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);  // in flight while x stages
+    stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
+
+#pragma unroll 1
+    for (int gi = 0; gi < P::NG; ++gi) {
+        float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
+#pragma unroll
+        for (int rb = 0; rb < P::RB; ++rb)
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[rb][m] = 0.0f, acc2[GLU ? rb : 0][m] = 0.0f;
+#pragma unroll 1
+        for (int s = 0; s < P::STEPS; ++s) {
+            if (gi | s) load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, gi, s, warp, lane);
+#pragma unroll
+            for (int u = 0; u < P::U; ++u) {
+                const int kv = (s * P::U + u) * 32 + lane;
+                if (P::KV % (32 * P::U * P::STEPS) != 0 && kv >= P::KV) continue;
+                float xf[M][P::VEC];
+#pragma unroll
+                for (int m = 0; m < M; ++m) xs_load<P::VEC>(xs + m * K + kv * P::VEC, xf[m]);
+#pragma unroll
+                for (int rb = 0; rb < P::RB; ++rb) {
+                    float wf[P::VEC];
+                    unpack16<T>(wa[rb][u], wf);
+#pragma unroll
+                    for (int m = 0; m < M; ++m)
+#pragma unroll
+                        for (int e = 0; e < P::VEC; ++e) acc[rb][m] = fmaf(wf[e], xf[m][e], acc[rb][m]);
+                    if (GLU) {
+                        unpack16<T>(wb[GLU ? rb : 0][GLU ? u : 0], wf);
+#pragma unroll
+                        for (int m = 0; m < M; ++m)
+#pragma unroll
+                            for (int e = 0; e < P::VEC; ++e)
+                                acc2[GLU ? rb : 0][m] = fmaf(wf[e], xf[m][e], acc2[GLU ? rb : 0][m]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int rb = 0; rb < P::RB; ++rb) {
+            const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
+            const long long n = row0 + local;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float d = warp_sum(acc[rb][m]);
+                const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
+                if (lane == (rb * M + m) % 32 && local < ROWS && n < N)
+                    finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
+            }
+        }
+    }
+}
+
+template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
+__device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
+                                           long long g_s0, float eps, const T* w, long long w_s0, long long w_s1,
+                                           const T* w2, long long w2_s0, long long w2_s1, const T* r, long long r_s0,
+                                           long long r_s1, T* out, long long out_s0, long long out_s1, long long N,
+                                           long long c0) {
+    using P = Plan<T, M, K, ROWS, GLU>;
+    using XS = typename P::XS;
+    float* red = reinterpret_cast<float*>(smem);
+    float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
+    XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long row0 = c0 * ROWS;
+    stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
+#pragma unroll 1
+    for (int local = warp; local < ROWS; local += MEGA_WARPS) {
+        const long long n = row0 + local;
+        if (n >= N) break;
+        float acc[M], acc2[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[m] = 0.0f, acc2[m] = 0.0f;
+        const T* wr = w + n * w_s0;
+        const T* wr2 = GLU ? w2 + n * w2_s0 : nullptr;
+#pragma unroll 4
+        for (int k = lane; k < K; k += 32) {
+            const float wv = ld_f32(wr + k * w_s1);
+            const float wv2 = GLU ? ld_f32(wr2 + k * w2_s1) : 0.0f;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float xv = to_f32(xs[m * K + k]);
+                acc[m] = fmaf(wv, xv, acc[m]);
+                if (GLU) acc2[m] = fmaf(wv2, xv, acc2[m]);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const float d = warp_sum(acc[m]);
+            const float d2 = GLU ? warp_sum(acc2[m]) : 0.0f;
+            if (lane == m % 32) finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
+        }
+    }
+}
+
+}  // namespace mv
+
+// One instance: rows [c0*ROWS, min(c0*ROWS + ROWS, N)) of out[M, N]. Absent operands
+// (g, w2, r) are nullptr with zero strides.
+template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES>
+__device__ __forceinline__ void matvec(char* smem, const T* x, long long x_s0, long long x_s1,  //
+                                       const T* g, long long g_s0, float eps,                    //
+                                       const T* w, long long w_s0, long long w_s1,                 //
+                                       const T* w2, long long w2_s0, long long w2_s1,              //
+                                       const T* r, long long r_s0, long long r_s1,                 //
+                                       T* out, long long out_s0, long long out_s1, long long N, long long c0) {
+    static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
+    bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K);
+    if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
+    if constexpr (K % VecN<T>::value == 0) {
+        if (vec) {
+            mv::run_vec<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2,
+                                                                   w2_s0, r, r_s0, r_s1, out, out_s0, out_s1, N, c0);
+            return;
+        }
+    }
+    mv::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2,
+                                                              w2_s0, w2_s1, r, r_s0, r_s1, out, out_s0, out_s1, N, c0);
+}

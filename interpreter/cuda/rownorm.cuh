@@ -1,0 +1,86 @@
+// rms_norm_rows: out[r] = T(T(x[r] * rsqrt(mean(x[r]^2) + eps)) * g) for rows
+// [c0*rows_per, min(c0*rows_per + rows_per, rows)) of x[rows, D] (blockops/rownorm.py).
+// A warp per row when D <= 1024 (no block barrier), else the whole block per row; the
+// row stays in registers between the reduction and the write; 16-byte loads/stores
+// when the rows allow, element by element otherwise.
+#pragma once
+#include "common.cuh"
+
+namespace rownorm {
+
+template <class T, int D, int TEAM>
+__device__ __forceinline__ void rows(float* red, const T* x, long long x_s0, long long x_s1, const T* g,
+                                     long long g_s0, float eps, T* out, long long out_s0, long long out_s1,
+                                     long long r0, long long r1, bool vec) {
+    constexpr int VEC = VecN<T>::value;
+    constexpr int NV = cdiv(cdiv(D, VEC), TEAM);        // vectors per thread (vector path)
+    constexpr int NS = cdiv(D, TEAM);                   // elements per thread (scalar path)
+    constexpr int NE = cmax(NV * VEC, NS);
+    static_assert(NE <= 64, "rms_norm: row too long to keep in registers");
+    const int t = TEAM == 32 ? (threadIdx.x & 31) : threadIdx.x;
+    const int team = TEAM == 32 ? (threadIdx.x >> 5) : 0, nteams = MEGA_THREADS / TEAM;
+#pragma unroll 1
+    for (long long r = r0 + team; r < r1; r += nteams) {
+        float xv[NE], gv[NE];
+        float ss = 0.0f;
+        if (vec) {
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int vi = i * TEAM + t;
+                if (vi * VEC < D) {
+                    load16_f32(x + r * x_s0 + vi * VEC, xv + i * VEC);
+                    load16_f32(g + vi * VEC, gv + i * VEC);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < NV; ++i)
+                if ((i * TEAM + t) * VEC < D)
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) ss += xv[i * VEC + e] * xv[i * VEC + e];
+        } else {
+#pragma unroll
+            for (int i = 0; i < NS; ++i) {
+                const int k = i * TEAM + t;
+                if (k < D) {
+                    xv[i] = ld_f32(x + r * x_s0 + k * x_s1);
+                    gv[i] = ld_f32(g + k * g_s0);
+                    ss += xv[i] * xv[i];
+                }
+            }
+        }
+        ss = TEAM == 32 ? warp_sum(ss) : block_reduce_sum(ss, red);
+        const float rinv = 1.0f / sqrtf(ss / (float)D + eps);
+        if (vec) {
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int vi = i * TEAM + t;
+                if (vi * VEC < D) {
+                    float y[VEC];
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) y[e] = round_to<T>(xv[i * VEC + e] * rinv) * gv[i * VEC + e];
+                    *reinterpret_cast<uint4*>(out + r * out_s0 + vi * VEC) = pack16<T>(y);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < NS; ++i) {
+                const int k = i * TEAM + t;
+                if (k < D) out[r * out_s0 + k * out_s1] = from_f32<T>(round_to<T>(xv[i] * rinv) * gv[i]);
+            }
+        }
+    }
+}
+
+}  // namespace rownorm
+
+template <class T, int D>
+__device__ __forceinline__ void rms_norm_rows(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
+                                              long long g_s0, float eps, T* out, long long out_s0, long long out_s1,
+                                              long long rows, int rows_per, long long c0) {
+    const long long r0 = c0 * rows_per, r1 = min_i64(r0 + rows_per, rows);
+    const bool vec = D % VecN<T>::value == 0 && vec_rows_ok(x, x_s0, x_s1, D) && vec_rows_ok(out, out_s0, out_s1, D) &&
+                     g_s0 == 1 && aligned16(g);
+    float* red = reinterpret_cast<float*>(smem);
+    rownorm::rows<T, D, (D <= 1024 ? 32 : MEGA_THREADS)>(red, x, x_s0, x_s1, g, g_s0, eps, out, out_s0, out_s1, r0,
+                                                         r1, vec);
+}

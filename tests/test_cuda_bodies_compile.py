@@ -1,0 +1,625 @@
+"""Every block-op kind's CUDA body compiles for sm_90a with NVRTC (no GPU needed).
+
+For each kind, realistic BlockOps are rendered through the kind's ``cuda_call`` with
+dummy operands (typed pointer parameters of a small ``__global__`` wrapper that also
+declares what the interpreter provides: ``smem``, ``c0``, ``c1``, the runtime dims
+``D_*``, ``mega_body_error`` and ``MEGA_ERR_INDEX``), in bf16 and f32 (f16 for a few),
+and compiled with ``--ptxas-options=-v``. The register / spill figures are printed
+(``pytest -s``); the matvec fast path must not spill.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from megaegg import dtypes as dt
+from megaegg.blockops import REGISTRY, CudaOperand
+from megaegg.dims import Dim, as_dim, sym
+from megaegg.rewrite.program import BlockOp, Operand, View
+
+CUDA_DIR = Path(__file__).resolve().parents[1] / "interpreter" / "cuda"
+POS = sym("pos")
+
+PRELUDE = """\
+#define MEGA_THREADS 256
+#define MEGA_SMEM (96 * 1024)
+#define MEGA_ERR_INDEX 2
+__device__ int mega_test_error;
+__device__ void mega_body_error(int code, long long detail) { atomicCAS(&mega_test_error, 0, code); (void)detail; }
+"""
+
+
+# --- toolchain ------------------------------------------------------------------------
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+
+        err, *_ = nvrtc.nvrtcVersion()
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(err)
+        return nvrtc
+    except Exception as e:  # the library or its bindings are missing
+        pytest.skip(f"NVRTC cannot be loaded: {e}")
+
+
+def _cuda_include_dir() -> str:
+    """A directory holding cuda_bf16.h: cuda-pathfinder, else the CUDA wheels, else the toolkit."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        d = find_nvidia_header_directory("cudart")
+        if d and os.path.isfile(os.path.join(d, "cuda_bf16.h")):
+            return d
+    except Exception:
+        pass
+    import site
+
+    roots = [*site.getsitepackages(), site.getusersitepackages()]
+    candidates = [c for r in roots for c in glob.glob(os.path.join(r, "nvidia", "*", "include"))]
+    candidates += [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")]
+    for c in candidates:
+        if os.path.isfile(os.path.join(c, "cuda_bf16.h")):
+            return c
+    pytest.skip("no CUDA headers (cuda_bf16.h) found for NVRTC")
+
+
+def compile_cuda(source: str, *, cubin: bool = False):
+    """Compile for sm_90a; return the log (ptxas -v included), and the cubin if asked. Fails the test on errors."""
+    nvrtc = _nvrtc()
+    opts = [
+        b"--gpu-architecture=sm_90a",
+        b"-std=c++17",
+        b"--ptxas-options=-v",
+        f"-I{_cuda_include_dir()}".encode(),
+        f"-I{CUDA_DIR}".encode(),
+    ]
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"bodies.cu", 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+    try:
+        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.decode(errors="replace").rstrip("\x00")
+        if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            numbered = "\n".join(f"{i + 1:4d} {line}" for i, line in enumerate(source.splitlines()))
+            pytest.fail(f"NVRTC failed ({res}):\n{log}\n--- source ---\n{numbered}")
+        _, cubin_size = nvrtc.nvrtcGetCUBINSize(prog)
+        assert cubin_size > 0
+        if not cubin:
+            return log
+        image = b" " * cubin_size
+        nvrtc.nvrtcGetCUBIN(prog, image)
+        return log, image
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@dataclass
+class Resources:
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+
+
+def ptxas_resources(log: str) -> dict[str, Resources]:
+    """Per-kernel registers / spills from ptxas -v output."""
+    out: dict[str, Resources] = {}
+    for block in re.split(r"ptxas info\s*: Compiling entry function ", log)[1:]:
+        name = re.match(r"'(\w+)'", block).group(1)
+        regs = re.search(r"Used (\d+) registers", block)
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", block)
+        out[name] = Resources(
+            int(regs.group(1)) if regs else -1,
+            int(frame.group(2)) if frame else 0,
+            int(frame.group(3)) if frame else 0,
+            int(frame.group(1)) if frame else 0,
+        )
+    return out
+
+
+# --- dummy block ops ------------------------------------------------------------------
+def contiguous(shape) -> tuple[Dim, ...]:
+    strides, acc = [], as_dim(1)
+    for d in reversed(shape):
+        strides.append(acc)
+        acc = acc * d
+    return tuple(reversed(strides))
+
+
+@dataclass
+class Arg:
+    """One operand of a test op: shape, dtype, and optionally non-contiguous strides."""
+
+    shape: tuple
+    dtype: dt.DType
+    strides: tuple | None = None
+    views: tuple = ()
+
+    def operand(self, buffer: int) -> Operand:
+        return Operand(buffer, tuple(as_dim(s) for s in self.shape), self.dtype, self.views)
+
+
+def dimc(name: str) -> str:
+    return f"D_{name}"
+
+
+def make_op(kind: str, inputs: list[Arg], output: Arg, params: dict) -> BlockOp:
+    ins = [a.operand(i) for i, a in enumerate(inputs)]
+    out = output.operand(len(inputs))
+    part = REGISTRY[kind].build(ins, out, params)
+    return BlockOp(0, kind, (), tuple(ins), out, part.grid, part.reads, part.writes, params)
+
+
+def kernel_source(name: str, kind: str, inputs: list[Arg], output: Arg, params: dict, *, persistent: bool = False):
+    """A ``__global__`` wrapper calling the kind's body: block (c0, c1) = grid coordinates,
+    or (``persistent``) one block per SM looping over ``n_inst`` instances of a 1-d grid."""
+    op = make_op(kind, inputs, output, params)
+
+    def cuda_operand(a: Arg, ptr: str) -> CudaOperand:
+        strides = a.strides if a.strides is not None else contiguous(a.shape)
+        return CudaOperand(ptr, tuple(as_dim(s).to_c(dimc) for s in strides),
+                           tuple(as_dim(s).to_c(dimc) for s in a.shape), a.dtype.c_type)
+
+    ins = [cuda_operand(a, f"in{i}") for i, a in enumerate(inputs)]
+    out = cuda_operand(output, "out0")
+    call = REGISTRY[kind].cuda_call(op, ins, out)
+    params_c = [f"const {a.dtype.c_type}* in{i}" for i, a in enumerate(inputs)] + [f"{output.dtype.c_type}* out0"]
+    assert set(re.findall(r"\bD_\w+", call)) <= {"D_pos"}, call  # the wrappers declare D_pos only
+    params_c += ["long long D_pos"]
+    head = f'extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) {name}({", ".join(params_c)}'
+    if persistent:
+        return (
+            f"{head}, long long n_inst) {{\n"
+            f"    extern __shared__ __align__(16) char smem[];\n"
+            f"    for (long long c0 = blockIdx.x; c0 < n_inst; c0 += gridDim.x) {{\n"
+            f"        {call};\n"
+            f"        __syncthreads();\n"
+            f"    }}\n"
+            f"}}\n"
+        )
+    return (
+        f"{head}) {{\n"
+        f"    extern __shared__ __align__(16) char smem[];\n"
+        f"    const long long c0 = blockIdx.x, c1 = blockIdx.y;\n"
+        f"    (void)smem; (void)c0; (void)c1;\n"
+        f"    {call};\n"
+        f"}}\n"
+    )
+
+
+def permuted(shape_kn, dtype) -> Arg:
+    """``matmul``'s weight: a contiguous B[K, N] read as w[N, K] through a permute view."""
+    k, n = shape_kn
+    return Arg((n, k), dtype, strides=(1, n), views=(View("permute", (1, 0)),))
+
+
+def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
+    """kind -> [(label, kind, inputs, output, params)] for element type ``dtype``."""
+    T, f32, i32 = dtype, dt.f32, dt.i32
+    L = POS + 1
+    c = {}
+    c["matvec"] = [
+        ("plain", "matvec", [Arg((1, 2048), T), Arg((8192, 2048), T)], Arg((1, 8192), T),
+         {"rows": 16, "roles": ("x", "w"), "eps": 0.0}),
+        ("norm_glu", "matvec", [Arg((1, 2048), T), Arg((8192, 2048), T), Arg((8192, 2048), T), Arg((2048,), T)],
+         Arg((1, 8192), T), {"rows": 32, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}),
+        ("res", "matvec", [Arg((1, 8192), T), Arg((2048, 8192), T), Arg((1, 2048), T)], Arg((1, 2048), T),
+         {"rows": 16, "roles": ("x", "w", "r"), "eps": 0.0}),
+        ("norm_lmhead", "matvec", [Arg((1, 2048), T), Arg((128256, 2048), T), Arg((2048,), T)],
+         Arg((1, 128256), T), {"rows": 64, "roles": ("x", "w", "g"), "eps": 1e-5}),
+        ("m2_norm_res", "matvec", [Arg((2, 1024), T), Arg((3072, 1024), T), Arg((1024,), T), Arg((2, 3072), T)],
+         Arg((2, 3072), T), {"rows": 8, "roles": ("x", "w", "g", "r"), "eps": 1e-6}),
+        ("matmul_permuted", "matvec", [Arg((1, 64), T), permuted((64, 96), T)], Arg((1, 96), T),
+         {"rows": 8, "roles": ("x", "w"), "eps": 0.0}),
+        ("ragged_k", "matvec", [Arg((1, 100), T), Arg((37, 100), T), Arg((100,), T)], Arg((1, 37), T),
+         {"rows": 8, "roles": ("x", "w", "g"), "eps": 1e-5}),
+    ]
+    attn = {"length": L, "scale": 0.125}
+    c["attention"] = [
+        ("partial_d64", "attn_partial", [Arg((32, 64), T), Arg((8, 1024, 64), T), Arg((8, 1024, 64), T)],
+         Arg((32, 4, 66), f32), {**attn, "chunk": 256, "group": 4}),
+        ("partial_d128", "attn_partial", [Arg((32, 128), T), Arg((8, 2048, 128), T), Arg((8, 2048, 128), T)],
+         Arg((32, 32, 130), f32), {**attn, "chunk": 64, "group": 4, "scale": 0.08838834764831845}),
+        ("partial_g8", "attn_partial", [Arg((64, 128), T), Arg((8, 1024, 128), T), Arg((8, 1024, 128), T)],
+         Arg((64, 4, 130), f32), {**attn, "chunk": 256, "group": 8}),
+        ("merge_d64", "attn_merge", [Arg((32, 4, 66), f32)], Arg((32, 64), T), {**attn, "chunk": 256, "rows_per": 4}),
+        ("merge_d128", "attn_merge", [Arg((32, 32, 130), f32)], Arg((32, 128), T),
+         {**attn, "chunk": 64, "rows_per": 4}),
+    ]
+    c["rms_norm"] = [
+        ("hidden", "rms_norm", [Arg((1, 2048), T), Arg((2048,), T)], Arg((1, 2048), T), {"rows_per": 1, "eps": 1e-5}),
+        ("qk_norm", "rms_norm", [Arg((32, 128), T), Arg((128,), T)], Arg((32, 128), T), {"rows_per": 4, "eps": 1e-6}),
+        ("wide", "rms_norm", [Arg((1, 8192), T), Arg((8192,), T)], Arg((1, 8192), T), {"rows_per": 1, "eps": 1e-5}),
+    ]
+    c["rope"] = [
+        ("pos_dim", "rope", [Arg((32, 128), T), Arg((64,), f32)], Arg((32, 128), T),
+         {"rows_per": 4, "pos": POS, "group": 1}),
+        ("pos_tensor", "rope", [Arg((4, 64), T), Arg((32,), f32), Arg((2,), i32)], Arg((4, 64), T),
+         {"rows_per": 4, "pos": None, "group": 2}),
+    ]
+    c["softmax"] = [
+        ("rows", "softmax", [Arg((4, 1000), T)], Arg((4, 1000), T), {"rows_per": 4}),
+        ("runtime_len", "softmax", [Arg((32, L), T, strides=(4096, 1))], Arg((32, L), T, strides=(4096, 1)),
+         {"rows_per": 1}),
+    ]
+    c["argmax"] = [
+        ("partial", "argmax_partial", [Arg((1, 128256), T)], Arg((1, 32, 2), f32), {"chunk": 4096}),
+        ("reduce", "argmax_reduce", [Arg((1, 32, 2), f32)], Arg((1,), i32), {}),
+    ]
+    c["embedding"] = [
+        ("row", "embedding", [Arg((128256, 2048), T), Arg((1,), i32)], Arg((1, 2048), T), {}),
+    ]
+    c["kv_append"] = [
+        ("d64", "kv_append", [Arg((8, 64), T)], Arg((8, 1024, 64), T), {"pos": POS}),
+    ]
+    ew = lambda fn, shape, tile=8192, axis=0: {"fn": fn, "axis": axis, "tile": tile}  # noqa: E731
+    c["elementwise"] = [
+        ("add", "elementwise", [Arg((1, 2048), T), Arg((1, 2048), T)], Arg((1, 2048), T), ew("add", (1, 2048), 1, 1)),
+        ("mul_bcast", "elementwise", [Arg((4, 2048), T), Arg((4, 2048), T, strides=(0, 1))], Arg((4, 2048), T),
+         ew("mul", (4, 2048), 2048, 1)),
+        ("silu", "elementwise", [Arg((1, 8192), T)], Arg((1, 8192), T), ew("silu", (1, 8192), 8192, 1)),
+        ("copy_3d", "elementwise", [Arg((8, 4, 64), T, strides=(64, 512, 1))], Arg((8, 4, 64), T),
+         ew("copy", (8, 4, 64), 8, 0)),
+        ("cast", "elementwise", [Arg((2, 3, 4, 5), T)], Arg((2, 3, 4, 5), f32 if T != f32 else dt.bf16),
+         ew("cast", (2, 3, 4, 5), 1, 1)),
+        ("int_add", "elementwise", [Arg((16,), i32), Arg((16,), i32)], Arg((16,), i32), ew("add", (16,), 16)),
+        ("scalar", "elementwise", [Arg((), T)], Arg((), T), {"fn": "copy", "axis": 0, "tile": 1}),
+    ]
+    return c
+
+
+GROUPS = ["matvec", "attention", "rms_norm", "rope", "softmax", "argmax", "embedding", "kv_append", "elementwise"]
+DTYPES = {"bf16": dt.bf16, "f32": dt.f32, "f16": dt.f16}
+F16_GROUPS = {"matvec", "attention"}
+
+
+def group_source(group: str) -> tuple[str, list[str]]:
+    files = sorted({k.cuda_file for k in REGISTRY.values()})
+    src = [PRELUDE] + [f'#include "{f}"' for f in files] + [""]
+    names = []
+    for tname, T in DTYPES.items():
+        if tname == "f16" and group not in F16_GROUPS:
+            continue
+        for label, kind, inputs, output, params in cases(T)[group]:
+            name = f"k_{group}_{label}_{tname}"
+            src.append(kernel_source(name, kind, inputs, output, params))
+            names.append(name)
+    return "\n".join(src), names
+
+
+def test_every_kind_has_a_body_file():
+    for kind in REGISTRY.values():
+        assert kind.cuda_file and (CUDA_DIR / kind.cuda_file).is_file(), kind.name
+    covered = {kind for g in GROUPS for (_, kind, *_rest) in cases(dt.bf16)[g]}
+    assert covered == set(REGISTRY), set(REGISTRY) ^ covered
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_cuda_bodies_compile(group):
+    source, names = group_source(group)
+    res = ptxas_resources(compile_cuda(source))
+    for name in names:
+        r = res.get(name)
+        assert r is not None, f"no ptxas report for {name}"
+        print(f"{name:40s} {r.registers:4d} regs  stack {r.stack:5d}  spill st/ld {r.spill_stores}/{r.spill_loads}")
+    for name in names:
+        if group == "matvec":  # the bandwidth-bound hot path keeps everything in registers
+            assert res[name].spill_stores == 0 and res[name].spill_loads == 0, (name, res[name])
+
+
+# --- GPU: each body against its kind's cpu() (the living definition) ---------------------
+SMEM = 96 * 1024  # PRELUDE's MEGA_SMEM
+
+
+def _torch_cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    torch.empty(1, device="cuda")  # the primary context exists before cuModuleLoadData
+    return torch
+
+
+class Module:
+    """A compiled wrapper program loaded with the driver API."""
+
+    def __init__(self, source: str):
+        from cuda.bindings import driver
+
+        self.driver = driver
+        log, image = compile_cuda(source, cubin=True)
+        self.resources = ptxas_resources(log)
+        err, self.mod = driver.cuModuleLoadData(image)
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+
+    def launch(self, name: str, grid: tuple[int, int], args: list) -> None:
+        import numpy as np
+
+        d = self.driver
+        err, fn = d.cuModuleGetFunction(self.mod, name.encode())
+        assert err == d.CUresult.CUDA_SUCCESS, (name, err)
+        (err,) = d.cuFuncSetAttribute(fn, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM)
+        assert err == d.CUresult.CUDA_SUCCESS, err
+        vals = [np.array([a.data_ptr() if hasattr(a, "data_ptr") else a], dtype=np.uint64 if hasattr(a, "data_ptr")
+                         else np.int64) for a in args]
+        ptrs = np.array([v.ctypes.data for v in vals], dtype=np.uint64)
+        (err,) = d.cuLaunchKernel(fn, grid[0], grid[1], 1, 256, 1, 1, SMEM, 0, ptrs.ctypes.data, 0)
+        assert err == d.CUresult.CUDA_SUCCESS, (name, err)
+
+    def error_code(self) -> int:
+        import numpy as np
+
+        d = self.driver
+        err, ptr, size = d.cuModuleGetGlobal(self.mod, b"mega_test_error")
+        assert err == d.CUresult.CUDA_SUCCESS, err
+        host = np.zeros(1, dtype=np.int32)
+        (err,) = d.cuMemcpyDtoH(host.ctypes.data, ptr, 4)
+        assert err == d.CUresult.CUDA_SUCCESS, err
+        return int(host[0])
+
+
+def _strided(a: Arg, env: dict, gen, fill=None):
+    """Random storage for ``a`` and its strided view (CPU)."""
+    import torch
+
+    shape = [as_dim(s).eval(env) for s in a.shape]
+    strides = [as_dim(s).eval(env) for s in (a.strides if a.strides is not None else contiguous(a.shape))]
+    size = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    if a.dtype.is_float:
+        storage = torch.randn(size, generator=gen).to(a.dtype.torch)
+    else:
+        storage = torch.randint(0, 100, (size,), generator=gen, dtype=torch.int32)
+    view = storage.as_strided(shape, strides)
+    if fill is not None:
+        fill(view, gen)
+    return storage, view
+
+
+def _poisoned(a: Arg, env: dict):
+    import torch
+
+    shape = [as_dim(s).eval(env) for s in a.shape]
+    strides = [as_dim(s).eval(env) for s in (a.strides if a.strides is not None else contiguous(a.shape))]
+    size = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    storage = torch.full((size,), float("nan") if a.dtype.is_float else -7, dtype=a.dtype.torch)
+    return storage, storage.as_strided(shape, strides)
+
+
+def _randint(lo, hi):
+    import torch
+
+    return lambda v, gen: v.copy_(torch.randint(lo, hi, v.shape, generator=gen, dtype=v.dtype))
+
+
+def _attn_part(d):
+    import torch
+
+    def fill(v, gen):  # plausible partials: max logits spread out, positive sums
+        v[..., d] = torch.randn(v.shape[:-1], generator=gen) * 3
+        v[..., d + 1] = torch.rand(v.shape[:-1], generator=gen) * 10 + 0.5
+    return fill
+
+
+def _argmax_ties(v, gen):  # equal maxima inside a chunk and across chunks: the lowest index wins
+    top = v.float().max() + 1
+    for k in (70000, 5003, 5000, 90000):
+        v[0, k] = top
+
+
+def _argmax_part(v, gen):
+    import torch
+
+    v[..., 0] = torch.randn(v.shape[:-1], generator=gen).round()  # ties between chunks
+    v[..., 1] = torch.randint(0, 1 << 20, v.shape[:-1], generator=gen).float()
+
+
+def gpu_cases(dtype: dt.DType) -> list[tuple]:
+    """(label, kind, inputs, output, params, fills) at sizes a CPU reference runs quickly."""
+    T, f32, i32 = dtype, dt.f32, dt.i32
+    L = POS + 1
+    ew = lambda fn, tile, axis: {"fn": fn, "axis": axis, "tile": tile}  # noqa: E731
+    attn = {"length": L, "scale": 0.125}
+    return [
+        ("mv_plain", "matvec", [Arg((1, 2048), T), Arg((1000, 2048), T)], Arg((1, 1000), T),
+         {"rows": 16, "roles": ("x", "w"), "eps": 0.0}, {}),
+        ("mv_norm_glu", "matvec", [Arg((1, 2048), T), Arg((600, 2048), T), Arg((600, 2048), T), Arg((2048,), T)],
+         Arg((1, 600), T), {"rows": 32, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}, {}),
+        ("mv_res_k8192", "matvec", [Arg((1, 8192), T), Arg((200, 8192), T), Arg((1, 200), T)], Arg((1, 200), T),
+         {"rows": 16, "roles": ("x", "w", "r"), "eps": 0.0}, {}),
+        ("mv_norm_rows64", "matvec", [Arg((1, 1024), T), Arg((700, 1024), T), Arg((1024,), T)], Arg((1, 700), T),
+         {"rows": 64, "roles": ("x", "w", "g"), "eps": 1e-6}, {}),
+        ("mv_m2_all", "matvec", [Arg((2, 512), T, strides=(520, 1)), Arg((300, 512), T), Arg((300, 512), T),
+                                 Arg((512,), T), Arg((2, 300), T)], Arg((2, 300), T),
+         {"rows": 8, "roles": ("x", "w", "w2", "g", "r"), "eps": 1e-5}, {}),
+        ("mv_matmul", "matvec", [Arg((1, 64), T), permuted((64, 96), T)], Arg((1, 96), T),
+         {"rows": 8, "roles": ("x", "w"), "eps": 0.0}, {}),
+        ("mv_ragged_k", "matvec", [Arg((1, 100), T), Arg((37, 100), T), Arg((100,), T), Arg((1, 37), T)],
+         Arg((1, 37), T), {"rows": 8, "roles": ("x", "w", "g", "r"), "eps": 1e-5}, {}),
+        ("attn_d64", "attn_partial", [Arg((32, 64), T), Arg((8, 1024, 64), T), Arg((8, 1024, 64), T)],
+         Arg((32, 4, 66), f32), {**attn, "chunk": 256, "group": 4}, {}),
+        ("attn_d128", "attn_partial", [Arg((16, 128), T), Arg((8, 1024, 128), T), Arg((8, 1024, 128), T)],
+         Arg((16, 16, 130), f32), {**attn, "chunk": 64, "group": 2, "scale": 0.08838834764831845}, {}),
+        ("attn_g8_strided_q", "attn_partial", [Arg((64, 128), T, strides=(1, 64)), Arg((8, 1024, 128), T),
+                                               Arg((8, 1024, 128), T)], Arg((64, 4, 130), f32),
+         {**attn, "chunk": 256, "group": 8}, {}),
+        ("merge_d64", "attn_merge", [Arg((32, 4, 66), f32)], Arg((32, 64), T), {**attn, "chunk": 256, "rows_per": 4},
+         {0: _attn_part(64)}),
+        ("merge_d128_many", "attn_merge", [Arg((16, 64, 130), f32)], Arg((16, 128), T),
+         {**attn, "chunk": 16, "rows_per": 2}, {0: _attn_part(128)}),
+        ("rms_hidden", "rms_norm", [Arg((1, 2048), T), Arg((2048,), T)], Arg((1, 2048), T),
+         {"rows_per": 1, "eps": 1e-5}, {}),
+        ("rms_qk", "rms_norm", [Arg((40, 128), T), Arg((128,), T)], Arg((40, 128), T), {"rows_per": 4, "eps": 1e-6}, {}),
+        ("rms_wide_strided", "rms_norm", [Arg((3, 4000), T, strides=(1, 3)), Arg((4000,), T)], Arg((3, 4000), T),
+         {"rows_per": 4, "eps": 1e-5}, {}),
+        ("rope_pos", "rope", [Arg((32, 128), T), Arg((64,), f32)], Arg((32, 128), T),
+         {"rows_per": 4, "pos": POS, "group": 1}, {1: lambda v, g: v.copy_(v.abs() * 0.3)}),
+        ("rope_ids", "rope", [Arg((8, 64), T), Arg((32,), f32), Arg((4,), i32)], Arg((8, 64), T),
+         {"rows_per": 4, "pos": None, "group": 2}, {1: lambda v, g: v.copy_(v.abs() * 0.3), 2: _randint(0, 4096)}),
+        ("softmax", "softmax", [Arg((5, 1000), T)], Arg((5, 1000), T), {"rows_per": 4}, {}),
+        ("softmax_long", "softmax", [Arg((2, 3000), T)], Arg((2, 3000), T), {"rows_per": 1}, {}),
+        ("softmax_len", "softmax", [Arg((32, L), T, strides=(1024, 1))], Arg((32, L), T, strides=(1024, 1)),
+         {"rows_per": 1}, {}),
+        ("argmax_partial", "argmax_partial", [Arg((1, 128256), T)], Arg((1, 32, 2), f32), {"chunk": 4096},
+         {0: _argmax_ties}),
+        ("argmax_partial_m3", "argmax_partial", [Arg((3, 1003), T, strides=(2000, 1))], Arg((3, 8, 2), f32),
+         {"chunk": 128}, {}),
+        ("argmax_reduce", "argmax_reduce", [Arg((3, 32, 2), f32)], Arg((3,), i32), {}, {0: _argmax_part}),
+        ("embedding", "embedding", [Arg((5000, 2048), T), Arg((3,), i32)], Arg((3, 2048), T), {},
+         {1: _randint(0, 5000)}),
+        ("kv_append", "kv_append", [Arg((8, 128), T)], Arg((8, 1024, 128), T), {"pos": POS}, {}),
+        ("ew_add", "elementwise", [Arg((1, 2048), T), Arg((1, 2048), T)], Arg((1, 2048), T), ew("add", 1024, 1), {}),
+        ("ew_mul_bcast", "elementwise", [Arg((4, 2000), T), Arg((4, 2000), T, strides=(0, 1))], Arg((4, 2000), T),
+         ew("mul", 512, 1), {}),
+        ("ew_silu", "elementwise", [Arg((1, 8192), T)], Arg((1, 8192), T), ew("silu", 8192, 1), {}),
+        ("ew_copy_3d", "elementwise", [Arg((8, 4, 64), T, strides=(64, 512, 1))], Arg((8, 4, 64), T),
+         ew("copy", 3, 0), {}),
+        ("ew_cast", "elementwise", [Arg((2, 3, 4, 5), T)], Arg((2, 3, 4, 5), f32 if T != f32 else dt.bf16),
+         ew("cast", 2, 1), {}),
+        ("ew_int_add", "elementwise", [Arg((16,), i32), Arg((16,), i32)], Arg((16,), i32), ew("add", 16, 0), {}),
+        ("ew_scalar", "elementwise", [Arg((), T)], Arg((), T), {"fn": "copy", "axis": 0, "tile": 1}, {}),
+    ]
+
+
+def _compare(label: str, got, want, dtype: dt.DType) -> float:
+    """Assert close (NaN where unwritten on both sides); return the exactly-equal fraction."""
+    import torch
+
+    if not dtype.is_float:
+        assert torch.equal(got, want), (label, got, want)
+        return 1.0
+    g, w = got.float(), want.float()
+    assert torch.equal(g.isnan(), w.isnan()), f"{label}: written elements differ"
+    ok = ~w.isnan()
+    g, w = g[ok], w[ok]
+    if w.numel() == 0:
+        return 1.0
+    rtol = {"f32": 2e-4, "bf16": 1.6e-2, "f16": 2e-3}[dtype.name]
+    torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * max(1e-3, w.abs().max().item()), msg=label)
+    return (g == w).float().mean().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tname", ["bf16", "f32", "f16"])
+def test_cuda_bodies_match_cpu(tname):
+    torch = _torch_cuda()
+    import itertools
+
+    dtype = DTYPES[tname]
+    env = {"pos": 700}
+    specs = gpu_cases(dtype)
+    names = [f"g_{label}_{tname}" for label, *_ in specs]
+    files = sorted({k.cuda_file for k in REGISTRY.values()})
+    src = [PRELUDE] + [f'#include "{f}"' for f in files]
+    src += [kernel_source(n, kind, ins, out, params) for n, (_, kind, ins, out, params, _f) in zip(names, specs)]
+    mod = Module("\n".join(src))
+    gen = torch.Generator().manual_seed(1234)
+    for name, (label, kind, ins, out, params, fills) in zip(names, specs):
+        op = make_op(kind, ins, out, params)
+        stores, views = zip(*(_strided(a, env, gen, fills.get(i)) for i, a in enumerate(ins)))
+        out_store, out_view = _poisoned(out, env)
+        want_store = out_store.clone()
+        want_view = want_store.as_strided(out_view.shape, out_view.stride())
+        grid = [g.eval(env) for g in op.grid] or [1]
+        for coords in itertools.product(*(range(g) for g in grid)):
+            REGISTRY[kind].cpu(op, {**env, **{f"_i{a}": c for a, c in enumerate(coords)}}, list(views), want_view)
+        dev = [s.cuda() for s in stores]
+        dev_out = out_store.cuda()
+        mod.launch(name, (grid[0], grid[1] if len(grid) > 1 else 1), [*dev, dev_out, env["pos"]])
+        torch.cuda.synchronize()
+        got = dev_out.cpu().as_strided(out_view.shape, out_view.stride())
+        exact = _compare(name, got, want_view, out.dtype)
+        r = mod.resources[name]
+        print(f"{name:34s} exact {exact:6.1%}  regs {r.registers}")
+    assert mod.error_code() == 0
+
+
+@pytest.mark.gpu
+def test_cuda_bodies_report_bad_indices():
+    """An out-of-range token id / cache position reports MEGA_ERR_INDEX and writes nothing."""
+    torch = _torch_cuda()
+    T = dt.bf16
+    specs = [("emb", "embedding", [Arg((50, 64), T), Arg((2,), dt.i32)], Arg((2, 64), T), {}),
+             ("kv", "kv_append", [Arg((2, 64), T)], Arg((2, 16, 64), T), {"pos": POS})]
+    mod = Module("\n".join([PRELUDE, '#include "embedding.cuh"', '#include "kv_append.cuh"']
+                           + [kernel_source(f"bad_{n}", *rest) for n, *rest in specs]))
+    table, ids = torch.randn(50 * 64).to(torch.bfloat16).cuda(), torch.tensor([3, 50], dtype=torch.int32).cuda()
+    out = torch.full((2 * 64,), float("nan"), dtype=torch.bfloat16).cuda()
+    mod.launch("bad_emb", (2, 1), [table, ids, out, 0])
+    torch.cuda.synchronize()
+    assert mod.error_code() == 2
+    assert not out[:64].isnan().any() and out[64:].isnan().all()  # row 0 copied, row 1 (id 50) skipped
+    cache = torch.zeros(2 * 16 * 64, dtype=torch.bfloat16).cuda()
+    mod.launch("bad_kv", (1, 1), [torch.ones(2 * 64, dtype=torch.bfloat16).cuda(), cache, 16])
+    torch.cuda.synchronize()
+    assert not cache.any()
+
+
+@pytest.mark.gpu
+def test_matvec_and_attention_bandwidth():
+    """Prints achieved bandwidth (not a pass/fail gate): the matvec body in a persistent
+    one-block-per-SM loop over 1 GiB of bf16 weights, cuBLAS gemv and a device copy as
+    the references measured in the same run; split-KV attention over a 128 MiB cache."""
+    torch = _torch_cuda()
+    T = dt.bf16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def median_ms(fn, reps=20):
+        fn()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+    gib = 1 << 30
+    src = torch.empty(gib // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    print(f"\ndevice copy: {2 * src.numel() * 2 / ms / 1e9:.2f} TB/s (read + write)")
+    del src, dst
+
+    mv_specs = []
+    for k, rows in ((2048, 16), (2048, 32), (2048, 64), (8192, 32)):
+        n = gib // (2 * k)
+        mv_specs.append((f"mv_k{k}_r{rows}", [Arg((1, k), T), Arg((n, k), T)], Arg((1, n), T),
+                         {"rows": rows, "roles": ("x", "w"), "eps": 0.0}))
+    n = gib // (4 * 2048)
+    mv_specs.append(("mv_norm_glu_k2048_r32", [Arg((1, 2048), T), Arg((n, 2048), T), Arg((n, 2048), T),
+                                                Arg((2048,), T)], Arg((1, n), T),
+                     {"rows": 32, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}))
+    attn_in = [Arg((32, 128), T), Arg((8, 32768, 128), T), Arg((8, 32768, 128), T)]
+    attn_out = Arg((32, 128, 130), dt.f32)
+    attn_params = {"length": POS + 1, "scale": 0.088, "chunk": 256, "group": 4}
+    mod = Module("\n".join([PRELUDE, '#include "matvec.cuh"', '#include "attention.cuh"']
+                           + [kernel_source(name, "matvec", i, o, p, persistent=True) for name, i, o, p in mv_specs]
+                           + [kernel_source("attn_bench", "attn_partial", attn_in, attn_out, attn_params)]))
+    for name, ins, out, params in mv_specs:
+        tensors = [torch.randn([as_dim(s).value for s in a.shape], device="cuda").to(torch.bfloat16) for a in ins]
+        y = torch.empty([as_dim(s).value for s in out.shape], device="cuda", dtype=torch.bfloat16)
+        n_inst = -(-y.shape[1] // params["rows"])
+        w_bytes = sum(t.numel() * 2 for t in tensors[1:3] if t.dim() == 2 and t.shape[0] > 2)
+        ms = median_ms(lambda: mod.launch(name, (sms, 1), [*tensors, y, 0, n_inst]))
+        r = mod.resources[name]
+        print(f"{name:26s} {w_bytes / ms / 1e9:5.2f} TB/s  ({ms * 1e3:7.1f} us, {r.registers} regs)")
+        if name == "mv_k2048_r16":
+            x, w = tensors
+            ms = median_ms(lambda: torch.mv(w, x[0]))
+            print(f"{'cuBLAS torch.mv k2048':26s} {w_bytes / ms / 1e9:5.2f} TB/s  ({ms * 1e3:7.1f} us)")
+        del tensors, y
+    q, kc, vc = (torch.randn([as_dim(s).value for s in a.shape], device="cuda").to(torch.bfloat16) for a in attn_in)
+    part = torch.empty(32 * 128 * 130, device="cuda")
+    L = 32768
+    ms = median_ms(lambda: mod.launch("attn_bench", (8, L // 256), [q, kc, vc, part, L - 1]))
+    print(f"{'attn_partial L=32768 d128':26s} {(kc.numel() + vc.numel()) * 2 / ms / 1e9:5.2f} TB/s  ({ms * 1e3:7.1f} us)")
