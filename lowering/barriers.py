@@ -210,11 +210,16 @@ def _in_buffer_coords(operand: Operand, buffer: Buffer, fp) -> tuple:
 
 
 def _simplify_many(exprs: Sequence[Dim]) -> list[Dim]:
+    """Linear parts canonicalized here (sums of ``atom * coeff``), the rest by the e-graph."""
+    tidy = [_unlin(_lin(as_dim(e))) for e in exprs]
     try:
         from ..rewrite.dimsort import simplify_many
     except ImportError:
-        return list(exprs)
-    return simplify_many(list(exprs)) if exprs else []
+        return tidy
+    try:
+        return simplify_many(tidy) if tidy else []
+    except Exception:  # the simplifier is an optimization: keep the tidy forms if it fails
+        return tidy
 
 
 # --- per-dim accesses, normalized --------------------------------------------
@@ -391,11 +396,27 @@ def _derive_pair(producer: BlockOp, consumer: BlockOp, k: int, buf: Buffer) -> _
             covers = isinstance(c, _Fixed) and _le(c.lo, pl) and _le(ph, c.hi)
             needed = not (inside or covers)
         if needed:
-            lo, hi = _instance_range(c)
-            lo = lo if _le(pl, cl) else dmax(lo, pl)
-            hi = hi if _le(ch, ph) else dmin(hi, ph)
-            guards = guards * dmin(1, dmax(0, hi - lo))
+            guards = guards * _overlaps(c, consumer.grid, phull[d], chull[d])
     return _Pair(count, signal, index, guards * expected)
+
+
+def _overlaps(c: _Acc, grid: Sequence[Dim], phull: tuple[Dim, Dim], chull: tuple[Dim, Dim]) -> Dim:
+    """1 if this consumer instance's range meets ``[pl, ph)``, else 0 (a min/max expression)."""
+    (pl, ph), (cl, ch) = phull, chull
+    lo, hi = _instance_range(c)
+    if _all_nonempty(c, grid):  # [lo, hi) not empty: one comparison decides when the other side is known
+        if _le(pl, cl):
+            return _lt01(lo, ph)
+        if _le(ch, ph):
+            return _lt01(pl, hi)
+    lo = lo if _le(pl, cl) else dmax(lo, pl)
+    hi = hi if _le(ch, ph) else dmin(hi, ph)
+    return _lt01(lo, hi)
+
+
+def _lt01(a: Dim, b: Dim) -> Dim:
+    """``1 if a < b else 0`` for integers."""
+    return dmin(1, dmax(0, b - a))
 
 
 def _match(p: _Tiled, c: _Acc) -> _Group | None:
@@ -449,7 +470,8 @@ def _lin(e: Dim) -> dict:
 
 def _unlin(lin: dict) -> Dim:
     out = const(0)
-    for t, c in sorted(((t, c) for t, c in lin.items() if t is not None), key=lambda tc: str(tc[0])):
+    terms = sorted(((t, c) for t, c in lin.items() if t is not None), key=lambda tc: (bool(_coords(tc[0])), str(tc[0])))
+    for t, c in terms:  # runtime-dim terms first, then grid coordinates
         out = out + t * c
     return out + lin.get(None, 0)
 

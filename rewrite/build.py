@@ -21,6 +21,9 @@ from .program import BlockOp, BlockProgram, Buffer, Estimate, Operand, View
 from .terms import NONE
 
 
+MAX_MATVEC_M = 16  # x rows one matvec instance handles (decode has 1)
+
+
 def view_shape(shape: tuple[Dim, ...], view: View) -> tuple[Dim, ...]:
     if view.kind in ("reshape", "expand"):
         return tuple(view.args)
@@ -154,7 +157,10 @@ def lower_matvec(b: ProgramBuilder, n: Node, c: Choice) -> None:
     if n.op == "matmul":  # out = a @ B: B [K, N] read as w [N, K]
         inputs[1] = with_view(inputs[1], View("permute", (1, 0)))
     out = to_rows(b.output(n))
-    b.emit("matvec", absorbed(b.graph, n.id, set(roles.values())), inputs, out, {"rows": rows, "roles": present, "eps": eps})
+    m = out.shape[0]
+    mrows = m.value if m.is_const and m.value <= MAX_MATVEC_M else 1  # a runtime M adds instances
+    params = {"rows": rows, "mrows": mrows, "roles": present, "eps": eps}
+    b.emit("matvec", absorbed(b.graph, n.id, set(roles.values())), inputs, out, params)
 
 
 def absorbed(graph: Graph, i: int, refs: set[int]) -> list[int]:

@@ -194,6 +194,11 @@ def shapes(draw, max_rank=3, budget=4096):
     return tuple(dims), env
 
 
+def slack(draw) -> int:
+    """Usually 0; sometimes a grid has one instance past the last tile (it touches nothing)."""
+    return int(draw(st.integers(0, 7)) == 0)
+
+
 @st.composite
 def tiling(draw, shape, env, *, consumer: bool, axes=2, tile=None, allow=("full", "tile", "at", "span", "offset")):
     """A footprint over ``shape`` and its grid: each dim Full / Tile / At / Span; 1-2 grid axes."""
@@ -215,7 +220,7 @@ def tiling(draw, shape, env, *, consumer: bool, axes=2, tile=None, allow=("full"
                 stop = sym(name) if draw(st.booleans()) else as_dim(stop_v)
                 env[name] = stop_v
             fp.append(Tile(len(grid), size, stop))
-            grid.append(ceildiv(stop if stop is not None else extent, size))
+            grid.append(ceildiv(stop if stop is not None else extent, size) + slack(draw))
         elif kind == "at":
             choice = draw(st.integers(0, 2)) if consumer and len(grid) < axes else draw(st.integers(0, 1))
             if choice == 0:
@@ -242,7 +247,7 @@ def tiling(draw, shape, env, *, consumer: bool, axes=2, tile=None, allow=("full"
             base = draw(st.integers(0, e - 1))
             start = coord(len(grid)) * size + base
             fp.append(Span(start, dmin(start + size, extent)))
-            grid.append(ceildiv(extent - base, size))
+            grid.append(ceildiv(extent - base, size) + slack(draw))
         else:
             fp.append(Full())
     if not grid:
@@ -269,7 +274,7 @@ def shift_axes(a, at: int):
 # --- soundness over random pairs ---------------------------------------------
 
 
-@settings(max_examples=250, **SETTINGS)
+@settings(max_examples=200, **SETTINGS)
 @given(st.data())
 def test_random_pairs_are_sound(data):
     shape, env = data.draw(shapes())
@@ -342,7 +347,7 @@ def exact_pair(draw):
     return shape, env, tuple(pfp), tuple(pgrid), tuple(cfp), tuple(cgrid)
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=120, **SETTINGS)
 @given(exact_pair())
 def test_nested_tilings_reductions_and_at_reads_are_precise(case):
     shape, env, pfp, pgrid, cfp, cgrid = case

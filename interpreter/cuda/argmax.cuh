@@ -7,7 +7,7 @@
 #pragma once
 #include "common.cuh"
 
-namespace argmax {
+namespace argmax_impl {
 
 // (v, i) beats (bv, bi): larger value, or equal value at a lower index.
 __device__ __forceinline__ bool better(float v, long long i, float bv, long long bi) {
@@ -38,10 +38,10 @@ __device__ __forceinline__ void block_best(float& bv, long long& bi, char* red) 
     }
 }
 
-}  // namespace argmax
+}  // namespace argmax_impl
 
 template <class T>
-__device__ __forceinline__ void argmax_partial(char* smem, const T* x, long long x_s0, long long x_s1, long long M,
+__device__ __noinline__ void argmax_partial(char* smem, const T* x, long long x_s0, long long x_s1, long long M,
                                                long long N, long long chunk, float* part, long long p_s0,
                                                long long p_s1, long long c0) {
     constexpr int VEC = VecN<T>::value;
@@ -57,16 +57,16 @@ __device__ __forceinline__ void argmax_partial(char* smem, const T* x, long long
                 load16_f32(xr + k, f);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e)
-                    if (argmax::better(f[e], k + e, bv, bi)) bv = f[e], bi = k + e;
+                    if (argmax_impl::better(f[e], k + e, bv, bi)) bv = f[e], bi = k + e;
             }
         } else {
 #pragma unroll 4
             for (long long k = k0 + threadIdx.x; k < k1; k += MEGA_THREADS) {
                 const float v = ld_f32(xr + k * x_s1);
-                if (argmax::better(v, k, bv, bi)) bv = v, bi = k;
+                if (argmax_impl::better(v, k, bv, bi)) bv = v, bi = k;
             }
         }
-        argmax::block_best(bv, bi, smem);
+        argmax_impl::block_best(bv, bi, shared_ptr(smem));
         if (threadIdx.x == 0) {
             part[m * p_s0 + c0 * p_s1] = bv;
             part[m * p_s0 + c0 * p_s1 + 1] = (float)bi;
@@ -74,14 +74,14 @@ __device__ __forceinline__ void argmax_partial(char* smem, const T* x, long long
     }
 }
 
-__device__ __forceinline__ void argmax_reduce(char* smem, const float* part, long long p_s0, long long p_s1,
+__device__ __noinline__ void argmax_reduce(char* smem, const float* part, long long p_s0, long long p_s1,
                                               long long T, int* out, long long out_s0, long long c0) {
     float bv = MEGA_NEG_INF;
     long long bi = 0x7fffffffffffffffll;  // chunk number: the first best chunk has the lowest index
     for (long long t = threadIdx.x; t < T; t += MEGA_THREADS) {
         const float v = __ldcg(part + c0 * p_s0 + t * p_s1);
-        if (argmax::better(v, t, bv, bi)) bv = v, bi = t;
+        if (argmax_impl::better(v, t, bv, bi)) bv = v, bi = t;
     }
-    argmax::block_best(bv, bi, smem);
+    argmax_impl::block_best(bv, bi, shared_ptr(smem));
     if (threadIdx.x == 0 && bi < T) out[c0 * out_s0] = (int)__ldcg(part + c0 * p_s0 + bi * p_s1 + 1);
 }

@@ -5,33 +5,39 @@
 // query head h, f32 part[h, c1, 0..D-1] = sum_j exp(s_j - m) v_j (unnormalised),
 // part[h, c1, D] = m = max_j s_j, part[h, c1, D+1] = sum_j exp(s_j - m), s_j = (q.k_j)*scale.
 //
-// Each warp runs its own online softmax over the rows it takes (no block barrier until
-// the end): LPR lanes cover one cache row with 16-byte __ldcg loads (a warp instruction
-// reads RPI = 32/LPR consecutive rows, coalesced), and a lane keeps NS row slots of K and
-// V in flight per step; row groups interleave across warps. At the end the MEGA_WARPS warp states merge through shared
-// memory (MEGA_WARPS * G * (D+2) floats).
+// Each warp runs its own online softmax over the rows it takes (interleaved groups of
+// RPI rows; LPR lanes hold a row as 16-byte vectors, so a warp instruction covers RPI
+// consecutive rows); at the end the MEGA_WARPS warp states merge through shared memory.
+// Fast path (unit last strides, 16-byte aligned rows): each lane streams its K and V
+// pieces through a private ring of shared-memory stages filled by cp.async.cg (L2 only),
+// STAGES-1 steps ahead of the one it computes: ~100 KB in flight per SM, which registers
+// cannot hold next to q and the accumulators, and no block barrier until the final merge.
+// Otherwise K and V load element by element into registers, a step at a time.
 //
 // attn_merge<T, D>: instance c0 combines the ceil(L/chunk) splits of query heads
 // [c0*rows_per, min(c0*rows_per + rows_per, Hq)): out[h] = T(num / den), one warp a head.
 #pragma once
 #include "common.cuh"
 
-namespace attn {
+namespace attn_impl {
 
 constexpr float LOG2E = 1.4426950408889634f;
 
 template <class T, int D, int G>
 struct Plan {
+    static_assert(D % VecN<T>::value == 0, "attention: head dim must be a multiple of 16 bytes");
     static constexpr int VEC = VecN<T>::value;
     static constexpr int DV = D / VEC;                        // 16-byte vectors per row
     static constexpr int LPR = DV >= 32 ? 32 : (DV > 16 ? 32 : DV > 8 ? 16 : DV > 4 ? 8 : DV > 2 ? 4 : DV > 1 ? 2 : 1);
     static constexpr int VPR = cdiv(DV, LPR);                 // vectors per lane per row
     static constexpr int RPI = 32 / LPR;                      // rows per warp instruction
-    // Row slots per lane per step: K + V data (8 regs a vector) and G scores a slot, in
-    // what is left of ~168 registers after q and the accumulators (2 * G * VPR * VEC).
-    static constexpr int NS = cmax(2, cmin(8, (168 - 2 * G * VPR * VEC) / (8 * VPR + G)));
-    static constexpr int ROWS_PER_STEP = RPI * NS;            // per warp and step
-    static_assert(D % VEC == 0, "attention: head dim must be a multiple of 16 bytes");
+    static constexpr int NS = G >= 8 ? 2 : 4;                 // row slots per lane per step (registers)
+    static constexpr int ROWS_PER_STEP = MEGA_WARPS * RPI * NS;
+    // shared memory: the warp states, then the cp.async ring (a step of K and V rows a stage)
+    static constexpr int WS_BYTES = cdiv(MEGA_WARPS * G * (D + 2) * 4, 16) * 16;
+    static constexpr int STAGE_BYTES = MEGA_THREADS * NS * VPR * 2 * 16;
+    static constexpr int STAGES = cmin(6, (MEGA_SMEM - WS_BYTES) / STAGE_BYTES);
+    static_assert(WS_BYTES <= MEGA_SMEM, "attn_partial: warp states do not fit in shared memory");
 };
 
 // Load VEC elements of T at p (last-dim stride s2) into a 16-byte register vector.
@@ -44,66 +50,55 @@ __device__ __forceinline__ uint4 load_row_vec(const T* p, long long s2) {
     return pack16<T>(f);  // exact: the values are T
 }
 
-template <class T, int D, int G, bool VEC_OK>
-__device__ __forceinline__ void partial(char* smem, const T* q, long long q_s0, long long q_s1, const T* kc,
-                                        long long k_s0, long long k_s1, long long k_s2, const T* vc,
-                                        long long v_s0, long long v_s1, long long v_s2, long long L,
-                                        long long chunk, float scale, float* part, long long p_s0,
-                                        long long p_s1, long long c0, long long c1) {
+__device__ __forceinline__ float ex2(float x) {  // 2^x, MUFU.EX2 (2 ulp; 2^-inf = 0)
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// One warp's part of an instance: its lanes' q slices, running max / sum and output.
+// Slot j of the step at `base` is row base + (j*MEGA_WARPS + warp)*RPI + rsub. Scores are
+// kept in the log2 domain (scale * log2(e) folded in), so each exp is one ex2.
+template <class T, int D, int G>
+struct Warp {
     using P = Plan<T, D, G>;
-    constexpr int VEC = P::VEC, VPR = P::VPR, LPR = P::LPR, NS = P::NS;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int sub = lane % LPR;   // which vectors of the row this lane holds
-    const int rsub = lane / LPR;  // which row of a warp instruction
-    const long long p0 = c1 * chunk, p1 = min_i64(p0 + chunk, L);
-    const T* kh = kc + c0 * k_s0;
-    const T* vh = vc + c0 * v_s0;
-
-    // q slices of this lane: q[g][v*LPR + sub] (VEC elements each)
+    static constexpr int VEC = P::VEC, VPR = P::VPR, LPR = P::LPR, NS = P::NS;
+    long long p1;
+    float scale2;
+    int warp, sub, rsub;  // sub: which vectors of a row this lane holds; rsub: which row of an instruction
     float qf[G][VPR][VEC];
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int v = 0; v < VPR; ++v) {
-            const int vi = v * LPR + sub;
-            if (vi < P::DV) {
-                unpack16<T>(load_row_vec<T, VEC_OK>(q + (c0 * G + g) * q_s0 + vi * VEC * q_s1, q_s1), qf[g][v]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) qf[g][v][e] = 0.0f;
-            }
-        }
+    float m_run[G], l_run[G], acc[G][VPR][VEC];  // m_run: log2 domain
 
-    float m_run[G], l_run[G], acc[G][VPR][VEC];
+    template <bool VEC_OK>
+    __device__ __forceinline__ void init(const T* q, long long q_s0, long long q_s1, long long p1_, float scale,
+                                         long long c0) {
+        const int lane = threadIdx.x & 31;
+        p1 = p1_, scale2 = scale * LOG2E;
+        warp = threadIdx.x >> 5, sub = lane % LPR, rsub = lane / LPR;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m_run[g] = MEGA_NEG_INF;
-        l_run[g] = 0.0f;
-#pragma unroll
-        for (int v = 0; v < VPR; ++v)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[g][v][e] = 0.0f;
-    }
-
-    // step rows: slot j of warp w holds rows base + (j*MEGA_WARPS + w)*RPI + [0, RPI) (interleaved, so
-    // every warp has rows even when chunk < MEGA_WARPS*ROWS_PER_STEP); slot 0's first row is < p1.
-#pragma unroll 1
-    for (long long base = p0; base + (long long)warp * P::RPI < p1; base += (long long)MEGA_WARPS * P::ROWS_PER_STEP) {
-        // issue every K and V load of the step
-        uint4 kr[NS][VPR], vr[NS][VPR];
-#pragma unroll
-        for (int j = 0; j < NS; ++j) {
-            const long long row = base + (j * MEGA_WARPS + warp) * P::RPI + rsub;
+        for (int g = 0; g < G; ++g) {
+            m_run[g] = MEGA_NEG_INF;
+            l_run[g] = 0.0f;
 #pragma unroll
             for (int v = 0; v < VPR; ++v) {
                 const int vi = v * LPR + sub;
-                const bool ok = row < p1 && vi < P::DV;
-                kr[j][v] = ok ? load_row_vec<T, VEC_OK>(kh + row * k_s1 + vi * VEC * k_s2, k_s2) : make_uint4(0, 0, 0, 0);
-                vr[j][v] = ok ? load_row_vec<T, VEC_OK>(vh + row * v_s1 + vi * VEC * v_s2, v_s2) : make_uint4(0, 0, 0, 0);
+                if (vi < P::DV) {
+                    unpack16<T>(load_row_vec<T, VEC_OK>(q + (c0 * G + g) * q_s0 + vi * VEC * q_s1, q_s1), qf[g][v]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) qf[g][v][e] = 0.0f;
+                }
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[g][v][e] = 0.0f;
             }
         }
-        // scores s[j][g] = (q_g . k_row) * scale, reduced over the row's LPR lanes
-        float s[NS][G];
+    }
+
+    __device__ __forceinline__ int slot_row(int j) const { return (j * MEGA_WARPS + warp) * P::RPI + rsub; }
+
+    // scores, online-softmax update and V accumulation for the NS slots of the step at `base`
+    __device__ __forceinline__ void compute(const uint4 (&kr)[NS][VPR], const uint4 (&vr)[NS][VPR], long long base) {
+        float s[NS][G];  // (q_g . k_row) * scale * log2(e), reduced over the row's LPR lanes
 #pragma unroll
         for (int j = 0; j < NS; ++j) {
 #pragma unroll
@@ -118,34 +113,40 @@ __device__ __forceinline__ void partial(char* smem, const T* q, long long q_s0, 
                     for (int e = 0; e < VEC; ++e) s[j][g] = fmaf(qf[g][v][e], kf[e], s[j][g]);
             }
         }
+        const long long left = p1 - base;  // rows of the step below p1, counted from base
         float m_step[G];
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            m_step[g] = MEGA_NEG_INF;
+        for (int g = 0; g < G; ++g) m_step[g] = MEGA_NEG_INF;
 #pragma unroll
-            for (int j = 0; j < NS; ++j) {
+        for (int j = 0; j < NS; ++j) {
+            const bool ok = slot_row(j) < left;
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
 #pragma unroll
                 for (int o = LPR / 2; o > 0; o >>= 1) s[j][g] += __shfl_xor_sync(MEGA_FULL_MASK, s[j][g], o);
-                s[j][g] = base + (j * MEGA_WARPS + warp) * P::RPI + rsub < p1 ? s[j][g] * scale : MEGA_NEG_INF;
+                s[j][g] = ok ? s[j][g] * scale2 : MEGA_NEG_INF;
                 m_step[g] = fmaxf(m_step[g], s[j][g]);
             }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g)
 #pragma unroll
             for (int o = 16; o >= LPR; o >>= 1) m_step[g] = fmaxf(m_step[g], __shfl_xor_sync(MEGA_FULL_MASK, m_step[g], o));
-        }
-        // online softmax update (m_step is finite: slot 0's first row is < p1)
+        if (m_step[0] == MEGA_NEG_INF) return;  // warp-uniform: no row of this warp in the step
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-            const float m_new = fmaxf(m_run[g], m_step[g]);
-            const float alpha = exp2f((m_run[g] - m_new) * LOG2E);  // 0 while m_run = -inf
-            m_run[g] = m_new;
-            l_run[g] *= alpha;
+            if (m_step[g] > m_run[g]) {  // warp-uniform
+                const float alpha = ex2(m_run[g] - m_step[g]);  // 0 while m_run = -inf
+                m_run[g] = m_step[g];
+                l_run[g] *= alpha;
 #pragma unroll
-            for (int v = 0; v < VPR; ++v)
+                for (int v = 0; v < VPR; ++v)
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[g][v][e] *= alpha;
+                    for (int e = 0; e < VEC; ++e) acc[g][v][e] *= alpha;
+            }
 #pragma unroll
-            for (int j = 0; j < NS; ++j) {
-                s[j][g] = exp2f((s[j][g] - m_new) * LOG2E);  // masked rows: exp(-inf) = 0
+            for (int j = 0; j < NS; ++j) {  // m_run is finite here; masked rows: 2^-inf = 0
+                s[j][g] = ex2(s[j][g] - m_run[g]);
                 l_run[g] += s[j][g];
             }
         }
@@ -162,85 +163,190 @@ __device__ __forceinline__ void partial(char* smem, const T* q, long long q_s0, 
             }
     }
 
-    // warp state: sum over the RPI row lanes (l_run is replicated over the LPR lanes of a row)
+    // Merge the MEGA_WARPS warp states through shared memory ws and write part[h, c1, :].
+    __device__ __forceinline__ void finish(float* ws, float* part, long long p_s0, long long p_s1, long long c0,
+                                          long long c1) {
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+        for (int g = 0; g < G; ++g) {  // sum over the RPI row lanes (l_run is replicated over a row's LPR lanes)
 #pragma unroll
-        for (int o = 16; o >= LPR; o >>= 1) {
-            l_run[g] += __shfl_xor_sync(MEGA_FULL_MASK, l_run[g], o);
+            for (int o = 16; o >= LPR; o >>= 1) {
+                l_run[g] += __shfl_xor_sync(MEGA_FULL_MASK, l_run[g], o);
 #pragma unroll
-            for (int v = 0; v < VPR; ++v)
+                for (int v = 0; v < VPR; ++v)
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[g][v][e] += __shfl_xor_sync(MEGA_FULL_MASK, acc[g][v][e], o);
+                    for (int e = 0; e < VEC; ++e) acc[g][v][e] += __shfl_xor_sync(MEGA_FULL_MASK, acc[g][v][e], o);
+            }
+        }
+        constexpr int WS = D + 2;  // ws[warp][g][0..D-1] = acc, [D] = max (log2 domain), [D+1] = sum
+        if (rsub == 0) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float* dst = ws + (warp * G + g) * WS;
+#pragma unroll
+                for (int v = 0; v < VPR; ++v) {
+                    const int vi = v * LPR + sub;
+                    if (vi < P::DV) {
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) dst[vi * VEC + e] = acc[g][v][e];
+                    }
+                }
+                if (sub == 0) dst[D] = m_run[g], dst[D + 1] = l_run[g];
+            }
+        }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < G * (D + 1); idx += MEGA_THREADS) {  // column j of head g; j == D: max, sum
+            const int g = idx / (D + 1), j = idx % (D + 1);
+            float mx = MEGA_NEG_INF;
+#pragma unroll
+            for (int i = 0; i < MEGA_WARPS; ++i) mx = fmaxf(mx, ws[(i * G + g) * WS + D]);
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < MEGA_WARPS; ++i) {
+                const float* src = ws + (i * G + g) * WS;
+                const float wm = src[D];
+                sum += (wm == MEGA_NEG_INF ? 0.0f : ex2(wm - mx)) * src[j == D ? D + 1 : j];
+            }
+            float* dst = part + (c0 * G + g) * p_s0 + c1 * p_s1;
+            if (j < D) {
+                dst[j] = sum;
+            } else {
+                dst[D] = mx * (1.0f / LOG2E);  // natural-log domain, as the definition
+                dst[D + 1] = sum;
+            }
         }
     }
-    float* ws = reinterpret_cast<float*>(smem);  // [MEGA_WARPS][G][D + 2]
-    constexpr int WS = D + 2;
-    if (rsub == 0) {
+};
+
+// Fast path: every lane streams the 16-byte pieces of K and V it will read (its slots of
+// each step) through its own STAGES-deep cp.async ring in shared memory. The data is
+// lane-private, so no barrier is needed: warps drift apart and overlap each other's compute.
+template <class T, int D, int G>
+__device__ __forceinline__ void partial_async(char* sm, const T* q, long long q_s0, const T* kh, long long k_s1,
+                                              const T* vh, long long v_s1, long long p0, long long p1, float scale,
+                                              float* part, long long p_s0, long long p_s1, long long c0, long long c1) {
+    using P = Plan<T, D, G>;
+    constexpr int VEC = P::VEC, VPR = P::VPR, LPR = P::LPR, NS = P::NS, S = P::STAGES;
+    constexpr int PIECES = NS * VPR * 2;  // per lane and stage: [slot][vector][K, V]
+    Warp<T, D, G> w;
+    w.template init<true>(q, q_s0, 1, p1, scale, c0);
+    // ring[stage][piece][thread]: 16-byte pieces, consecutive lanes adjacent (conflict-free)
+    uint4* ring = reinterpret_cast<uint4*>(sm + P::WS_BYTES) + threadIdx.x;
+    const long long stride = P::ROWS_PER_STEP;
+    const long long first = p0 + w.slot_row(0);  // this lane's row in slot 0 of step 0
+    const long long n_steps = first - w.rsub < p1 ? (p1 - (first - w.rsub) + stride - 1) / stride : 0;
+    // lane pointers into K and V at step 0 (row `first`, or the head's row 0 when past the end)
+    const T* kl = kh + w.sub * VEC;
+    const T* vl = vh + w.sub * VEC;
+    const long long slot_k = (long long)MEGA_WARPS * P::RPI * k_s1, slot_v = (long long)MEGA_WARPS * P::RPI * v_s1;
+    auto issue = [&](long long t, int stage) {
+        const long long r = first + t * stride;
+        uint4* dst = ring + stage * PIECES * MEGA_THREADS;
+        const T* kp = kl + r * k_s1;
+        const T* vp = vl + r * v_s1;
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float* dst = ws + (warp * G + g) * WS;
+        for (int j = 0; j < NS; ++j) {
+            const bool ok = r + j * MEGA_WARPS * P::RPI < p1;  // else zero-filled, no global read
 #pragma unroll
             for (int v = 0; v < VPR; ++v) {
-                const int vi = v * LPR + sub;
-                if (vi < P::DV) {
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) dst[vi * VEC + e] = acc[g][v][e];
-                }
+                const bool in = ok && v * LPR + w.sub < P::DV;
+                cp_async16(dst + ((j * VPR + v) * 2) * MEGA_THREADS, in ? kp + j * slot_k + v * LPR * VEC : kh,
+                           in ? 16 : 0);
+                cp_async16(dst + ((j * VPR + v) * 2 + 1) * MEGA_THREADS, in ? vp + j * slot_v + v * LPR * VEC : vh,
+                           in ? 16 : 0);
             }
-            if (sub == 0) dst[D] = m_run[g], dst[D + 1] = l_run[g];
         }
-    }
-    __syncthreads();
-    // merge the warp states: column j < D of head g, or (j == D) the max and the sum
-    for (int idx = threadIdx.x; idx < G * (D + 1); idx += MEGA_THREADS) {
-        const int g = idx / (D + 1), j = idx % (D + 1);
-        float mx = MEGA_NEG_INF;
+    };
 #pragma unroll
-        for (int w = 0; w < MEGA_WARPS; ++w) mx = fmaxf(mx, ws[(w * G + g) * WS + D]);
-        float sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < MEGA_WARPS; ++w) {
-            const float* src = ws + (w * G + g) * WS;
-            const float wm = src[D];
-            const float wgt = wm == MEGA_NEG_INF ? 0.0f : exp2f((wm - mx) * LOG2E);
-            sum += wgt * src[j == D ? D + 1 : j];
-        }
-        float* dst = part + (c0 * G + g) * p_s0 + c1 * p_s1;
-        if (j < D) {
-            dst[j] = sum;
-        } else {
-            dst[D] = mx;
-            dst[D + 1] = sum;
-        }
+    for (int t = 0; t < S - 1; ++t) {
+        if (t < n_steps) issue(t, t);
+        cp_async_commit();
     }
+    int stage = 0;  // stage of step t; step t + S - 1 goes to the stage of step t - 1
+#pragma unroll 1
+    for (long long t = 0; t < n_steps; ++t) {
+        if (t + S - 1 < n_steps) issue(t + S - 1, stage == 0 ? S - 1 : stage - 1);  // read at step t-1: done
+        cp_async_commit();
+        cp_async_wait<S - 1>();  // step t's pieces have landed
+        const uint4* src = ring + stage * PIECES * MEGA_THREADS;
+        uint4 kr[NS][VPR], vr[NS][VPR];
+#pragma unroll
+        for (int j = 0; j < NS; ++j)
+#pragma unroll
+            for (int v = 0; v < VPR; ++v) {
+                kr[j][v] = src[((j * VPR + v) * 2) * MEGA_THREADS];
+                vr[j][v] = src[((j * VPR + v) * 2 + 1) * MEGA_THREADS];
+            }
+        w.compute(kr, vr, p0 + t * stride);
+        stage = stage == S - 1 ? 0 : stage + 1;
+    }
+    cp_async_wait<0>();
+    w.finish(reinterpret_cast<float*>(sm), part, p_s0, p_s1, c0, c1);
 }
 
-}  // namespace attn
+// Any strides: element loads straight into registers, one step at a time.
+template <class T, int D, int G, bool VEC_OK>
+__device__ __forceinline__ void partial_regs(char* sm, const T* q, long long q_s0, long long q_s1, const T* kh,
+                                             long long k_s1, long long k_s2, const T* vh, long long v_s1,
+                                             long long v_s2, long long p0, long long p1, float scale, float* part,
+                                             long long p_s0, long long p_s1, long long c0, long long c1) {
+    using P = Plan<T, D, G>;
+    constexpr int VEC = P::VEC, VPR = P::VPR, LPR = P::LPR, NS = P::NS;
+    Warp<T, D, G> w;
+    w.template init<VEC_OK>(q, q_s0, q_s1, p1, scale, c0);
+#pragma unroll 1
+    for (long long base = p0; base + (long long)w.warp * P::RPI < p1; base += P::ROWS_PER_STEP) {
+        uint4 kr[NS][VPR], vr[NS][VPR];
+#pragma unroll
+        for (int j = 0; j < NS; ++j) {
+            const long long r = base + w.slot_row(j);
+#pragma unroll
+            for (int v = 0; v < VPR; ++v) {
+                const int vi = v * LPR + w.sub;
+                const bool ok = r < p1 && vi < P::DV;
+                kr[j][v] = ok ? load_row_vec<T, VEC_OK>(kh + r * k_s1 + vi * VEC * k_s2, k_s2) : make_uint4(0, 0, 0, 0);
+                vr[j][v] = ok ? load_row_vec<T, VEC_OK>(vh + r * v_s1 + vi * VEC * v_s2, v_s2) : make_uint4(0, 0, 0, 0);
+            }
+        }
+        w.compute(kr, vr, base);
+    }
+    w.finish(reinterpret_cast<float*>(sm), part, p_s0, p_s1, c0, c1);
+}
+
+}  // namespace attn_impl
 
 template <class T, int D, int G>
-__device__ __forceinline__ void attn_partial(char* smem, const T* q, long long q_s0, long long q_s1,  //
-                                             const T* kc, long long k_s0, long long k_s1, long long k_s2,  //
-                                             const T* vc, long long v_s0, long long v_s1, long long v_s2,  //
-                                             long long L, long long chunk, float scale,                   //
-                                             float* part, long long p_s0, long long p_s1, long long c0, long long c1) {
-    static_assert(MEGA_WARPS * G * (D + 2) * 4 <= MEGA_SMEM, "attn_partial: warp states do not fit in shared memory");
+__device__ __noinline__ void attn_partial(char* smem, const T* q, long long q_s0, long long q_s1,  //
+                                          const T* kc, long long k_s0, long long k_s1, long long k_s2,  //
+                                          const T* vc, long long v_s0, long long v_s1, long long v_s2,  //
+                                          long long L, long long chunk, float scale,                   //
+                                          float* part, long long p_s0, long long p_s1, long long c0, long long c1) {
+    using P = attn_impl::Plan<T, D, G>;
+    char* sm = shared_ptr(smem);
+    const long long p0 = c1 * chunk, p1 = min_i64(p0 + chunk, L);
+    const T* kh = kc + c0 * k_s0;
+    const T* vh = vc + c0 * v_s0;
     const int bytes = (int)sizeof(T);
-    const bool vec = q_s1 == 1 && k_s2 == 1 && v_s2 == 1 && aligned16(q) && aligned16(kc) && aligned16(vc) &&
-                     ((q_s0 * bytes) & 15) == 0 && ((k_s0 * bytes) & 15) == 0 && ((k_s1 * bytes) & 15) == 0 &&
-                     ((v_s0 * bytes) & 15) == 0 && ((v_s1 * bytes) & 15) == 0;
+    const bool vec = q_s1 == 1 && k_s2 == 1 && v_s2 == 1 && aligned16(q) && aligned16(kh) && aligned16(vh) &&
+                     ((q_s0 * bytes) & 15) == 0 && ((k_s1 * bytes) & 15) == 0 && ((v_s1 * bytes) & 15) == 0;
+    if constexpr (P::STAGES >= 2) {
+        if (vec) {
+            attn_impl::partial_async<T, D, G>(sm, q, q_s0, kh, k_s1, vh, v_s1, p0, p1, scale, part, p_s0, p_s1, c0,
+                                              c1);
+            return;
+        }
+    }
     if (vec)
-        attn::partial<T, D, G, true>(smem, q, q_s0, q_s1, kc, k_s0, k_s1, k_s2, vc, v_s0, v_s1, v_s2, L, chunk, scale,
-                                     part, p_s0, p_s1, c0, c1);
+        attn_impl::partial_regs<T, D, G, true>(sm, q, q_s0, q_s1, kh, k_s1, k_s2, vh, v_s1, v_s2, p0, p1, scale, part,
+                                               p_s0, p_s1, c0, c1);
     else
-        attn::partial<T, D, G, false>(smem, q, q_s0, q_s1, kc, k_s0, k_s1, k_s2, vc, v_s0, v_s1, v_s2, L, chunk,
-                                      scale, part, p_s0, p_s1, c0, c1);
+        attn_impl::partial_regs<T, D, G, false>(sm, q, q_s0, q_s1, kh, k_s1, k_s2, vh, v_s1, v_s2, p0, p1, scale,
+                                                part, p_s0, p_s1, c0, c1);
 }
 
 template <class T, int D>
-__device__ __forceinline__ void attn_merge(const float* part, long long p_s0, long long p_s1, long long L,
-                                           long long chunk, long long Hq, int rows_per, T* out, long long out_s0,
-                                           long long out_s1, long long c0) {
+__device__ __noinline__ void attn_merge(const float* part, long long p_s0, long long p_s1, long long L,
+                                        long long chunk, long long Hq, int rows_per, T* out, long long out_s0,
+                                        long long out_s1, long long c0) {
     constexpr int DL = cdiv(D, 32);  // output columns per lane
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long nsplit = (L + chunk - 1) / chunk;
@@ -257,7 +363,7 @@ __device__ __forceinline__ void attn_merge(const float* part, long long p_s0, lo
         for (long long s0 = 0; s0 < nsplit; s0 += 32) {
             // lane t weighs split s0 + t; the warp then walks the 32 splits
             const long long s = s0 + lane;
-            const float ws = s < nsplit ? exp2f((__ldcg(ph + s * p_s1 + D) - mx) * attn::LOG2E) : 0.0f;
+            const float ws = s < nsplit ? exp2f((__ldcg(ph + s * p_s1 + D) - mx) * attn_impl::LOG2E) : 0.0f;
             if (s < nsplit) den += ws * __ldcg(ph + s * p_s1 + D + 1);
             const int n = (int)min_i64(32, nsplit - s0);
 #pragma unroll 4

@@ -133,6 +133,31 @@ __device__ __forceinline__ void load_vec_f32(const T* p, long long s1, bool vec,
     }
 }
 
+// --- dynamic shared memory ------------------------------------------------------------
+// Bodies may be compiled out of line (__noinline__), where the `smem` argument is a plain
+// generic pointer: re-derive it from this extern array (the same dynamic shared memory)
+// so that accesses compile to shared-space instructions (LDS/STS), not generic ones.
+extern __shared__ __align__(16) char mega_dyn_smem[];
+template <class T = char> __device__ __forceinline__ T* shared_ptr(void* p) {
+#ifdef MEGA_GENERIC_SMEM  // experiment switch: keep the generic pointer
+    return reinterpret_cast<T*>(p);
+#endif
+    const unsigned off = (unsigned)__cvta_generic_to_shared(p) - (unsigned)__cvta_generic_to_shared(mega_dyn_smem);
+    return reinterpret_cast<T*>(mega_dyn_smem + off);
+}
+
+// --- cp.async (sm_80+): 16-byte global -> shared copies that bypass L1 (.cg) --------
+// src_bytes < 16 zero-fills the rest (0: no global read at all).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src, int src_bytes) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // --- warp and block reductions ------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -73,7 +73,7 @@ template <> struct ComputeType<int, int> { using type = int; };
 }  // namespace ew_impl
 
 template <class FN, int ND, class TO, class TA>
-__device__ __forceinline__ void elementwise(Idx4 shape, int axis, long long tile, long long c0, TO* out, Idx4 out_st,
+__device__ __noinline__ void elementwise(Idx4 shape, int axis, long long tile, long long c0, TO* out, Idx4 out_st,
                                             const TA* a, Idx4 a_st) {
     static_assert(FN::ARITY == 1 && ND >= 1 && ND <= 4, "elementwise: unary FN, 1 to 4 dims");
     const ew_impl::Tile<ND> t(shape, axis, tile, c0);
@@ -102,7 +102,7 @@ __device__ __forceinline__ void elementwise(Idx4 shape, int axis, long long tile
 }
 
 template <class FN, int ND, class TO, class TA, class TB>
-__device__ __forceinline__ void elementwise(Idx4 shape, int axis, long long tile, long long c0, TO* out, Idx4 out_st,
+__device__ __noinline__ void elementwise(Idx4 shape, int axis, long long tile, long long c0, TO* out, Idx4 out_st,
                                             const TA* a, Idx4 a_st, const TB* b, Idx4 b_st) {
     static_assert(FN::ARITY == 2 && ND >= 1 && ND <= 4, "elementwise: binary FN, 1 to 4 dims");
     using C = typename ew_impl::ComputeType<TA, TB>::type;

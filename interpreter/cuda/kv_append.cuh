@@ -4,7 +4,7 @@
 #include "common.cuh"
 
 template <class T>
-__device__ __forceinline__ void kv_append(const T* src, long long n_s0, long long n_s1, T* cache, long long c_s0,
+__device__ __noinline__ void kv_append(const T* src, long long n_s0, long long n_s1, T* cache, long long c_s0,
                                           long long c_s1, long long c_s2, long long Hkv, long long Smax, long long D,
                                           long long pos) {
     if (pos < 0 || pos >= Smax) {

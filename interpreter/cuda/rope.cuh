@@ -8,7 +8,7 @@
 #include "common.cuh"
 
 template <class T, int D>
-__device__ __forceinline__ void rope_rows(const T* x, long long x_s0, long long x_s1, const float* inv_freq,
+__device__ __noinline__ void rope_rows(const T* x, long long x_s0, long long x_s1, const float* inv_freq,
                                           const int* pos_ids, long long pos_s0, long long pos, long long group,
                                           T* out, long long out_s0, long long out_s1, long long rows, int rows_per,
                                           long long c0) {

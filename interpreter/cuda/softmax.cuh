@@ -6,7 +6,7 @@
 #pragma once
 #include "common.cuh"
 
-namespace softmax {
+namespace softmax_impl {
 
 template <class T, int TEAM>
 __device__ __forceinline__ void rows(float* red, const T* x, long long x_s0, long long x_s1, T* out, long long out_s0,
@@ -30,16 +30,16 @@ __device__ __forceinline__ void rows(float* red, const T* x, long long x_s0, lon
     }
 }
 
-}  // namespace softmax
+}  // namespace softmax_impl
 
 template <class T>
-__device__ __forceinline__ void softmax_rows(char* smem, const T* x, long long x_s0, long long x_s1, T* out,
+__device__ __noinline__ void softmax_rows(char* smem, const T* x, long long x_s0, long long x_s1, T* out,
                                              long long out_s0, long long out_s1, long long D, long long rows,
                                              int rows_per, long long c0) {
     const long long r0 = c0 * rows_per, r1 = min_i64(r0 + rows_per, rows);
-    float* red = reinterpret_cast<float*>(smem);
+    float* red = shared_ptr<float>(smem);
     if (D <= 1024)
-        softmax::rows<T, 32>(red, x, x_s0, x_s1, out, out_s0, out_s1, D, r0, r1);
+        softmax_impl::rows<T, 32>(red, x, x_s0, x_s1, out, out_s0, out_s1, D, r0, r1);
     else
-        softmax::rows<T, MEGA_THREADS>(red, x, x_s0, x_s1, out, out_s0, out_s1, D, r0, r1);
+        softmax_impl::rows<T, MEGA_THREADS>(red, x, x_s0, x_s1, out, out_s0, out_s1, D, r0, r1);
 }

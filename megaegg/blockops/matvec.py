@@ -1,4 +1,7 @@
-"""matvec: ``out[M, N] = x[M, K] @ w[N, K]^T`` with R rows of ``w`` per instance.
+"""matvec: ``out[M, N] = x[M, K] @ w[N, K]^T``; instance ``(i, j)`` computes rows
+``[i*mrows, (i+1)*mrows)`` of x against ``rows`` rows ``[j*rows, ...)`` of ``w``.
+``mrows`` is M itself when M is a constant (decode: M = 1), else 1, so a runtime M
+(prefill) just adds instances.
 
 Fusion options (operand roles in ``params["roles"]``): ``g`` an RMSNorm prologue on
 ``x`` (weight ``g[K]``, ``eps``); ``w2`` a gated pair, ``out = silu(x w^T) * (x w2^T)``;
@@ -25,25 +28,28 @@ class MatVec(BlockKind):
     cuda_file = "matvec.cuh"
 
     def build(self, inputs, output, params) -> Partition:
-        rows = params["rows"]
-        tile_n = (Full(), Tile(0, rows))  # [M, N]: all M, R rows of N
+        rows, mrows = params["rows"], params["mrows"]
+        tile_mn = (Tile(0, mrows), Tile(1, rows))
         reads = []
-        for role in params["roles"]:
+        for role, o in zip(params["roles"], inputs):
             if role in ("w", "w2"):
-                reads.append((Tile(0, rows), Full()))
+                reads.append((Tile(1, rows), Full()))
             elif role == "r":
-                reads.append(tile_n)
-            else:  # x, g: read whole
-                reads.append(tuple(Full() for _ in inputs[len(reads)].shape))
-        return Partition(grid=(ceildiv(inputs[1].shape[0], rows),), reads=tuple(reads), writes=tile_n)
+                reads.append(tile_mn)
+            elif role == "x":
+                reads.append((Tile(0, mrows), Full()))
+            else:  # g
+                reads.append((Full(),))
+        grid = (ceildiv(output.shape[0], mrows), ceildiv(inputs[1].shape[0], rows))
+        return Partition(grid=grid, reads=tuple(reads), writes=tile_mn)
 
     def cpu(self, op, env, ins, out):
         k = roles(op)
         dt = out.dtype
-        rows = op.params["rows"]
-        r0 = env["_i0"] * rows
-        r1 = min(r0 + rows, ins[k["w"]].shape[0])
-        x = f32(ins[k["x"]])
+        rows, mrows = op.params["rows"], op.params["mrows"]
+        m0, r0 = env["_i0"] * mrows, env["_i1"] * rows
+        m1, r1 = m0 + mrows, min(r0 + rows, ins[k["w"]].shape[0])
+        x = f32(ins[k["x"]][m0:m1])
         if "g" in k:
             x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + op.params["eps"])).to(dt).float()
             x = (x * f32(ins[k["g"]])).to(dt).float()
@@ -52,42 +58,45 @@ class MatVec(BlockKind):
             up = (x @ f32(ins[k["w2"]][r0:r1]).T).to(dt)
             y = (torch.nn.functional.silu(y.float()).to(dt).float() * up.float()).to(dt)
         if "r" in k:
-            y = (f32(ins[k["r"]][:, r0:r1]) + y.float()).to(dt)
-        out[:, r0:r1] = y
+            y = (f32(ins[k["r"]][m0:m1, r0:r1]) + y.float()).to(dt)
+        out[m0:m1, r0:r1] = y
 
     def cuda_call(self, op, ins, out: CudaOperand) -> str:
         k = roles(op)
         p = op.params
-        x, w = ins[k["x"]], ins[k["w"]]
+        mrows = p["mrows"]
+
+        def rows_of(o: CudaOperand) -> str:  # the operand advanced to this instance's first x row
+            return f"({o.ptr} + c0 * {mrows} * {o.strides[0]})"
 
         def optional(role: str, n_strides: int) -> list[str]:  # absent operands: nullptr, zero strides
             if role not in k:
                 return ["nullptr"] + ["0"] * n_strides
             o = ins[k[role]]
-            return [o.ptr, *o.strides[:n_strides]]
+            return [rows_of(o) if role == "r" else o.ptr, *o.strides[:n_strides]]
 
-        m = op.inputs[k["x"]].shape[0].value
+        x, w = ins[k["x"]], ins[k["w"]]
         kdim = op.inputs[k["w"]].shape[1].value
         n = op.inputs[k["w"]].shape[0].value
         flags = ", ".join("true" if role in k else "false" for role in ("g", "w2", "r"))
         args = [
             "smem",
-            x.ptr, x.strides[0], x.strides[1],
+            rows_of(x), x.strides[0], x.strides[1],
             *optional("g", 1), f"{float(p.get('eps', 0.0))!r}f",
             w.ptr, w.strides[0], w.strides[1],
             *optional("w2", 2),
             *optional("r", 2),
-            out.ptr, out.strides[0], out.strides[1],
-            f"{n}LL", "c0",
+            rows_of(out), out.strides[0], out.strides[1],
+            f"{n}LL", "c1",
         ]
-        return f"matvec<{x.ctype}, {m}, {kdim}, {p['rows']}, {flags}>({', '.join(args)})"
+        return f"matvec<{x.ctype}, {mrows}, {kdim}, {p['rows']}, {flags}>({', '.join(args)})"
 
     def bytes_moved(self, op, env):
         k = roles(op)
-        n_inst = op.grid[0].eval(env)
-        w_bytes = sum(op.inputs[k[r]].shape[0].value * op.inputs[k[r]].shape[1].value * op.inputs[k[r]].dtype.itemsize
-                      for r in ("w", "w2") if r in k)
-        x = op.inputs[k["x"]]
-        x_bytes = x.shape[0].value * x.shape[1].value * x.dtype.itemsize
-        out_bytes = op.output.shape[0].value * op.output.shape[1].value * op.output.dtype.itemsize
-        return w_bytes + n_inst * x_bytes + out_bytes * (2 if "r" in k else 1)
+        m_tiles, n_tiles = (g.eval(env) for g in op.grid)
+        k_dim = op.inputs[k["w"]].shape[1].value
+        n, m = op.output.shape[1].eval(env), op.output.shape[0].eval(env)
+        item = op.output.dtype.itemsize
+        w_bytes = (2 if "w2" in k else 1) * n * k_dim * item * m_tiles  # each row tile re-reads the weights
+        x_bytes = m * k_dim * item * n_tiles  # every instance reads its x rows
+        return w_bytes + x_bytes + m * n * item * (2 if "r" in k else 1)

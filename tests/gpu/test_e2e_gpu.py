@@ -1,0 +1,64 @@
+"""GPU end to end: the megakernel against the reference executor (run on the GPU machine)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import megaegg as me
+from megaegg.models import ModelConfig, build_decode_graph, random_weights
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from test_reference import WEIGHTS, build_layer  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype, tol", [(me.f32, 1e-4), (me.bf16, 2e-2)])
+def test_layer_20_positions_one_compile(dtype, tol):
+    torch.manual_seed(3)
+    g = build_layer(dtype)
+    W = {n: (torch.randn(s) * 0.3).to(dtype.torch).cuda() for n, s in WEIGHTS.items()}
+    k = me.compile(g, W, backend="cuda", max_dims={"pos": 31})
+    kc, vc = (torch.randn(2, 32, 16, device="cuda").to(dtype.torch) for _ in range(2))
+    kc2, vc2 = kc.clone(), vc.clone()
+    for pos in range(20):
+        x = torch.randn(1, 64, device="cuda").to(dtype.torch)
+        out = k(x=x, k_cache=kc, v_cache=vc, pos=pos)["y"]
+        ref = me.run_reference(g, {"x": x, "k_cache": kc2, "v_cache": vc2}, W, {"pos": pos})["y"]
+        assert rel(out, ref) < tol, f"pos {pos}"
+        assert rel(kc, kc2) < tol and rel(vc, vc2) < tol
+    assert k._runner.stats.launches == 20
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b"])
+def test_model_matches_reference(preset):
+    cfg = ModelConfig.preset(preset)
+    if preset != "tiny":
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, layers=2)
+    g, spec = build_decode_graph(cfg, max_len=64)
+    W = random_weights(spec, seed=1, device="cuda")
+    k = me.compile(g, W, backend="cuda", max_dims={"pos": 63})
+    caches, ref_caches = spec.new_caches("cuda"), spec.new_caches("cuda")
+    for pos, tok in enumerate([5, 17, 99, 3, 42, 7, 8, 9]):
+        t = torch.tensor([tok], dtype=torch.int32, device="cuda")
+        out = k(token=t, pos=pos, **caches)
+        ref = me.run_reference(g, {"token": t, **ref_caches}, W, {"pos": pos})
+        assert rel(out["logits"], ref["logits"]) < 2e-2, f"pos {pos}"
+        top2 = ref["logits"].float().topk(2).values[0]
+        if (top2[0] - top2[1]) > 2e-2 * top2[0].abs():
+            assert out["next_token"].item() == ref["next_token"].item()
+
+
+def test_out_of_range_token_raises():
+    g, spec = build_decode_graph(ModelConfig.preset("tiny"), max_len=16)
+    k = me.compile(g, random_weights(spec, device="cuda"), backend="cuda", max_dims={"pos": 15})
+    with pytest.raises(RuntimeError, match="index out of range"):
+        k(token=torch.tensor([10**6], dtype=torch.int32, device="cuda"), pos=0, **spec.new_caches("cuda"))

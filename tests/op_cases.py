@@ -1,0 +1,19 @@
+"""Small single-op graphs shared by the simulator and GPU tests: name -> dtype -> (build, inputs, weights)."""
+
+import megaegg as me
+
+P = me.sym("pos")
+
+CASES = {
+    "linear": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 256], dt), g.weight("w", [200, 256], dt))), {"x": [1, 256]}, {"w": [200, 256]}),
+    "linear_odd_k": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 100], dt), g.weight("w", [72, 100], dt))), {"x": [1, 100]}, {"w": [72, 100]}),
+    "matmul": lambda dt: (lambda g: g.output("y", g.input("a", [3, 64], dt) @ g.weight("b", [64, 40], dt)), {"a": [3, 64]}, {"b": [64, 40]}),
+    "rms_norm": lambda dt: (lambda g: g.output("y", me.rms_norm(g.input("x", [5, 128], dt), g.weight("w", [128], dt), 1e-5)), {"x": [5, 128]}, {"w": [128]}),
+    "silu_mul_add": lambda dt: (lambda g: g.output("y", me.silu(g.input("a", [1, 3000], dt)) * g.input("b", [1, 3000], dt) + g.input("c", [3000], dt)), {"a": [1, 3000], "b": [1, 3000], "c": [3000]}, {}),
+    "rope": lambda dt: (lambda g: g.output("y", me.rope(g.input("x", [4, 64], dt), P, theta=10000.0)), {"x": [4, 64]}, {}),
+    "softmax": lambda dt: (lambda g: g.output("y", me.softmax(g.input("x", [3, 777], dt))), {"x": [3, 777]}, {}),
+    "argmax": lambda dt: (lambda g: g.output("y", me.argmax(g.input("x", [1, 10000], dt))), {"x": [1, 10000]}, {}),
+    "concat_transpose": lambda dt: (lambda g: g.output("y", me.concat([g.input("a", [4, 8], dt), me.transpose(g.input("b", [6, 4], dt), 0, 1)], 1)), {"a": [4, 8], "b": [6, 4]}, {}),
+}
+
+

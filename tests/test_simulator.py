@@ -1,0 +1,142 @@
+"""The compiled queue on the CPU simulator: random and adversarial schedules, poisoned buffers."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from op_cases import CASES
+from test_reference import WEIGHTS, build_layer
+
+import megaegg as me
+from megaegg.interpreter.simulator import Schedule, SimulationError
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def compare(kernel, graph, inputs, weights, dims, tol, schedules=(Schedule(),)):
+    ref = me.run_reference(graph, {n: t.clone() for n, t in inputs.items()}, weights, dims)
+    for sch in schedules:
+        out = kernel.simulate(sch, **{n: t.clone() for n, t in inputs.items()}, **dims)
+        for name, r in ref.items():
+            if r.is_floating_point():
+                assert rel(out[name], r) < tol, f"{name} under {sch}"
+            else:
+                assert torch.equal(out[name], r), f"{name} under {sch}"
+
+
+SCHEDULES = [Schedule(sms=1), Schedule(sms=4, seed=1), Schedule(sms=16, seed=2, adversarial=True),
+             Schedule(sms=3, seed=3, adversarial=True)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_op_on_simulator(case):
+    torch.manual_seed(abs(hash(case)) % 1000)
+    build, ins, ws = CASES[case](me.f32)
+    g = me.Graph(case)
+    build(g)
+    dims = {"pos": 9} if g.symbols() else {}
+    k = me.compile(g, {n: torch.randn(s) for n, s in ws.items()}, backend="sim", max_dims={s: 64 for s in g.symbols()})
+    compare(k, g, {n: torch.randn(s) for n, s in ins.items()}, k.weights, dims, 1e-5, SCHEDULES)
+
+
+def test_layer_20_decode_steps_one_compile():
+    torch.manual_seed(11)
+    g = build_layer(me.f32)
+    W = {n: torch.randn(s) * 0.3 for n, s in WEIGHTS.items()}
+    k = me.compile(g, W, backend="sim", max_dims={"pos": 31})
+    queue = k.queue
+    kc, vc = torch.randn(2, 32, 16), torch.randn(2, 32, 16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    for pos in range(20):
+        x = torch.randn(1, 64)
+        out = k.simulate(SCHEDULES[pos % len(SCHEDULES)], x=x, k_cache=kc, v_cache=vc, pos=pos)["y"]
+        ref = me.run_reference(g, {"x": x, "k_cache": kc2, "v_cache": vc2}, W, {"pos": pos})["y"]
+        assert rel(out, ref) < 1e-5
+        assert torch.allclose(kc, kc2, atol=1e-6) and torch.allclose(vc, vc2, atol=1e-6)
+    assert k.queue is queue  # the dims changed; nothing was rebuilt
+
+
+def test_simulator_catches_a_missing_barrier():
+    g = build_layer(me.f32)
+    k = me.compile(g, {n: torch.randn(s) for n, s in WEIGHTS.items()}, backend="sim", max_dims={"pos": 31})
+    entries = tuple(dataclasses.replace(e, waits=()) for e in k.queue.entries)  # drop every wait
+    k.queue = dataclasses.replace(k.queue, entries=entries)
+    with pytest.raises(SimulationError, match="read unwritten elements"):
+        for seed in range(10):
+            k.simulate(Schedule(sms=8, seed=seed, adversarial=True), x=torch.randn(1, 64),
+                       k_cache=torch.randn(2, 32, 16), v_cache=torch.randn(2, 32, 16), pos=3)
+
+
+def test_simulator_reports_deadlock():
+    g = build_layer(me.f32)
+    k = me.compile(g, {n: torch.randn(s) for n, s in WEIGHTS.items()}, backend="sim", max_dims={"pos": 31})
+    e = k.queue.entries[-1]
+    bad = tuple(dataclasses.replace(w, expected=w.expected + 1) for w in e.waits)  # a count no one reaches
+    k.queue = dataclasses.replace(k.queue, entries=k.queue.entries[:-1] + (dataclasses.replace(e, waits=bad),))
+    with pytest.raises(SimulationError, match="deadlock"):
+        k.simulate(Schedule(), x=torch.randn(1, 64), k_cache=torch.randn(2, 32, 16), v_cache=torch.randn(2, 32, 16), pos=3)
+
+
+# --- random graphs ------------------------------------------------------------------------
+S = me.sym("S")
+
+
+@st.composite
+def random_graph(draw):
+    """A random chain of ops over an [R, C] input; returns (graph, input shapes, weight shapes, dims)."""
+    g = me.Graph("random")
+    symbolic = draw(st.booleans())
+    rows = draw(st.integers(1, 3))
+    cols = draw(st.sampled_from([2, 8, 30, 64, 200, 320]))
+    x = g.input("x", [S if symbolic else rows, cols], me.f32)
+    ins, ws = {"x": ("x", cols)}, {}
+    outs = []
+    for step in range(draw(st.integers(1, 5))):
+        op = draw(st.sampled_from(["linear", "norm", "silu", "add_in", "mul_self", "softmax", "rope", "view", "concat"]))
+        c = x.shape[-1].value
+        if op == "linear":
+            n = draw(st.sampled_from([1, 16, 50, 130]))
+            x = me.linear(x, g.weight(f"w{step}", [n, c], me.f32))
+            ws[f"w{step}"] = [n, c]
+        elif op == "norm":
+            x = me.rms_norm(x, g.weight(f"g{step}", [c], me.f32), 1e-5)
+            ws[f"g{step}"] = [c]
+        elif op == "silu":
+            x = me.silu(x)
+        elif op == "add_in":
+            x = x + g.input(f"b{step}", [c], me.f32)
+            ins[f"b{step}"] = (None, c)
+        elif op == "mul_self":
+            x = me.silu(x) * x
+        elif op == "softmax":
+            x = me.softmax(x)
+        elif op == "rope" and c % 2 == 0:
+            x = me.rope(x, me.sym("pos"))
+        elif op == "view" and not symbolic:
+            x = me.transpose(me.transpose(x, 0, 1), 0, 1) if c % 2 else me.reshape(me.reshape(x, [-1, 2]), [x.shape[0], c])
+        elif op == "concat":
+            x = me.concat([x, me.slice(x, 1, 0, max(1, c // 2))], 1)
+        if draw(st.booleans()):
+            outs.append(x)
+    outs.append(x)
+    for k, t in enumerate(outs):
+        g.output(f"out{k}", t)
+    return g, ins, ws, rows
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_graph(), st.integers(0, 2**16))
+def test_random_graphs_on_simulator(case, seed):
+    g, ins, ws, rows = case
+    torch.manual_seed(seed)
+    dims = {s: {"S": rows, "pos": seed % 50}[s] for s in g.symbols()}
+    inputs = {n: torch.randn(dims.get("S", rows) if base else 1, c).squeeze(0) if not base else torch.randn(dims.get("S", rows), c)
+              for n, (base, c) in ins.items()}
+    inputs = {n: (t if ins[n][0] else t.reshape(-1)) for n, t in inputs.items()}
+    weights = {n: torch.randn(s) * 0.2 for n, s in ws.items()}
+    k = me.compile(g, weights, backend="sim", max_dims={s: 64 for s in g.symbols()})
+    compare(k, g, inputs, k.weights, dims, 1e-4, (Schedule(sms=5, seed=seed, adversarial=seed % 2 == 0),))
