@@ -56,12 +56,12 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[int, li
 def choose(graph: Graph, alts: dict[int, list[Choice]], cost: Callable[[Choice], float]) -> dict[int, Choice]:
     """Greedy DAG extraction: returns the chosen alternative of every node left live.
 
-    An alternative is charged its own cost plus the cheapest cost of each operand it
-    alone would keep alive: operands already needed, or upstream of every alternative
-    of the node (needed whichever is chosen), are free.
+    An alternative is charged its own cost plus the cheapest cost of the nodes it alone
+    would keep alive: its operands and their producers, walked down to what is already
+    needed or upstream of every alternative of the node (needed whichever is chosen).
     """
     own = {c: cost(c) for cs in alts.values() for c in cs}
-    cheapest = {i: min(own[c] for c in cs) for i, cs in alts.items()}
+    local_best = {i: min(cs, key=own.__getitem__) for i, cs in alts.items()}
     ancestors: list[int] = []  # bitset of each node and its graph ancestors
     for n in graph.nodes:
         bits = 1 << n.id
@@ -72,26 +72,36 @@ def choose(graph: Graph, alts: dict[int, list[Choice]], cost: Callable[[Choice],
     def storage(i: int) -> int:
         return base_node(graph, i)
 
+    def deps(c: Choice) -> set[int]:
+        return {storage(r) for r in c.refs(graph)}
+
     needed = {storage(i) for i in graph.outputs.values()}
     chosen: dict[int, Choice] = {}
     for i in sorted(alts, reverse=True):  # node ids are topological: consumers first
         if i not in needed:
             continue
-        deps = {c: {storage(r) for r in c.refs(graph)} for c in alts[i]}
-        upstream = ~0
-        for ds in deps.values():
+        upstream = ~0  # needed whichever alternative is chosen
+        for c in alts[i]:
             reach = 0
-            for j in ds:
+            for j in deps(c):
                 reach |= ancestors[j]
             upstream &= reach
 
         def total(c: Choice) -> float:
-            extra = [j for j in deps[c] if j not in needed and not (upstream >> j) & 1]
-            return own[c] + sum(cheapest.get(j, 0.0) for j in extra)
+            """Own cost plus the region this alternative alone keeps alive (down to the common upstream)."""
+            cost_sum, seen, stack = own[c], set(), list(deps(c))
+            while stack:
+                j = stack.pop()
+                if j in seen or j in needed or (upstream >> j) & 1 or j not in alts:
+                    continue
+                seen.add(j)
+                cost_sum += own[local_best[j]]
+                stack.extend(deps(local_best[j]))
+            return cost_sum
 
         best = min(alts[i], key=total)
         chosen[i] = best
-        needed |= deps[best]
+        needed |= deps(best)
     return chosen
 
 

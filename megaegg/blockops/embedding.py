@@ -21,6 +21,10 @@ class Embedding(BlockKind):
             raise IndexError(f"embedding: token id {row} outside the table's {ins[0].shape[0]} rows")
         out[t] = ins[0][row]
 
+    def bytes_moved(self, op, env):
+        rows = op.inputs[1].shape[0].eval(env)
+        return 2 * rows * op.output.shape[1].value * op.output.dtype.itemsize  # one table row in, one out
+
     def cuda_call(self, op, ins, out):
         table, ids = ins
         v, d = (x.value for x in op.inputs[0].shape)

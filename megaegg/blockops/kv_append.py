@@ -22,6 +22,10 @@ class KvAppend(BlockKind):
             raise IndexError(f"kv_append: position {pos} outside the cache's {out.shape[1]} rows")
         out[:, pos, :] = ins[0]
 
+    def bytes_moved(self, op, env):
+        new = op.inputs[0]
+        return 2 * new.shape[0].value * new.shape[1].value * new.dtype.itemsize  # one cache row per head
+
     def cuda_call(self, op, ins, out):
         new = ins[0]
         hkv, smax, d = (x.value for x in op.output.shape)

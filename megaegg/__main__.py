@@ -1,0 +1,59 @@
+"""``python -m megaegg inspect --model PRESET``: the block program, barriers, queue and compile times."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .models import PRESETS, ModelConfig, build_decode_graph
+
+
+def inspect(preset: str, *, context: int, max_len: int, cuda: bool, out=sys.stdout) -> dict:
+    from .compiler import build_artifact
+
+    cfg = ModelConfig.preset(preset)
+    t0 = time.perf_counter()
+    graph, spec = build_decode_graph(cfg, max_len=max_len)
+    t_graph = time.perf_counter() - t0
+    art = build_artifact(graph, max_dims={"pos": max_len - 1}, dims_hint={"pos": context}, compile_cuda=cuda)
+    q = art.queue
+    env = {"pos": context}
+    names = {n.id: n.op for n in graph.nodes}
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p(f"{preset}: {len(graph.nodes)} graph nodes, {spec.weight_bytes / 1e9:.3f} GB of weights, context {context}")
+    p(f"{'op':>5} {'kind':<15} {'fused source ops':<44} {'launch':>12} {'tile':<18} {'MB':>8} {'waits':>5}")
+    total_bytes = total_inst = 0
+    for e in q.entries:
+        op = e.op
+        srcs = "+".join(names[s] for s in op.sources)
+        tile = ",".join(f"{k}={op.params[k]}" for k in ("rows", "rows_per", "chunk", "tile") if k in op.params)
+        inst = e.launch.eval(env)
+        mb = op.estimate.bytes / 1e6 if op.estimate else 0.0
+        total_bytes += op.estimate.bytes if op.estimate else 0
+        total_inst += inst
+        p(f"{op.id:>5} {op.kind:<15} {srcs[:44]:<44} {inst:>5} {str(op.launch_count)[:6]:>6} {tile[:18]:<18} {mb:>8.3f} {len(e.waits):>5}")
+    s = q.summary()
+    waits_per_launch = sum(len(e.waits) * e.launch.eval(env) for e in q.entries)
+    p(f"totals: {len(q.entries)} queue entries (block ops), {total_inst} instances, {total_bytes / 1e9:.3f} GB estimated traffic")
+    p(f"barriers: {s['barrier_sets']} barrier sets, {s['counters']} counters per parity, {s['waits']} waits in the queue, "
+      f"{waits_per_launch} waits per launch at context {context}")
+    p(f"memory: arena {s['arena_bytes'] / 1e6:.2f} MB")
+    p("compile time (s): graph {:.3f}; ".format(t_graph) + "; ".join(f"{k} {v:.3f}" for k, v in art.timings.items()))
+    return {"entries": len(q.entries), "instances": total_inst, **s, "timings": art.timings}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m megaegg")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ins = sub.add_parser("inspect", help="print the compiled block program of a preset model")
+    ins.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    ins.add_argument("--context", type=int, default=512)
+    ins.add_argument("--max-len", type=int, default=4096)
+    ins.add_argument("--cuda", action="store_true", help="also compile the CUDA source with NVRTC (timed)")
+    a = ap.parse_args(argv)
+    inspect(a.model, context=a.context, max_len=a.max_len, cuda=a.cuda)
+
+
+if __name__ == "__main__":
+    main()
