@@ -112,7 +112,7 @@ def check(program: BlockProgram, env: dict, *, precise: bool = False) -> Barrier
             reads = instance_masks(consumer, operand, consumer.reads[k], env, shapes[operand.buffer])
             for p in program.ops[: pos[consumer.id]]:
                 if p.output.buffer == operand.buffer:
-                    hit = reads.astype(np.int32) @ writes[p.id].T.astype(np.int32) > 0  # [cons, prod]
+                    hit = reads.astype(np.float32) @ writes[p.id].T.astype(np.float32) > 0  # [cons, prod] (BLAS)
                     deps = np.concatenate([deps, hit], axis=1)
                     cols += [(p.id, j) for j in range(hit.shape[1])]
         waits = plan.waits.get(consumer.id, [])

@@ -1,11 +1,16 @@
-"""Every block-op kind's CUDA body compiles for sm_90a with NVRTC (no GPU needed).
+"""Every block-op kind's CUDA body compiles for sm_90a with NVRTC (no GPU needed), and,
+on a GPU, computes what the kind's ``cpu()`` does.
 
 For each kind, realistic BlockOps are rendered through the kind's ``cuda_call`` with
 dummy operands (typed pointer parameters of a small ``__global__`` wrapper that also
-declares what the interpreter provides: ``smem``, ``c0``, ``c1``, the runtime dims
-``D_*``, ``mega_body_error`` and ``MEGA_ERR_INDEX``), in bf16 and f32 (f16 for a few),
+declares what the interpreter provides: ``smem``, ``c0``, ``c1``, the runtime dim
+``D_pos``, ``mega_body_error`` and ``MEGA_ERR_INDEX``), in bf16 and f32 (f16 for a few),
 and compiled with ``--ptxas-options=-v``. The register / spill figures are printed
 (``pytest -s``); the matvec fast path must not spill.
+
+GPU tests (marked ``gpu``, skipped without one): each body against its kind's ``cpu()``
+on random data with poisoned outputs (bf16 / f32 / f16); out-of-range ids and positions
+reported, not written; and a bandwidth printout of matvec and attention.
 """
 
 from __future__ import annotations
@@ -212,19 +217,19 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
     c = {}
     c["matvec"] = [
         ("plain", "matvec", [Arg((1, 2048), T), Arg((8192, 2048), T)], Arg((1, 8192), T),
-         {"rows": 16, "roles": ("x", "w"), "eps": 0.0}),
+         {"rows": 16, "mrows": 1, "roles": ("x", "w"), "eps": 0.0}),
         ("norm_glu", "matvec", [Arg((1, 2048), T), Arg((8192, 2048), T), Arg((8192, 2048), T), Arg((2048,), T)],
-         Arg((1, 8192), T), {"rows": 32, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}),
+         Arg((1, 8192), T), {"rows": 32, "mrows": 1, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}),
         ("res", "matvec", [Arg((1, 8192), T), Arg((2048, 8192), T), Arg((1, 2048), T)], Arg((1, 2048), T),
-         {"rows": 16, "roles": ("x", "w", "r"), "eps": 0.0}),
+         {"rows": 16, "mrows": 1, "roles": ("x", "w", "r"), "eps": 0.0}),
         ("norm_lmhead", "matvec", [Arg((1, 2048), T), Arg((128256, 2048), T), Arg((2048,), T)],
-         Arg((1, 128256), T), {"rows": 64, "roles": ("x", "w", "g"), "eps": 1e-5}),
+         Arg((1, 128256), T), {"rows": 64, "mrows": 1, "roles": ("x", "w", "g"), "eps": 1e-5}),
         ("m2_norm_res", "matvec", [Arg((2, 1024), T), Arg((3072, 1024), T), Arg((1024,), T), Arg((2, 3072), T)],
-         Arg((2, 3072), T), {"rows": 8, "roles": ("x", "w", "g", "r"), "eps": 1e-6}),
+         Arg((2, 3072), T), {"rows": 8, "mrows": 2, "roles": ("x", "w", "g", "r"), "eps": 1e-6}),
         ("matmul_permuted", "matvec", [Arg((1, 64), T), permuted((64, 96), T)], Arg((1, 96), T),
-         {"rows": 8, "roles": ("x", "w"), "eps": 0.0}),
+         {"rows": 8, "mrows": 1, "roles": ("x", "w"), "eps": 0.0}),
         ("ragged_k", "matvec", [Arg((1, 100), T), Arg((37, 100), T), Arg((100,), T)], Arg((1, 37), T),
-         {"rows": 8, "roles": ("x", "w", "g"), "eps": 1e-5}),
+         {"rows": 8, "mrows": 1, "roles": ("x", "w", "g"), "eps": 1e-5}),
     ]
     attn = {"length": L, "scale": 0.125}
     c["attention"] = [
@@ -434,20 +439,22 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
     attn = {"length": L, "scale": 0.125}
     return [
         ("mv_plain", "matvec", [Arg((1, 2048), T), Arg((1000, 2048), T)], Arg((1, 1000), T),
-         {"rows": 16, "roles": ("x", "w"), "eps": 0.0}, {}),
+         {"rows": 16, "mrows": 1, "roles": ("x", "w"), "eps": 0.0}, {}),
         ("mv_norm_glu", "matvec", [Arg((1, 2048), T), Arg((600, 2048), T), Arg((600, 2048), T), Arg((2048,), T)],
-         Arg((1, 600), T), {"rows": 32, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}, {}),
+         Arg((1, 600), T), {"rows": 32, "mrows": 1, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}, {}),
         ("mv_res_k8192", "matvec", [Arg((1, 8192), T), Arg((200, 8192), T), Arg((1, 200), T)], Arg((1, 200), T),
-         {"rows": 16, "roles": ("x", "w", "r"), "eps": 0.0}, {}),
+         {"rows": 16, "mrows": 1, "roles": ("x", "w", "r"), "eps": 0.0}, {}),
         ("mv_norm_rows64", "matvec", [Arg((1, 1024), T), Arg((700, 1024), T), Arg((1024,), T)], Arg((1, 700), T),
-         {"rows": 64, "roles": ("x", "w", "g"), "eps": 1e-6}, {}),
+         {"rows": 64, "mrows": 1, "roles": ("x", "w", "g"), "eps": 1e-6}, {}),
         ("mv_m2_all", "matvec", [Arg((2, 512), T, strides=(520, 1)), Arg((300, 512), T), Arg((300, 512), T),
                                  Arg((512,), T), Arg((2, 300), T)], Arg((2, 300), T),
-         {"rows": 8, "roles": ("x", "w", "w2", "g", "r"), "eps": 1e-5}, {}),
+         {"rows": 8, "mrows": 2, "roles": ("x", "w", "w2", "g", "r"), "eps": 1e-5}, {}),
+        ("mv_m3_tiles", "matvec", [Arg((3, 512), T), Arg((300, 512), T), Arg((512,), T), Arg((3, 300), T)],
+         Arg((3, 300), T), {"rows": 16, "mrows": 1, "roles": ("x", "w", "g", "r"), "eps": 1e-5}, {}),
         ("mv_matmul", "matvec", [Arg((1, 64), T), permuted((64, 96), T)], Arg((1, 96), T),
-         {"rows": 8, "roles": ("x", "w"), "eps": 0.0}, {}),
+         {"rows": 8, "mrows": 1, "roles": ("x", "w"), "eps": 0.0}, {}),
         ("mv_ragged_k", "matvec", [Arg((1, 100), T), Arg((37, 100), T), Arg((100,), T), Arg((1, 37), T)],
-         Arg((1, 37), T), {"rows": 8, "roles": ("x", "w", "g", "r"), "eps": 1e-5}, {}),
+         Arg((1, 37), T), {"rows": 8, "mrows": 1, "roles": ("x", "w", "g", "r"), "eps": 1e-5}, {}),
         ("attn_d64", "attn_partial", [Arg((32, 64), T), Arg((8, 1024, 64), T), Arg((8, 1024, 64), T)],
          Arg((32, 4, 66), f32), {**attn, "chunk": 256, "group": 4}, {}),
         ("attn_d128", "attn_partial", [Arg((16, 128), T), Arg((8, 1024, 128), T), Arg((8, 1024, 128), T)],
@@ -600,11 +607,11 @@ def test_matvec_and_attention_bandwidth():
     for k, rows in ((2048, 16), (2048, 32), (2048, 64), (8192, 32)):
         n = gib // (2 * k)
         mv_specs.append((f"mv_k{k}_r{rows}", [Arg((1, k), T), Arg((n, k), T)], Arg((1, n), T),
-                         {"rows": rows, "roles": ("x", "w"), "eps": 0.0}))
+                         {"rows": rows, "mrows": 1, "roles": ("x", "w"), "eps": 0.0}))
     n = gib // (4 * 2048)
     mv_specs.append(("mv_norm_glu_k2048_r32", [Arg((1, 2048), T), Arg((n, 2048), T), Arg((n, 2048), T),
                                                 Arg((2048,), T)], Arg((1, n), T),
-                     {"rows": 32, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}))
+                     {"rows": 32, "mrows": 1, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}))
     attn_specs = []
     for d, chunk in ((128, 256), (128, 1024), (64, 256), (64, 1024)):
         attn_specs.append((f"attn_d{d}_c{chunk}", [Arg((32, d), T), Arg((8, 32768, d), T), Arg((8, 32768, d), T)],
@@ -620,7 +627,7 @@ def test_matvec_and_attention_bandwidth():
         y = torch.empty([as_dim(s).value for s in out.shape], device="cuda", dtype=torch.bfloat16)
         n_inst = -(-y.shape[1] // params["rows"])
         w_bytes = sum(t.numel() * 2 for t in tensors[1:3] if t.dim() == 2 and t.shape[0] > 2)
-        ms = median_ms(lambda: mod.launch(name, (sms, 1), [*tensors, y, 0, n_inst, 1]))
+        ms = median_ms(lambda: mod.launch(name, (sms, 1), [*tensors, y, 0, n_inst, n_inst]))
         r = mod.resources[name]
         print(f"{name:26s} {w_bytes / ms / 1e9:5.2f} TB/s  ({ms * 1e3:7.1f} us, {r.registers} regs)")
         if name == "mv_k2048_r16":

@@ -139,9 +139,6 @@ __device__ __forceinline__ void load_vec_f32(const T* p, long long s1, bool vec,
 // so that accesses compile to shared-space instructions (LDS/STS), not generic ones.
 extern __shared__ __align__(16) char mega_dyn_smem[];
 template <class T = char> __device__ __forceinline__ T* shared_ptr(void* p) {
-#ifdef MEGA_GENERIC_SMEM  // experiment switch: keep the generic pointer
-    return reinterpret_cast<T*>(p);
-#endif
     const unsigned off = (unsigned)__cvta_generic_to_shared(p) - (unsigned)__cvta_generic_to_shared(mega_dyn_smem);
     return reinterpret_cast<T*>(mega_dyn_smem + off);
 }

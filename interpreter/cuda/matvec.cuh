@@ -1,4 +1,6 @@
-// matvec: out[M, N] = x[M, K] @ w[N, K]^T, ROWS rows of w per instance (c0 = row tile).
+// matvec: out[M, N] = x[M, K] @ w[N, K]^T for the ROWS rows [n_tile*ROWS, ...) of w (ragged
+// last tile masked). The caller passes x, r and out already advanced to the instance's
+// first x row (blockops/matvec.py tiles M by `mrows`, passed as M).
 // Fusions (megaegg/blockops/matvec.py is the definition, rounding included):
 //   HAS_NORM  x <- T(T(x * rsqrt(mean(x^2) + eps)) * g)   (RMSNorm prologue)
 //   HAS_GLU   y <- T(T(silu(T(x w^T))) * T(x w2^T))       (gated pair)
@@ -16,6 +18,12 @@
 // - fp32 accumulation, warp-shuffle reduction, lanes 0.. write the group's outputs.
 // A scalar path (any K, any weight strides: `matmul` reads w through a permute view)
 // is correct but slow.
+//
+// Measured (H200, 1 GiB bf16, persistent one block per SM): 4.0-4.2 TB/s for ROWS >= 32,
+// as cuBLAS gemv in the same run; ROWS = 16 (64 KB a tile) ~3.4 TB/s (the tile drains
+// before the next starts). Keep MEGA_SMEM <= 128 KB: L1 gets what shared memory leaves,
+// and it also stages in-flight ld.global.cg data; at 144-160 KB the gated form drops to
+// ~3.55 TB/s. (A cp.async ring into shared memory instead of registers measured no better.)
 //
 // Shared memory: [red: MEGA_WARPS*M f32][rt: M*ROWS f32 residual tile][xs: M*K of f32 or T].
 // Assumes the interpreter separates instances by a __syncthreads (it must, to release).
@@ -42,28 +50,6 @@ struct Plan {
     static constexpr bool XS_F32 = HEAD + M * K * 4 <= MEGA_SMEM;
     using XS = typename Cond<XS_F32, float, T>::type;         // staged x element type
     static_assert(HEAD + M * K * (int)sizeof(XS) <= MEGA_SMEM, "matvec: x[M, K] does not fit in shared memory");
-};
-
-// The cp.async variant: each lane streams its weight pieces through a private ring of
-// shared-memory stages (PPS 16-byte pieces a stage), STAGES-1 steps ahead of the one it
-// computes. The bytes in flight are bounded by shared memory, not registers, and do not
-// depend on L1 (a large dynamic shared memory leaves little L1, which also stages
-// in-flight ld.global.cg data: measured -12% for the register variant at 160 KB).
-template <class T, int M, int K, int ROWS, bool GLU>
-struct AsyncPlan {
-    using B = Plan<T, M, K, ROWS, GLU>;
-    static constexpr int VEC = B::VEC, KV = B::KV, NG = B::NG, RB = B::RB, NW = B::NW, VPL = B::VPL;
-    static constexpr int U0 = cmin(VPL, cmax(1, 4 / (RB * NW)));
-    static constexpr int STEPS = cdiv(VPL, U0);               // steps per row group
-    static constexpr int U = cdiv(VPL, STEPS);                // vectors per lane per row per step
-    static constexpr int PPS = RB * U * NW;                   // pieces per lane per step (stage)
-    static constexpr int STAGE_BYTES = PPS * 16 * MEGA_THREADS;
-    static constexpr bool XS_F32 = B::HEAD + M * K * 4 + 4 * STAGE_BYTES <= MEGA_SMEM;
-    using XS = typename Cond<XS_F32, float, T>::type;
-    static constexpr int XS_BYTES = cdiv(M * K * (int)sizeof(XS), 16) * 16;
-    static constexpr int RING = B::HEAD + XS_BYTES;           // ring offset in shared memory
-    static constexpr int STAGES = cmin(8, (MEGA_SMEM - RING) / STAGE_BYTES);
-    static constexpr bool OK = STAGES >= 4;
 };
 
 // VEC staged x values at p (16-byte aligned) as floats; n = VecN<T>.
@@ -210,14 +196,14 @@ template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
 __device__ __forceinline__ void run_vec(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                         long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
                                         long long w2_s0, const T* r, long long r_s0, long long r_s1, T* out,
-                                        long long out_s0, long long out_s1, long long N, long long c0) {
+                                        long long out_s0, long long out_s1, long long N, long long n_tile) {
     using P = Plan<T, M, K, ROWS, GLU>;
     using XS = typename P::XS;
     float* red = reinterpret_cast<float*>(smem);
     float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
     XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long row0 = c0 * ROWS;
+    const long long row0 = n_tile * ROWS;
 
     uint4 wa[P::RB][P::U];
     uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
@@ -276,118 +262,18 @@ __device__ __forceinline__ void run_vec(char* smem, const T* x, long long x_s0, 
 }
 
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
-__device__ __forceinline__ void run_async(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
-                                          long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
-                                          long long w2_s0, const T* r, long long r_s0, long long r_s1, T* out,
-                                          long long out_s0, long long out_s1, long long N, long long c0) {
-    using P = AsyncPlan<T, M, K, ROWS, GLU>;
-    using B = typename P::B;
-    using XS = typename P::XS;
-    constexpr int VEC = P::VEC, RB = P::RB, U = P::U, NW = P::NW, PPS = P::PPS, S = P::STAGES;
-    constexpr int TS = P::NG * P::STEPS;  // steps of this warp, all row groups
-    float* red = reinterpret_cast<float*>(smem);
-    float* rt = reinterpret_cast<float*>(smem + (B::RED_BYTES + 15) / 16 * 16);
-    XS* xs = reinterpret_cast<XS*>(smem + B::HEAD);
-    uint4* ring = reinterpret_cast<uint4*>(smem + P::RING) + threadIdx.x;  // [stage][piece][thread]
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long row0 = c0 * ROWS;
-
-    auto issue = [&](int qs, int stage) {  // flattened step qs = group * STEPS + step
-        const int gi = qs / P::STEPS, s = qs % P::STEPS;
-        uint4* dst = ring + stage * PPS * MEGA_THREADS;
-#pragma unroll
-        for (int rb = 0; rb < RB; ++rb) {
-            const int local = (gi * RB + rb) * MEGA_WARPS + warp;
-            const long long n = row0 + local;
-            const bool ok = local < ROWS && n < N;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int kv = (s * U + u) * 32 + lane;
-                const bool in = ok && kv < P::KV;  // else zero-filled, no global read
-                cp_async16(dst + (rb * U + u) * NW * MEGA_THREADS, in ? w + n * w_s0 + kv * VEC : w, in ? 16 : 0);
-                if (GLU)
-                    cp_async16(dst + ((rb * U + u) * NW + 1) * MEGA_THREADS, in ? w2 + n * w2_s0 + kv * VEC : w2,
-                               in ? 16 : 0);
-            }
-        }
-    };
-#pragma unroll
-    for (int q = 0; q < S - 1; ++q) {  // weights in flight while x stages
-        if (q < TS) issue(q, q);
-        cp_async_commit();
-    }
-    stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
-
-    int st = 0, qs = 0;  // ring stage and flattened index of the current step
-#pragma unroll 1
-    for (int gi = 0; gi < P::NG; ++gi) {
-        float acc[RB][M], acc2[GLU ? RB : 1][M];
-#pragma unroll
-        for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-            for (int m = 0; m < M; ++m) acc[rb][m] = 0.0f, acc2[GLU ? rb : 0][m] = 0.0f;
-#pragma unroll 1
-        for (int s = 0; s < P::STEPS; ++s, ++qs) {
-            if (qs + S - 1 < TS) issue(qs + S - 1, st == 0 ? S - 1 : st - 1);  // the stage read last step
-            cp_async_commit();
-            cp_async_wait<S - 1>();  // this step's pieces have landed
-            const uint4* src = ring + st * PPS * MEGA_THREADS;
-            st = st == S - 1 ? 0 : st + 1;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int kv = (s * U + u) * 32 + lane;
-                if (P::KV % (32 * U * P::STEPS) != 0 && kv >= P::KV) continue;
-                float xf[M][VEC];
-#pragma unroll
-                for (int m = 0; m < M; ++m) xs_load<VEC>(xs + m * K + kv * VEC, xf[m]);
-#pragma unroll
-                for (int rb = 0; rb < RB; ++rb) {
-                    float wf[VEC];
-                    unpack16<T>(src[(rb * U + u) * NW * MEGA_THREADS], wf);
-#pragma unroll
-                    for (int m = 0; m < M; ++m)
-#pragma unroll
-                        for (int e = 0; e < VEC; ++e) acc[rb][m] = fmaf(wf[e], xf[m][e], acc[rb][m]);
-                    if (GLU) {
-                        unpack16<T>(src[((rb * U + u) * NW + 1) * MEGA_THREADS], wf);
-#pragma unroll
-                        for (int m = 0; m < M; ++m)
-#pragma unroll
-                            for (int e = 0; e < VEC; ++e)
-                                acc2[GLU ? rb : 0][m] = fmaf(wf[e], xf[m][e], acc2[GLU ? rb : 0][m]);
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int rb = 0; rb < RB; ++rb) {
-            const int local = (gi * RB + rb) * MEGA_WARPS + warp;
-            const long long n = row0 + local;
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const float d = warp_sum(acc[rb][m]);
-                const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
-                if (lane == (rb * M + m) % 32 && local < ROWS && n < N)
-                    finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
-            }
-        }
-    }
-    cp_async_wait<0>();
-}
-
-template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
 __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                            long long g_s0, float eps, const T* w, long long w_s0, long long w_s1,
                                            const T* w2, long long w2_s0, long long w2_s1, const T* r, long long r_s0,
                                            long long r_s1, T* out, long long out_s0, long long out_s1, long long N,
-                                           long long c0) {
+                                           long long n_tile) {
     using P = Plan<T, M, K, ROWS, GLU>;
     using XS = typename P::XS;
     float* red = reinterpret_cast<float*>(smem);
     float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
     XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long row0 = c0 * ROWS;
+    const long long row0 = n_tile * ROWS;
     stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
 #pragma unroll 1
     for (int local = warp; local < ROWS; local += MEGA_WARPS) {
@@ -420,35 +306,26 @@ __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s
 
 }  // namespace matvec_impl
 
-// One instance: rows [c0*ROWS, min(c0*ROWS + ROWS, N)) of out[M, N]. Absent operands
+// One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N]. Absent operands
 // (g, w2, r) are nullptr with zero strides.
 template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES>
 __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long long x_s1,  //
-                                       const T* g, long long g_s0, float eps,                    //
-                                       const T* w, long long w_s0, long long w_s1,                 //
-                                       const T* w2, long long w2_s0, long long w2_s1,              //
-                                       const T* r, long long r_s0, long long r_s1,                 //
-                                       T* out, long long out_s0, long long out_s1, long long N, long long c0) {
+                                    const T* g, long long g_s0, float eps,                    //
+                                    const T* w, long long w_s0, long long w_s1,               //
+                                    const T* w2, long long w2_s0, long long w2_s1,            //
+                                    const T* r, long long r_s0, long long r_s1,               //
+                                    T* out, long long out_s0, long long out_s1, long long N, long long n_tile) {
     static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
     smem = shared_ptr(smem);
     bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K);
     if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
     if constexpr (K % VecN<T>::value == 0) {
-#ifndef MEGA_MATVEC_REGS  // experiment switch: the register variant
-        if constexpr (matvec_impl::AsyncPlan<T, M, K, ROWS, HAS_GLU>::OK) {
-            if (vec) {
-                matvec_impl::run_async<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(
-                    smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, out, out_s0, out_s1, N, c0);
-                return;
-            }
-        }
-#endif
         if (vec) {
-            matvec_impl::run_vec<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2,
-                                                                   w2_s0, r, r_s0, r_s1, out, out_s0, out_s1, N, c0);
+            matvec_impl::run_vec<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(
+                smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, out, out_s0, out_s1, N, n_tile);
             return;
         }
     }
-    matvec_impl::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2,
-                                                              w2_s0, w2_s1, r, r_s0, r_s1, out, out_s0, out_s1, N, c0);
+    matvec_impl::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(
+        smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, out, out_s0, out_s1, N, n_tile);
 }
