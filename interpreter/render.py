@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..blockops import REGISTRY, CudaOperand
 from ..blockops.base import dimc
+from ..blockops.footprint import Full, Tile
 from ..dims import Dim
 from ..lowering.queue import QueueEntry, WorkQueue
 from ..rewrite.program import Operand
@@ -35,6 +36,26 @@ def operand_c(q: WorkQueue, o: Operand) -> CudaOperand:
     return CudaOperand(ptr, tuple(c_expr(s) for s in layout.stride), tuple(c_expr(s) for s in layout.shape), ctype)
 
 
+def weight_prefetches(q: WorkQueue, op) -> list[str]:
+    """L2 prefetches of the weight rows this instance reads, when they are one contiguous range."""
+    out = []
+    for o, fp in zip(op.inputs, op.reads):
+        buf = q.program.buffers[o.buffer]
+        if buf.kind != "weight" or len(o.shape) != 2 or o.views:
+            continue
+        rows, cols = (d.value for d in o.shape)
+        row_bytes = cols * o.dtype.itemsize
+        first, second = fp
+        if not isinstance(second, Full) or row_bytes % 16:
+            continue
+        base = f"(const char*)args.ptr[{q.memory.pointer_slot[o.buffer]}]"
+        if isinstance(first, Tile):  # (a Full read, e.g. an embedding table, is too big to prefetch)
+            c, t = f"c{first.axis}", first.size
+            out.append(f"mega_prefetch_l2({base} + {c} * {t * row_bytes}LL, "
+                       f"(min_i64({rows}LL - {c} * {t}, {t}LL)) * {row_bytes}LL);")
+    return out
+
+
 def render_case(q: WorkQueue, k: int, e: QueueEntry) -> str:
     op = e.op
     kind = REGISTRY[op.kind]
@@ -45,6 +66,11 @@ def render_case(q: WorkQueue, k: int, e: QueueEntry) -> str:
         lines.append(f"        const long long c{axis} = rem % ({c_expr(op.grid[axis])}); rem /= ({c_expr(op.grid[axis])});")
     lines.append("        const long long c0 = rem;")
     lines.append("        " + " ".join(f"const long long D__i{a} = c{a}; (void)D__i{a};" for a in range(max(1, len(op.grid)))))
+    prefetch = weight_prefetches(q, op)
+    if prefetch:
+        lines.append("        if (threadIdx.x == 0) {")
+        lines += [f"          {p}" for p in prefetch]
+        lines.append("        }")
     if e.waits:
         lines.append(f"        if (threadIdx.x < {len(e.waits)}) {{")
         lines.append("          bool ok = true;")

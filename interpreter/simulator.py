@@ -71,7 +71,7 @@ class Simulation:
         t = self.buf[o.buffer] if base is None else base
         shape = [d.eval(env) for d in lay.shape]
         stride = [d.eval(env) for d in lay.stride]
-        return t.as_strided(shape, stride, lay.offset.eval(env))
+        return t.as_strided(shape, stride, t.storage_offset() + lay.offset.eval(env))
 
     def elements(self, o: Operand, fp, env: dict[str, int]) -> torch.Tensor:
         index = torch.arange(self.buf[o.buffer].numel())

@@ -465,7 +465,16 @@ def _lin(e: Dim) -> dict:
     if e.op == "mul" and (a.is_const or b.is_const):
         k, x = (a.value, b) if a.is_const else (b.value, a)
         return {t: c * k for t, c in _lin(x).items()} if k else {}
-    return {_dims.binary(e.op, _unlin(_lin(a)), _unlin(_lin(b))): 1}
+    la = _lin(a)
+    if e.op in ("floordiv", "ceildiv", "mod") and b.is_const and b.value > 0:
+        k, c0 = b.value, la.get(None, 0)
+        if all(c % k == 0 for t, c in la.items() if t is not None):  # (k*X + c) // k == X + c // k
+            if e.op == "mod":
+                return {None: c0 % k} if c0 % k else {}
+            q = {t: c // k for t, c in la.items() if t is not None}
+            c1 = c0 // k if e.op == "floordiv" else -(-c0 // k)
+            return {**q, None: c1} if c1 else q
+    return {_dims.binary(e.op, _unlin(la), _unlin(_lin(b))): 1}
 
 
 def _unlin(lin: dict) -> Dim:
@@ -515,10 +524,7 @@ def _le(a: Dim, b: Dim) -> bool:
         return True
     if b.op == "max" and (_le(a, b.args[0]) or _le(a, b.args[1])):
         return True
-    if b.op == "min" and _le(a, b.args[0]) and _le(a, b.args[1]):
-        return True
-    sa, sb = _simplify_many([a, b])
-    return (sa, sb) != (a, b) and _nonneg(sb - sa)
+    return b.op == "min" and _le(a, b.args[0]) and _le(a, b.args[1])
 
 
 def _bounds(e: Dim, grid: Sequence[Dim]) -> tuple[Dim, Dim] | None:

@@ -182,8 +182,9 @@ class Kernel:
             base = self._runner.arena[mem.arena_offset[o.buffer]:].view(buf.dtype.torch)
         else:
             base = (tensors.get(o.buffer) if o.buffer in tensors else self.bound[o.buffer]).reshape(-1)
+        # as_strided's offset is absolute in the storage: add the slice's own offset
         return base.as_strided([d.eval(dims) for d in lay.shape], [d.eval(dims) for d in lay.stride],
-                               lay.offset.eval(dims)).clone()
+                               base.storage_offset() + lay.offset.eval(dims)).clone()
 
     def _run_sim(self, tensors, dims, schedule=None) -> dict[str, torch.Tensor]:
         from .interpreter.simulator import Schedule, Simulation

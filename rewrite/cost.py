@@ -13,7 +13,7 @@ from dataclasses import dataclass
 class CostModel:
     bandwidth: float = 3.0e12  # bytes/s the whole chip streams
     sms: int = 132
-    sm_bandwidth_share: float = 3.0  # one SM alone can pull ~3x its fair share of bandwidth
+    sm_bandwidth_share: float = 1.5  # an SM streams at most ~1.5x its fair share: fill every SM
     instance_overhead: float = 0.15e-6  # s per instance: queue pop + barrier check (DESIGN.md)
     op_overhead: float = 1.5e-6  # s per block op: the dependency hand-off latency it adds
 

@@ -56,7 +56,7 @@ def test_simplify_many_is_sound_and_never_larger(ds):
 @settings(max_examples=100, deadline=None)
 @given(dims)
 def test_canonical_and_round_trip(d):
-    assert from_egg(to_egg(d)) == d
+    assert from_egg(to_egg(d)) == d.subs({})  # read back through the folding constructors
     c = canonical(d)
     assert canonical(c) == c  # a normal form
     _same_values(d, c)

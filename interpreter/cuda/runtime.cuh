@@ -64,3 +64,16 @@ __device__ bool mega_wait(const unsigned* counter, unsigned expected, unsigned l
   }
   return true;
 }
+
+// Start streaming [p, p + bytes) from HBM into L2 without waiting (sm_90 bulk prefetch).
+// Issued for an instance's weight tile before its barrier wait, so the handoff latency
+// of the previous op overlaps this op's weight traffic. `bytes` is a multiple of 16.
+__device__ __forceinline__ void mega_prefetch_l2(const void* p, long long bytes) {
+  const char* c = (const char*)p;
+  while (bytes > 0) {
+    const unsigned n = (unsigned)(bytes < (1LL << 20) ? bytes : (1LL << 20));
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(n) : "memory");
+    c += n;
+    bytes -= n;
+  }
+}

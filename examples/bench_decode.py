@@ -1,0 +1,503 @@
+"""Batch-1 decode, one token per step: the megakernel against PyTorch and the memory floor, in ONE run.
+
+    python examples/bench_decode.py --preset llama-3.2-1b --context 512 --json out.json
+    python examples/bench_decode.py --preset qwen3-8b --max-autotune
+    python examples/bench_decode.py --dry-run          # CPU smoke test: tiny preset, f32, sim backend
+
+What it does (DESIGN.md, "Performance"):
+1. read bandwidth: a >= 4 GiB tensor summed (f32 and bf16 views, read only), CUDA-event
+   timed, median of several; a device-to-device copy for reference;
+2. the floor: (weight bytes read + KV bytes read at ``--context``) / read bandwidth;
+3. random weights (``random_weights``, seed 0, the model dtype) shared by every variant,
+   KV caches filled with random data (``max_len = context + 1``, the step runs at
+   ``pos = context`` and reads ``context + 1`` rows);
+4. median ms/step (CUDA events around each single step, steps back to back, after
+   warm-up) of: the megakernel (``kernel._runner.launch``), PyTorch eager
+   (:class:`~megaegg.models.torch_decode.TorchDecoder`), a CUDA graph of that step,
+   and ``torch.compile`` (``reduce-overhead``; ``max-autotune`` with ``--max-autotune``);
+5. correctness in the same run: megakernel logits vs the PyTorch step at that position
+   (and both vs ``megaegg.run_reference``);
+6. compile times: megakernel cold (fresh ``MEGAEGG_CACHE``) and warm (cubin cache hit),
+   and torch.compile's;
+7. a table, printed last, and everything as JSON (``--json``).
+
+A variant that fails (OOM, a compile error, ...) is reported in the table, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import megaegg as me
+from megaegg.models import PRESETS, ModelConfig, build_decode_graph, random_weights
+from megaegg.models.torch_decode import TorchDecoder
+
+WARN_REL_ERR = 3e-2
+TOKEN = 1234  # the token fed at every timed step (mod vocab)
+
+
+def log(msg: str) -> None:
+    print(f"  {msg}", file=sys.stderr, flush=True)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.split("\n")[1:]))
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model preset (random weights); required unless --dry-run")
+    p.add_argument("--context", type=int, default=None, help="tokens already in the KV cache (default 512; 16 dry-run)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per variant (default 100; 5 dry-run)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 20; 1 dry-run)")
+    p.add_argument("--max-autotune", action="store_true", help="also time torch.compile(mode='max-autotune')")
+    p.add_argument("--skip-compile-baseline", action="store_true", help="skip the torch.compile variants")
+    p.add_argument("--no-reference-check", action="store_true", help="skip the check against megaegg.run_reference")
+    p.add_argument("--bw-gib", type=float, default=4.0, help="size of the bandwidth test tensor (GiB, default 4)")
+    p.add_argument("--bw-reps", type=int, default=10, help="timed repetitions of each bandwidth test")
+    p.add_argument("--json", metavar="PATH", help="write all results as JSON to PATH")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU smoke test: tiny preset in f32, megakernel on the sim backend, CUDA-only parts skipped")
+    a = p.parse_args(argv)
+    if a.dry_run:
+        if a.preset not in (None, "tiny"):
+            log(f"--dry-run runs the tiny preset (not {a.preset})")
+        a.preset = "tiny"
+    elif a.preset is None:
+        p.error("--preset is required (or --dry-run)")
+    a.context = a.context if a.context is not None else (16 if a.dry_run else 512)
+    a.iters = a.iters if a.iters is not None else (5 if a.dry_run else 100)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.dry_run else 20)
+    if a.context < 0 or a.iters < 1 or a.warmup < 0:
+        p.error("--context must be >= 0, --iters >= 1, --warmup >= 0")
+    return a
+
+
+# --- timing --------------------------------------------------------------------------
+def summarize(ms: list[float]) -> dict:
+    s = sorted(ms)
+    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
+    return {"ms": statistics.median(s), "mean_ms": statistics.fmean(s), "min_ms": s[0], "p10_ms": q(0.1),
+            "p90_ms": q(0.9), "n": len(s)}
+
+
+def time_steps(fn: Callable[[], object], *, iters: int, warmup: int, cuda: bool) -> dict:
+    """Median ms per call: CUDA events around each single call (back to back), or wall time on the CPU."""
+    for _ in range(warmup):
+        fn()
+    if not cuda:
+        ms = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            ms.append(1e3 * (time.perf_counter() - t0))
+        return summarize(ms)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return summarize([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+# --- bandwidth and floor ---------------------------------------------------------------
+def measure_bandwidth(*, gib: float, reps: int, cuda: bool) -> dict:
+    """Read bandwidth (a read-only sum of a large tensor) and device-to-device copy bandwidth, in TB/s."""
+    device = "cuda" if cuda else "cpu"
+    nbytes = int(gib * 2**30) // 64 * 64
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buf.view(torch.float32).normal_()
+    out = {"bytes": nbytes, "gib": nbytes / 2**30, "reps": reps}
+    for name, view in (("sum_f32", buf.view(torch.float32)), ("sum_bf16", buf.view(torch.bfloat16))):
+        t = time_steps(lambda v=view: v.sum(), iters=reps, warmup=2, cuda=cuda)
+        out[f"{name}_ms"] = t["ms"]
+        out[f"{name}_tbps"] = nbytes / (t["ms"] * 1e-3) / 1e12
+    half = nbytes // 2
+    src, dst = buf[:half], buf[half : 2 * half]
+    t = time_steps(lambda: dst.copy_(src), iters=reps, warmup=2, cuda=cuda)
+    out["copy_ms"] = t["ms"]
+    out["copy_tbps"] = 2 * half / (t["ms"] * 1e-3) / 1e12  # bytes read + written
+    out["read_tbps"] = max(out["sum_f32_tbps"], out["sum_bf16_tbps"])  # the faster read: the stricter floor
+    del buf, src, dst
+    free_memory(cuda)
+    return out
+
+
+def floor(cfg: ModelConfig, spec, context: int, read_tbps: float) -> dict:
+    """The memory floor of one step at ``pos = context``: every weight once, plus ``context + 1`` KV rows."""
+    item = cfg.dtype.itemsize
+    weights_all = spec.weight_bytes
+    # an untied embedding table is gathered, not streamed: one row of it is read
+    unread = 0 if cfg.tie_embeddings else (cfg.vocab - 1) * cfg.hidden * item
+    weights_read = weights_all - unread
+    kv = 2 * cfg.layers * cfg.kv_heads * (context + 1) * cfg.head_dim * item
+    bw = read_tbps * 1e12
+    return {"weight_bytes": weights_all, "weight_bytes_read": weights_read, "kv_bytes": kv,
+            "bytes": weights_read + kv, "ms": (weights_read + kv) / bw * 1e3,
+            "ms_all_weights": (weights_all + kv) / bw * 1e3}
+
+
+def free_memory(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+# --- the shared setup --------------------------------------------------------------------
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    cfg: ModelConfig
+    graph: me.Graph
+    spec: object
+    weights: dict
+    caches: dict  # the initial random KV caches (every variant starts from a copy)
+    cuda: bool
+    device: str
+    context: int
+    token: torch.Tensor  # int32[1]
+    pos: torch.Tensor  # int64[1] == context
+    decoder: TorchDecoder | None = None
+    torch_logits: torch.Tensor | None = None  # eager TorchDecoder logits at pos (CPU, f32)
+    torch_next: int | None = None
+    broken: str | None = None  # set when the CUDA context is unusable
+    results: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    def timed(self, fn) -> dict:
+        return time_steps(fn, iters=self.args.iters, warmup=self.args.warmup, cuda=self.cuda)
+
+
+def setup(a: argparse.Namespace) -> Bench:
+    cuda = not a.dry_run
+    device = "cuda" if cuda else "cpu"
+    cfg = ModelConfig.preset(a.preset)
+    if a.dry_run:
+        cfg = dataclasses.replace(cfg, dtype=me.f32)  # the CPU simulator has no fast bf16 matmul
+    max_len = a.context + 1  # the torch step reads all max_len rows: exactly the megakernel's context + 1
+    graph, spec = build_decode_graph(cfg, max_len=max_len)
+    weights = random_weights(spec, seed=0, device=device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    caches = {n: torch.randn(s, generator=gen, device=device).to(cfg.dtype.torch) for n, s in spec.caches.items()}
+    token = torch.tensor([TOKEN % cfg.vocab], dtype=torch.int32, device=device)
+    pos = torch.tensor([a.context], dtype=torch.int64, device=device)
+    return Bench(a, cfg, graph, spec, weights, caches, cuda, device, a.context, token, pos)
+
+
+def run_variant(b: Bench, name: str, fn: Callable[[Bench], dict]) -> None:
+    """Run one variant; a failure is recorded (and shown in the table), never raised."""
+    if b.broken:
+        b.results[name] = {"status": "skipped", "error": f"CUDA context unusable after: {b.broken}"}
+        return
+    log(f"{name} ...")
+    t0 = time.perf_counter()
+    try:
+        res = fn(b)
+        res.setdefault("status", "ok")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - egglog panics derive from BaseException
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        res = {"status": "oom" if oom else "failed", "error": f"{type(e).__name__}: {e}".strip(),
+               "traceback": traceback.format_exc(limit=8)}
+        log(f"{name} FAILED: {res['error'].splitlines()[0][:300]}")
+        if b.cuda:
+            try:
+                torch.cuda.synchronize()
+            except BaseException as e2:  # noqa: BLE001
+                b.broken = f"{name}: {type(e2).__name__}: {str(e2).splitlines()[0] if str(e2) else ''}"
+    res["wall_s"] = time.perf_counter() - t0
+    b.results[name] = res
+    if "ms" in res:
+        log(f"{name}: {res['ms']:.4f} ms/step")
+    free_memory(b.cuda)
+
+
+def rel_errs(got: torch.Tensor, want: torch.Tensor) -> dict:
+    got, want = got.float().cpu().reshape(-1), want.float().cpu().reshape(-1)
+    return {"rel_err_max": ((got - want).abs().max() / want.abs().max()).item(),
+            "rel_err_norm": ((got - want).norm() / want.norm()).item()}
+
+
+# --- the variants --------------------------------------------------------------------------
+def torch_eager(b: Bench) -> dict:
+    b.decoder = dec = TorchDecoder(b.cfg, b.weights, max_len=b.context + 1, device=b.device)
+    dec.load_caches(b.caches)
+    logits, nxt = dec.step(b.token, b.pos)
+    b.torch_logits, b.torch_next = logits.float().cpu(), int(nxt.item())
+    return b.timed(lambda: dec.step(b.token, b.pos))
+
+
+def cuda_graph(b: Bench) -> dict:
+    if not b.cuda:
+        return {"status": "skipped", "error": "needs CUDA"}
+    dec = b.decoder
+    if dec is None:
+        raise RuntimeError("needs the eager decoder, which failed")
+    dec.load_caches(b.caches)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (lazy inits, cuBLAS handles) off the capture
+        for _ in range(3):
+            dec.step(b.token, b.pos)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits, _ = dec.step(b.token, b.pos)
+    graph.replay()
+    torch.cuda.synchronize()
+    check = rel_errs(logits, b.torch_logits)
+    res = b.timed(graph.replay)
+    del graph
+    return {**res, "vs_eager": check}
+
+
+def torch_compile(mode: str) -> Callable[[Bench], dict]:
+    def run(b: Bench) -> dict:
+        if b.decoder is None:
+            raise RuntimeError("needs the eager decoder, which failed")
+        torch._dynamo.reset()
+        dec = b.decoder
+        dec.load_caches(b.caches)
+        step = torch.compile(dec, mode=mode, fullgraph=True)
+
+        def call():
+            torch.compiler.cudagraph_mark_step_begin()
+            return step(b.token, b.pos)
+
+        t0 = time.perf_counter()
+        logits, _ = call()
+        sync(b.cuda)
+        first = time.perf_counter() - t0
+        check = rel_errs(logits, b.torch_logits)
+        for _ in range(2):  # reduce-overhead records its CUDA graph on a later call
+            call()
+        sync(b.cuda)
+        steady = time.perf_counter() - t0
+        del logits
+        res = b.timed(call)
+        torch._dynamo.reset()
+        return {**res, "compile_first_call_s": first, "compile_s": steady, "vs_eager": check}
+
+    return run
+
+
+def megakernel(b: Bench) -> dict:
+    backend = "cuda" if b.cuda else "sim"
+    kw = dict(backend=backend, max_dims={"pos": b.context}, dims_hint={"pos": b.context})
+    comp = b.extra.setdefault("megakernel_compile", {})
+    old_cache = os.environ.get("MEGAEGG_CACHE")
+    tmp = tempfile.mkdtemp(prefix="megaegg-cache-")
+    os.environ["MEGAEGG_CACHE"] = tmp  # a fresh cubin cache: the first compile is cold
+    try:
+        t0 = time.perf_counter()
+        kernel = me.compile(b.graph, b.weights, **kw)
+        sync(b.cuda)
+        comp["cold_s"], comp["cold_timings"] = time.perf_counter() - t0, dict(kernel.artifact.timings)
+        del kernel
+        free_memory(b.cuda)
+        t0 = time.perf_counter()
+        kernel = me.compile(b.graph, b.weights, **kw)  # same graph: the cubin cache hits
+        sync(b.cuda)
+        comp["warm_s"], comp["warm_timings"] = time.perf_counter() - t0, dict(kernel.artifact.timings)
+    finally:
+        if old_cache is None:
+            os.environ.pop("MEGAEGG_CACHE", None)
+        else:
+            os.environ["MEGAEGG_CACHE"] = old_cache
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"megakernel compiled: cold {comp['cold_s']:.2f} s, warm {comp['warm_s']:.2f} s, "
+        f"{len(kernel.queue.entries)} queue entries")
+    info = {"queue_entries": len(kernel.queue.entries), "backend": backend}
+
+    caches = {n: t.clone() for n, t in b.caches.items()}
+    out = kernel(token=b.token, pos=b.context, check=True, **caches)  # one checked step: correctness
+    b.extra["megakernel_logits"] = out["logits"].float().cpu()
+    b.extra["megakernel_next"] = int(out["next_token"].reshape(-1)[0])
+    if b.torch_logits is not None:
+        b.extra["correctness"] = {**rel_errs(out["logits"], b.torch_logits),
+                                  "next_token_equal": b.extra["megakernel_next"] == b.torch_next}
+    del out
+
+    if b.cuda:
+        buffers = {bf.name: bf for bf in kernel.program.buffers if bf.kind in ("input", "state")}
+        named = {"token": b.token, **caches}
+        missing = sorted(set(buffers) - set(named))
+        if missing:
+            raise RuntimeError(f"megakernel inputs not bound: {missing}")
+        tensors = {bf.id: named[name] for name, bf in buffers.items()}
+        dims = [{"pos": b.context}[s] for s in kernel.program.symbols]
+        runner = kernel._runner
+        res = b.timed(lambda: runner.launch(dims, tensors))
+        runner.check()  # syncs; raises if any timed launch hit a device-side error
+    else:  # the CPU simulator: the whole call (slow; a smoke test, not a timing)
+        res = b.timed(lambda: kernel(token=b.token, pos=b.context, **caches))
+    return {**res, **info}
+
+
+def reference_check(b: Bench) -> dict:
+    """Both implementations against megaegg.run_reference (the oracle) at the same position."""
+    caches = {n: t.clone() for n, t in b.caches.items()}
+    ref = me.run_reference(b.graph, {"token": b.token, **caches}, b.weights, {"pos": b.context})
+    out = {"reference_next": int(ref["next_token"].reshape(-1)[0])}
+    if b.torch_logits is not None:
+        out["torch_vs_reference"] = rel_errs(b.torch_logits, ref["logits"])
+    if "megakernel_logits" in b.extra:
+        out["megakernel_vs_reference"] = rel_errs(b.extra["megakernel_logits"], ref["logits"])
+    return out
+
+
+# --- report ----------------------------------------------------------------------------------
+def table(b: Bench, bw: dict, fl: dict | None) -> str:
+    R = b.results
+    ms = {k: v["ms"] for k, v in R.items() if v.get("status") == "ok" and "ms" in v}
+    compiled = [k for k in ms if k.startswith("torch.compile")]
+    best_compile = min(compiled, key=ms.get) if compiled else None
+    refs = {"eager": ms.get("torch eager"), "graphs": ms.get("torch CUDA graph"),
+            "compile": ms.get(best_compile) if best_compile else None}
+
+    def ratio(ref, x):
+        return f"{ref / x:.2f}x" if ref and x else "-"
+
+    rows = [("variant", "ms/token", "% of floor", "vs eager", "vs CUDA graphs", "vs torch.compile")]
+    if fl:
+        rows.append(("memory floor", f"{fl['ms']:.4f}", "100.0%", ratio(refs["eager"], fl["ms"]),
+                     ratio(refs["graphs"], fl["ms"]), ratio(refs["compile"], fl["ms"])))
+    for name, r in R.items():
+        if name == "reference check":
+            continue
+        if name in ms:
+            x = ms[name]
+            pct = f"{fl['ms'] / x * 100:.1f}%" if fl else "-"
+            rows.append((name, f"{x:.4f}", pct, ratio(refs["eager"], x), ratio(refs["graphs"], x), ratio(refs["compile"], x)))
+        else:
+            err = (r.get("error") or "").splitlines()[0][:70] if r.get("error") else ""
+            rows.append((name, r.get("status", "?").upper(), err, "", "", ""))
+    widths = [max(len(r[i]) for r in rows if not (r[1] in ("FAILED", "OOM", "SKIPPED") and i == 2)) for i in range(6)]
+    lines = []
+    for j, r in enumerate(rows):
+        if r[1] in ("FAILED", "OOM", "SKIPPED"):
+            lines.append(f"{r[0]:<{widths[0]}} | {r[1]:>{widths[1]}} | {r[2]}")
+        else:
+            lines.append(" | ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        if j == 0:
+            lines.append("-+-".join("-" * w for w in widths))
+    head = [f"device: {b.extra['device']}",
+            f"model: {b.args.preset} ({b.cfg.layers} layers, hidden {b.cfg.hidden}, {b.cfg.dtype}), "
+            f"batch 1, context {b.context} (pos {b.context}, {b.context + 1} KV rows)"]
+    if bw:
+        head.append(f"bandwidth: read {bw['read_tbps']:.3f} TB/s (sum f32 {bw['sum_f32_tbps']:.3f}, bf16 "
+                    f"{bw['sum_bf16_tbps']:.3f}; {bw['gib']:.1f} GiB), d2d copy {bw['copy_tbps']:.3f} TB/s")
+    if fl:
+        head.append(f"floor: {fl['ms']:.4f} ms = ({fl['weight_bytes_read'] / 1e9:.3f} GB weights + "
+                    f"{fl['kv_bytes'] / 1e6:.2f} MB KV) / read bandwidth")
+    if best_compile:
+        head.append(f"vs torch.compile: against the fastest torch.compile variant ({best_compile})")
+    if b.args.dry_run:
+        head.append("DRY RUN on the CPU: wall-clock timings, megakernel on the simulator; not a benchmark")
+    return "\n".join(head + [""] + lines)
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    if not a.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: run on the GPU machine, or use --dry-run for a CPU smoke test")
+    torch.set_grad_enabled(False)
+    report: dict = {"args": vars(a), "torch": torch.__version__}
+    device_name = torch.cuda.get_device_name() if not a.dry_run else "CPU (dry run)"
+    log(f"device: {device_name}")
+
+    bw, bw_err = None, None
+    try:
+        log(f"bandwidth ({a.bw_gib if not a.dry_run else 0.25} GiB) ...")
+        bw = measure_bandwidth(gib=a.bw_gib if not a.dry_run else 0.25, reps=a.bw_reps, cuda=not a.dry_run)
+        log(f"read {bw['read_tbps']:.3f} TB/s, copy {bw['copy_tbps']:.3f} TB/s")
+    except Exception as e:  # noqa: BLE001 - e.g. no room for the test tensor: report, go on
+        bw_err = f"{type(e).__name__}: {e}"
+        log(f"bandwidth test FAILED: {bw_err}")
+        free_memory(not a.dry_run)
+
+    log(f"setup: {a.preset}, context {a.context}")
+    b = setup(a)
+    b.extra["device"] = device_name
+    fl = floor(b.cfg, b.spec, b.context, bw["read_tbps"]) if bw else None
+    if fl:
+        log(f"floor {fl['ms']:.4f} ms ({fl['bytes'] / 1e9:.3f} GB)")
+
+    # torch first: a device fault in the megakernel would poison the CUDA context for what follows
+    run_variant(b, "torch eager", torch_eager)
+    run_variant(b, "torch CUDA graph", cuda_graph)
+    if not a.skip_compile_baseline:
+        run_variant(b, "torch.compile reduce-overhead", torch_compile("reduce-overhead"))
+        if a.max_autotune:
+            run_variant(b, "torch.compile max-autotune", torch_compile("max-autotune"))
+    run_variant(b, "megakernel", megakernel)
+    if not a.no_reference_check:
+        run_variant(b, "reference check", reference_check)
+
+    corr = b.extra.get("correctness")
+    report.update({
+        "device": device_name, "preset": a.preset, "config": {k: str(v) if k == "dtype" else v
+                                                                for k, v in dataclasses.asdict(b.cfg).items()},
+        "context": b.context, "max_len": b.context + 1, "bandwidth": bw, "bandwidth_error": bw_err, "floor": fl,
+        "variants": {k: {kk: vv for kk, vv in v.items()} for k, v in b.results.items()},
+        "megakernel_compile": b.extra.get("megakernel_compile"), "correctness": corr,
+        "torch_compile_s": {k: v.get("compile_s") for k, v in b.results.items() if k.startswith("torch.compile")},
+    })
+    for v in report["variants"].values():
+        if fl and "ms" in v and v.get("status") == "ok":
+            v["pct_of_floor"] = fl["ms"] / v["ms"] * 100
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        log(f"wrote {a.json}")
+
+    # the summary: correctness and compile times, then the table last
+    print()
+    if corr:
+        warn = "  WARNING: above 3e-2" if corr["rel_err_max"] > WARN_REL_ERR else ""
+        print(f"correctness: megakernel vs torch logits at pos {b.context}: rel err max {corr['rel_err_max']:.2e}, "
+              f"norm {corr['rel_err_norm']:.2e}, next token {'equal' if corr['next_token_equal'] else 'DIFFERENT'}{warn}")
+    else:
+        print("correctness: not checked (a variant failed)")
+    ref = b.results.get("reference check", {})
+    for k in ("torch_vs_reference", "megakernel_vs_reference"):
+        if k in ref:
+            print(f"  {k.replace('_', ' ')}: rel err max {ref[k]['rel_err_max']:.2e}, norm {ref[k]['rel_err_norm']:.2e}")
+    comp = b.extra.get("megakernel_compile") or {}
+    if "cold_s" in comp:
+        t = comp.get("cold_timings", {})
+        nv = f", nvrtc {t['nvrtc']:.2f} s" if "nvrtc" in t else ""
+        print(f"megakernel compile: cold {comp['cold_s']:.2f} s (rewrite {t.get('rewrite', math.nan):.2f} s{nv}), "
+              f"warm {comp['warm_s']:.2f} s" + (" (cubin cache hit)" if comp.get("warm_timings", {}).get("nvrtc_cached")
+                                                  else ""))
+    for k, s in report["torch_compile_s"].items():
+        if s is not None:
+            print(f"{k}: compile {s:.1f} s (first call {b.results[k]['compile_first_call_s']:.1f} s)")
+    print()
+    print(table(b, bw, fl))
+    return report
+
+
+if __name__ == "__main__":
+    main()

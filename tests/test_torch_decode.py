@@ -1,0 +1,126 @@
+"""The PyTorch baseline decoder (megaegg.models.torch_decode) against the reference executor (CPU, f32)."""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+
+import pytest
+import torch
+
+import megaegg as me
+from megaegg.models import ModelConfig, build_decode_graph, random_weights
+from megaegg.models import torch_decode
+from megaegg.models.torch_decode import TorchDecoder
+
+SMALL = dict(
+    hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=32, vocab_size=311, max_position_embeddings=4096, torch_dtype="bfloat16",
+)
+CONFIGS = {
+    "tiny": ModelConfig.preset("tiny"),
+    # a 2-layer Qwen3 (per-head q/k norm, untied LM head)
+    "qwen3-2l": ModelConfig.from_hf({"model_type": "qwen3", **SMALL,
+                                     "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}),
+    # a 2-layer Llama 3 (llama3 rope scaling, tied embeddings, GQA 4:1)
+    "llama3-2l": ModelConfig.from_hf({"model_type": "llama", **SMALL, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                                      "rope_theta": 500000.0, "rope_scaling": {
+                                          "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def f32(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, dtype=me.f32)
+
+
+def random_caches(spec, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=gen) for n, s in spec.caches.items()}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "exact"])
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_steps_match_reference(name, fuse, attention):
+    cfg, max_len = f32(CONFIGS[name]), 24
+    graph, spec = build_decode_graph(cfg, max_len=max_len)
+    weights = random_weights(spec, seed=7)
+    dec = TorchDecoder(cfg, weights, max_len=max_len, device="cpu", fuse=fuse, attention=attention)
+    # start from random (not zero) caches: rows past pos must not be read, rows before it must be
+    ref_caches = random_caches(spec, seed=3)
+    dec.load_caches(ref_caches)
+    tokens = [5, 17, 99, 3, 42, 7, 8, 300 % cfg.vocab]
+    with torch.no_grad():
+        for pos, tok in enumerate(tokens + [0] * 3):
+            pos = pos if pos < len(tokens) else max_len - 1 - (pos - len(tokens))  # and the last rows
+            t = torch.tensor([tok], dtype=torch.int32)
+            logits, nxt = dec.step(t, torch.tensor([pos]))
+            ref = me.run_reference(graph, {"token": t, **ref_caches}, weights, {"pos": pos})
+            assert logits.shape == ref["logits"].shape and logits.dtype == ref["logits"].dtype
+            assert rel_err(logits, ref["logits"]) < 1e-4, f"{name} pos {pos}"
+            assert nxt.dtype == torch.int32 and nxt.shape == (1,)
+            assert nxt.item() == ref["next_token"].item()
+            for cname, c in dec.caches.items():
+                assert rel_err(c, ref_caches[cname]) < 1e-5, f"{cname} after pos {pos}"
+
+
+def test_bf16_close_to_reference():
+    """In bf16 the baseline rounds like the reference: logits agree to bf16 precision."""
+    cfg, max_len = CONFIGS["qwen3-2l"], 16
+    graph, spec = build_decode_graph(cfg, max_len=max_len)
+    weights = random_weights(spec, seed=1)
+    dec = TorchDecoder(cfg, weights, max_len=max_len, device="cpu", attention="exact")
+    ref_caches = spec.new_caches()
+    with torch.no_grad():
+        for pos, tok in enumerate([1, 2, 3, 4]):
+            t = torch.tensor([tok], dtype=torch.int32)
+            logits, _ = dec.step(t, torch.tensor([pos]))
+            ref = me.run_reference(graph, {"token": t, **ref_caches}, weights, {"pos": pos})
+            assert logits.dtype == torch.bfloat16
+            assert rel_err(logits, ref["logits"]) < 2e-2
+
+
+def test_one_graph_for_all_positions():
+    """Position is data, not a guard: dynamo traces the step once, without graph breaks."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    cfg, max_len = f32(CONFIGS["llama3-2l"]), 16
+    graph, spec = build_decode_graph(cfg, max_len=max_len)
+    weights = random_weights(spec, seed=2)
+    eager = TorchDecoder(cfg, weights, max_len=max_len, device="cpu")
+    dec = TorchDecoder(cfg, weights, max_len=max_len, device="cpu")
+    counter = CompileCounter()
+    step = torch.compile(dec, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for pos in range(5):
+            t = torch.tensor([pos + 1], dtype=torch.int32)
+            want, _ = eager.step(t, torch.tensor([pos]))
+            got, _ = step(t, torch.tensor([pos]))
+            assert rel_err(got, want) < 1e-6
+    assert counter.frame_count == 1
+    for name, c in dec.caches.items():
+        assert torch.equal(c, eager.caches[name])
+    torch._dynamo.reset()
+
+
+def test_rejects_mismatched_inputs():
+    cfg = CONFIGS["tiny"]
+    _, spec = build_decode_graph(cfg, max_len=8)
+    weights = random_weights(spec)
+    with pytest.raises(me.GraphError, match="must be f32"):
+        TorchDecoder(f32(cfg), weights, max_len=8, device="cpu")
+    dec = TorchDecoder(cfg, weights, max_len=8, device="cpu")
+    with pytest.raises(me.GraphError, match="caches"):
+        dec.load_caches({"k_cache.0": torch.zeros(2, 8, 64)})
+    with pytest.raises(ValueError, match="attention"):
+        TorchDecoder(cfg, weights, max_len=8, device="cpu", attention="flash")
+
+
+def test_doctests():
+    assert doctest.testmod(torch_decode).failed == 0
