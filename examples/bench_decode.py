@@ -48,6 +48,7 @@ from megaegg.models import PRESETS, ModelConfig, build_decode_graph, random_weig
 from megaegg.models.torch_decode import TorchDecoder
 
 WARN_REL_ERR = 3e-2
+CHECKS = ("torch exact logits", "reference check")  # untimed steps: not rows of the table
 TOKEN = 1234  # the token fed at every timed step (mod vocab)
 
 
@@ -178,8 +179,9 @@ class Bench:
     token: torch.Tensor  # int32[1]
     pos: torch.Tensor  # int64[1] == context
     decoder: TorchDecoder | None = None
-    torch_logits: torch.Tensor | None = None  # eager TorchDecoder logits at pos (CPU, f32)
-    torch_next: int | None = None
+    torch_logits: torch.Tensor | None = None  # the timed (SDPA) TorchDecoder's logits at pos (CPU, f32)
+    exact_logits: torch.Tensor | None = None  # TorchDecoder(attention="exact") logits: the correctness baseline
+    exact_next: int | None = None
     broken: str | None = None  # set when the CUDA context is unusable
     results: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
@@ -243,9 +245,21 @@ def rel_errs(got: torch.Tensor, want: torch.Tensor) -> dict:
 def torch_eager(b: Bench) -> dict:
     b.decoder = dec = TorchDecoder(b.cfg, b.weights, max_len=b.context + 1, device=b.device)
     dec.load_caches(b.caches)
-    logits, nxt = dec.step(b.token, b.pos)
-    b.torch_logits, b.torch_next = logits.float().cpu(), int(nxt.item())
+    b.torch_logits = dec.step(b.token, b.pos)[0].float().cpu()
     return b.timed(lambda: dec.step(b.token, b.pos))
+
+
+def torch_exact(b: Bench) -> dict:
+    """The correctness baseline: the same step with the reference's fp32 attention arithmetic.
+
+    SDPA (the timed baseline) may round softmax probabilities to bf16 before P @ V; this
+    one does not. Unfused, so it shares the weights' storage (no extra weight memory).
+    """
+    dec = TorchDecoder(b.cfg, b.weights, max_len=b.context + 1, device=b.device, fuse=False, attention="exact")
+    dec.load_caches(b.caches)
+    logits, nxt = dec.step(b.token, b.pos)
+    b.exact_logits, b.exact_next = logits.float().cpu(), int(nxt.item())
+    return {"sdpa_vs_exact": rel_errs(b.torch_logits, b.exact_logits)} if b.torch_logits is not None else {}
 
 
 def cuda_graph(b: Bench) -> dict:
@@ -276,9 +290,14 @@ def torch_compile(mode: str) -> Callable[[Bench], dict]:
     def run(b: Bench) -> dict:
         if b.decoder is None:
             raise RuntimeError("needs the eager decoder, which failed")
+        from torch._dynamo.utils import counters
+
         torch._dynamo.reset()
+        counters.clear()
         dec = b.decoder
         dec.load_caches(b.caches)
+        for t in dec.caches.values():  # mutated in place: static addresses, so CUDA graphs stay on
+            torch._dynamo.mark_static_address(t)
         step = torch.compile(dec, mode=mode, fullgraph=True)
 
         def call():
@@ -296,8 +315,12 @@ def torch_compile(mode: str) -> Callable[[Bench], dict]:
         steady = time.perf_counter() - t0
         del logits
         res = b.timed(call)
+        skips = int(counters["inductor"].get("cudagraph_skips", 0))
+        if skips and b.cuda:
+            log(f"WARNING: torch.compile {mode} skipped CUDA graphs {skips} time(s) (see TORCH_LOGS=perf_hints)")
         torch._dynamo.reset()
-        return {**res, "compile_first_call_s": first, "compile_s": steady, "vs_eager": check}
+        return {**res, "compile_first_call_s": first, "compile_s": steady, "vs_eager": check,
+                "cudagraph_skips": skips}
 
     return run
 
@@ -334,9 +357,11 @@ def megakernel(b: Bench) -> dict:
     out = kernel(token=b.token, pos=b.context, check=True, **caches)  # one checked step: correctness
     b.extra["megakernel_logits"] = out["logits"].float().cpu()
     b.extra["megakernel_next"] = int(out["next_token"].reshape(-1)[0])
-    if b.torch_logits is not None:
-        b.extra["correctness"] = {**rel_errs(out["logits"], b.torch_logits),
-                                  "next_token_equal": b.extra["megakernel_next"] == b.torch_next}
+    if b.exact_logits is not None:  # against the torch step that rounds like the reference
+        b.extra["correctness"] = {**rel_errs(out["logits"], b.exact_logits),
+                                  "next_token_equal": b.extra["megakernel_next"] == b.exact_next}
+        if b.torch_logits is not None:
+            b.extra["correctness"]["vs_torch_sdpa"] = rel_errs(out["logits"], b.torch_logits)
     del out
 
     if b.cuda:
@@ -350,8 +375,9 @@ def megakernel(b: Bench) -> dict:
         runner = kernel._runner
         res = b.timed(lambda: runner.launch(dims, tensors))
         runner.check()  # syncs; raises if any timed launch hit a device-side error
-    else:  # the CPU simulator: the whole call (slow; a smoke test, not a timing)
-        res = b.timed(lambda: kernel(token=b.token, pos=b.context, **caches))
+    else:  # the CPU simulator: the whole call, twice (seconds each; a smoke test, not a timing)
+        res = time_steps(lambda: kernel(token=b.token, pos=b.context, **caches), iters=min(2, b.args.iters),
+                         warmup=0, cuda=False)
     return {**res, **info}
 
 
@@ -362,6 +388,8 @@ def reference_check(b: Bench) -> dict:
     out = {"reference_next": int(ref["next_token"].reshape(-1)[0])}
     if b.torch_logits is not None:
         out["torch_vs_reference"] = rel_errs(b.torch_logits, ref["logits"])
+    if b.exact_logits is not None:
+        out["torch_exact_vs_reference"] = rel_errs(b.exact_logits, ref["logits"])
     if "megakernel_logits" in b.extra:
         out["megakernel_vs_reference"] = rel_errs(b.extra["megakernel_logits"], ref["logits"])
     return out
@@ -384,7 +412,7 @@ def table(b: Bench, bw: dict, fl: dict | None) -> str:
         rows.append(("memory floor", f"{fl['ms']:.4f}", "100.0%", ratio(refs["eager"], fl["ms"]),
                      ratio(refs["graphs"], fl["ms"]), ratio(refs["compile"], fl["ms"])))
     for name, r in R.items():
-        if name == "reference check":
+        if name in CHECKS:
             continue
         if name in ms:
             x = ms[name]
@@ -411,6 +439,9 @@ def table(b: Bench, bw: dict, fl: dict | None) -> str:
     if fl:
         head.append(f"floor: {fl['ms']:.4f} ms = ({fl['weight_bytes_read'] / 1e9:.3f} GB weights + "
                     f"{fl['kv_bytes'] / 1e6:.2f} MB KV) / read bandwidth")
+        if fl["weight_bytes_read"] != fl["weight_bytes"]:
+            head.append(f"  (the untied embedding table is gathered, one row read; counting all of it: "
+                        f"{fl['ms_all_weights']:.4f} ms)")
     if best_compile:
         head.append(f"vs torch.compile: against the fastest torch.compile variant ({best_compile})")
     if b.args.dry_run:
@@ -446,6 +477,7 @@ def main(argv=None) -> dict:
 
     # torch first: a device fault in the megakernel would poison the CUDA context for what follows
     run_variant(b, "torch eager", torch_eager)
+    run_variant(b, CHECKS[0], torch_exact)
     run_variant(b, "torch CUDA graph", cuda_graph)
     if not a.skip_compile_baseline:
         run_variant(b, "torch.compile reduce-overhead", torch_compile("reduce-overhead"))
@@ -453,7 +485,7 @@ def main(argv=None) -> dict:
             run_variant(b, "torch.compile max-autotune", torch_compile("max-autotune"))
     run_variant(b, "megakernel", megakernel)
     if not a.no_reference_check:
-        run_variant(b, "reference check", reference_check)
+        run_variant(b, CHECKS[1], reference_check)
 
     corr = b.extra.get("correctness")
     report.update({
@@ -476,12 +508,15 @@ def main(argv=None) -> dict:
     print()
     if corr:
         warn = "  WARNING: above 3e-2" if corr["rel_err_max"] > WARN_REL_ERR else ""
-        print(f"correctness: megakernel vs torch logits at pos {b.context}: rel err max {corr['rel_err_max']:.2e}, "
-              f"norm {corr['rel_err_norm']:.2e}, next token {'equal' if corr['next_token_equal'] else 'DIFFERENT'}{warn}")
+        print(f"correctness: megakernel vs torch (exact attention) logits at pos {b.context}: rel err max "
+              f"{corr['rel_err_max']:.2e}, norm {corr['rel_err_norm']:.2e}, "
+              f"next token {'equal' if corr['next_token_equal'] else 'DIFFERENT'}{warn}")
+        if "vs_torch_sdpa" in corr:
+            print(f"  megakernel vs torch (SDPA, the timed baseline): rel err max {corr['vs_torch_sdpa']['rel_err_max']:.2e}")
     else:
         print("correctness: not checked (a variant failed)")
-    ref = b.results.get("reference check", {})
-    for k in ("torch_vs_reference", "megakernel_vs_reference"):
+    ref = b.results.get(CHECKS[1], {})
+    for k in ("torch_vs_reference", "torch_exact_vs_reference", "megakernel_vs_reference"):
         if k in ref:
             print(f"  {k.replace('_', ' ')}: rel err max {ref[k]['rel_err_max']:.2e}, norm {ref[k]['rel_err_norm']:.2e}")
     comp = b.extra.get("megakernel_compile") or {}

@@ -20,6 +20,14 @@ SMEM_BYTES = 120 * 1024  # dynamic smem per block: >113 KB keeps one block per S
 DEFINES = {"MEGA_THREADS": THREADS, "MEGA_SMEM": SMEM_BYTES}
 
 
+def defines() -> dict[str, int]:
+    """Compile-time constants; MEGAEGG_DEFINES="NAME=VALUE,..." overrides them (for experiments)."""
+    import os
+
+    extra = dict(kv.split("=") for kv in os.environ.get("MEGAEGG_DEFINES", "").split(",") if kv)
+    return {**DEFINES, **{k: int(v) for k, v in extra.items()}}
+
+
 def c_expr(d: Dim) -> str:
     return d.to_c(dimc)
 
@@ -86,6 +94,7 @@ def render_case(q: WorkQueue, k: int, e: QueueEntry) -> str:
         lines.append("        }")
         lines.append("        __syncthreads();")
         lines.append("        if (abort_block) break;")
+    lines.append("        MEGA_TRACE_WAITED();")
     ins = [operand_c(q, o) for o in op.inputs]
     out = operand_c(q, op.output)
     lines.append(f"        {kind.cuda_call(op, ins, out)};")

@@ -41,7 +41,8 @@ class LaunchStats:
 
 
 class CudaRunner:
-    def __init__(self, queue: WorkQueue, cubin: bytes, bound: dict[int, torch.Tensor], device: torch.device) -> None:
+    def __init__(self, queue: WorkQueue, cubin: bytes, bound: dict[int, torch.Tensor], device: torch.device,
+                 *, trace_instances: int = 0) -> None:
         from cuda.bindings import driver
 
         self.q = queue
@@ -64,9 +65,12 @@ class CudaRunner:
         self.parity = 0
         self.bound = bound  # weights and constants, kept alive here
         nd, np_ = max(1, len(queue.program.symbols)), max(1, len(mem.pointer_slot))
-        self.args = np.zeros(4 + nd + np_, dtype=np.int64)
+        # MegaArgs: arena, counters, control, parity, trace, dims[nd], ptr[np]
+        self.trace = torch.zeros(4 * max(1, trace_instances), dtype=torch.int64, device=device) if trace_instances else None
+        self.args = np.zeros(5 + nd + np_, dtype=np.int64)
         self.args[0:3] = [self.arena.data_ptr(), self.counters.data_ptr(), self.control.data_ptr()]
-        self.dim_base, self.ptr_base = 4, 4 + nd
+        self.args[4] = self.trace.data_ptr() if self.trace is not None else 0
+        self.dim_base, self.ptr_base = 5, 5 + nd
         for buf, t in bound.items():
             self.args[self.ptr_base + mem.pointer_slot[buf]] = t.data_ptr()
         self._param = (ctypes.c_void_p * 1)(self.args.ctypes.data)

@@ -57,7 +57,7 @@ def build_artifact(
     dims_hint: Mapping[str, int] | None = None, compile_cuda: bool = True,
 ) -> Artifact:
     from .interpreter.nvrtc import compile_cubin
-    from .interpreter.render import DEFINES, render
+    from .interpreter.render import defines, render
     from .lowering.queue import build_queue
 
     if not graph.outputs:
@@ -75,7 +75,7 @@ def build_artifact(
                "barriers+queue": t2 - t1, "render": t3 - t2}
     cubin = None
     if compile_cuda:
-        out = compile_cubin(source, defines=DEFINES)
+        out = compile_cubin(source, defines=defines())
         cubin = out.cubin
         timings["nvrtc"] = out.seconds
         timings["nvrtc_cached"] = float(out.cached)
@@ -203,6 +203,32 @@ class Kernel:
         sim = Simulation(self.queue, flat, dims)
         sim.run(schedule or self.schedule or Schedule())
         return {name: sim.view(o, dims).clone() for name, o in self.program.outputs.items()}
+
+    def trace(self, **kwargs):
+        """Run once with per-instance timestamps (a separately compiled traced kernel); returns a Trace."""
+        import numpy as np
+
+        from .interpreter.nvrtc import compile_cubin
+        from .interpreter.render import defines
+        from .interpreter.runtime import CudaRunner
+        from .interpreter.trace import Trace
+        from .lowering.queue import upper_bound
+
+        if self.backend != "cuda":
+            raise RuntimeError("trace() needs the cuda backend")
+        tensors, dims = self._split_args(kwargs)
+        if getattr(self, "_traced", None) is None:
+            cubin = compile_cubin(self.artifact.source, defines={**defines(), "MEGA_TRACE": 1}).cubin
+            cap = sum(upper_bound(e.launch, self.queue.max_dims) for e in self.queue.entries)
+            self._traced = CudaRunner(self.queue, cubin, self.bound, self.device, trace_instances=cap)
+        run = self._traced
+        dim_list = [dims[s] for s in self.program.symbols]
+        run.launch(dim_list, tensors)  # warm-up: module load, caches
+        run.launch(dim_list, tensors)
+        run.check()
+        total = sum(max(0, e.launch.eval(dims)) for e in self.queue.entries)
+        raw = run.trace[: 4 * total].cpu().numpy().view(np.uint64).reshape(total, 4)
+        return Trace(self.queue, raw)
 
     schedule = None  # the simulator's schedule; set a megaegg.interpreter.simulator.Schedule to vary it
 

@@ -40,3 +40,13 @@ e0.record(); [y.copy_(x) for _ in range(10)]; e1.record(); torch.cuda.synchroniz
 bw = 2 * x.numel() * 2 * 10 / (e0.elapsed_time(e1) / 1e3)
 floor = (spec.weight_bytes + kv) / (bw / 2 * 1.0) * 1e3  # read bandwidth ~ copy bw counting read+write /2? use copy rw total
 print(f"median ms {times[len(times)//2]:.3f}  min {times[0]:.3f}  weights GB {spec.weight_bytes/1e9:.2f}  copy bw (r+w) {bw/1e12:.2f} TB/s  floor(ms, at copy bw) {(spec.weight_bytes + kv)/bw*1e3:.3f}")
+tr = k.trace(token=tok, pos=ctx, **caches)
+s = tr.summary()
+print(f"trace: wall {s['wall_us']:.1f} us, busy {s['busy_pct']:.1f}%, waiting {s['waiting_pct']:.1f}%, pops {s['pop_pct']:.1f}%, instances {s['instances']}")
+for kind, d in sorted(tr.by_kind().items(), key=lambda kv: -kv[1]['busy_us']):
+    print(f"  {kind:<15} inst {d['instances']:>6}  busy {d['busy_us']:>10.1f} us  wait {d['wait_us']:>10.1f} us")
+ops = s["ops"][:14]
+for o in ops:
+    print(f"  op{o.op:<4} {o.kind:<15} inst {o.instances:>4} span {o.span_us:7.2f} us  busy/inst {o.busy_us/o.instances:6.2f}  wait/inst {o.wait_us/o.instances:6.2f}")
+import os
+open(os.path.join(os.environ.get("OUT", "."), "trace.json"), "w").write(tr.chrome_json())

@@ -20,6 +20,7 @@ struct MegaArgs {
   unsigned* counters;              // 2 * MEGA_COUNTERS
   unsigned long long* control;     // see runtime.cuh
   long long parity;
+  unsigned long long* trace;       // MEGA_TRACE builds: 4 words per instance
   long long dims[/*@NDIMS@*/];
   void* ptr[/*@NPTRS@*/];
 };
@@ -66,11 +67,25 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     const int entry = lo;
     const long long local = g - prefix[entry];
     if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; }
+#ifdef MEGA_TRACE
+    unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
+#endif
     switch (entry) {
 /*@CASES@*/
       default: break;
     }
     __syncthreads();
+#ifdef MEGA_TRACE
+    if (threadIdx.x == 0) {
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      unsigned long long* rec = args.trace + 4 * g;
+      rec[0] = ((unsigned long long)entry << 40) | ((unsigned long long)smid << 32) | (unsigned long long)local;
+      rec[1] = t_claim;
+      rec[2] = t_waited ? t_waited : t_claim;
+      rec[3] = mega_globaltimer();
+    }
+#endif
     if (abort_block) break;
   }
 }

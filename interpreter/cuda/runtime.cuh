@@ -7,6 +7,12 @@
 #define MEGA_ERR_TIMEOUT 1
 #define MEGA_ERR_INDEX 2
 
+#ifdef MEGA_TRACE
+#define MEGA_TRACE_WAITED() (t_waited = mega_globaltimer())
+#else
+#define MEGA_TRACE_WAITED() ((void)0)
+#endif
+
 #ifndef MEGA_TIMEOUT_NS
 #define MEGA_TIMEOUT_NS 2000000000ULL  // 2 s: far beyond any legitimate wait
 #endif
@@ -68,8 +74,12 @@ __device__ bool mega_wait(const unsigned* counter, unsigned expected, unsigned l
 // Start streaming [p, p + bytes) from HBM into L2 without waiting (sm_90 bulk prefetch).
 // Issued for an instance's weight tile before its barrier wait, so the handoff latency
 // of the previous op overlaps this op's weight traffic. `bytes` is a multiple of 16.
+#ifndef MEGA_PREFETCH_BYTES
+#define MEGA_PREFETCH_BYTES 65536LL  // per operand: enough to cover a hand-off, small enough for L2
+#endif
 __device__ __forceinline__ void mega_prefetch_l2(const void* p, long long bytes) {
   const char* c = (const char*)p;
+  if (bytes > MEGA_PREFETCH_BYTES) bytes = MEGA_PREFETCH_BYTES;
   while (bytes > 0) {
     const unsigned n = (unsigned)(bytes < (1LL << 20) ? bytes : (1LL << 20));
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(n) : "memory");

@@ -1,0 +1,89 @@
+"""The per-SM timeline of one launch: each instance's claim, barrier-wait end and finish.
+
+Built from a kernel compiled with ``MEGA_TRACE`` (``Kernel.trace``). ``summary()``
+gives busy %, time waiting on barriers and time between instances (queue pops) per
+op; ``chrome_json()`` opens in Perfetto (one track per SM).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..lowering.queue import WorkQueue
+
+
+@dataclass(frozen=True)
+class OpTime:
+    op: int
+    kind: str
+    instances: int
+    busy_us: float  # claim to finish, summed over instances
+    wait_us: float  # claim to barrier passed, summed
+    span_us: float  # first claim to last finish
+
+
+@dataclass
+class Trace:
+    queue: WorkQueue
+    records: np.ndarray  # [instances, 4] uint64: (entry<<40 | sm<<32 | local, claim, waited, done)
+
+    @property
+    def entry(self):
+        return (self.records[:, 0] >> 40).astype(np.int64)
+
+    @property
+    def sm(self):
+        return ((self.records[:, 0] >> 32) & 0xFF).astype(np.int64)
+
+    def times_us(self):
+        t = self.records[:, 1:].astype(np.float64)
+        return (t - t.min()) / 1e3
+
+    def summary(self) -> dict:
+        t = self.times_us()
+        claim, waited, done = t[:, 0], t[:, 1], t[:, 2]
+        sms = np.unique(self.sm)
+        wall = done.max() - claim.min()
+        busy = (done - claim).sum()
+        pops = 0.0
+        for s in sms:  # gaps on each SM between finishing one instance and claiming the next
+            idx = np.where(self.sm == s)[0]
+            order = idx[np.argsort(claim[idx])]
+            pops += np.clip(claim[order[1:]] - done[order[:-1]], 0, None).sum()
+        per_op = []
+        for k, e in enumerate(self.queue.entries):
+            m = self.entry == k
+            if m.any():
+                per_op.append(OpTime(e.op.id, e.op.kind, int(m.sum()), float((done[m] - claim[m]).sum()),
+                                     float((waited[m] - claim[m]).sum()), float(done[m].max() - claim[m].min())))
+        return {
+            "wall_us": float(wall), "sms": int(len(sms)), "instances": int(len(t)),
+            "busy_pct": float(100 * busy / (wall * len(sms))),
+            "waiting_pct": float(100 * (waited - claim).sum() / (wall * len(sms))),
+            "pop_pct": float(100 * pops / (wall * len(sms))),
+            "ops": per_op,
+        }
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for o in self.summary()["ops"]:
+            d = out.setdefault(o.kind, {"busy_us": 0.0, "wait_us": 0.0, "instances": 0})
+            d["busy_us"] += o.busy_us
+            d["wait_us"] += o.wait_us
+            d["instances"] += o.instances
+        return out
+
+    def chrome_json(self) -> str:
+        t = self.times_us()
+        events = []
+        for r, (claim, waited, done) in enumerate(t):
+            op = self.queue.entries[int(self.entry[r])].op
+            sm = int(self.sm[r])
+            if waited > claim:
+                events.append({"name": f"wait op{op.id}", "ph": "X", "pid": 0, "tid": sm, "ts": claim, "dur": waited - claim})
+            events.append({"name": f"op{op.id} {op.kind}", "ph": "X", "pid": 0, "tid": sm, "ts": waited,
+                           "dur": max(done - waited, 0.001), "args": {"instance": int(self.records[r, 0] & 0xFFFFFFFF)}})
+        return json.dumps({"traceEvents": events, "displayTimeUnit": "ns"})
