@@ -69,6 +69,7 @@ waits:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
@@ -76,6 +77,8 @@ from typing import Mapping, Sequence, Union
 from ..blockops.footprint import At, Full, Span, Tile, coord
 from ..dims import Dim, as_dim, ceildiv, const, dmax, dmin
 from .. import dims as _dims
+from ..rewrite.dimsort import simplify_many
+from ..rewrite.layout import pullback
 from ..rewrite.program import BlockOp, BlockProgram, Buffer, Operand
 
 __all__ = ["BarrierSet", "Wait", "BarrierPlan", "derive_barriers"]
@@ -200,26 +203,22 @@ def _launch_count(op: BlockOp) -> Dim:
 
 def _in_buffer_coords(operand: Operand, buffer: Buffer, fp) -> tuple:
     """The footprint in the buffer's natural coordinates: the one place that sees views."""
-    if not operand.views:
-        return tuple(fp)
-    try:
-        from ..rewrite.layout import pullback
-    except ImportError:  # layout algebra not there: every instance touches everything (sound)
-        return (Full(),) * len(buffer.shape)
-    return tuple(pullback(operand.views, buffer.shape, fp))
+    return tuple(fp) if not operand.views else tuple(pullback(operand.views, buffer.shape, fp))
 
 
 def _simplify_many(exprs: Sequence[Dim]) -> list[Dim]:
     """Linear parts canonicalized here (sums of ``atom * coeff``), the rest by the e-graph."""
     tidy = [_unlin(_lin(as_dim(e))) for e in exprs]
     try:
-        from ..rewrite.dimsort import simplify_many
-    except ImportError:
-        return tidy
-    try:
         return simplify_many(tidy) if tidy else []
-    except Exception:  # the simplifier is an optimization: keep the tidy forms if it fails
-        return tidy
+    except Exception:  # an optimization only: keep the tidy form of whatever it cannot take
+        out = []
+        for e in tidy:
+            try:
+                out.append(simplify_many([e])[0])
+            except Exception:
+                out.append(e)
+        return out
 
 
 # --- per-dim accesses, normalized --------------------------------------------
@@ -434,12 +433,13 @@ def _match(p: _Tiled, c: _Acc) -> _Group | None:
         if tp % tc == 0 and delta % tc == 0:  # consumer tile inside one producer tile
             return _Group(1, 0, (cc + delta // tc) // (tp // tc))
         return None  # non-nested tiles: the axis collapses (sound, less precise)
-    if isinstance(c, _Moving) and c.point:
-        return _Group(1, 0, (c.lo - p.base) // tp)
-    if isinstance(c, _Fixed):
-        lo, hi = _const_diff(c.lo, p.base), _const_diff(c.hi, p.base)
-        if lo is not None and hi is not None and lo < hi and lo // tp == (hi - 1) // tp:
-            return _Group(1, 0, const(lo // tp))  # a constant range inside one producer tile
+    # a range of constant width w at offset x from the producer's base lies in the one tile
+    # x // tp when x is visibly a multiple of some g >= w dividing tp (a point always is)
+    x, w = _lin(c.lo - p.base), _const_diff(c.hi, c.lo)
+    if w is not None and w >= 1:
+        g = math.gcd(tp, *(abs(k) for k in x.values()))
+        if w <= g or (not any(t is not None for t in x) and x.get(None, 0) // tp == (x.get(None, 0) + w - 1) // tp):
+            return _Group(1, 0, (c.lo - p.base) // tp)
     return None
 
 
