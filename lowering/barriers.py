@@ -366,7 +366,8 @@ def _derive_pair(producer: BlockOp, consumer: BlockOp, k: int, buf: Buffer) -> _
     for ax, g in enumerate(producer.grid):
         ds = moves.get(ax, [])
         ok = len(ds) == 1 and isinstance(P[ds[0]], _Tiled)
-        plans[ax] = _match(P[ds[0]], C[ds[0]]) if ok else None
+        plan = _match(P[ds[0]], C[ds[0]]) if ok else None
+        plans[ax] = None if plan is not None and plan.r == 0 and _le(g, plan.m) else plan  # one group: collapse
 
     # counter coords per axis, row-major
     count, signal, index, expected = const(1), const(0), const(0), const(1)
@@ -381,7 +382,9 @@ def _derive_pair(producer: BlockOp, consumer: BlockOp, k: int, buf: Buffer) -> _
         if r:
             expected = expected * (dmin(g, q * m + (m - r)) - dmax(0, q * m - r))
         elif m > 1:
-            expected = expected * dmin(m, g - q * m)
+            qb = _bounds(q, consumer.grid)
+            full = qb is not None and _le((qb[1] + 1) * m, g)  # no consumer reaches the ragged last group
+            expected = expected * (m if full else dmin(m, g - q * m))
 
     # overlap guards: 0 where this consumer instance misses the producer's region on a dim
     guards = const(1)
@@ -433,13 +436,18 @@ def _match(p: _Tiled, c: _Acc) -> _Group | None:
         if tp % tc == 0 and delta % tc == 0:  # consumer tile inside one producer tile
             return _Group(1, 0, (cc + delta // tc) // (tp // tc))
         return None  # non-nested tiles: the axis collapses (sound, less precise)
-    # a range of constant width w at offset x from the producer's base lies in the one tile
-    # x // tp when x is visibly a multiple of some g >= w dividing tp (a point always is)
+    # a range of constant width w at offset x from the producer's base: it lies in the group of
+    # m = ceil(w / tp) tiles x // (m*tp) when x is visibly a multiple of some g >= w dividing m*tp
     x, w = _lin(c.lo - p.base), _const_diff(c.hi, c.lo)
-    if w is not None and w >= 1:
-        g = math.gcd(tp, *(abs(k) for k in x.values()))
-        if w <= g or (not any(t is not None for t in x) and x.get(None, 0) // tp == (x.get(None, 0) + w - 1) // tp):
-            return _Group(1, 0, (c.lo - p.base) // tp)
+    if w is None or w < 1:
+        return None
+    if not any(t is not None for t in x):  # a constant range: inside one tile?
+        x0 = x.get(None, 0)
+        if x0 // tp == (x0 + w - 1) // tp:
+            return _Group(1, 0, const(x0 // tp))
+    m = -(-w // tp)
+    if w <= math.gcd(m * tp, *(abs(k) for k in x.values())):
+        return _Group(m, 0, (c.lo - p.base) // (m * tp))
     return None
 
 

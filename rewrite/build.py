@@ -16,21 +16,12 @@ from ..dtypes import f32
 from ..graph import Graph, GraphError, Node
 from .encode import VIEW_OPS, base_node
 from .extract import Choice
-from .layout import layout_of
+from .layout import layout_of, view_shape
 from .program import BlockOp, BlockProgram, Buffer, Estimate, Operand, View
 from .terms import NONE
 
 
 MAX_MATVEC_M = 16  # x rows one matvec instance handles (decode has 1)
-
-
-def view_shape(shape: tuple[Dim, ...], view: View) -> tuple[Dim, ...]:
-    if view.kind in ("reshape", "expand"):
-        return tuple(view.args)
-    if view.kind == "permute":
-        return tuple(shape[d] for d in view.args)
-    dim, start, stop = view.args
-    return shape[:dim] + (as_dim(stop) - start,) + shape[dim + 1 :]
 
 
 def with_view(o: Operand, view: View) -> Operand:
@@ -251,7 +242,26 @@ def _numel(shape) -> Dim:
     return total
 
 
-LOWER: dict[str, Callable[[ProgramBuilder, Node, Choice], None]] = {"matvec": lower_matvec}
+def lower_matvec_heads(b: ProgramBuilder, n: Node, c: Choice) -> None:
+    x, w, g, eps, rows, rope, append = c.args
+    roles = {"x": x, "w": w, "g": g, "inv_freq": b.graph.nodes[rope].inputs[1] if rope != NONE else NONE}
+    present = tuple(k for k, v in roles.items() if v != NONE)
+    inputs = [to_rows(b.operand(roles[r])) if r == "x" else b.operand(roles[r]) for r in present]
+    head_dim = inputs[present.index("w")].shape[0].value // (
+        b.graph.nodes[append].shape[0].value if append != NONE else n.shape[0].value)
+    pos = b.graph.nodes[rope].attrs["pos"] if rope != NONE else as_dim(0)
+    if append != NONE:  # the cache row at pos, seen as [Hkv, D]
+        a = b.graph.nodes[append]
+        hkv, d = a.shape[0], a.shape[2]
+        out = with_view(b.operand(append), View("slice", (1, a.attrs["pos"], a.attrs["pos"] + 1)))
+        out = with_view(out, View("reshape", (hkv, d)))
+    else:
+        out = b.output(n)
+    params = {"rows": rows, "head_dim": head_dim, "roles": present, "eps": eps, "pos": pos}
+    b.emit("matvec_heads", absorbed(b.graph, n.id, {v for v in roles.values() if v != NONE}), inputs, out, params)
+
+
+LOWER: dict[str, Callable[[ProgramBuilder, Node, Choice], None]] = {"matvec": lower_matvec, "matvec_heads": lower_matvec_heads}
 
 
 def build_program(graph: Graph, chosen: dict[int, Choice], env_hint: dict[str, int]) -> BlockProgram:

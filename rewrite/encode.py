@@ -30,7 +30,21 @@ def term_of(graph: Graph, n: Node) -> Op:
         return Op.mul(ins[0], ins[1], same)
     if n.op == "silu":
         return Op.silu(ins[0])
+    if n.op == "rope" and n.attrs["pos"] is not None:
+        return Op.rope(ins[0], n.id)
+    if n.op == "kv_append":
+        return Op.kv_append(ins[0], ins[1])
     return Op.other(n.op, n.id)
+
+
+def heads_view(graph: Graph, n: Node) -> Op | None:
+    """``Op.heads`` for a reshape ``[1, H*D] -> [H, D]`` (what QKV fusion looks through)."""
+    if n.op != "reshape" or len(n.shape) != 2 or not all(d.is_const for d in n.shape):
+        return None
+    src = graph.nodes[n.inputs[0]].shape
+    if len(src) == 2 and src[0].is_const and src[0].value == 1 and src[1] == n.shape[0] * n.shape[1]:
+        return Op.heads(n.inputs[0], n.shape[1].value)
+    return None
 
 
 def encode(graph: Graph, live: set[int]) -> EGraph:
@@ -41,6 +55,7 @@ def encode(graph: Graph, live: set[int]) -> EGraph:
         for n in graph.nodes
         if n.id in live and n.op not in LEAF_OPS and n.op not in VIEW_OPS
     ]
+    actions += [union(node(n.id)).with_(t) for n in graph.nodes if n.id in live and (t := heads_view(graph, n)) is not None]
     if actions:
         egraph.register(*actions)
     return egraph

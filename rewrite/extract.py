@@ -32,6 +32,11 @@ class Choice:
         if self.kind == "matvec":
             x, w, w2, g, _eps, r, _rows = self.args
             return tuple(i for i in (x, w, w2, g, r) if i != NONE)
+        if self.kind == "matvec_heads":
+            x, w, g, _eps, _rows, rope, append = self.args
+            inv = graph.nodes[rope].inputs[1] if rope != NONE else NONE
+            cache = graph.nodes[append].inputs[0] if append != NONE else NONE
+            return tuple(i for i in (x, w, g, inv, cache) if i != NONE)
         return graph.nodes[self.node].inputs
 
 
@@ -41,9 +46,9 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[int, li
         choices = []
         for expr in egraph.extract_multiple(node(i), MAX_ALTERNATIVES):
             fn = get_callable_fn(expr)
-            if fn == Op.matvec:
+            if fn in (Op.matvec, Op.matvec_heads):
                 args = tuple(get_literal_value(a) for a in get_callable_args(expr))
-                choices.append(Choice(i, "matvec", args))
+                choices.append(Choice(i, "matvec" if fn == Op.matvec else "matvec_heads", args))
             elif fn == Op.block:
                 kind, _, tile = (get_literal_value(a) for a in get_callable_args(expr))
                 choices.append(Choice(i, kind, (tile,)))

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from ..blockops.footprint import Access, At, Footprint, Full, Span, Tile, coord
 from ..dims import Dim, DimLike, as_dim, binary, ceildiv, const, dmin
+from .dimsort import simplify
 from .program import View
 
 ZERO, ONE = const(0), const(1)
@@ -160,7 +161,7 @@ def view_shape(shape: Sequence[Dim], view: View) -> tuple[Dim, ...]:
     if view.kind == "permute":
         return tuple(shape[d] for d in view.args)
     dim, start, stop = view.args
-    return tuple(shape[:dim]) + (as_dim(stop) - start,) + tuple(shape[dim + 1 :])
+    return tuple(shape[:dim]) + (simplify(as_dim(stop) - start),) + tuple(shape[dim + 1 :])  # (pos+1)-pos -> 1
 
 
 def apply_view(layout: Layout, view: View) -> Layout | None:

@@ -52,6 +52,8 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
         yield rule(eq(node(i)).to(build())).then(
             *(union(node(i)).with_(Op.block("elementwise", i, t)) for t in ELEMENTWISE_TILES)
         )
+    yield rule(eq(node(i)).to(Op.rope(x, i))).then(*(union(node(i)).with_(Op.block("rope", i, t)) for t in ROW_TILES))
+    yield rule(eq(node(i)).to(Op.kv_append(x, a))).then(union(node(i)).with_(Op.block("kv_append", i, 1)))
     for family, tiles in BLOCK_TILES.items():
         if family in ("rms_norm", "elementwise"):
             continue
@@ -84,3 +86,26 @@ def _fuse(
             eq(node(b)).to(Op.matvec(x, w, NONE, g, eps, NONE, rows)),
             eq(node(u)).to(Op.matvec(x, w2, NONE, g, eps, NONE, rows)),
         ).then(union(node(i)).with_(Op.matvec(x, w, w2, g, eps, NONE, rows)))
+
+
+@fusion.register
+def _fuse_heads(x: i64, w: i64, g: i64, eps: f64, rows: i64, d: i64, b: i64, h: i64, r: i64, c: i64, i: i64):
+    # QKV projection + RoPE: the rotation happens on the instance's tile (whole heads).
+    yield rule(
+        eq(node(i)).to(Op.rope(h, i)),
+        eq(node(h)).to(Op.heads(b, d)),
+        eq(node(b)).to(Op.matvec(x, w, NONE, g, eps, NONE, rows)),
+        eq(rows % d).to(i64(0)),
+    ).then(union(node(i)).with_(Op.matvec_heads(x, w, g, eps, rows, i, NONE)))
+    # ... + KV append: the rotated heads go straight into the cache row at pos.
+    yield rule(
+        eq(node(i)).to(Op.kv_append(c, h)),
+        eq(node(h)).to(Op.matvec_heads(x, w, g, eps, rows, r, NONE)),
+    ).then(union(node(i)).with_(Op.matvec_heads(x, w, g, eps, rows, r, i)))
+    # V projection + KV append (no rotation).
+    yield rule(
+        eq(node(i)).to(Op.kv_append(c, h)),
+        eq(node(h)).to(Op.heads(b, d)),
+        eq(node(b)).to(Op.matvec(x, w, NONE, g, eps, NONE, rows)),
+        eq(rows % d).to(i64(0)),
+    ).then(union(node(i)).with_(Op.matvec_heads(x, w, g, eps, rows, NONE, i)))

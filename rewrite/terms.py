@@ -36,6 +36,17 @@ class Op(Expr):
     def silu(cls, a: i64Like) -> Op: ...
 
     @classmethod
+    def heads(cls, src: i64Like, head_dim: i64Like) -> Op:
+        """A reshape view ``[1, H*D] -> [H, D]`` (a term only so that fusion rules can see through it)."""
+
+    @classmethod
+    def rope(cls, x: i64Like, i: i64Like) -> Op:
+        """RoPE of node ``i`` at a runtime-dim position."""
+
+    @classmethod
+    def kv_append(cls, cache: i64Like, new: i64Like) -> Op: ...
+
+    @classmethod
     def other(cls, op: StringLike, i: i64Like) -> Op:
         """Any other graph op (rope, attention, argmax, ...): lowered by one rule family."""
 
@@ -45,6 +56,12 @@ class Op(Expr):
         cls, x: i64Like, w: i64Like, w2: i64Like, g: i64Like, eps: f64Like, r: i64Like, rows: i64Like
     ) -> Op:
         """``matvec`` kind: x @ w^T [* silu gate w2] [with RMSNorm(g) prologue] [+ r]."""
+
+    @classmethod
+    def matvec_heads(
+        cls, x: i64Like, w: i64Like, g: i64Like, eps: f64Like, rows: i64Like, rope: i64Like, append: i64Like
+    ) -> Op:
+        """``matvec_heads`` kind: a head-split projection; ``rope``/``append`` name the absorbed nodes."""
 
     @classmethod
     def block(cls, kind: StringLike, i: i64Like, tile: i64Like) -> Op:

@@ -1,0 +1,75 @@
+"""matvec_heads: ``x[1, K] @ w[N, K]^T`` whose rows are heads of size D, written to an
+``[N/D, D]`` view, optionally rotated by RoPE first: QKV projection + RoPE + KV append
+in one op. The destination is the q buffer, or a KV cache row at ``pos`` (a view).
+
+Each instance computes ``rows`` rows (whole heads) into a shared-memory tile, then its
+epilogue rotates and stores them. Rounding follows the unfused ops: the projection
+rounds to the storage dtype, RoPE computes in fp32 from that and rounds again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dims import as_dim, ceildiv
+from .base import BlockKind, Partition, dimc, f32, register
+from .footprint import Full, Tile
+from .matvec import roles
+
+
+@register
+class MatVecHeads(BlockKind):
+    name = "matvec_heads"
+    cuda_file = "matvec_heads.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        rows, d = params["rows"], params["head_dim"]
+        reads = []
+        for role, o in zip(params["roles"], inputs):
+            if role == "w":
+                reads.append((Tile(1, rows), Full()))
+            elif role == "x":
+                reads.append((Tile(0, 1), Full()))
+            else:  # g, inv_freq
+                reads.append((Full(),))
+        grid = (as_dim(1), ceildiv(inputs[roles_index(params, "w")].shape[0], rows))
+        return Partition(grid=grid, reads=tuple(reads), writes=(Tile(1, rows // d), Full()))
+
+    def cpu(self, op, env, ins, out):
+        k, p = roles(op), op.params
+        dt, d = out.dtype, p["head_dim"]
+        r0 = env["_i1"] * p["rows"]
+        r1 = min(r0 + p["rows"], ins[k["w"]].shape[0])
+        x = f32(ins[k["x"]])
+        if "g" in k:
+            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + p["eps"])).to(dt).float()
+            x = (x * f32(ins[k["g"]])).to(dt).float()
+        y = (x @ f32(ins[k["w"]][r0:r1]).T).to(dt).float().reshape(-1, d)  # [heads, D]
+        if "inv_freq" in k:
+            ang = float(p["pos"].eval(env)) * ins[k["inv_freq"]].float()
+            cos, sin = ang.cos(), ang.sin()
+            h = d // 2
+            y = torch.cat([y[:, :h] * cos - y[:, h:] * sin, y[:, h:] * cos + y[:, :h] * sin], -1)
+        out[r0 // d : r0 // d + y.shape[0]] = y.to(dt)
+
+    def cuda_call(self, op, ins, out) -> str:
+        k, p = roles(op), op.params
+        x, w = ins[k["x"]], ins[k["w"]]
+        g = [ins[k["g"]].ptr, ins[k["g"]].strides[0]] if "g" in k else ["nullptr", "0"]
+        inv = ins[k["inv_freq"]].ptr if "inv_freq" in k else "nullptr"
+        pos = p["pos"].to_c(dimc) if "inv_freq" in k else "0"
+        kdim, n = op.inputs[k["w"]].shape[1].value, op.inputs[k["w"]].shape[0].value
+        flags = f"{'true' if 'g' in k else 'false'}, {'true' if 'inv_freq' in k else 'false'}"
+        args = ["smem", x.ptr, x.strides[0], x.strides[1], *g, f"{float(p.get('eps', 0.0))!r}f",
+                w.ptr, w.strides[0], w.strides[1], inv, pos, out.ptr, out.strides[0], out.strides[1], f"{n}LL", "c1"]
+        return f"matvec_heads<{x.ctype}, {kdim}, {p['rows']}, {p['head_dim']}, {flags}>({', '.join(args)})"
+
+    def bytes_moved(self, op, env):
+        k = roles(op)
+        w = op.inputs[k["w"]]
+        n, kd, item = w.shape[0].value, w.shape[1].value, w.dtype.itemsize
+        return n * kd * item + op.grid[1].eval(env) * kd * item + n * item
+
+
+def roles_index(params, role: str) -> int:
+    return list(params["roles"]).index(role)
