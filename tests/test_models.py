@@ -12,7 +12,7 @@ import torch
 import megaegg as me
 from megaegg.models import (
     PRESETS, CheckpointError, Generator, ModelConfig, UnsupportedConfig, build_decode_graph, load_checkpoint,
-    random_weights, read_config, reference_step,
+    kernel_step, random_weights, read_config, reference_step,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -50,10 +50,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "arch,tie,shard,seed",
-    [("llama", True, False, 10), ("llama", False, True, 11), ("qwen3", False, False, 12), ("qwen3", True, True, 13)],
+    "arch,tie,shard,seed,executor",
+    [("llama", True, False, 10, "reference"), ("llama", False, True, 11, "reference"),
+     ("qwen3", False, False, 12, "reference"), ("qwen3", True, True, 13, "reference"),
+     ("llama", True, False, 14, "megakernel-sim"), ("qwen3", False, True, 15, "megakernel-sim")],
 )
-def test_greedy_matches_transformers(tmp_path, arch, tie, shard, seed):
+def test_greedy_matches_transformers(tmp_path, arch, tie, shard, seed, executor):
     model = hf_model(arch, tie=tie, seed=seed)
     model.save_pretrained(tmp_path, max_shard_size="40KB" if shard else "1GB")
     assert (tmp_path / ("model.safetensors.index.json" if shard else "model.safetensors")).is_file()
@@ -64,7 +66,11 @@ def test_greedy_matches_transformers(tmp_path, arch, tie, shard, seed):
     max_len = 32
     graph, spec = build_decode_graph(cfg, max_len=max_len)
     weights = load_checkpoint(tmp_path, spec)
-    gen = Generator(reference_step(graph, weights, spec.new_caches()), max_len=max_len)
+    if executor == "reference":
+        step = reference_step(graph, weights, spec.new_caches())
+    else:  # the compiled queue on the CPU simulator: one compile serves every position
+        step = kernel_step(me.compile(graph, weights, backend="sim", max_dims={"pos": max_len - 1}), spec.new_caches())
+    gen = Generator(step, max_len=max_len)
 
     prompt = torch.randint(0, cfg.vocab, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
     out = gen.generate(prompt, max_new_tokens=16, keep_logits=True)
