@@ -15,6 +15,7 @@ Tile(p, Tp) / Full, Span, non-nested   0  (axis collapsed)    0                 
 Tile(p, Tp) / Tile(c, m*Tp)            p // m                 c                    min(m, G - c*m)
 Tile(p, m*Tc) / Tile(c, Tc)            p                      c // m               1
 Tile(p, Tp) / At(e)                    p                      e // Tp              1
+Tile(p, Tp) / w wide at x, x % m*Tp=0  p // m (m*Tp >= w)     x // (m*Tp)          min(m, G - q*m)
 =====================================  =====================  ===================  =====================
 
 ``G`` is the producer's grid extent along axis ``p`` (``ceildiv(extent, Tp)`` for
@@ -56,15 +57,16 @@ Runtime dims are assumed non-negative (sizes, positions).
 >>> from megaegg.blockops.footprint import Full, Tile
 >>> from megaegg.rewrite.program import Buffer, Operand, BlockOp, BlockProgram
 >>> S = sym("S")
->>> buf = Buffer(0, "y", "scratch", (S, 64), f32)
->>> y = Operand(0, (S, 64), f32)
+>>> bufs = [Buffer(0, "y", "scratch", (S, 64), f32), Buffer(1, "z", "scratch", (S, 64), f32)]
+>>> y, z = Operand(0, (S, 64), f32), Operand(1, (S, 64), f32)
 >>> prod = BlockOp(1, "rows", (), (), y, (ceildiv(S, 32),), (), (Tile(0, 32), Full()))
->>> cons = BlockOp(2, "rows", (), (y,), y, (ceildiv(S, 64),), ((Tile(0, 64), Full()),), (Tile(0, 64), Full()))
->>> print(derive_barriers(BlockProgram([buf], [prod, cons], {})))
-sets:
-  B0 op1 signals [_i0 // 2] of ceildiv(S, 64)
-waits:
-  op2.in0 B0[_i0] >= min(ceildiv(S, 32) + _i0 * -2, 2)
+>>> cons = BlockOp(2, "rows", (), (y,), z, (ceildiv(S, 64),), ((Tile(0, 64), Full()),), (Tile(0, 64), Full()))
+>>> plan = derive_barriers(BlockProgram(bufs, [prod, cons], {}))
+>>> print(plan.sets[0])
+B0 op1 signals [_i0 // 2] of ceildiv(S, 64)
+>>> (w,) = plan.waits[2]
+>>> str(w.index), [w.expected.eval({"S": 200, "_i0": c}) for c in range(4)]  # 7 tiles of 32 rows
+('_i0', [2, 2, 2, 1])
 """
 
 from __future__ import annotations
@@ -75,8 +77,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
 from ..blockops.footprint import At, Full, Span, Tile, coord
-from ..dims import Dim, as_dim, ceildiv, const, dmax, dmin
-from .. import dims as _dims
+from ..dims import Dim, as_dim, binary, ceildiv, const, dmax, dmin
 from ..rewrite.dimsort import simplify_many
 from ..rewrite.layout import pullback
 from ..rewrite.program import BlockOp, BlockProgram, Buffer, Operand
@@ -267,9 +268,10 @@ def _normalize(a, extent: Dim) -> _Acc:
         if not axes:
             return _Fixed(e, e + 1)
         lin = _lin(e)
-        (ax,) = axes if len(axes) == 1 else (None,)
-        if ax is not None and lin.get(coord(ax)) == 1:  # _iA + base: a tile of one element
-            return _Tiled(ax, 1, _unlin({t: c for t, c in lin.items() if t != coord(ax)}), extent)
+        moving = [t for t in lin if t is not None and _coords(t)]
+        if len(moving) == 1 and moving[0].op == "sym" and lin[moving[0]] == 1:  # _iA + base: a 1-element tile
+            ax = _coords(moving[0]).pop()
+            return _Tiled(ax, 1, _unlin({t: c for t, c in lin.items() if t != moving[0]}), extent)
         return _Moving(e, e + 1, frozenset(axes), True)
     if isinstance(a, Span):
         lo, hi = as_dim(a.start), as_dim(a.stop)
@@ -482,7 +484,7 @@ def _lin(e: Dim) -> dict:
             q = {t: c // k for t, c in la.items() if t is not None}
             c1 = c0 // k if e.op == "floordiv" else -(-c0 // k)
             return {**q, None: c1} if c1 else q
-    return {_dims.binary(e.op, _unlin(la), _unlin(_lin(b))): 1}
+    return {binary(e.op, _unlin(la), _unlin(_lin(b))): 1}
 
 
 def _unlin(lin: dict) -> Dim:
@@ -559,7 +561,7 @@ def _bounds(e: Dim, grid: Sequence[Dim]) -> tuple[Dim, Dim] | None:
     if e.op == "mul" and _nonneg(a[0]) and _nonneg(b[0]):
         return a[0] * b[0], a[1] * b[1]
     if e.op in ("floordiv", "ceildiv") and k.is_const and k.value > 0:
-        return _dims.binary(e.op, a[0], k), _dims.binary(e.op, a[1], k)
+        return binary(e.op, a[0], k), binary(e.op, a[1], k)
     if e.op == "mod" and k.is_const and k.value > 0:
         return const(0), const(k.value - 1)
     return None

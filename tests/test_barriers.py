@@ -21,23 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megaegg.blockops.footprint import At, Full, Span, Tile, access_range, coord, grid_coords
-from megaegg.dims import Dim, as_dim, ceildiv, dmin, sym
+from megaegg.dims import as_dim, ceildiv, dmin, sym
 from megaegg.dtypes import f32
 from megaegg.lowering.barriers import BarrierPlan, derive_barriers
 from megaegg.rewrite.program import BlockOp, BlockProgram, Buffer, Operand, View
-
-
-
-def _has_pullback() -> bool:
-    try:
-        from megaegg.rewrite.layout import pullback  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-HAVE_LAYOUT = _has_pullback()
-needs_layout = pytest.mark.skipif(not HAVE_LAYOUT, reason="megaegg.rewrite.layout.pullback not there yet")
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -200,19 +187,17 @@ def slack(draw) -> int:
 
 
 @st.composite
-def tiling(draw, shape, env, *, consumer: bool, axes=2, tile=None, allow=("full", "tile", "at", "span", "offset")):
-    """A footprint over ``shape`` and its grid: each dim Full / Tile / At / Span; 1-2 grid axes."""
+def tiling(draw, shape, env, *, consumer: bool, axes=2):
+    """A footprint over ``shape`` and its grid: each dim Full / Tile / At / Span / based tile; 1-2 axes."""
     fp, grid = [], []
     for d, extent in enumerate(shape):
-        kinds = [k for k in allow if k != "tile" or len(grid) < axes]
-        if not consumer:
-            kinds = [k for k in kinds if k not in ("span",)]
+        kinds = ["full", "at", "offset"] + (["tile"] if len(grid) < axes else []) + (["span"] if consumer else [])
         kind = draw(st.sampled_from(kinds))
         e = ev(extent, env)
         if kind == "full":
             fp.append(Full())
         elif kind == "tile":
-            size = tile if tile is not None else draw(st.sampled_from(TILES))
+            size = draw(st.sampled_from(TILES))
             stop = None
             if draw(st.integers(0, 4)) == 0:  # a ragged limit other than the extent
                 stop_v = draw(st.integers(1, e))
@@ -243,7 +228,7 @@ def tiling(draw, shape, env, *, consumer: bool, axes=2, tile=None, allow=("full"
             else:
                 fp.append(Span(as_dim(lo), as_dim(hi)))
         elif kind == "offset" and len(grid) < axes:  # a tile grid starting at `base` (what a slice view gives)
-            size = tile if tile is not None else draw(st.sampled_from(TILES))
+            size = draw(st.sampled_from(TILES))
             base = draw(st.integers(0, e - 1))
             start = coord(len(grid)) * size + base
             fp.append(Span(start, dmin(start + size, extent)))
@@ -314,7 +299,7 @@ def exact_pair(draw):
     pfp, cfp, pgrid, cgrid = [], [], [], []
     for d, extent in enumerate(shape):
         kind = draw(st.sampled_from(["same", "cmul", "pmul", "full", "at", "pfull"] if len(pgrid) < 2 else ["full", "at", "pfull"]))
-        if kind == "pfull":  # producer writes the whole dim; consumer anything
+        if kind == "pfull":  # producer writes the whole dim (no grid axis), consumer reads it whole
             pfp.append(Full())
             cfp.append(Full())
             continue
@@ -324,8 +309,12 @@ def exact_pair(draw):
         if kind == "full":
             cfp.append(Full())
         elif kind == "at":
-            if draw(st.booleans()):
+            which = draw(st.sampled_from(["const", "runtime", "gqa"]))
+            if which == "const":
                 cfp.append(At(as_dim(draw(st.integers(0, ev(extent, env) - 1)))))
+            elif which == "runtime":
+                env[f"P{d}"] = draw(st.integers(0, ev(extent, env) - 1))
+                cfp.append(At(sym(f"P{d}")))
             else:
                 g = draw(st.sampled_from([1, 2, 4]))
                 cfp.append(At(coord(len(cgrid)) // g))
@@ -467,10 +456,9 @@ def test_fan_in_concat_halves_as_spans():
     assert len(plan.waits[2]) == 2  # fan-in: one wait per piece
 
 
-# --- views (need the layout algebra) -----------------------------------------
+# --- views (through rewrite.layout.pullback) -----------------------------------
 
 
-@needs_layout
 def test_fan_in_concat_halves_via_slice_views():
     S = sym("S")
     A = 64
@@ -530,7 +518,6 @@ def viewed(draw, shape, env, *, write: bool):
     return tuple(views), tuple(cur)
 
 
-@needs_layout
 @settings(max_examples=200, **SETTINGS)
 @given(st.data())
 def test_random_pairs_through_views_are_sound(data):
@@ -542,7 +529,6 @@ def test_random_pairs_through_views_are_sound(data):
     check(pair_program(shape, pfp, pgrid, cfp, cgrid, pviews=pviews, cviews=cviews), env)
 
 
-@needs_layout
 @settings(max_examples=50, **SETTINGS)
 @given(st.data())
 def test_permuted_consumer_is_precise(data):
@@ -556,7 +542,6 @@ def test_permuted_consumer_is_precise(data):
     check(pair_program(shape, pfp, pgrid, cfp, pgrid, cviews=[View("permute", perm)]), env, precise=True)
 
 
-@needs_layout
 def test_matvec_to_attention_heads_through_reshape():
     """q = x @ Wq^T as a flat [Hq*D] vector tiled by 64 rows; attention reads head h as q.reshape(Hq, D)[h]."""
     hq, d = 8, 64
@@ -573,3 +558,13 @@ def test_matvec_to_attention_heads_through_reshape():
         for h in (0, 3, 7):
             plan = check(BlockProgram([q, sink], ops, {}), {"h": h}, precise=True)
         assert len(plan.waits[1]) == 1 and len(plan.waits[2]) == 1
+
+
+def test_broadcast_read_is_precise():
+    """A [D] vector tiled by 16, read broadcast to [S, D] by row/column tiles: column tile j waits on tile j only."""
+    S = sym("S")
+    views = [View("reshape", (as_dim(1), as_dim(48))), View("expand", (S, as_dim(48)))]
+    prog = pair_program((48,), (Tile(0, 16),), (3,), (Tile(0, 4), Tile(1, 16)), (ceildiv(S, 4), 3), cviews=views)
+    plan = check(prog, {"S": 10}, precise=True)
+    (w,) = plan.waits[2]
+    assert str(w.index) == "_i1" and str(w.expected) == "1"
