@@ -44,6 +44,7 @@ class Simulation:
     def __init__(self, queue: WorkQueue, buffers: dict[int, torch.Tensor], env: dict[str, int]) -> None:
         """``buffers`` maps every buffer id to a flat tensor; scratch ones are poisoned here."""
         self.q, self.buf, self.env = queue, buffers, env
+        self._index: dict[int, torch.Tensor] = {}  # flat element ids per buffer, built once
         self.ready = {}
         for b in queue.program.buffers:
             if b.kind == "scratch":
@@ -59,6 +60,9 @@ class Simulation:
             if queue.program.buffers[op.output.buffer].kind != "scratch":
                 self.ready[op.output.buffer][self.elements(op.output, op.writes, self.coords(k, i))] = False
         self.counters: dict[tuple[int, int], int] = {}
+        # buffers written during the launch: only their reads need checking
+        self.tracked = {b.id for b in queue.program.buffers if b.kind == "scratch"}
+        self.tracked |= {e.op.output.buffer for e in queue.entries}
 
     # --- addressing ------------------------------------------------------------------
     def coords(self, k: int, i: int) -> dict[str, int]:
@@ -74,7 +78,9 @@ class Simulation:
         return t.as_strided(shape, stride, t.storage_offset() + lay.offset.eval(env))
 
     def elements(self, o: Operand, fp, env: dict[str, int]) -> torch.Tensor:
-        index = torch.arange(self.buf[o.buffer].numel())
+        if o.buffer not in self._index:
+            self._index[o.buffer] = torch.arange(self.buf[o.buffer].numel())
+        index = self._index[o.buffer]
         region = self.view(o, env, index)[footprint_slices(fp, o.shape, env)]
         return region.reshape(-1)
 
@@ -90,6 +96,8 @@ class Simulation:
         env = self.coords(k, i)
         where = f"op{op.id} {op.kind} (entry {k}) instance {i}"
         for o, fp in zip(op.inputs, op.reads):
+            if o.buffer not in self.tracked:  # weights, constants, inputs nothing writes
+                continue
             idx = self.elements(o, fp, env)
             if not bool(self.ready[o.buffer][idx].all()):
                 name = self.q.program.buffers[o.buffer].name
