@@ -134,9 +134,8 @@ def test_random_graphs_on_simulator(case, seed):
     g, ins, ws, rows = case
     torch.manual_seed(seed)
     dims = {s: {"S": rows, "pos": seed % 50}[s] for s in g.symbols()}
-    inputs = {n: torch.randn(dims.get("S", rows) if base else 1, c).squeeze(0) if not base else torch.randn(dims.get("S", rows), c)
-              for n, (base, c) in ins.items()}
-    inputs = {n: (t if ins[n][0] else t.reshape(-1)) for n, t in inputs.items()}
+    n_rows = dims.get("S", rows)
+    inputs = {n: torch.randn(n_rows, c) if base else torch.randn(c) for n, (base, c) in ins.items()}
     weights = {n: torch.randn(s) * 0.2 for n, s in ws.items()}
     k = me.compile(g, weights, backend="sim", max_dims={s: 64 for s in g.symbols()})
     compare(k, g, inputs, k.weights, dims, 1e-4, (Schedule(sms=5, seed=seed, adversarial=seed % 2 == 0),))
