@@ -2,7 +2,8 @@
 
 The template ``cuda/megakernel.cu`` holds the interpreter loop; this module fills
 its slots: runtime dims, the launch-count prefix, and one ``case`` per queue entry
-(grid coordinates, barrier waits, the kind's body call, barrier signals).
+(grid coordinates, the kind's prologue and weight L2 prefetches, barrier waits, the
+kind's body call, barrier signals).
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def render_case(q: WorkQueue, k: int, e: QueueEntry) -> str:
         lines.append(f"        const long long c{axis} = rem % ({c_expr(op.grid[axis])}); rem /= ({c_expr(op.grid[axis])});")
     lines.append("        const long long c0 = rem;")
     lines.append("        " + " ".join(f"const long long D__i{a} = c{a}; (void)D__i{a};" for a in range(max(1, len(op.grid)))))
+    ins = [operand_c(q, o) for o in op.inputs]
+    out = operand_c(q, op.output)
+    prologue = kind.cuda_prologue(op, ins, out)  # input-independent work, before the waits
+    if prologue:
+        lines.append(f"        {prologue}")
     prefetch = weight_prefetches(q, op)
     if prefetch:
         lines.append("        if (threadIdx.x == 0) {")
@@ -93,10 +99,10 @@ def render_case(q: WorkQueue, k: int, e: QueueEntry) -> str:
         lines.append("          if (!ok) abort_block = 1;")
         lines.append("        }")
         lines.append("        __syncthreads();")
-        lines.append("        if (abort_block) break;")
+        # (a prologue's cp.async copies land before the block exits)
+        lines.append("        if (abort_block) { asm volatile(\"cp.async.wait_all;\" ::: \"memory\"); break; }" if prologue
+                     else "        if (abort_block) break;")
     lines.append("        MEGA_TRACE_WAITED();")
-    ins = [operand_c(q, o) for o in op.inputs]
-    out = operand_c(q, op.output)
     lines.append(f"        {kind.cuda_call(op, ins, out)};")
     if e.signals:
         lines.append("        __syncthreads();")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..lowering.queue import WorkQueue
-from .render import SMEM_BYTES, THREADS
+from .render import THREADS, defines
 
 CONTROL_WORDS = 8
 ERR_TIMEOUT, ERR_INDEX = 1, 2
@@ -52,7 +52,7 @@ class CudaRunner:
         self.func = _drv(driver.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
         props = torch.cuda.get_device_properties(device)
         self.sms = props.multi_processor_count
-        self.smem = SMEM_BYTES
+        self.smem = defines()["MEGA_SMEM"]  # (MEGAEGG_DEFINES may override it: launch what was compiled)
         if smem_bytes(device) < self.smem:
             raise RuntimeError(f"the megakernel needs {self.smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
         _drv(driver.cuFuncSetAttribute(

@@ -9,7 +9,11 @@ cfg = ModelConfig.preset(preset)
 g, spec = build_decode_graph(cfg, max_len=1024)
 W = random_weights(spec, seed=0, device="cuda")
 t = time.time()
-k = me.compile(g, W, backend="cuda", max_dims={"pos": 1023}, dims_hint={"pos": ctx})
+import os
+from megaegg.rewrite.cost import CostModel
+cm = CostModel(op_overhead=float(os.environ.get("OP_OVERHEAD_US", "4")) * 1e-6)
+k = me.compile(g, W, backend="cuda", max_dims={"pos": 1023}, dims_hint={"pos": ctx}, cost_model=cm)
+print("kinds", sorted({e.op.kind for e in k.queue.entries}), "entries", len(k.queue.entries))
 print("compile s", round(time.time() - t, 2), {a: round(b, 3) for a, b in k.artifact.timings.items()})
 print("entries", len(k.queue.entries), k.queue.summary())
 caches = spec.new_caches("cuda")

@@ -178,6 +178,7 @@ def kernel_source(name: str, kind: str, inputs: list[Arg], output: Arg, params: 
     ins = [cuda_operand(a, f"in{i}") for i, a in enumerate(inputs)]
     out = cuda_operand(output, "out0")
     call = REGISTRY[kind].cuda_call(op, ins, out)
+    prologue = REGISTRY[kind].cuda_prologue(op, ins, out)  # as the interpreter: before the (absent) waits
     params_c = [f"const {a.dtype.c_type}* in{i}" for i, a in enumerate(inputs)] + [f"{output.dtype.c_type}* out0"]
     assert set(re.findall(r"\bD_\w+", call)) <= {"D_pos"}, call  # the wrappers declare D_pos only
     params_c += ["long long D_pos"]
@@ -189,6 +190,7 @@ def kernel_source(name: str, kind: str, inputs: list[Arg], output: Arg, params: 
             f"    for (long long inst = blockIdx.x; inst < n_inst; inst += gridDim.x) {{\n"
             f"        const long long c0 = inst / g1, c1 = inst % g1;\n"
             f"        (void)c1;\n"
+            f"        {prologue}\n"
             f"        {call};\n"
             f"        __syncthreads();\n"
             f"    }}\n"
@@ -199,6 +201,7 @@ def kernel_source(name: str, kind: str, inputs: list[Arg], output: Arg, params: 
         f"    extern __shared__ __align__(16) char smem[];\n"
         f"    const long long c0 = blockIdx.x, c1 = blockIdx.y;\n"
         f"    (void)smem; (void)c0; (void)c1;\n"
+        f"    {prologue}\n"
         f"    {call};\n"
         f"}}\n"
     )
@@ -230,6 +233,11 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
          {"rows": 8, "mrows": 1, "roles": ("x", "w"), "eps": 0.0}),
         ("ragged_k", "matvec", [Arg((1, 100), T), Arg((37, 100), T), Arg((100,), T)], Arg((1, 37), T),
          {"rows": 8, "mrows": 1, "roles": ("x", "w", "g"), "eps": 1e-5}),
+        ("heads_norm_rope", "matvec_heads", [Arg((1, 2048), T), Arg((2048, 2048), T), Arg((2048,), T), Arg((32,), f32)],
+         Arg((32, 64), T), {"rows": 64, "head_dim": 64, "roles": ("x", "w", "g", "inv_freq"), "eps": 1e-5, "pos": POS}),
+        ("heads_to_cache_row", "matvec_heads", [Arg((1, 2048), T), Arg((1024, 2048), T)],  # v: [Hkv, D] row of a cache
+         Arg((8, 128), T, strides=(512 * 128, 1)), {"rows": 128, "head_dim": 128, "roles": ("x", "w"), "eps": 0.0,
+                                                   "pos": POS}),
     ]
     attn = {"length": L, "scale": 0.125}
     c["attention"] = [
@@ -311,9 +319,15 @@ def test_every_kind_has_a_body_file():
     assert covered == set(REGISTRY), set(REGISTRY) ^ covered
 
 
-@pytest.mark.parametrize("group", GROUPS)
+RING = "#define MEGA_MV_RING (1 << 30)  // matvec's opt-in cp.async weight ring (matvec.cuh)\n"
+
+
+@pytest.mark.parametrize("group", GROUPS + ["matvec_ring"])
 def test_cuda_bodies_compile(group):
+    ring = group == "matvec_ring"
+    group = "matvec" if ring else group
     source, names = group_source(group)
+    source = RING + source if ring else source
     res = ptxas_resources(compile_cuda(source))
     for name in names:
         r = res.get(name)
@@ -519,17 +533,18 @@ def _compare(label: str, got, want, dtype: dt.DType) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ring", [False, True], ids=["regs", "ring"])
 @pytest.mark.parametrize("tname", ["bf16", "f32", "f16"])
-def test_cuda_bodies_match_cpu(tname):
+def test_cuda_bodies_match_cpu(tname, ring):
     torch = _torch_cuda()
     import itertools
 
     dtype = DTYPES[tname]
     env = {"pos": 700}
-    specs = gpu_cases(dtype)
+    specs = [s for s in gpu_cases(dtype) if not ring or s[1] == "matvec"]
     names = [f"g_{label}_{tname}" for label, *_ in specs]
     files = sorted({k.cuda_file for k in REGISTRY.values()})
-    src = [PRELUDE] + [f'#include "{f}"' for f in files]
+    src = [RING + PRELUDE if ring else PRELUDE] + [f'#include "{f}"' for f in files]
     src += [kernel_source(n, kind, ins, out, params) for n, (_, kind, ins, out, params, _f) in zip(names, specs)]
     mod = Module("\n".join(src))
     gen = torch.Generator().manual_seed(1234)

@@ -1,9 +1,12 @@
 """Real model configs on the GPU against Hugging Face transformers (random bf16 weights).
 
-The same 32-token sequence goes through transformers (one forward over the sequence,
-in f32 on the bf16-valued weights) and through the megakernel (one launch per token):
-logits at every step within bf16 tolerance, and the same argmax wherever the
-reference's top-2 margin exceeds that tolerance.
+The same 32-token sequence goes through transformers (one forward over the sequence)
+and through the megakernel (one launch per token). The reference is transformers in
+f32 on the bf16-valued weights; transformers' own bf16 run is measured against it too,
+since rounding activations to bf16 at every op costs ~2% over 16-36 random layers
+whoever does it. Logits at every step must be within max(2e-2, 1.25 x transformers'
+own bf16 error) of the f32 reference, with the same argmax wherever the reference's
+top-2 margin exceeds that tolerance.
 """
 
 import os
@@ -49,13 +52,16 @@ def test_logits_match_transformers(preset):
     model = hf_model(preset, cfg, weights)
     with torch.no_grad():
         ref = model(ids[None].cuda()).logits[0].float()
+        hf16 = model.to(torch.bfloat16)(ids[None].cuda()).logits[0].float()
     del model
-    worst = 0.0
+    worst, worst_hf = 0.0, 0.0
     for pos in range(32):
         err = ((ours[pos] - ref[pos]).norm() / ref[pos].norm()).item()
-        worst = max(worst, err)
-        assert err < TOL, f"{preset} pos {pos}: logits rel err {err:.3e}"
+        err_hf = ((hf16[pos] - ref[pos]).norm() / ref[pos].norm()).item()
+        worst, worst_hf = max(worst, err), max(worst_hf, err_hf)
+        tol = max(TOL, 1.25 * err_hf)
+        assert err < tol, f"{preset} pos {pos}: logits rel err {err:.3e} (transformers bf16: {err_hf:.3e})"
         top2 = ref[pos].topk(2)
-        if (top2.values[0] - top2.values[1]) > TOL * top2.values[0].abs():
+        if (top2.values[0] - top2.values[1]) > tol * top2.values[0].abs():
             assert ours[pos].argmax().item() == top2.indices[0].item(), f"{preset} pos {pos}: argmax differs"
-    print(f"\n{preset}: worst logits rel err over 32 steps {worst:.3e}")
+    print(f"\n{preset}: worst logits rel err over 32 steps: megakernel {worst:.3e}, transformers bf16 {worst_hf:.3e}")
