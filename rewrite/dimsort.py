@@ -26,7 +26,7 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence, TypeAlias, TypeVar
 
-from egglog import EGraph, Expr, StringLike, eq, i64, i64Like, ne, rewrite, ruleset, union
+from egglog import EGraph, Expr, Schedule, StringLike, eq, i64, i64Like, ne, rewrite, rule, ruleset, run, subsume, union
 from egglog.declarations import CallDecl, ClassMethodRef, InitRef, LitDecl, MethodRef, TypedExprDecl
 from egglog.runtime import RuntimeExpr
 
@@ -35,6 +35,7 @@ from ..dims import Dim, as_dim, binary
 T = TypeVar("T")
 
 dims_ruleset = ruleset(name="dims")
+dims_settle = ruleset(name="dims_settle")  # run to saturation before each round of dims_ruleset
 
 
 class DimE(Expr, ruleset=dims_ruleset):
@@ -90,6 +91,14 @@ def _divides(b: i64, a: i64):
     return eq(a % b).to(i64(0))
 
 
+@dims_settle.register
+def _settle(x: DimE, y: DimE, a: i64) -> Iterable:
+    # a class holding a literal is settled: its other nodes only feed rules self-loops
+    # (0 == 0*6 matches (x*c1)*c2 forever, minting 0*36, 0*1296, ...), so they go
+    for node in (x + y, x * y, x // y, x % y, x.min(y), x.max(y), x.ceildiv(y)):
+        yield rule(eq(node).to(DimE(a))).then(subsume(node))
+
+
 @dims_ruleset.register
 def _fold(a: i64, b: i64, c: i64) -> Iterable:
     # every op on two literals folds (divisions only for positive divisors)
@@ -106,11 +115,12 @@ def _fold(a: i64, b: i64, c: i64) -> Iterable:
 @dims_ruleset.register
 def _canonical(x: DimE, a: i64, b: i64, c: i64) -> Iterable:
     ca, cb, cc = DimE(a), DimE(b), DimE(c)
-    # constants go right in commutative ops, so one pattern per rule suffices
-    yield rewrite(ca + x).to(x + ca)
-    yield rewrite(ca * x).to(x * ca)
-    yield rewrite(ca.min(x)).to(x.min(ca))
-    yield rewrite(ca.max(x)).to(x.max(ca))
+    # constants go right in commutative ops, so one pattern per rule suffices (subsumed:
+    # the swapped node equals the original only when both sides are literals, which fold)
+    yield rewrite(ca + x, subsume=True).to(x + ca)
+    yield rewrite(ca * x, subsume=True).to(x * ca)
+    yield rewrite(ca.min(x), subsume=True).to(x.min(ca))
+    yield rewrite(ca.max(x), subsume=True).to(x.max(ca))
     # trailing constants collect; general associativity is left to :func:`canonical`
     yield rewrite((x + ca) + cb).to(x + cc, eq(c).to(a + b))
     yield rewrite((x * ca) * cb).to(x * cc, eq(c).to(a * b))
@@ -126,18 +136,11 @@ def _canonical(x: DimE, a: i64, b: i64, c: i64) -> Iterable:
 
 
 @dims_ruleset.register
-def _linear(x: DimE, y: DimE, a: i64, b: i64, c: i64) -> Iterable:
+def _linear(x: DimE, a: i64, b: i64, c: i64) -> Iterable:
+    # a constant factor distributes over a constant term only: (x + c1) * c2 -> x*c2 + c1*c2;
+    # like terms are collected by :func:`canonical`, before and after the e-graph
     ca, cb, cc = DimE(a), DimE(b), DimE(c)
-    # a constant factor distributes over a constant term only: (x + c1) * c2 -> x*c2 + c1*c2
     yield rewrite((x + ca) * cb).to(x * cb + cc, eq(c).to(a * b))
-    # like terms next to each other in a left-nested sum
-    yield rewrite(x + x).to(x * DimE(2))
-    yield rewrite(x * ca + x).to(x * cc, eq(c).to(a + 1))
-    yield rewrite(x * ca + x * cb).to(x * cc, eq(c).to(a + b))
-    yield rewrite((y + x) + x).to(y + x * DimE(2))
-    yield rewrite((y + x * ca) + x).to(y + x * cc, eq(c).to(a + 1))
-    yield rewrite((y + x) + x * cb).to(y + x * cc, eq(c).to(b + 1))
-    yield rewrite((y + x * ca) + x * cb).to(y + x * cc, eq(c).to(a + b))
 
 
 @dims_ruleset.register
@@ -199,6 +202,11 @@ def _minmax(x: DimE, y: DimE, a: i64, b: i64, c: i64) -> Iterable:
     yield rewrite(x.max(x.max(y)), subsume=True).to(x.max(y))
     yield rewrite(x.min(y).min(y), subsume=True).to(x.min(y))
     yield rewrite(x.max(y).max(y), subsume=True).to(x.max(y))
+
+
+def dims_schedule(iterations: int) -> Schedule:
+    """Rounds of :data:`dims_ruleset`, each after settling the constant classes."""
+    return (dims_settle.saturate() + run(dims_ruleset)) * iterations
 
 
 # --- conversion --------------------------------------------------------------
@@ -443,8 +451,9 @@ class DimSimplifier:
             got = dict(zip(fits, _guarded(lambda: self._run(fits)) or ())) if fits else {}
             outs = [got.get(d) for d in todo]
             for d, out in zip(todo, outs):
-                # never larger than the input; on ties the e-graph's pick, then the canonical form
-                self.memo[d] = min((x for x in (out, canonical(d), d) if x is not None), key=size)
+                # never larger than the input; on ties the canonical form of the e-graph's pick
+                forms = (canonical(out), out) if out is not None else ()
+                self.memo[d] = min((*forms, canonical(d), d), key=size)
         return [self.memo[d] for d in dims]
 
     def _run(self, todo: list[Dim]) -> list[Dim | None]:
@@ -460,7 +469,7 @@ class DimSimplifier:
         batch = _batch(roots)
         # the canonical form joins each root's class
         egraph.register(batch, *(union(r).with_(to_egg(c, memo, bind)) for r, (d, c) in zip(roots, forms) if c != d))
-        egraph.run(self.iterations, ruleset=dims_ruleset)
+        egraph.run(dims_schedule(self.iterations))
         outs = _guarded(lambda: _leaves(egraph.extract(batch).__egg_typed_expr__.expr, [], {}))
         if outs is None:  # the batch failed to extract: one by one, giving up on those that fail
             outs = [_guarded(lambda r=r: from_egg(egraph.extract(r))) for r in roots]
