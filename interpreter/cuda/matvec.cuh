@@ -123,7 +123,7 @@ template <class T, class XS, int M, int K, int ROWS, bool NORM, bool RES>
 __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x, long long x_s0, long long x_s1,
                                       const T* g, long long g_s0, float eps, const T* r, long long r_s0,
                                       long long r_s1, long long row0, long long N) {
-    constexpr int VEC = VecN<T>::value, KV = K / VEC, NVX = cdiv(KV, MEGA_THREADS);
+    constexpr int VEC = VecN<T>::value, KV = K / VEC, NVX = cdiv(KV, MEGA_THREADS) > 0 ? cdiv(KV, MEGA_THREADS) : 1;  // K < VEC: vec is false, the array just needs a size
     const int tid = threadIdx.x;
     if (RES) {
         for (int j = tid; j < M * ROWS; j += MEGA_THREADS) {
