@@ -50,3 +50,44 @@ def test_generated_cuda_compiles(preset, tmp_path, monkeypatch):
     assert art.cubin and not art.timings["nvrtc_cached"]
     warm = build_artifact(graph, max_dims={"pos": 1023}, dims_hint={"pos": 512})
     assert warm.cubin == art.cubin and warm.timings["nvrtc_cached"]
+
+
+def _layer_kernel():
+    g = build_layer(me.f32)
+    return me.compile(g, {n: torch.randn(s) for n, s in WEIGHTS.items()}, backend="sim", max_dims={"pos": 31})
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(x=torch.randn(1, 63)), r"input 'x': expected f32\[1, 64\], got torch.float32\[1, 63\]"),
+        (dict(x=torch.randn(1, 64).double()), r"input 'x': expected f32\[1, 64\], got torch.float64"),
+        (dict(x=torch.randn(1, 64), pos=32), r"runtime dim 'pos' = 32 outside \[0, 31\]"),
+        (dict(x=torch.randn(1, 64), pos=-1), r"runtime dim 'pos' = -1 outside"),
+        (dict(x=torch.randn(1, 64), bogus=1), r"unknown argument\(s\) \['bogus'\]"),
+        (dict(pos=3), r"missing input 'x'"),
+        (dict(x=torch.randn(1, 64)), r"missing value for runtime dim 'pos'"),
+    ],
+)
+def test_kernel_rejects_bad_calls(kwargs, pattern):
+    k = _layer_kernel()
+    kwargs = {"k_cache": torch.randn(2, 32, 16), "v_cache": torch.randn(2, 32, 16), "pos": 3, **kwargs}
+    if "missing value" in pattern:
+        kwargs.pop("pos")
+    with pytest.raises(me.GraphError, match=pattern):
+        k(**kwargs)
+
+
+def test_compile_rejects_missing_or_misshaped_weights():
+    g = build_layer(me.f32)
+    W = {n: torch.randn(s) for n, s in WEIGHTS.items()}
+    with pytest.raises(me.GraphError, match="missing weight.*wq"):
+        me.compile(g, {n: t for n, t in W.items() if n != "wq"}, backend="sim")
+    with pytest.raises(me.GraphError, match=r"weight 'wo': expected f32\[64, 64\]"):
+        me.compile(g, {**W, "wo": torch.randn(64, 32)}, backend="sim")
+
+
+def test_state_input_must_be_contiguous():
+    k = _layer_kernel()
+    with pytest.raises(me.GraphError, match="updated in place and must be contiguous"):
+        k(x=torch.randn(1, 64), k_cache=torch.randn(2, 16, 32).transpose(1, 2), v_cache=torch.randn(2, 32, 16), pos=1)

@@ -83,3 +83,30 @@ def test_random_graphs_on_gpu(case, seed):
     ref = me.run_reference(g, inputs, weights, dims)
     for name, r in ref.items():
         assert rel(out[name], r) < 1e-4, name
+
+
+def test_barrier_timeout_raises_instead_of_hanging(monkeypatch):
+    """A wait whose count can never be reached: the kernel gives up and the host names the op."""
+    import dataclasses
+
+    from megaegg.compiler import Kernel, build_artifact
+    from megaegg.interpreter.nvrtc import compile_cubin
+    from megaegg.interpreter.render import defines, render
+
+    g = build_layer(me.f32)
+    art = build_artifact(g, max_dims={"pos": 31}, compile_cuda=False)
+    q = art.queue
+    e = q.entries[-1]
+    bad = tuple(dataclasses.replace(w, expected=w.expected + 1) for w in e.waits)
+    q = dataclasses.replace(q, entries=q.entries[:-1] + (dataclasses.replace(e, waits=bad),))
+    source = render(q)
+    art = dataclasses.replace(art, queue=q, source=source,
+                              cubin=compile_cubin(source, defines={**defines(), "MEGA_TIMEOUT_NS": 200_000_000}).cubin)
+    W = {n: torch.randn(s, device="cuda") for n, s in WEIGHTS.items()}
+    k = Kernel(art, W, backend="cuda")
+    kc, vc = torch.randn(2, 32, 16, device="cuda"), torch.randn(2, 32, 16, device="cuda")
+    with pytest.raises(RuntimeError, match=rf"barrier wait timed out in op{e.op.id} {e.op.kind}"):
+        k(x=torch.randn(1, 64, device="cuda"), k_cache=kc, v_cache=vc, pos=2)
+    # the runtime recovers: counters reset, a good kernel on the same device still runs
+    good = me.compile(g, W, backend="cuda", max_dims={"pos": 31})
+    assert torch.isfinite(good(x=torch.randn(1, 64, device="cuda"), k_cache=kc, v_cache=vc, pos=3)["y"]).all()
