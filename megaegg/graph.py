@@ -206,12 +206,15 @@ class Graph:
                             out |= x.symbols()
         return out
 
-    def consumers(self) -> dict[int, list[int]]:
-        users: dict[int, list[int]] = {n.id: [] for n in self.nodes}
-        for n in self.nodes:
-            for i in n.inputs:
-                users[i].append(n.id)
-        return users
+    def live_nodes(self) -> set[int]:
+        """Ids of the nodes the outputs depend on."""
+        live, stack = set(), list(self.outputs.values())
+        while stack:
+            i = stack.pop()
+            if i not in live:
+                live.add(i)
+                stack.extend(self.nodes[i].inputs)
+        return live
 
     def __str__(self) -> str:
         lines = [f"graph {self.name}:"]

@@ -79,7 +79,7 @@ def run_reference(
     env = bind_dims(graph, dims or {})
     values = collect_leaves(graph, inputs or {}, weights or {}, env)
     device = next((v.device for v in values.values()), torch.device("cpu"))
-    live = _live_nodes(graph)
+    live = graph.live_nodes()
     for node in graph.nodes:
         if node.id in values or node.id not in live:
             continue
@@ -90,16 +90,6 @@ def run_reference(
             raise GraphError(f"{node.op} {node.label} failed at run time: {e}") from e
         values[node.id] = out
     return {name: values[i] for name, i in graph.outputs.items()}
-
-
-def _live_nodes(graph: Graph) -> set[int]:
-    live, stack = set(), list(graph.outputs.values())
-    while stack:
-        i = stack.pop()
-        if i not in live:
-            live.add(i)
-            stack.extend(graph.nodes[i].inputs)
-    return live
 
 
 # --- op semantics -------------------------------------------------------------------

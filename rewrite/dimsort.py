@@ -371,17 +371,33 @@ def _poly(d: Dim, memo: CanonMemo) -> Poly:
     if d.is_const:
         out = {(): d.value} if d.value else {}
     elif d.op == "add":
-        out = dict(_poly(d.args[0], memo))
-        for k, v in _poly(d.args[1], memo).items():
-            out[k] = out.get(k, 0) + v
-        out = {k: v for k, v in out.items() if v}
+        out = _plus(_poly(d.args[0], memo), _poly(d.args[1], memo))
     elif d.op == "mul":
         out = _times(_poly(d.args[0], memo), _poly(d.args[1], memo), memo)
+    elif d.op in ("floordiv", "ceildiv", "mod") and d.args[1].is_const and d.args[1].value > 0:
+        # terms that are multiples of the divisor leave the quotient: (x*k + r) // k == x + r // k
+        k, p = d.args[1].value, _poly(d.args[0], memo)
+        rest = {m: v for m, v in p.items() if v % k}
+        out = {} if d.op == "mod" else {m: v // k for m, v in p.items() if not v % k}
+        if rest:
+            out = _plus(out, _atom(binary(d.op, _from_poly(rest, memo), k), memo))
+    elif d.op == "sym":
+        out = {(d,): 1}
     else:
-        atom = d if d.op == "sym" else binary(d.op, canonical(d.args[0], memo), canonical(d.args[1], memo))
-        out = {(atom,): 1} if not atom.is_const else _poly(atom, memo)
+        out = _atom(binary(d.op, canonical(d.args[0], memo), canonical(d.args[1], memo)), memo)
     memo.polys[d] = out
     return out
+
+
+def _atom(d: Dim, memo: CanonMemo) -> Poly:
+    return _poly(d, memo) if d.is_const else {(d,): 1}
+
+
+def _plus(pa: Poly, pb: Poly) -> Poly:
+    out = dict(pa)
+    for m, v in pb.items():
+        out[m] = out.get(m, 0) + v
+    return {m: v for m, v in out.items() if v}
 
 
 def _times(pa: Poly, pb: Poly, memo: CanonMemo) -> Poly:
@@ -434,6 +450,7 @@ class DimSimplifier:
     """Simplifies Dims in the e-graph and memoizes the results (the only cache of this module)."""
 
     iterations: int = 10
+    growth: int = 16  # e-node budget: this many times the input's distinct nodes (+4096)
     memo: dict[Dim, Dim] = field(default_factory=dict)
 
     def simplify(self, dim: Dim) -> Dim:
@@ -469,7 +486,12 @@ class DimSimplifier:
         batch = _batch(roots)
         # the canonical form joins each root's class
         egraph.register(batch, *(union(r).with_(to_egg(c, memo, bind)) for r, (d, c) in zip(roots, forms) if c != d))
-        egraph.run(dims_schedule(self.iterations))
+        budget = self.growth * len(memo) + 4096
+        for _ in range(self.iterations):  # round by round, stopping at a fixpoint or past the budget
+            if not egraph.run(dims_schedule(1)).updated:
+                break
+            if sum(n for _, n in egraph.all_function_sizes()) > budget:
+                break
         outs = _guarded(lambda: _leaves(egraph.extract(batch).__egg_typed_expr__.expr, [], {}))
         if outs is None:  # the batch failed to extract: one by one, giving up on those that fail
             outs = [_guarded(lambda r=r: from_egg(egraph.extract(r))) for r in roots]

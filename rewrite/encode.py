@@ -60,12 +60,3 @@ def encode(graph: Graph, live: set[int]) -> EGraph:
         egraph.register(*actions)
     return egraph
 
-
-def live_nodes(graph: Graph) -> set[int]:
-    live, stack = set(), list(graph.outputs.values())
-    while stack:
-        i = stack.pop()
-        if i not in live:
-            live.add(i)
-            stack.extend(graph.nodes[i].inputs)
-    return live

@@ -331,7 +331,7 @@ def _linearize(accs: Sequence[Access], dims: Sequence[Dim]) -> Access:
         return At(lo) if _is_one(inner) else Span(lo, lo + inner)
     if isinstance(a, Span):
         return Span(base + as_dim(a.start) * inner, base + as_dim(a.stop) * inner)
-    if base == ZERO and inner.is_const:  # a whole-row tile stays a tile
+    if j == 0 and inner.is_const:  # a tile of whole rows of the outermost dim stays a tile
         return Tile(a.axis, a.size * inner.value, None if a.stop is None else as_dim(a.stop) * inner)
     start = base + coord(a.axis) * a.size * inner
     limit = base + (as_dim(a.stop) if a.stop is not None else extent) * inner

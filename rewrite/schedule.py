@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ..graph import Graph
 from .build import build_program
 from .cost import CostModel
-from .encode import encode, live_nodes
+from .encode import encode
 from .extract import alternatives, choose, computing_nodes
 from .program import BlockProgram
 from .rules import fusion, lowering
@@ -35,7 +35,7 @@ def rewrite(
     env = {s: DEFAULT_DIM_HINT for s in graph.symbols()} | dict(dims_hint or {})
     stats = stats or RewriteStats()
     t = time.perf_counter()
-    live = live_nodes(graph)  # dead ops never reach the e-graph
+    live = graph.live_nodes()  # dead ops never reach the e-graph
     egraph = encode(graph, live)  # one SSA term per computing node
     t = stats.lap("encode", t)
     egraph.run(lowering.saturate())  # block-op alternatives: tile sizes per op

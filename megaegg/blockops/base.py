@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 import torch
 
 from ..dims import Dim
-from .footprint import Footprint, footprint_slices
+from .footprint import Footprint
 
 if TYPE_CHECKING:
     from ..rewrite.program import BlockOp, Operand
@@ -86,11 +86,6 @@ class BlockKind:
 def dimc(name: str) -> str:
     """C name of a runtime dim (or grid coordinate ``_i*``) inside the interpreter."""
     return f"D_{name}"
-
-
-def region(fp: Footprint, tensor: torch.Tensor, shape, env: dict) -> torch.Tensor:
-    """The part of ``tensor`` (an operand view) that footprint ``fp`` covers for this instance."""
-    return tensor[footprint_slices(fp, shape, env)]
 
 
 def f32(x: torch.Tensor) -> torch.Tensor:
