@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from .graph import GraphError
 from .models import PRESETS, ModelConfig, build_decode_graph
 
 
@@ -13,6 +14,9 @@ def inspect(preset: str, *, context: int, max_len: int, cuda: bool, out=sys.stdo
     from .compiler import build_artifact
 
     cfg = ModelConfig.preset(preset)
+    max_len = min(max_len, cfg.max_positions)
+    if not 0 <= context < max_len:
+        raise GraphError(f"--context {context} must be below the cache length {max_len}")
     t0 = time.perf_counter()
     graph, spec = build_decode_graph(cfg, max_len=max_len)
     t_graph = time.perf_counter() - t0
@@ -52,7 +56,10 @@ def main(argv=None) -> None:
     ins.add_argument("--max-len", type=int, default=4096)
     ins.add_argument("--cuda", action="store_true", help="also compile the CUDA source with NVRTC (timed)")
     a = ap.parse_args(argv)
-    inspect(a.model, context=a.context, max_len=a.max_len, cuda=a.cuda)
+    try:
+        inspect(a.model, context=a.context, max_len=a.max_len, cuda=a.cuda)
+    except GraphError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

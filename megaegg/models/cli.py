@@ -42,9 +42,17 @@ def parse(arch: str, argv=None) -> argparse.Namespace:
 
 
 def main(arch: str, argv=None) -> dict:
+    from ..graph import GraphError
+
+    try:
+        return run(arch, parse(arch, argv))
+    except GraphError as e:  # a bad config, checkpoint or argument: say what, no traceback
+        raise SystemExit(f"error: {e}") from None
+
+
+def run(arch: str, a: argparse.Namespace) -> dict:
     import megaegg as me
 
-    a = parse(arch, argv)
     backend = a.backend or ("cuda" if torch.cuda.is_available() else "sim")
     device = "cuda" if backend == "cuda" else "cpu"
     if a.model:
