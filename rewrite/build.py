@@ -261,7 +261,23 @@ def lower_matvec_heads(b: ProgramBuilder, n: Node, c: Choice) -> None:
     b.emit("matvec_heads", absorbed(b.graph, n.id, {v for v in roles.values() if v != NONE}), inputs, out, params)
 
 
-LOWER: dict[str, Callable[[ProgramBuilder, Node, Choice], None]] = {"matvec": lower_matvec, "matvec_heads": lower_matvec_heads}
+def lower_matvec_argmax(b: ProgramBuilder, n: Node, c: Choice) -> None:
+    x, w, g, eps, rows = c.args
+    roles = {"x": x, "w": w, "g": g}
+    present = tuple(k for k, v in roles.items() if v != NONE)
+    inputs = [b.operand(roles[r]) for r in present]
+    tiles = ceildiv(inputs[present.index("w")].shape[0], rows)
+    part_shape = (as_dim(1), tiles, as_dim(2))
+    part = Operand(b.new_buffer(f"argmax_part{n.id}", "scratch", part_shape, f32), part_shape, f32)
+    params = {"rows": rows, "roles": present, "eps": eps}
+    b.emit("matvec_argmax", absorbed(b.graph, n.id, {v for v in roles.values() if v != NONE}), inputs, part, params)
+    out = b.output(n)
+    b.emit("argmax_reduce", [n.id], [part], out if len(out.shape) == 1 else with_view(out, View("reshape", (as_dim(1),))), {})
+
+
+LOWER: dict[str, Callable[[ProgramBuilder, Node, Choice], None]] = {
+    "matvec": lower_matvec, "matvec_heads": lower_matvec_heads, "matvec_argmax": lower_matvec_argmax,
+}
 
 
 def build_program(graph: Graph, chosen: dict[int, Choice], env_hint: dict[str, int]) -> BlockProgram:

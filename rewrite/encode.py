@@ -34,7 +34,13 @@ def term_of(graph: Graph, n: Node) -> Op:
         return Op.rope(ins[0], n.id)
     if n.op == "kv_append":
         return Op.kv_append(ins[0], ins[1])
+    if n.op == "argmax" and _is_row_vector(graph.nodes[ins[0]].shape) and n.attrs["dim"] == 1:
+        return Op.argmax(ins[0], n.id)
     return Op.other(n.op, n.id)
+
+
+def _is_row_vector(shape) -> bool:
+    return len(shape) == 2 and shape[0].is_const and shape[0].value == 1
 
 
 def heads_view(graph: Graph, n: Node) -> Op | None:

@@ -18,6 +18,7 @@ from .encode import VIEW_OPS, base_node
 from .terms import NONE, Op, node
 
 MAX_ALTERNATIVES = 256
+FUSED_KINDS = {Op.matvec: "matvec", Op.matvec_heads: "matvec_heads", Op.matvec_argmax: "matvec_argmax"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class Choice:
         if self.kind == "matvec":
             x, w, w2, g, _eps, r, _rows = self.args
             return tuple(i for i in (x, w, w2, g, r) if i != NONE)
+        if self.kind == "matvec_argmax":
+            x, w, g, _eps, _rows = self.args
+            return tuple(i for i in (x, w, g) if i != NONE)
         if self.kind == "matvec_heads":
             x, w, g, _eps, _rows, rope, append = self.args
             inv = graph.nodes[rope].inputs[1] if rope != NONE else NONE
@@ -46,9 +50,9 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[int, li
         choices = []
         for expr in egraph.extract_multiple(node(i), MAX_ALTERNATIVES):
             fn = get_callable_fn(expr)
-            if fn in (Op.matvec, Op.matvec_heads):
+            if fn in FUSED_KINDS:
                 args = tuple(get_literal_value(a) for a in get_callable_args(expr))
-                choices.append(Choice(i, "matvec" if fn == Op.matvec else "matvec_heads", args))
+                choices.append(Choice(i, FUSED_KINDS[fn], args))
             elif fn == Op.block:
                 kind, _, tile = (get_literal_value(a) for a in get_callable_args(expr))
                 choices.append(Choice(i, kind, (tile,)))

@@ -54,6 +54,9 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
         )
     yield rule(eq(node(i)).to(Op.rope(x, i))).then(*(union(node(i)).with_(Op.block("rope", i, t)) for t in ROW_TILES))
     yield rule(eq(node(i)).to(Op.kv_append(x, a))).then(union(node(i)).with_(Op.block("kv_append", i, 1)))
+    yield rule(eq(node(i)).to(Op.argmax(x, i))).then(
+        *(union(node(i)).with_(Op.block("argmax", i, t)) for t in ARGMAX_CHUNKS)
+    )
     for family, tiles in BLOCK_TILES.items():
         if family in ("rms_norm", "elementwise"):
             continue
@@ -109,3 +112,12 @@ def _fuse_heads(x: i64, w: i64, g: i64, eps: f64, rows: i64, d: i64, b: i64, h: 
         eq(node(b)).to(Op.matvec(x, w, NONE, g, eps, NONE, rows)),
         eq(rows % d).to(i64(0)),
     ).then(union(node(i)).with_(Op.matvec_heads(x, w, g, eps, rows, NONE, i)))
+
+
+@fusion.register
+def _fuse_argmax(x: i64, w: i64, g: i64, eps: f64, rows: i64, b: i64, i: i64):
+    # Final norm + LM head + argmax partials: each instance reduces its own logits.
+    yield rule(
+        eq(node(i)).to(Op.argmax(b, i)),
+        eq(node(b)).to(Op.matvec(x, w, NONE, g, eps, NONE, rows)),
+    ).then(union(node(i)).with_(Op.matvec_argmax(x, w, g, eps, rows)))

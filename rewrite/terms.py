@@ -47,6 +47,10 @@ class Op(Expr):
     def kv_append(cls, cache: i64Like, new: i64Like) -> Op: ...
 
     @classmethod
+    def argmax(cls, x: i64Like, i: i64Like) -> Op:
+        """Argmax of node ``i`` over the last dim of a ``[1, N]`` tensor."""
+
+    @classmethod
     def other(cls, op: StringLike, i: i64Like) -> Op:
         """Any other graph op (rope, attention, argmax, ...): lowered by one rule family."""
 
@@ -62,6 +66,10 @@ class Op(Expr):
         cls, x: i64Like, w: i64Like, g: i64Like, eps: f64Like, rows: i64Like, rope: i64Like, append: i64Like
     ) -> Op:
         """``matvec_heads`` kind: a head-split projection; ``rope``/``append`` name the absorbed nodes."""
+
+    @classmethod
+    def matvec_argmax(cls, x: i64Like, w: i64Like, g: i64Like, eps: f64Like, rows: i64Like) -> Op:
+        """``matvec_argmax`` kind: argmax partials of x @ w^T, the products never stored."""
 
     @classmethod
     def block(cls, kind: StringLike, i: i64Like, tile: i64Like) -> Op:

@@ -233,6 +233,8 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
          {"rows": 8, "mrows": 1, "roles": ("x", "w"), "eps": 0.0}),
         ("ragged_k", "matvec", [Arg((1, 100), T), Arg((37, 100), T), Arg((100,), T)], Arg((1, 37), T),
          {"rows": 8, "mrows": 1, "roles": ("x", "w", "g"), "eps": 1e-5}),
+        ("lm_head_argmax", "matvec_argmax", [Arg((1, 2048), T), Arg((128256, 2048), T), Arg((2048,), T)],
+         Arg((1, 1002, 2), f32), {"rows": 128, "roles": ("x", "w", "g"), "eps": 1e-5}),
         ("heads_norm_rope", "matvec_heads", [Arg((1, 2048), T), Arg((2048, 2048), T), Arg((2048,), T), Arg((32,), f32)],
          Arg((32, 64), T), {"rows": 64, "head_dim": 64, "roles": ("x", "w", "g", "inv_freq"), "eps": 1e-5, "pos": POS}),
         ("heads_to_cache_row", "matvec_heads", [Arg((1, 2048), T), Arg((1024, 2048), T)],  # v: [Hkv, D] row of a cache

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megaegg.blockops.footprint import At, Full, Span, Tile, access_range, coord
-from megaegg.dims import Dim, ceildiv, const, sym
+from megaegg.dims import Dim, const, sym
 from megaegg.rewrite.layout import (
     Layout, apply_view, contiguous, index, is_contiguous_rows, layout_of, pullback, tile, view_shape,
 )
@@ -261,6 +261,16 @@ def test_pullback_exact_reshape_cases(h, d, k, data):
     arr, _ = _numpy_chain((h, d), merge)
     if c * k < h:
         assert _touched(arr, (Tile(0, k * d),), env) == _pulled((h, d), pb, env)
+    point = (At(const(data.draw(st.integers(0, h * d - 1)))),)  # a point is a point in each dim
+    assert _touched(arr, point, env) == _pulled((h, d), pullback(merge, (const(h), const(d)), point), env)
+    # rows fixed by At, then a (ragged) tile, then whole rows: still one contiguous run
+    split3 = (View("reshape", (const(h), const(d), const(2))),)
+    arr3, _ = _numpy_chain((h * d * 2,), split3)
+    s = data.draw(st.integers(1, d))
+    env3 = {"_i0": data.draw(st.integers(0, -(-d // s) - 1)), "_i1": 0}
+    fp = (At(const(c)), Tile(0, s), Full())
+    pb = pullback(split3, (const(h * d * 2),), fp)
+    assert _touched(arr3, fp, env3) == _pulled((h * d * 2,), pb, env3), pb
 
 
 def test_pullback_symbolic_examples():

@@ -139,3 +139,22 @@ def test_random_graphs_on_simulator(case, seed):
     weights = {n: torch.randn(s) * 0.2 for n, s in ws.items()}
     k = me.compile(g, weights, backend="sim", max_dims={s: 64 for s in g.symbols()})
     compare(k, g, inputs, k.weights, dims, 1e-4, (Schedule(sms=5, seed=seed, adversarial=seed % 2 == 0),))
+
+
+def test_token_only_graph_fuses_lm_head_with_argmax_partials():
+    from megaegg.models import ModelConfig, build_decode_graph, random_weights
+
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32)
+    g, spec = build_decode_graph(cfg, max_len=16, logits=False)
+    weights = random_weights(spec, seed=4)
+    k = me.compile(g, weights, backend="sim", max_dims={"pos": 15})
+    kinds = [e.op.kind for e in k.queue.entries]
+    assert "matvec_argmax" in kinds and "argmax_partial" not in kinds
+    caches, ref_caches = spec.new_caches(), spec.new_caches()
+    for pos, tok in enumerate([5, 9, 11, 200, 7]):
+        t = torch.tensor([tok], dtype=torch.int32)
+        out = k.simulate(SCHEDULES[pos % len(SCHEDULES)], token=t, pos=pos, **caches)["next_token"]
+        assert torch.equal(out, me.run_reference(g, {"token": t, **ref_caches}, weights, {"pos": pos})["next_token"])
+    # with logits also an output, fusing would compute the LM head twice: the extractor keeps it unfused
+    g2, _ = build_decode_graph(cfg, max_len=16)
+    assert "matvec_argmax" not in [e.op.kind for e in me.compile(g2, weights, backend="sim", max_dims={"pos": 15}).queue.entries]

@@ -69,7 +69,7 @@ def run(arch: str, a: argparse.Namespace) -> dict:
         cfg = dataclasses.replace(cfg, dtype=me.f32)  # the CPU simulator has no fast bf16 matmul
     print(f"{arch}: {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}, {cfg.dtype}, backend {backend}", file=sys.stderr)
     t = progress("building graph")
-    graph, spec = build_decode_graph(cfg, max_len=a.max_len)
+    graph, spec = build_decode_graph(cfg, max_len=a.max_len, logits=False)  # tokens only: LM head + argmax fuse
     t = progress(f"graph: {len(graph.nodes)} nodes", t)
     weights = (load_checkpoint(a.model, spec, device=device) if a.model and not a.random_weights
                else random_weights(spec, seed=0, device=device))

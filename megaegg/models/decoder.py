@@ -47,8 +47,12 @@ class ModelSpec:
         return {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in self.caches.items()}
 
 
-def build_decode_graph(cfg: ModelConfig, *, max_len: int) -> tuple[Graph, ModelSpec]:
-    """The graph of one decode step: ``token`` i32[1] at ``pos`` -> ``logits`` [1, vocab], ``next_token`` i32[1]."""
+def build_decode_graph(cfg: ModelConfig, *, max_len: int, logits: bool = True) -> tuple[Graph, ModelSpec]:
+    """The graph of one decode step: ``token`` i32[1] at ``pos`` -> ``logits`` [1, vocab], ``next_token`` i32[1].
+
+    ``logits=False`` outputs only ``next_token``: the compiler may then fuse the LM head
+    with the argmax partials and never store the logits.
+    """
     if not 0 < max_len <= cfg.max_positions:
         raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings)")
     g = Graph(f"{cfg.arch}_decode")
@@ -60,8 +64,10 @@ def build_decode_graph(cfg: ModelConfig, *, max_len: int) -> tuple[Graph, ModelS
         x = decoder_layer(cfg, x, layer, pos=pos, inv_freq=inv_freq, max_len=max_len)
     x = rms_norm(x, g.weight("model.norm.weight", [cfg.hidden], cfg.dtype), cfg.rms_eps)
     lm_head = embed if cfg.tie_embeddings else g.weight("lm_head.weight", [cfg.vocab, cfg.hidden], cfg.dtype)
-    logits = g.output("logits", linear(x, lm_head))  # [1, vocab]
-    g.output("next_token", argmax(logits))  # i32[1]
+    scores = linear(x, lm_head)  # [1, vocab]
+    if logits:
+        g.output("logits", scores)
+    g.output("next_token", argmax(scores))  # i32[1]
     weights = {n.name: tuple(d.value for d in n.shape) for n in g.weights.values()}
     caches = {n.name: tuple(int(d) for d in n.shape) for n in g.inputs.values() if n.name != "token"}
     return g, ModelSpec(config=cfg, max_len=max_len, weights=weights, caches=caches)

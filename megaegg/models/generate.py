@@ -96,6 +96,6 @@ def kernel_step(kernel, caches: Mapping[str, torch.Tensor], *, check: bool = Tru
 
     def step(token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         out = kernel(token=token, pos=pos, check=check, **caches)
-        return out["logits"], out["next_token"]
+        return out.get("logits"), out["next_token"]  # no logits from a logits=False graph
 
     return step

@@ -110,3 +110,23 @@ def test_barrier_timeout_raises_instead_of_hanging(monkeypatch):
     # the runtime recovers: counters reset, a good kernel on the same device still runs
     good = me.compile(g, W, backend="cuda", max_dims={"pos": 31})
     assert torch.isfinite(good(x=torch.randn(1, 64, device="cuda"), k_cache=kc, v_cache=vc, pos=3)["y"]).all()
+
+
+def test_token_only_model_on_gpu():
+    """Final norm + LM head + argmax partials fused (matvec_argmax) on the GPU."""
+    import dataclasses
+
+    cfg = dataclasses.replace(ModelConfig.preset("qwen3-0.6b"), layers=2)
+    g, spec = build_decode_graph(cfg, max_len=32, logits=False)
+    W = random_weights(spec, seed=2, device="cuda")
+    k = me.compile(g, W, backend="cuda", max_dims={"pos": 31})
+    assert "matvec_argmax" in [e.op.kind for e in k.queue.entries]
+    g_ref, _ = build_decode_graph(cfg, max_len=32)
+    caches, ref_caches = spec.new_caches("cuda"), spec.new_caches("cuda")
+    for pos, tok in enumerate([3, 99, 1234, 7, 50000]):
+        t = torch.tensor([tok], dtype=torch.int32, device="cuda")
+        got = k(token=t, pos=pos, **caches)["next_token"].item()
+        ref = me.run_reference(g_ref, {"token": t, **ref_caches}, W, {"pos": pos})
+        top2 = ref["logits"].float().topk(2).values[0]
+        if (top2[0] - top2[1]) > 2e-2 * top2[0].abs():
+            assert got == ref["next_token"].item(), f"pos {pos}"

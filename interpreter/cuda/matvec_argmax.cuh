@@ -1,0 +1,42 @@
+// matvec_argmax (megaegg/blockops/matvec_argmax.py is the definition): the matvec body
+// computes this instance's ROWS logits into the reserved top 4 KB of shared memory; the
+// block reduces them to (max, lowest index of the max) and writes part[j] = {max, index}.
+#pragma once
+#include "common.cuh"
+#include "matvec.cuh"
+
+template <class T, int K, int ROWS, bool HAS_NORM>
+__device__ __noinline__ void matvec_argmax(char* smem, const T* x, long long x_s0, long long x_s1,  //
+                                           const T* g, long long g_s0, float eps,                    //
+                                           const T* w, long long w_s0, long long w_s1,               //
+                                           float* part, long long p_s1, long long N, long long n_tile) {
+    static_assert(ROWS * sizeof(T) <= 4096, "matvec_argmax: the tile must fit the reserved 4 KB");
+    __shared__ float warp_best[MEGA_THREADS / 32];
+    __shared__ int warp_index[MEGA_THREADS / 32];
+    T* tile = reinterpret_cast<T*>(smem + MEGA_SMEM - 4096);
+    const long long n0 = n_tile * ROWS;
+    matvec<T, 1, K, ROWS, HAS_NORM, false, false>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, nullptr, 0, 0,
+                                                  nullptr, 0, 0, tile - n0, 0, 1, N, n_tile);
+    __syncthreads();
+    const int nrows = (int)min_i64(ROWS, N - n0);
+    float best = MEGA_NEG_INF;
+    int index = 0x7fffffff;
+    for (int i = threadIdx.x; i < nrows; i += MEGA_THREADS) {
+        const float v = to_f32(tile[i]);
+        if (v > best || (v == best && i < index)) best = v, index = i;
+    }
+    for (int o = 16; o > 0; o >>= 1) {  // ties keep the lowest index, as torch.argmax
+        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, index, o);
+        if (ov > best || (ov == best && oi < index)) best = ov, index = oi;
+    }
+    if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best, warp_index[threadIdx.x >> 5] = index;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 1; i < MEGA_THREADS / 32; ++i)
+            if (warp_best[i] > best || (warp_best[i] == best && warp_index[i] < index)) best = warp_best[i], index = warp_index[i];
+        part[n_tile * p_s1] = best;
+        part[n_tile * p_s1 + 1] = (float)(n0 + index);
+    }
+    __syncthreads();  // the tile is reused by the next instance
+}

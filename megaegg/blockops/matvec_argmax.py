@@ -1,0 +1,56 @@
+"""matvec_argmax: the LM head fused with argmax partials, ``x[1, K] @ w[N, K]^T`` reduced
+per instance to ``part[0, j] = (max, index)`` over its ``rows`` rows; ``argmax_reduce``
+finishes. The logits themselves are never stored, so the e-graph's extractor picks
+this only when nothing else reads them (e.g. a generation graph that outputs tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dims import as_dim, ceildiv
+from .base import BlockKind, Partition, f32, register
+from .footprint import Full, Tile
+from .matvec import roles
+
+
+@register
+class MatVecArgmax(BlockKind):
+    name = "matvec_argmax"
+    cuda_file = "matvec_argmax.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        rows = params["rows"]
+        reads = []
+        for role, o in zip(params["roles"], inputs):
+            reads.append({"w": (Tile(1, rows), Full()), "x": (Tile(0, 1), Full())}.get(role, (Full(),)))
+        n = inputs[list(params["roles"]).index("w")].shape[0]
+        return Partition(grid=(as_dim(1), ceildiv(n, rows)), reads=tuple(reads), writes=(Full(), Tile(1, 1), Full()))
+
+    def cpu(self, op, env, ins, out):
+        k, p = roles(op), op.params
+        j = env["_i1"]
+        r0 = j * p["rows"]
+        x = f32(ins[k["x"]])
+        dt = op.inputs[k["w"]].dtype.torch
+        if "g" in k:
+            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + p["eps"])).to(dt).float()
+            x = (x * f32(ins[k["g"]])).to(dt).float()
+        y = (x @ f32(ins[k["w"]][r0 : r0 + p["rows"]]).T).to(dt).float()[0]  # the logits, rounded as stored
+        best = int(torch.argmax(y))  # first maximum
+        out[0, j, 0] = y[best]
+        out[0, j, 1] = float(r0 + best)
+
+    def cuda_call(self, op, ins, out) -> str:
+        k, p = roles(op), op.params
+        x, w = ins[k["x"]], ins[k["w"]]
+        g = [ins[k["g"]].ptr, ins[k["g"]].strides[0]] if "g" in k else ["nullptr", "0"]
+        kdim, n = op.inputs[k["w"]].shape[1].value, op.inputs[k["w"]].shape[0].value
+        args = ["smem", x.ptr, x.strides[0], x.strides[1], *g, f"{float(p.get('eps', 0.0))!r}f",
+                w.ptr, w.strides[0], w.strides[1], out.ptr, out.strides[1], f"{n}LL", "c1"]
+        return f"matvec_argmax<{x.ctype}, {kdim}, {p['rows']}, {'true' if 'g' in k else 'false'}>({', '.join(args)})"
+
+    def bytes_moved(self, op, env):
+        w = op.inputs[roles(op)["w"]]
+        n, kd, item = w.shape[0].value, w.shape[1].value, w.dtype.itemsize
+        return n * kd * item + op.grid[1].eval(env) * (kd * item + 8)
