@@ -3,21 +3,17 @@
 // block reduces them to (max, lowest index of the max) and writes part[j] = {max, index}.
 #pragma once
 #include "common.cuh"
-#include "matvec.cuh"
+#include "matvec_tile.cuh"
 
 template <class T, int K, int ROWS, bool HAS_NORM>
 __device__ __noinline__ void matvec_argmax(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                            const T* g, long long g_s0, float eps,                    //
                                            const T* w, long long w_s0, long long w_s1,               //
                                            float* part, long long p_s1, long long N, long long n_tile) {
-    static_assert(ROWS * sizeof(T) <= 4096, "matvec_argmax: the tile must fit the reserved 4 KB");
     __shared__ float warp_best[MEGA_THREADS / 32];
     __shared__ int warp_index[MEGA_THREADS / 32];
-    T* tile = reinterpret_cast<T*>(smem + MEGA_SMEM - 4096);
+    const T* tile = matvec_to_tile<T, K, ROWS, HAS_NORM>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, N, n_tile);
     const long long n0 = n_tile * ROWS;
-    matvec<T, 1, K, ROWS, HAS_NORM, false, false>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, nullptr, 0, 0,
-                                                  nullptr, 0, 0, tile - n0, 0, 1, N, n_tile);
-    __syncthreads();
     const int nrows = (int)min_i64(ROWS, N - n0);
     float best = MEGA_NEG_INF;
     int index = 0x7fffffff;

@@ -4,7 +4,7 @@
 // and stored to out[head * out_s0 + d * out_s1] (the q buffer or a KV cache row).
 #pragma once
 #include "common.cuh"
-#include "matvec.cuh"
+#include "matvec_tile.cuh"
 
 template <class T, int K, int ROWS, int D, bool HAS_NORM, bool ROPE>
 __device__ __noinline__ void matvec_heads(char* smem, const T* x, long long x_s0, long long x_s1,  //
@@ -13,13 +13,8 @@ __device__ __noinline__ void matvec_heads(char* smem, const T* x, long long x_s0
                                           const float* inv_freq, long long pos,                      //
                                           T* out, long long out_s0, long long out_s1, long long N, long long n_tile) {
     static_assert(ROWS % D == 0 && D % 2 == 0, "matvec_heads: whole, even heads per instance");
-    static_assert(ROWS * sizeof(T) <= 4096, "matvec_heads: the tile must fit the reserved 4 KB");
-    T* tile = reinterpret_cast<T*>(smem + MEGA_SMEM - 4096);
+    const T* tile = matvec_to_tile<T, K, ROWS, HAS_NORM>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, N, n_tile);
     const long long n0 = n_tile * ROWS;
-    // rows n land at tile[n - n0]: a generic pointer into shared memory
-    matvec<T, 1, K, ROWS, HAS_NORM, false, false>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, nullptr, 0, 0,
-                                                  nullptr, 0, 0, tile - n0, 0, 1, N, n_tile);
-    __syncthreads();
     const int nrows = (int)min_i64(ROWS, N - n0);
     constexpr int HALF = D / 2;
     for (int i = threadIdx.x; i < nrows; i += MEGA_THREADS) {

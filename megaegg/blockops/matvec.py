@@ -22,6 +22,17 @@ def roles(op) -> dict[str, int]:
     return {r: k for k, r in enumerate(op.params["roles"])}
 
 
+def products(op, ins, x_rows: slice, w_rows: slice, dt: torch.dtype, weight: str = "w") -> torch.Tensor:
+    """``x[x_rows] @ weight[w_rows]^T`` as stored (rounded to ``dt``), after the optional RMSNorm
+    prologue, rounded at the same points as the unfused ops; returned as f32."""
+    k = roles(op)
+    x = f32(ins[k["x"]][x_rows])
+    if "g" in k:
+        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + op.params["eps"])).to(dt).float()
+        x = (x * f32(ins[k["g"]])).to(dt).float()
+    return (x @ f32(ins[k[weight]][w_rows]).T).to(dt).float()
+
+
 @register
 class MatVec(BlockKind):
     name = "matvec"
@@ -49,13 +60,9 @@ class MatVec(BlockKind):
         rows, mrows = op.params["rows"], op.params["mrows"]
         m0, r0 = env["_i0"] * mrows, env["_i1"] * rows
         m1, r1 = m0 + mrows, min(r0 + rows, ins[k["w"]].shape[0])
-        x = f32(ins[k["x"]][m0:m1])
-        if "g" in k:
-            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + op.params["eps"])).to(dt).float()
-            x = (x * f32(ins[k["g"]])).to(dt).float()
-        y = (x @ f32(ins[k["w"]][r0:r1]).T).to(dt)
+        y = products(op, ins, slice(m0, m1), slice(r0, r1), dt).to(dt)
         if "w2" in k:
-            up = (x @ f32(ins[k["w2"]][r0:r1]).T).to(dt)
+            up = products(op, ins, slice(m0, m1), slice(r0, r1), dt, weight="w2")
             y = (torch.nn.functional.silu(y.float()).to(dt).float() * up.float()).to(dt)
         if "r" in k:
             y = (f32(ins[k["r"]][m0:m1, r0:r1]) + y.float()).to(dt)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from ..dims import as_dim, ceildiv
-from .base import BlockKind, Partition, f32, register
+from .base import BlockKind, Partition, register
 from .footprint import Full, Tile
-from .matvec import roles
+from .matvec import products, roles
 
 
 @register
@@ -31,12 +31,8 @@ class MatVecArgmax(BlockKind):
         k, p = roles(op), op.params
         j = env["_i1"]
         r0 = j * p["rows"]
-        x = f32(ins[k["x"]])
         dt = op.inputs[k["w"]].dtype.torch
-        if "g" in k:
-            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + p["eps"])).to(dt).float()
-            x = (x * f32(ins[k["g"]])).to(dt).float()
-        y = (x @ f32(ins[k["w"]][r0 : r0 + p["rows"]]).T).to(dt).float()[0]  # the logits, rounded as stored
+        y = products(op, ins, slice(0, 1), slice(r0, r0 + p["rows"]), dt)[0]  # the logits, rounded as stored
         best = int(torch.argmax(y))  # first maximum
         out[0, j, 0] = y[best]
         out[0, j, 1] = float(r0 + best)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from ..dims import as_dim, ceildiv
-from .base import BlockKind, Partition, dimc, f32, register
+from .base import BlockKind, Partition, dimc, register
 from .footprint import Full, Tile
-from .matvec import roles
+from .matvec import products, roles
 
 
 @register
@@ -40,11 +40,7 @@ class MatVecHeads(BlockKind):
         dt, d = out.dtype, p["head_dim"]
         r0 = env["_i1"] * p["rows"]
         r1 = min(r0 + p["rows"], ins[k["w"]].shape[0])
-        x = f32(ins[k["x"]])
-        if "g" in k:
-            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + p["eps"])).to(dt).float()
-            x = (x * f32(ins[k["g"]])).to(dt).float()
-        y = (x @ f32(ins[k["w"]][r0:r1]).T).to(dt).float().reshape(-1, d)  # [heads, D]
+        y = products(op, ins, slice(0, 1), slice(r0, r1), dt).reshape(-1, d)  # [heads, D]
         if "inv_freq" in k:
             ang = float(p["pos"].eval(env)) * ins[k["inv_freq"]].float()
             cos, sin = ang.cos(), ang.sin()
