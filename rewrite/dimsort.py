@@ -22,6 +22,8 @@ overflow makes the rule not match instead of panicking.
 
 from __future__ import annotations
 
+import itertools
+
 import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence, TypeAlias, TypeVar
@@ -222,6 +224,7 @@ _SAMPLE = DimE.sym("S") + DimE(3)
 _DECLS, _DIM_TP = _SAMPLE.__egg_decls__, _SAMPLE.__egg_typed_expr__.tp
 _SYM_DECL, _CONST_DECL = (a.expr for a in _SAMPLE.__egg_typed_expr__.expr.args)
 _REFS = {op: MethodRef(_DIM_TP.ident, m) for op, m in _METHODS.items()}
+_LET_NAMES = itertools.count()  # unique let-binding names across e-graphs (see DimSimplifier._run)
 _I64 = 2**62  # literals beyond this stay out of the e-graph (i64 arithmetic would overflow)
 
 
@@ -480,7 +483,11 @@ class DimSimplifier:
 
         def bind(d: Dim, e: DimE) -> DimE:
             # a big subterm used twice is let-bound: egglog sends terms as trees, exponential in depth
-            return egraph.let(f"_d{len(memo)}", e) if uses.get(d, 0) > 1 and size(d, canon.sizes) >= 16 else e
+            # names are unique per process: egglog-python keeps let declarations beyond one EGraph,
+            # and a reused name resolved to another e-graph's term (seen: max(S*U, 5) + T -> T + 5)
+            if uses.get(d, 0) > 1 and size(d, canon.sizes) >= 16:
+                return egraph.let(f"_d{next(_LET_NAMES)}", e)
+            return e
 
         roots = [to_egg(d, memo, bind) for d in todo]
         batch = _batch(roots)
