@@ -22,13 +22,12 @@ overflow makes the rule not match instead of panicking.
 
 from __future__ import annotations
 
-import itertools
 
 import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence, TypeAlias, TypeVar
 
-from egglog import EGraph, Expr, Schedule, StringLike, eq, i64, i64Like, ne, rewrite, rule, ruleset, run, subsume, union
+from egglog import EGraph, Expr, Schedule, StringLike, eq, i64, i64Like, ne, rewrite, rule, ruleset, run, subsume
 from egglog.declarations import CallDecl, ClassMethodRef, InitRef, LitDecl, MethodRef, TypedExprDecl
 from egglog.runtime import RuntimeExpr
 
@@ -180,6 +179,7 @@ def _division(x: DimE, y: DimE, a: i64, b: i64, c: i64) -> Iterable:
     yield rewrite((x % ca) // ca, subsume=True).to(DimE(0), a > 0)
     # x//c*c + x%c == x, and its subtraction form x - x%c == x//c*c
     yield rewrite((x // ca) * ca + x % ca, subsume=True).to(x, a > 0)
+    yield rewrite(x % ca + (x // ca) * ca, subsume=True).to(x, a > 0)
     yield rewrite(x + (x % ca) * DimE(-1)).to((x // ca) * ca, a > 0)
 
 
@@ -224,21 +224,18 @@ _SAMPLE = DimE.sym("S") + DimE(3)
 _DECLS, _DIM_TP = _SAMPLE.__egg_decls__, _SAMPLE.__egg_typed_expr__.tp
 _SYM_DECL, _CONST_DECL = (a.expr for a in _SAMPLE.__egg_typed_expr__.expr.args)
 _REFS = {op: MethodRef(_DIM_TP.ident, m) for op, m in _METHODS.items()}
-_LET_NAMES = itertools.count()  # unique let-binding names across e-graphs (see DimSimplifier._run)
 _I64 = 2**62  # literals beyond this stay out of the e-graph (i64 arithmetic would overflow)
 
 
-def to_egg(dim: Dim, memo: dict[Dim, TypedExprDecl] | None = None,
-           bind: Callable[[Dim, DimE], DimE] | None = None) -> DimE:
-    """The e-graph term of ``dim``; pass ``memo`` to share subterms across calls, and
-    ``bind`` to replace a compound subterm by a reference (a ``let``).
+def to_egg(dim: Dim, memo: dict[Dim, TypedExprDecl] | None = None) -> DimE:
+    """The e-graph term of ``dim``; pass ``memo`` to share subterms across calls.
 
     Builds egglog's declarations directly: the operator path type-checks each node (~0.3 ms).
     """
-    return RuntimeExpr.__from_values__(_DECLS, _to_decl(dim, {} if memo is None else memo, bind))
+    return RuntimeExpr.__from_values__(_DECLS, _to_decl(dim, {} if memo is None else memo))
 
 
-def _to_decl(dim: Dim, memo: dict[Dim, TypedExprDecl], bind: Callable[[Dim, DimE], DimE] | None) -> TypedExprDecl:
+def _to_decl(dim: Dim, memo: dict[Dim, TypedExprDecl]) -> TypedExprDecl:
     got = memo.get(dim)
     if got is not None:
         return got
@@ -247,10 +244,7 @@ def _to_decl(dim: Dim, memo: dict[Dim, TypedExprDecl], bind: Callable[[Dim, DimE
         lit = tmpl.args[0]
         out = TypedExprDecl(_DIM_TP, replace(tmpl, args=(replace(lit, expr=LitDecl(dim.args[0])),)))
     else:
-        args = (_to_decl(dim.args[0], memo, bind), _to_decl(dim.args[1], memo, bind))
-        out = TypedExprDecl(_DIM_TP, CallDecl(_REFS[dim.op], args))
-        if bind is not None:
-            out = bind(dim, RuntimeExpr.__from_values__(_DECLS, out)).__egg_typed_expr__
+        out = TypedExprDecl(_DIM_TP, CallDecl(_REFS[dim.op], (_to_decl(dim.args[0], memo), _to_decl(dim.args[1], memo))))
     memo[dim] = out
     return out
 
@@ -308,24 +302,6 @@ def size(dim: Dim, memo: dict[Dim, int] | None = None) -> int:
     if dim not in memo:
         memo[dim] = 1 + size(dim.args[0], memo) + size(dim.args[1], memo)
     return memo[dim]
-
-
-def _uses(roots: Sequence[Dim]) -> dict[Dim, int]:
-    """How many distinct parents (or root slots) each node of the DAG has."""
-    uses: dict[Dim, int] = {}
-    stack = list(roots)
-    for d in roots:
-        uses[d] = uses.get(d, 0) + 1
-    seen: set[Dim] = set()
-    while stack:
-        d = stack.pop()
-        if d in seen or d.op in ("const", "sym"):
-            continue
-        seen.add(d)
-        for a in d.args:
-            uses[a] = uses.get(a, 0) + 1
-            stack.append(a)
-    return uses
 
 
 # --- canonical sum-of-products form ------------------------------------------
@@ -438,6 +414,22 @@ def _guarded(fn: Callable[[], T]) -> T | None:
         return None
 
 
+_PROBES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 64, 97)
+
+
+def _agrees(a: Dim, b: Dim) -> bool:
+    """A numeric check of a result at a few positive points: a guard against an e-graph bug."""
+    names = sorted(a.symbols() | b.symbols())
+    for k in range(4):
+        env = {n: _PROBES[(7 * k + 3 * i) % len(_PROBES)] * (k + 1) for i, n in enumerate(names)}
+        try:
+            if a.eval(env) != b.eval(env):
+                return False
+        except ZeroDivisionError:
+            continue
+    return True
+
+
 def _fits(d: Dim, seen: set[Dim]) -> bool:
     """Whether every literal of ``d`` is a safe i64."""
     if d in seen:
@@ -477,22 +469,12 @@ class DimSimplifier:
         return [self.memo[d] for d in dims]
 
     def _run(self, todo: list[Dim]) -> list[Dim | None]:
+        # ONE registered term, the batch of canonical forms: separate union actions (and
+        # let bindings) over shared subterms merged unrelated classes now and then (egglog 13.2)
         egraph, memo, canon = EGraph(), {}, CanonMemo()
-        forms = [(d, canonical(d, canon)) for d in todo]
-        uses = _uses([x for pair in forms for x in pair])
-
-        def bind(d: Dim, e: DimE) -> DimE:
-            # a big subterm used twice is let-bound: egglog sends terms as trees, exponential in depth
-            # names are unique per process: egglog-python keeps let declarations beyond one EGraph,
-            # and a reused name resolved to another e-graph's term (seen: max(S*U, 5) + T -> T + 5)
-            if uses.get(d, 0) > 1 and size(d, canon.sizes) >= 16:
-                return egraph.let(f"_d{next(_LET_NAMES)}", e)
-            return e
-
-        roots = [to_egg(d, memo, bind) for d in todo]
+        roots = [to_egg(canonical(d, canon), memo) for d in todo]
         batch = _batch(roots)
-        # the canonical form joins each root's class
-        egraph.register(batch, *(union(r).with_(to_egg(c, memo, bind)) for r, (d, c) in zip(roots, forms) if c != d))
+        egraph.register(batch)
         budget = self.growth * len(memo) + 4096
         for _ in range(self.iterations):  # round by round, stopping at a fixpoint or past the budget
             if not egraph.run(dims_schedule(1)).updated:
@@ -502,7 +484,7 @@ class DimSimplifier:
         outs = _guarded(lambda: _leaves(egraph.extract(batch).__egg_typed_expr__.expr, [], {}))
         if outs is None:  # the batch failed to extract: one by one, giving up on those that fail
             outs = [_guarded(lambda r=r: from_egg(egraph.extract(r))) for r in roots]
-        return outs
+        return [o if o is None or _agrees(d, o) else None for d, o in zip(todo, outs)]
 
     def equal(self, a: Dim, b: Dim) -> bool:
         """Whether ``a`` and ``b`` simplify to the same expression (False may mean 'unknown')."""

@@ -54,3 +54,7 @@ for o in ops:
     print(f"  op{o.op:<4} {o.kind:<15} inst {o.instances:>4} span {o.span_us:7.2f} us  busy/inst {o.busy_us/o.instances:6.2f}  wait/inst {o.wait_us/o.instances:6.2f}")
 import os
 open(os.path.join(os.environ.get("OUT", "."), "trace.json"), "w").write(tr.chrome_json())
+np_path = os.path.join(os.environ.get("OUT", "."), f"trace_{preset}.npz")
+import numpy as np
+np.savez(np_path, records=tr.records, kinds=np.array([e.op.kind for e in k.queue.entries]),
+         launch=np.array([e.op.id for e in k.queue.entries]))
