@@ -2,8 +2,8 @@
 
 The template ``cuda/megakernel.cu`` holds the interpreter loop; this module fills
 its slots: runtime dims, the launch-count prefix, and one ``case`` per queue entry
-(grid coordinates, the kind's prologue and weight L2 prefetches, barrier waits, the
-kind's body call, barrier signals).
+(grid coordinates, weight L2 prefetches, barrier waits (or their list, for a body that
+waits itself), the kind's body call, barrier signals).
 """
 
 from __future__ import annotations
@@ -77,33 +77,34 @@ def render_case(q: WorkQueue, k: int, e: QueueEntry) -> str:
     lines.append("        " + " ".join(f"const long long D__i{a} = c{a}; (void)D__i{a};" for a in range(max(1, len(op.grid)))))
     ins = [operand_c(q, o) for o in op.inputs]
     out = operand_c(q, op.output)
-    prologue = kind.cuda_prologue(op, ins, out)  # input-independent work, before the waits
-    if prologue:
-        lines.append(f"        {prologue}")
     prefetch = weight_prefetches(q, op)
     if prefetch:
         lines.append("        if (threadIdx.x == 0) {")
         lines += [f"          {p}" for p in prefetch]
         lines.append("        }")
-    if e.waits:
-        lines.append(f"        if (threadIdx.x < {len(e.waits)}) {{")
-        lines.append("          bool ok = true;")
-        lines.append("          switch (threadIdx.x) {")
-        for w_id, w in enumerate(e.waits):
-            base = q.memory.counter_base[w.barrier_set]
-            lines.append(
-                f"            case {w_id}: ok = mega_wait(&ctr[{base} + ({c_expr(w.index)})], (unsigned)({c_expr(w.expected)}), "
-                f"control, {k}, local, {w_id}); break;"
-            )
-        lines.append("          }")
-        lines.append("          if (!ok) abort_block = 1;")
-        lines.append("        }")
-        lines.append("        __syncthreads();")
-        # (a prologue's cp.async copies land before the block exits)
-        lines.append("        if (abort_block) { asm volatile(\"cp.async.wait_all;\" ::: \"memory\"); break; }" if prologue
-                     else "        if (abort_block) break;")
-    lines.append("        MEGA_TRACE_WAITED();")
-    lines.append(f"        {kind.cuda_call(op, ins, out)};")
+    waits = [f"&ctr[{q.memory.counter_base[w.barrier_set]} + ({c_expr(w.index)})]" for w in e.waits]
+    expected = [f"(unsigned)({c_expr(w.expected)})" for w in e.waits]
+    if kind.waits_in_body:
+        # the body issues its input-independent loads, then waits (runtime.cuh: mega_wait_all)
+        lines.append(f"        MegaWaits wl; wl.n = {len(waits)};")
+        lines += [f"        wl.ctr[{i}] = {c}; wl.expected[{i}] = {x};" for i, (c, x) in enumerate(zip(waits, expected))]
+        lines.append(f"        {kind.cuda_call(op, ins, out)};")
+        lines.append("        if (mega_abort_block) break;")
+        lines.append("        MEGA_TRACE_BODY_WAITED();" if waits else "        MEGA_TRACE_WAITED();")
+    else:
+        if waits:
+            lines.append(f"        if (threadIdx.x < {len(waits)}) {{")
+            lines.append("          bool ok = true;")
+            lines.append("          switch (threadIdx.x) {")
+            for w_id, (c, x) in enumerate(zip(waits, expected)):
+                lines.append(f"            case {w_id}: ok = mega_wait({c}, {x}, control, {k}, local, {w_id}); break;")
+            lines.append("          }")
+            lines.append("          if (!ok) mega_abort_block = 1;")
+            lines.append("        }")
+            lines.append("        __syncthreads();")
+            lines.append("        if (mega_abort_block) break;")
+        lines.append("        MEGA_TRACE_WAITED();")
+        lines.append(f"        {kind.cuda_call(op, ins, out)};")
     if e.signals:
         lines.append("        __syncthreads();")
         lines.append("        if (threadIdx.x == 0) {")

@@ -11,11 +11,13 @@ W = random_weights(spec, seed=0, device="cuda")
 t = time.time()
 import os
 from megaegg.rewrite.cost import CostModel
-cm = CostModel(op_overhead=float(os.environ.get("OP_OVERHEAD_US", "4")) * 1e-6)
+cm = CostModel(op_overhead=float(os.environ.get("OP_OVERHEAD_US", "1.5")) * 1e-6,
+               instance_overhead=float(os.environ.get("INST_OVERHEAD_US", "0.15")) * 1e-6)
 k = me.compile(g, W, backend="cuda", max_dims={"pos": 1023}, dims_hint={"pos": ctx}, cost_model=cm)
 print("kinds", sorted({e.op.kind for e in k.queue.entries}), "entries", len(k.queue.entries))
 print("compile s", round(time.time() - t, 2), {a: round(b, 3) for a, b in k.artifact.timings.items()})
 print("entries", len(k.queue.entries), k.queue.summary())
+print("layer ops", [(e.op.kind, e.op.params.get("rows"), str(e.launch)) for e in k.queue.entries[13:25]])
 caches = spec.new_caches("cuda")
 for c in caches.values():
     c.normal_()

@@ -38,6 +38,8 @@ PRELUDE = """\
 #define MEGA_ERR_INDEX 2
 __device__ int mega_test_error;
 __device__ void mega_body_error(int code, long long detail) { atomicCAS(&mega_test_error, 0, code); (void)detail; }
+#include "common.cuh"
+__device__ bool mega_wait_all(const MegaWaits& w) { return w.n == 0; }  // the wrappers wait for nothing
 """
 
 
@@ -178,7 +180,7 @@ def kernel_source(name: str, kind: str, inputs: list[Arg], output: Arg, params: 
     ins = [cuda_operand(a, f"in{i}") for i, a in enumerate(inputs)]
     out = cuda_operand(output, "out0")
     call = REGISTRY[kind].cuda_call(op, ins, out)
-    prologue = REGISTRY[kind].cuda_prologue(op, ins, out)  # as the interpreter: before the (absent) waits
+    waits = "MegaWaits wl{}; wl.n = 0;"  # the interpreter's wait list (none here), for waits_in_body kinds
     params_c = [f"const {a.dtype.c_type}* in{i}" for i, a in enumerate(inputs)] + [f"{output.dtype.c_type}* out0"]
     assert set(re.findall(r"\bD_\w+", call)) <= {"D_pos"}, call  # the wrappers declare D_pos only
     params_c += ["long long D_pos"]
@@ -190,7 +192,7 @@ def kernel_source(name: str, kind: str, inputs: list[Arg], output: Arg, params: 
             f"    for (long long inst = blockIdx.x; inst < n_inst; inst += gridDim.x) {{\n"
             f"        const long long c0 = inst / g1, c1 = inst % g1;\n"
             f"        (void)c1;\n"
-            f"        {prologue}\n"
+            f"        {waits}\n"
             f"        {call};\n"
             f"        __syncthreads();\n"
             f"    }}\n"
@@ -201,7 +203,7 @@ def kernel_source(name: str, kind: str, inputs: list[Arg], output: Arg, params: 
         f"    extern __shared__ __align__(16) char smem[];\n"
         f"    const long long c0 = blockIdx.x, c1 = blockIdx.y;\n"
         f"    (void)smem; (void)c0; (void)c1;\n"
-        f"    {prologue}\n"
+        f"    {waits}\n"
         f"    {call};\n"
         f"}}\n"
     )
@@ -321,15 +323,9 @@ def test_every_kind_has_a_body_file():
     assert covered == set(REGISTRY), set(REGISTRY) ^ covered
 
 
-RING = "#define MEGA_MV_RING (1 << 30)  // matvec's opt-in cp.async weight ring (matvec.cuh)\n"
-
-
-@pytest.mark.parametrize("group", GROUPS + ["matvec_ring"])
+@pytest.mark.parametrize("group", GROUPS)
 def test_cuda_bodies_compile(group):
-    ring = group == "matvec_ring"
-    group = "matvec" if ring else group
     source, names = group_source(group)
-    source = RING + source if ring else source
     res = ptxas_resources(compile_cuda(source))
     for name in names:
         r = res.get(name)
@@ -535,18 +531,17 @@ def _compare(label: str, got, want, dtype: dt.DType) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ring", [False, True], ids=["regs", "ring"])
 @pytest.mark.parametrize("tname", ["bf16", "f32", "f16"])
-def test_cuda_bodies_match_cpu(tname, ring):
+def test_cuda_bodies_match_cpu(tname):
     torch = _torch_cuda()
     import itertools
 
     dtype = DTYPES[tname]
     env = {"pos": 700}
-    specs = [s for s in gpu_cases(dtype) if not ring or s[1] == "matvec"]
+    specs = gpu_cases(dtype)
     names = [f"g_{label}_{tname}" for label, *_ in specs]
     files = sorted({k.cuda_file for k in REGISTRY.values()})
-    src = [RING + PRELUDE if ring else PRELUDE] + [f'#include "{f}"' for f in files]
+    src = [PRELUDE] + [f'#include "{f}"' for f in files]
     src += [kernel_source(n, kind, ins, out, params) for n, (_, kind, ins, out, params, _f) in zip(names, specs)]
     mod = Module("\n".join(src))
     gen = torch.Generator().manual_seed(1234)

@@ -20,6 +20,18 @@ static_assert(MEGA_THREADS % 32 == 0 && MEGA_THREADS <= 1024, "MEGA_THREADS: who
 #define MEGA_FULL_MASK 0xffffffffu
 #define MEGA_NEG_INF __int_as_float(0xff800000)
 
+// An instance's barrier waits, handed to bodies that wait themselves (BlockKind.waits_in_body)
+// after issuing the loads that need no input, so those loads overlap the hand-off.
+#define MEGA_BODY_WAITS 8
+struct MegaWaits {
+    const unsigned* ctr[MEGA_BODY_WAITS];
+    unsigned expected[MEGA_BODY_WAITS];
+    int n;  // 0: nothing to wait for
+};
+// All threads: thread i < w.n waits for ctr[i] >= expected[i], then a block barrier.
+// False: the block must stop (abort or timeout, error recorded). Defined in runtime.cuh.
+__device__ bool mega_wait_all(const MegaWaits& w);
+
 // Compile-time helpers (no <type_traits> under NVRTC).
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }

@@ -15,7 +15,6 @@
 //   lane (DESIGN.md: 4 rows x 8 loads per lane reached 94% of bandwidth);
 // - the first step's weight loads are issued BEFORE x is staged, so the x round trip
 //   (and the norm's reductions) hide under the weight latency;
-// - fp32 accumulation, warp-shuffle reduction, lanes 0.. write the group's outputs.
 // A scalar path (any K, any weight strides: `matmul` reads w through a permute view)
 // is correct but slow.
 //
@@ -23,43 +22,22 @@
 // as cuBLAS gemv in the same run; ROWS = 16 (64 KB a tile) ~3.4 TB/s (the tile drains
 // before the next starts). Keep MEGA_SMEM <= 128 KB: L1 gets what shared memory leaves,
 // and it also stages in-flight ld.global.cg data; at 144-160 KB the gated form drops to
-// ~3.55 TB/s. (A cp.async ring into shared memory instead of registers measured no better.)
+// ~3.55 TB/s.
 //
-// Shared memory: [red: MEGA_WARPS*M f32][rt: M*ROWS f32 residual tile][xs: M*K of f32 or T]
-// [weight ring: D stages of G x MEGA_THREADS x 16 B], all below the top MEGA_SMEM_RESERVED
-// bytes (never touched here: matvec_heads keeps its output tile there).
+// - the body waits for its inputs itself (BlockKind.waits_in_body): the first step's weight
+//   loads are issued before the wait, so up to 128 KB per SM stream in during the hand-off;
+// - fp32 accumulation, warp-shuffle reduction, lanes 0.. write the group's outputs.
 //
-// The weight ring: OFF by default (MEGA_MV_RING=0), opt-in for experiments (-DMEGA_MV_RING=bytes).
-// Idea: in a model each op gives each SM about one instance; all SMs start together after
-// the previous op's barrier and stream in synchronized bursts of 32 vectors per lane (load,
-// wait for all, compute), and nothing streams during the barrier hand-off. The ring makes
-// each thread stream its weight vectors, in the order the body consumes them, through a
-// private ring of D stages of G 16-byte slots in shared memory with cp.async (one commit
-// group per stage; a thread reads back only what it copied, so cp.async.wait_group alone
-// orders it, no block barrier): it consumes stage t while t+1 .. t+D-1 are in flight and
-// refills t's slots with t+D. `matvec_prologue` (emitted by the interpreter BEFORE the
-// barrier wait, BlockKind.cuda_prologue) issues the first PRE stages, so the stream runs
-// across the hand-off; the body (STAGED = true) issues the rest.
-// Measured (H200, llama-3.2-1b decode, context 512, same session): register path 1.499-1.505
-// ms/token; ring with the prologue 1.708 (120 KB smem), 1.700 (160 or 200 KB); ring without
-// the prologue 1.759; with 32-64 KB of prologue 1.74. In steady state (many instances per SM)
-// per-thread 16-byte cp.async streams at ~3.6 TB/s vs 4.19 TB/s for the register path, at
-// any ring size: so the ring loses more than the hand-off overlap (~0.05 ms) gains. An
-// earlier variant (register path + the first ~100 KB of the tile cp.async'ed before the wait)
-// measured 1.955 ms: the LM head slowed 3x (mixing LDGSTS and LDG streams) and the prologue
-// bursts slowed the critical path's small ops (matvec_heads +5 us per layer).
+// Shared memory: [red: MEGA_WARPS*M f32][rt: M*ROWS f32 residual tile][xs: M*K of f32 or T],
+// all below the top MEGA_SMEM_RESERVED bytes (never touched here: matvec_to_tile's output).
+// Tried and dropped (docs/perf-notes.md #7, #10): a per-thread cp.async ring and a TMA
+// bulk-copy ring into shared memory, both slower than loads into registers.
 // Assumes the interpreter separates instances by a __syncthreads (it must, to release).
 #pragma once
 #include "common.cuh"
 
 #ifndef MEGA_SMEM_RESERVED
 #define MEGA_SMEM_RESERVED 4096  // the top of dynamic shared memory: epilogue tiles (matvec_heads)
-#endif
-#ifndef MEGA_MV_RING
-#define MEGA_MV_RING 0  // most bytes of the weight ring; < 2 stages: the register path (see above: off)
-#endif
-#ifndef MEGA_MV_PRE
-#define MEGA_MV_PRE (1 << 30)  // most ring bytes the prologue issues before the barrier wait
 #endif
 
 namespace matvec_impl {
@@ -83,19 +61,6 @@ struct Plan {
     static constexpr bool XS_F32 = HEAD + M * K * 4 <= BODY_SMEM;
     using XS = typename Cond<XS_F32, float, T>::type;         // staged x element type
     static_assert(HEAD + M * K * (int)sizeof(XS) <= BODY_SMEM, "matvec: x[M, K] does not fit in shared memory");
-    // The weight ring. Each thread's slots (16-byte vectors) of row group gi are consumed in
-    // the order j = ((c * RB + rb) * NW + nw), c = s * U + u the column chunk (kv = c * 32 + lane),
-    // so consecutive slots share x; stage t holds slots [t * G, t * G + G) of the flat order.
-    static constexpr int SPG = STEPS * U * RB * NW;           // slots per row group
-    static constexpr int G = SPG % 4 == 0 ? 4 : SPG % 2 == 0 ? 2 : 1;  // slots per stage
-    static constexpr int SPGS = SPG / G;                      // stages per row group
-    static constexpr int NST = NG * SPGS;                     // stages per instance
-    static constexpr int SLOT_BYTES = MEGA_THREADS * 16;
-    static constexpr int STAGE_BYTES = G * SLOT_BYTES;
-    static constexpr int RING_OFF = (HEAD + M * K * (int)sizeof(XS) + 15) / 16 * 16;
-    static constexpr int D = cmax(0, cmin(NST, cmin(BODY_SMEM - RING_OFF, MEGA_MV_RING) / STAGE_BYTES));
-    static constexpr bool RING = D >= 2;                      // else the register path
-    static constexpr int PRE = RING ? cmin(D, MEGA_MV_PRE / STAGE_BYTES) : 0;  // stages the prologue issues
 };
 
 // VEC staged x values at p (16-byte aligned) as floats; n = VecN<T>.
@@ -238,47 +203,12 @@ __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[
     }
 }
 
-// Slot j of row group gi of the ring order: its column chunk c, row rb of the group, matrix nw.
-template <class P> struct Slot {
-    int c, rb, nw;
-    __device__ __forceinline__ Slot(int j) : c(j / (P::RB * P::NW)), rb(j / P::NW % P::RB), nw(j % P::NW) {}
-};
-
-// Issue stage t (stages gi * SPGS + js: gi runtime, js usually a constant) of this thread's
-// slots into ring position t % D with cp.async. Out-of-tile slots are not copied (the body
-// reads zeros for them). The caller commits.
-template <class P, class T, int ROWS, bool GLU>
-__device__ __forceinline__ void ring_issue(char* ring, const T* w, long long w_s0, const T* w2, long long w2_s0,
-                                           long long row0, long long N, int gi, int js, int warp, int lane) {
-    const int pos = (gi * P::SPGS + js) % P::D;
-#pragma unroll
-    for (int q = 0; q < P::G; ++q) {
-        const Slot<P> sl(js * P::G + q);
-        const int local = (gi * P::RB + sl.rb) * MEGA_WARPS + warp;
-        const long long n = row0 + local;
-        const int kv = sl.c * 32 + lane;
-        if (local < ROWS && n < N && kv < P::KV)
-            cp_async16(ring + (pos * P::G + q) * P::SLOT_BYTES,
-                       (GLU && sl.nw ? w2 + n * w2_s0 : w + n * w_s0) + kv * P::VEC, 16);
-    }
-}
-
-// Issue stages [t0, t1) of the instance (constants), one commit group each.
-template <class P, class T, int ROWS, bool GLU, int T0, int T1>
-__device__ __forceinline__ void ring_fill(char* ring, const T* w, long long w_s0, const T* w2, long long w2_s0,
-                                          long long row0, long long N, int warp, int lane) {
-#pragma unroll
-    for (int t = T0; t < T1; ++t) {
-        ring_issue<P, T, ROWS, GLU>(ring, w, w_s0, w2, w2_s0, row0, N, t / P::SPGS, t % P::SPGS, warp, lane);
-        cp_async_commit();
-    }
-}
-
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
 __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                         long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
                                         long long w2_s0, const T* r, long long r_s0, long long r_s1, T* out,
-                                        long long out_s0, long long out_s1, long long N, long long n_tile) {
+                                        long long out_s0, long long out_s1, long long N, long long n_tile,
+                                        const MegaWaits& wl) {
     using P = Plan<T, M, K, ROWS, GLU>;
     using XS = typename P::XS;
     float* red = reinterpret_cast<float*>(smem);
@@ -289,7 +219,9 @@ __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x
 
     uint4 wa[P::RB][P::U];
     uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
-    load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);  // in flight while x stages
+    // in flight while the inputs' producers finish and x stages
+    load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+    if (!mega_wait_all(wl)) return;
     stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
 
 #pragma unroll 1
@@ -343,90 +275,13 @@ __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x
     }
 }
 
-// The ring path (P::RING). STAGED: matvec_prologue issued stages [0, PRE) already.
-template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES, bool STAGED>
-__device__ __forceinline__ void run_vec_ring(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
-                                             long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
-                                             long long w2_s0, const T* r, long long r_s0, long long r_s1, T* out,
-                                             long long out_s0, long long out_s1, long long N, long long n_tile) {
-    using P = Plan<T, M, K, ROWS, GLU>;
-    using XS = typename P::XS;
-    float* red = reinterpret_cast<float*>(smem);
-    float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
-    XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
-    char* ring = smem + P::RING_OFF + threadIdx.x * 16;  // this thread's slots
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long row0 = n_tile * ROWS;
-
-    // D stages in flight (commit groups), then x staged under their latency
-    ring_fill<P, T, ROWS, GLU, STAGED ? P::PRE : 0, P::D>(ring, w, w_s0, w2, w2_s0, row0, N, warp, lane);
-    stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
-
-#pragma unroll 1
-    for (int gi = 0; gi < P::NG; ++gi) {
-        float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
-#pragma unroll
-        for (int rb = 0; rb < P::RB; ++rb)
-#pragma unroll
-            for (int m = 0; m < M; ++m) acc[rb][m] = 0.0f, acc2[GLU ? rb : 0][m] = 0.0f;
-#pragma unroll
-        for (int js = 0; js < P::SPGS; ++js) {
-            cp_async_wait<P::D - 1>();  // stage gi * SPGS + js has landed (one group per stage)
-            const int pos = (gi * P::SPGS + js) % P::D;
-            uint4 v[P::G];
-#pragma unroll
-            for (int q = 0; q < P::G; ++q) {
-                const Slot<P> sl(js * P::G + q);
-                const int local = (gi * P::RB + sl.rb) * MEGA_WARPS + warp;
-                const bool in = local < ROWS && row0 + local < N && sl.c * 32 + lane < P::KV;
-                v[q] = in ? *reinterpret_cast<const uint4*>(ring + (pos * P::G + q) * P::SLOT_BYTES)
-                          : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int q = 0; q < P::G; ++q) {
-                const Slot<P> sl(js * P::G + q);
-                const int kv = sl.c * 32 + lane;
-                if (P::KV % 32 != 0 && kv >= P::KV) continue;
-                float xf[M][P::VEC], wf[P::VEC];
-#pragma unroll
-                for (int m = 0; m < M; ++m) xs_load<P::VEC>(xs + m * K + kv * P::VEC, xf[m]);
-                unpack16<T>(v[q], wf);
-                float(&a)[M] = GLU && sl.nw ? acc2[GLU ? sl.rb : 0] : acc[sl.rb];
-#pragma unroll
-                for (int m = 0; m < M; ++m)
-#pragma unroll
-                    for (int e = 0; e < P::VEC; ++e) a[m] = fmaf(wf[e], xf[m][e], a[m]);
-            }
-            // refill this position with stage t + D (its values are consumed above); always
-            // commit, so that "D - 1 groups pending" keeps meaning "the next stage landed"
-            const int nt = gi * P::SPGS + js + P::D;
-            if (nt < P::NST)
-                ring_issue<P, T, ROWS, GLU>(ring, w, w_s0, w2, w2_s0, row0, N, gi + (js + P::D) / P::SPGS,
-                                            (js + P::D) % P::SPGS, warp, lane);
-            cp_async_commit();
-        }
-#pragma unroll
-        for (int rb = 0; rb < P::RB; ++rb) {
-            const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
-            const long long n = row0 + local;
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const float d = warp_sum(acc[rb][m]);
-                const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
-                if (lane == (rb * M + m) % 32 && local < ROWS && n < N)
-                    finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
-            }
-        }
-    }
-    cp_async_wait<0>();  // (only empty groups remain)
-}
-
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
 __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                            long long g_s0, float eps, const T* w, long long w_s0, long long w_s1,
                                            const T* w2, long long w2_s0, long long w2_s1, const T* r, long long r_s0,
                                            long long r_s1, T* out, long long out_s0, long long out_s1, long long N,
-                                           long long n_tile) {
+                                           long long n_tile, const MegaWaits& wl) {
+    if (!mega_wait_all(wl)) return;
     using P = Plan<T, M, K, ROWS, GLU>;
     using XS = typename P::XS;
     float* red = reinterpret_cast<float*>(smem);
@@ -466,57 +321,28 @@ __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s
 
 }  // namespace matvec_impl
 
-// The prologue (emitted by the interpreter BEFORE the instance's barrier wait, all threads):
-// issue the first PRE stages of the weight ring (needs no input), so the weight stream
-// continues across the barrier hand-off. The body must follow with STAGED = true and the
-// same operands, with no other use of shared memory in between. Issues nothing off the
-// vector path (the body decides the same way) or when the ring is off (PRE = 0).
-namespace matvec_impl {
-template <class T, int M, int K, int ROWS, bool HAS_GLU>
-__device__ __noinline__ void ring_prologue(char* smem, const T* w, long long w_s0, long long w_s1, const T* w2,
-                                           long long w2_s0, long long w2_s1, long long N, long long n_tile) {
-    using P = Plan<T, M, K, ROWS, HAS_GLU>;
-    bool vec = vec_rows_ok(w, w_s0, w_s1, K);
-    if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
-    if (!vec) return;
-    char* ring = shared_ptr(smem) + P::RING_OFF + threadIdx.x * 16;
-    ring_fill<P, T, ROWS, HAS_GLU, 0, P::PRE>(ring, w, w_s0, w2, w2_s0, n_tile * ROWS, N, threadIdx.x >> 5,
-                                              threadIdx.x & 31);
-}
-}  // namespace matvec_impl
-
-template <class T, int M, int K, int ROWS, bool HAS_GLU>
-__device__ __forceinline__ void matvec_prologue(char* smem, const T* w, long long w_s0, long long w_s1, const T* w2,
-                                                long long w2_s0, long long w2_s1, long long N, long long n_tile) {
-    if constexpr (K % VecN<T>::value == 0 && matvec_impl::Plan<T, M, K, ROWS, HAS_GLU>::PRE > 0)
-        matvec_impl::ring_prologue<T, M, K, ROWS, HAS_GLU>(smem, w, w_s0, w_s1, w2, w2_s0, w2_s1, N, n_tile);
-}
-
 // One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N]. Absent operands
-// (g, w2, r) are nullptr with zero strides. STAGED: matvec_prologue ran just before (with the
-// same template arguments and operands); else the body streams everything itself.
-template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool STAGED = false>
+// (g, w2, r) are nullptr with zero strides. `wl`: the instance's barrier waits (n = 0: none).
+template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES>
 __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                     const T* g, long long g_s0, float eps,                    //
                                     const T* w, long long w_s0, long long w_s1,               //
                                     const T* w2, long long w2_s0, long long w2_s1,            //
                                     const T* r, long long r_s0, long long r_s1,               //
-                                    T* out, long long out_s0, long long out_s1, long long N, long long n_tile) {
+                                    T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
+                                    const MegaWaits wl) {
     static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
     smem = shared_ptr(smem);
     bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K);
     if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
     if constexpr (K % VecN<T>::value == 0) {
         if (vec) {
-            if constexpr (matvec_impl::Plan<T, M, K, ROWS, HAS_GLU>::RING)
-                matvec_impl::run_vec_ring<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, STAGED>(
-                    smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, out, out_s0, out_s1, N, n_tile);
-            else
-                matvec_impl::run_vec_regs<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(
-                    smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, out, out_s0, out_s1, N, n_tile);
+            matvec_impl::run_vec_regs<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(
+                smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, out, out_s0, out_s1, N, n_tile, wl);
             return;
         }
     }
-    matvec_impl::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(
-        smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, out, out_s0, out_s1, N, n_tile);
+    matvec_impl::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1,
+                                                                       w2, w2_s0, w2_s1, r, r_s0, r_s1, out, out_s0,
+                                                                       out_s1, N, n_tile, wl);
 }

@@ -32,7 +32,6 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
   extern __shared__ __align__(16) char smem[];
   __shared__ long long prefix[MEGA_ENTRIES + 1];
   __shared__ long long claimed;
-  __shared__ int abort_block;
 
   unsigned long long* control = args.control;
   const int parity = (int)args.parity;
@@ -41,7 +40,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
 
   if (threadIdx.x == 0) {
     mega_control_ptr = control;
-    abort_block = 0;
+    mega_abort_block = 0;
     prefix[0] = 0;
     /*@PREFIX@*/
   }
@@ -102,6 +101,6 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       rec[3] = mega_globaltimer();
     }
 #endif
-    if (abort_block) break;
+    if (mega_abort_block) break;
   }
 }

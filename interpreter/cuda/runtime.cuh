@@ -3,14 +3,17 @@
 // control[] layout (u64): [0..1] claim counter per parity, [2] abort flag,
 // [3] error code, [4] queue entry, [5] instance, [6] detail (wait index / value).
 #pragma once
+#include "common.cuh"
 
 #define MEGA_ERR_TIMEOUT 1
 #define MEGA_ERR_INDEX 2
 
 #ifdef MEGA_TRACE
 #define MEGA_TRACE_WAITED() (t_waited = mega_globaltimer())
+#define MEGA_TRACE_BODY_WAITED() (t_waited = mega_t_waited)
 #else
 #define MEGA_TRACE_WAITED() ((void)0)
+#define MEGA_TRACE_BODY_WAITED() ((void)0)
 #endif
 
 #ifndef MEGA_TIMEOUT_NS
@@ -33,7 +36,10 @@ __device__ __forceinline__ void mega_red_release(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Which entry and instance this block is running, for error records from bodies.
+// Which entry and instance this block is running, for error records from bodies; whether
+// the block must stop; when a body's own waits passed (traces).
+__shared__ int mega_abort_block;
+__shared__ unsigned long long mega_t_waited;
 __shared__ int mega_cur_entry;
 __shared__ long long mega_cur_instance;
 __device__ unsigned long long* mega_control_ptr;
@@ -86,4 +92,16 @@ __device__ __forceinline__ void mega_prefetch_l2(const void* p, long long bytes)
     c += n;
     bytes -= n;
   }
+}
+
+__device__ bool mega_wait_all(const MegaWaits& w) {
+    if (w.n == 0) return true;
+    if (threadIdx.x < w.n && !mega_wait(w.ctr[threadIdx.x], w.expected[threadIdx.x], mega_control_ptr, mega_cur_entry,
+                                        mega_cur_instance, threadIdx.x))
+        mega_abort_block = 1;
+    __syncthreads();
+#ifdef MEGA_TRACE
+    if (threadIdx.x == 0) mega_t_waited = mega_globaltimer();
+#endif
+    return !mega_abort_block;
 }

@@ -3,8 +3,8 @@
 A kind declares how a block op of that kind is partitioned (``build``: launch grid
 and read/write footprints), what one instance computes on the CPU (``cpu``: the
 living definition the simulator runs and the CUDA body is tested against), how the
-CUDA interpreter calls its device body (``cuda_call``, body in ``<name>.cuh``; the
-optional ``cuda_prologue`` runs before the instance's barrier waits) and what it costs
+CUDA interpreter calls its device body (``cuda_call``, body in ``<name>.cuh``; with
+``waits_in_body`` the body does its own barrier waits) and what it costs
 (``estimate``). Opcodes, the interpreter's switch and the simulator's dispatch are
 generated from :data:`REGISTRY`.
 """
@@ -54,6 +54,10 @@ class CudaOperand:
 class BlockKind:
     name: ClassVar[str]
     cuda_file: ClassVar[str | None] = None
+    # The body takes the instance's barrier waits (a `MegaWaits wl`, last argument) and
+    # waits itself, after issuing the loads that need no input (weights): they overlap the
+    # hand-off from the previous op. Else the interpreter waits before calling the body.
+    waits_in_body: ClassVar[bool] = False
 
     def build(self, inputs: Sequence["Operand"], output: "Operand", params: dict) -> Partition:
         raise NotImplementedError
@@ -64,13 +68,6 @@ class BlockKind:
 
     def cuda_call(self, op: "BlockOp", ins: list[CudaOperand], out: CudaOperand) -> str:
         raise NotImplementedError
-
-    def cuda_prologue(self, op: "BlockOp", ins: list[CudaOperand], out: CudaOperand) -> str:
-        """C++ statements the interpreter runs (all threads) right after the instance's grid
-        coordinates and BEFORE its barrier waits: work that needs no input, e.g. starting the
-        weight tile's loads into shared memory so HBM keeps streaming across the hand-off.
-        The body call follows in the same case; no other body runs in between. Default: none."""
-        return ""
 
     def bytes_moved(self, op: "BlockOp", env: dict) -> int:
         """Global-memory bytes of the whole op (all instances), for the cost model."""

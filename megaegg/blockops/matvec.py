@@ -37,6 +37,7 @@ def products(op, ins, x_rows: slice, w_rows: slice, dt: torch.dtype, weight: str
 class MatVec(BlockKind):
     name = "matvec"
     cuda_file = "matvec.cuh"
+    waits_in_body = True  # the first weight loads are in flight while it waits (matvec.cuh)
 
     def build(self, inputs, output, params) -> Partition:
         rows, mrows = params["rows"], params["mrows"]
@@ -94,21 +95,9 @@ class MatVec(BlockKind):
             *optional("w2", 2),
             *optional("r", 2),
             rows_of(out), out.strides[0], out.strides[1],
-            f"{n}LL", "c1",
+            f"{n}LL", "c1", "wl",
         ]
-        # STAGED: cuda_prologue ran before the barrier wait
-        return f"matvec<{x.ctype}, {mrows}, {kdim}, {p['rows']}, {flags}, true>({', '.join(args)})"
-
-    def cuda_prologue(self, op, ins, out: CudaOperand) -> str:
-        """Start copying the first weight rows of the tile into shared memory (matvec.cuh)."""
-        k = roles(op)
-        w = ins[k["w"]]
-        w2 = [ins[k["w2"]].ptr, *ins[k["w2"]].strides[:2]] if "w2" in k else ["nullptr", "0", "0"]
-        kdim = op.inputs[k["w"]].shape[1].value
-        n = op.inputs[k["w"]].shape[0].value
-        glu = "true" if "w2" in k else "false"
-        args = ["smem", w.ptr, w.strides[0], w.strides[1], *w2, f"{n}LL", "c1"]
-        return f"matvec_prologue<{w.ctype}, {op.params['mrows']}, {kdim}, {op.params['rows']}, {glu}>({', '.join(args)});"
+        return f"matvec<{x.ctype}, {mrows}, {kdim}, {p['rows']}, {flags}>({', '.join(args)})"
 
     def bytes_moved(self, op, env):
         k = roles(op)
