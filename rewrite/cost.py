@@ -18,6 +18,9 @@ class CostModel:
     # s per block op: its hand-off latency. Measured on llama-3.2-1b (H200): 1.5 us (QKV left unfused,
     # 128 instances each) 1.42-1.87 ms vs 4 us (partly fused) 1.50-1.94 ms: wide ops beat fewer ops.
     op_overhead: float = 1.5e-6
+    # s from an instance's claim until its weights stream (claim, barrier poll, x staged): measured
+    # ~2 us in the model on H200 (trace). Prices side-by-side siblings (siblings.py).
+    instance_latency: float = 2.0e-6
 
     def seconds(self, nbytes: int, instances: int) -> float:
         """Time for ``instances`` equal instances moving ``nbytes`` in all."""

@@ -12,6 +12,7 @@ from .encode import encode
 from .extract import alternatives, choose, computing_nodes
 from .program import BlockProgram
 from .rules import fusion, lowering
+from .siblings import balance_siblings
 
 DEFAULT_DIM_HINT = 512  # representative value of every runtime dim for cost estimates
 
@@ -44,8 +45,9 @@ def rewrite(
     alts = alternatives(egraph, graph, computing_nodes(graph, live))
     stats.alternatives = sum(len(a) for a in alts.values())
     t = stats.lap("alternatives", t)
-    costs = _choice_costs(graph, alts, cost_model, env)
+    costs, estimates = _choice_costs(graph, alts, cost_model, env)
     chosen = choose(graph, alts, costs.__getitem__)  # DAG extraction by cost
+    chosen = balance_siblings(graph, alts, chosen, estimates, cost_model)  # Q, K, V share one wave
     t = stats.lap("extract", t)
     program = build_program(graph, chosen, env)  # buffers, operands, block ops
     stats.lap("build", t)
@@ -53,13 +55,16 @@ def rewrite(
 
 
 def _choice_costs(graph, alts, model: CostModel, env) -> dict:
-    """Cost of each alternative: lower it alone and price its block ops."""
+    """Cost of each alternative (lower it alone and price its block ops), and its
+    (bytes, instances) when it is a single block op."""
     from .build import LOWER, ProgramBuilder, lower_block
 
-    costs = {}
+    costs, estimates = {}, {}
     for cs in alts.values():
         for c in cs:
             b = ProgramBuilder(graph, env)
             LOWER.get(c.kind, lower_block)(b, graph.nodes[c.node], c)
             costs[c] = sum(model.seconds(op.estimate.bytes, op.estimate.instances) for op in b.ops)
-    return costs
+            if len(b.ops) == 1:
+                estimates[c] = (b.ops[0].estimate.bytes, b.ops[0].estimate.instances)
+    return costs, estimates
