@@ -13,7 +13,8 @@ from .terms import NONE, Op, node
 
 # Rows of the weight per matvec instance. 16 rows x K=2048 x bf16 = 64 KB per instance;
 # DESIGN.md: pops cost a few % below ~128 KB, so the larger tiles win on big layers.
-MATVEC_ROWS = (8, 16, 32, 64, 128)
+# 24, 48 and 96 fill 128 SMs with common widths (3072, 6144, 12288 rows: qwen3's MLPs).
+MATVEC_ROWS = (8, 16, 24, 32, 48, 64, 96, 128)
 ELEMENTWISE_TILES = (1024, 8192)
 ROW_TILES = (1, 4)
 ATTENTION_CHUNKS = (64, 256)  # KV rows per split-KV instance
