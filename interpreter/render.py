@@ -84,27 +84,17 @@ def render_case(q: WorkQueue, k: int, e: QueueEntry) -> str:
         lines.append("        }")
     waits = [f"&ctr[{q.memory.counter_base[w.barrier_set]} + ({c_expr(w.index)})]" for w in e.waits]
     expected = [f"(unsigned)({c_expr(w.expected)})" for w in e.waits]
-    if kind.waits_in_body:
-        # the body issues its input-independent loads, then waits (runtime.cuh: mega_wait_all)
+    if waits or kind.waits_in_body:  # the wait list (runtime.cuh: mega_wait_all)
         lines.append(f"        MegaWaits wl; wl.n = {len(waits)};")
         lines += [f"        wl.ctr[{i}] = {c}; wl.expected[{i}] = {x};" for i, (c, x) in enumerate(zip(waits, expected))]
-        lines.append(f"        {kind.cuda_call(op, ins, out)};")
-        lines.append("        if (mega_abort_block) break;")
-        lines.append("        MEGA_TRACE_BODY_WAITED();" if waits else "        MEGA_TRACE_WAITED();")
+    call = f"        {kind.cuda_call(op, ins, out)};"
+    traced = "        MEGA_TRACE_WAITS_PASSED();" if waits else "        MEGA_TRACE_WAITED();"
+    if kind.waits_in_body:  # the body issues its input-independent loads, then waits
+        lines += [call, "        if (mega_abort_block) break;", traced]
     else:
         if waits:
-            lines.append(f"        if (threadIdx.x < {len(waits)}) {{")
-            lines.append("          bool ok = true;")
-            lines.append("          switch (threadIdx.x) {")
-            for w_id, (c, x) in enumerate(zip(waits, expected)):
-                lines.append(f"            case {w_id}: ok = mega_wait({c}, {x}, control, {k}, local, {w_id}); break;")
-            lines.append("          }")
-            lines.append("          if (!ok) mega_abort_block = 1;")
-            lines.append("        }")
-            lines.append("        __syncthreads();")
-            lines.append("        if (mega_abort_block) break;")
-        lines.append("        MEGA_TRACE_WAITED();")
-        lines.append(f"        {kind.cuda_call(op, ins, out)};")
+            lines.append("        if (!mega_wait_all(wl)) break;")
+        lines += [traced, call]
     if e.signals:
         lines.append("        __syncthreads();")
         lines.append("        if (threadIdx.x == 0) {")
@@ -126,6 +116,7 @@ def render(q: WorkQueue) -> str:
         "COUNTERS": str(max(1, q.memory.counters)),
         "NDIMS": str(max(1, len(symbols))),
         "NPTRS": str(max(1, len(q.memory.pointer_slot))),
+        "MAXWAITS": str(max([1, *(len(e.waits) for e in q.entries)])),
         "DIMS": " ".join(f"const long long {dimc(s)} = args.dims[{k}];" for k, s in enumerate(symbols)),
         "PREFIX": "\n    ".join(
             f"prefix[{k + 1}] = prefix[{k}] + max_i64(0LL, {c_expr(e.launch)});" for k, e in enumerate(q.entries)

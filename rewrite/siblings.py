@@ -43,7 +43,8 @@ def balance_siblings(graph: Graph, alts: dict[int, list[Choice]], chosen: dict[i
         members = _independent(graph, members)[:MAX_GROUP]
         if len(members) < 2:
             continue
-        options = [[a for a in alts[i] if a.kind == "matvec" and a.args[:6] == chosen[i].args[:6]] for i in members]
+        options = [[a for a in alts[i] if a.kind == "matvec" and a.args[:6] == chosen[i].args[:6] and a in estimates]
+                   for i in members]
         best = [chosen[i] for i in members]
         best_t = group_seconds([estimates[c] for c in best], model)
         for combo in itertools.product(*options):

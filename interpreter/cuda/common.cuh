@@ -20,12 +20,15 @@ static_assert(MEGA_THREADS % 32 == 0 && MEGA_THREADS <= 1024, "MEGA_THREADS: who
 #define MEGA_FULL_MASK 0xffffffffu
 #define MEGA_NEG_INF __int_as_float(0xff800000)
 
-// An instance's barrier waits, handed to bodies that wait themselves (BlockKind.waits_in_body)
-// after issuing the loads that need no input, so those loads overlap the hand-off.
-#define MEGA_BODY_WAITS 8
+// An instance's barrier waits. The interpreter passes them to mega_wait_all, or hands them
+// to a body that waits itself (BlockKind.waits_in_body) after issuing the loads that need
+// no input, so those loads overlap the hand-off.
+#ifndef MEGA_MAX_WAITS
+#define MEGA_MAX_WAITS 8  // (the interpreter defines it: the most waits of one queue entry)
+#endif
 struct MegaWaits {
-    const unsigned* ctr[MEGA_BODY_WAITS];
-    unsigned expected[MEGA_BODY_WAITS];
+    const unsigned* ctr[MEGA_MAX_WAITS];
+    unsigned expected[MEGA_MAX_WAITS];
     int n;  // 0: nothing to wait for
 };
 // All threads: thread i < w.n waits for ctr[i] >= expected[i], then a block barrier.

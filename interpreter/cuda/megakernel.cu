@@ -8,6 +8,7 @@
 //
 // Counters come in two parity sets: a launch uses set `parity` and zeroes the
 // other one (and its claim counter) for the next launch, so no host reset is needed.
+#define MEGA_MAX_WAITS /*@MAXWAITS@*/  // the most barrier waits of one queue entry
 #include "runtime.cuh"
 #include "common.cuh"
 /*@INCLUDES@*/

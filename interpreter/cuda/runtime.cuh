@@ -10,10 +10,10 @@
 
 #ifdef MEGA_TRACE
 #define MEGA_TRACE_WAITED() (t_waited = mega_globaltimer())
-#define MEGA_TRACE_BODY_WAITED() (t_waited = mega_t_waited)
+#define MEGA_TRACE_WAITS_PASSED() (t_waited = mega_t_waited)  // when mega_wait_all passed
 #else
 #define MEGA_TRACE_WAITED() ((void)0)
-#define MEGA_TRACE_BODY_WAITED() ((void)0)
+#define MEGA_TRACE_WAITS_PASSED() ((void)0)
 #endif
 
 #ifndef MEGA_TIMEOUT_NS
