@@ -71,6 +71,7 @@ B0 op1 signals [_i0 // 2] of ceildiv(S, 64)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -192,7 +193,49 @@ def derive_barriers(program: BlockProgram) -> BarrierPlan:
         if not any((x.barrier_set, x.index, x.expected) == (w.barrier_set, w.index, w.expected) for x in waits[consumer.id]):
             waits[consumer.id].append(w)
     launches = {op.id: _launch_count(op) for op in program.ops}
-    return BarrierPlan(list(sets.values()), {k: v for k, v in waits.items() if v}, launches)
+    waits = _drop_implied(program, list(sets.values()), waits, launches)
+    # sets nobody waits on any more are not signalled either; renumber the rest
+    used = sorted({w.barrier_set for ws in waits.values() for w in ws})
+    renum = {old: new for new, old in enumerate(used)}
+    by_id = {s.id: s for s in sets.values()}
+    kept = [BarrierSet(renum[i], by_id[i].producer, by_id[i].count, by_id[i].signal) for i in used]
+    waits = {op: [dataclasses.replace(w, barrier_set=renum[w.barrier_set]) for w in ws] for op, ws in waits.items() if ws}
+    return BarrierPlan(kept, waits, launches)
+
+
+def _drop_implied(program: BlockProgram, sets: list[BarrierSet], waits: dict[int, list[Wait]],
+                  launches: dict[int, Dim]) -> dict[int, list[Wait]]:
+    """Drop the waits that another wait of the same instance already implies.
+
+    A wait is *whole* when it waits for every instance of a producer P (one counter,
+    expected = P's constant, non-zero launch count). Once all of P has finished, so has
+    every op that P waits for whole, transitively (release/acquire chains are causal).
+    So a consumer that waits for the whole of P need not wait on any of those ops:
+    ``down = x_glu @ w + h`` waits for all of the GLU, which waited for all of the O
+    projection that wrote ``h``, so the per-tile wait on ``h`` goes.
+    """
+    by_id = {s.id: s for s in sets}
+
+    def whole(w: Wait) -> int | None:  # the producer a wait covers entirely
+        s = by_id[w.barrier_set]
+        n = launches[s.producer]
+        if s.count.is_const and s.count.value == 1 and n.is_const and n.value >= 1 and w.expected == n:
+            return s.producer
+        return None
+
+    done_with: dict[int, set[int]] = {}  # op -> ops certainly finished once it has (queue order)
+    out: dict[int, list[Wait]] = {}
+    for op in program.ops:
+        ws = waits.get(op.id, [])
+        finished = set()
+        for w in ws:
+            p = whole(w)
+            if p is not None:
+                finished |= {p} | done_with.get(p, set())
+        implied = set().union(*(done_with.get(whole(w), set()) for w in ws if whole(w) is not None))
+        out[op.id] = [w for w in ws if by_id[w.barrier_set].producer not in implied]
+        done_with[op.id] = finished
+    return out
 
 
 def _launch_count(op: BlockOp) -> Dim:

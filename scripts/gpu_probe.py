@@ -11,8 +11,8 @@ W = random_weights(spec, seed=0, device="cuda")
 t = time.time()
 import os
 from megaegg.rewrite.cost import CostModel
-cm = CostModel(op_overhead=float(os.environ.get("OP_OVERHEAD_US", "1.5")) * 1e-6,
-               instance_overhead=float(os.environ.get("INST_OVERHEAD_US", "0.15")) * 1e-6)
+knobs = {"op_overhead": "OP_OVERHEAD_US", "instance_overhead": "INST_OVERHEAD_US"}
+cm = CostModel(**{f: float(os.environ[e]) * 1e-6 for f, e in knobs.items() if e in os.environ})
 k = me.compile(g, W, backend="cuda", max_dims={"pos": 1023}, dims_hint={"pos": ctx}, cost_model=cm)
 print("kinds", sorted({e.op.kind for e in k.queue.entries}), "entries", len(k.queue.entries))
 print("compile s", round(time.time() - t, 2), {a: round(b, 3) for a, b in k.artifact.timings.items()})

@@ -91,6 +91,9 @@ def check(program: BlockProgram, env: dict, *, precise: bool = False) -> Barrier
         assert all(0 <= v < n for v in vals), f"{s}: signals {vals} outside [0, {n})"
         signals[s.id], counts[s.id] = np.array(vals), Counter(vals)
     assert len({(s.producer, s.count, s.signal) for s in plan.sets}) == len(plan.sets), "duplicate counter families"
+    # (op, instance) -> every producer instance it has transitively waited for: what an
+    # instance waited for had finished, and so had everything those instances waited for
+    finished_before: dict[tuple[int, int], set[tuple[int, int]]] = {}
     for consumer in program.ops:
         cenvs = instance_envs(consumer, env)
         deps = np.zeros((len(cenvs), 0), dtype=bool)
@@ -118,12 +121,17 @@ def check(program: BlockProgram, env: dict, *, precise: bool = False) -> Barrier
                     f"{w}: expects {expected} but {counts[s.id][index]} instances signal {index} at {e}\n{plan}"
                 )
                 covered |= {(s.producer, int(j)) for j in np.nonzero(signals[s.id] == index)[0]}
+            direct = set(covered)
+            for dep in direct:
+                covered |= finished_before[dep]
+            finished_before[(consumer.id, ci)] = covered
             needed = {cols[j] for j in np.nonzero(deps[ci])[0]}
             assert needed <= covered, (
                 f"UNSOUND: op{consumer.id} instance {e} reads data of {sorted(needed - covered)} without waiting"
                 f"\n{plan}\n{program}"
             )
             if precise:
+                covered = direct
                 assert covered == needed, (
                     f"imprecise: op{consumer.id} instance {e} waits on {sorted(covered - needed)} it does not read"
                     f"\n{plan}\n{program}"
@@ -437,6 +445,29 @@ def test_consumers_share_counter_families():
     assert plan.waits_per_instance() == {1: 1, 2: 1, 3: 1, 4: 1}
     assert plan.num_counters({"S": 200}) == 4 + 1
     assert plan.total_waits({"S": 200}) == 4 + 4 + 1 + 8
+
+
+def test_waits_implied_by_a_whole_wait_are_dropped():
+    """C reads a tile of t and all of u; u's producer B read all of t first, so once C has
+    waited for all of B, t is complete: C's per-tile wait on t goes, and so does t's
+    per-tile counter family (nobody else waits on it). If B reads only part of t, it stays."""
+    t = Buffer(0, "t", "scratch", (as_dim(64), as_dim(8)), f32)
+    u = Buffer(1, "u", "scratch", (as_dim(64),), f32)
+    sink = Buffer(2, "o", "scratch", (as_dim(64),), f32)
+
+    def program(b_reads):
+        return BlockProgram([t, u, sink], [
+            op(0, (8,), out=operand(t), writes=(Tile(0, 8), Full())),
+            op(1, (4,), out=operand(u), writes=(Tile(0, 16),), inputs=[operand(t)], reads=[b_reads]),
+            op(2, (8,), out=operand(sink), writes=(Tile(0, 8),), inputs=[operand(t), operand(u)],
+               reads=[(Tile(0, 8), Full()), (Full(),)]),
+        ], {})
+
+    plan = check(program((Full(), Full())), {})
+    assert [(plan.sets[w.barrier_set].producer, w.input) for w in plan.waits[2]] == [(1, 1)]
+    assert {s.producer for s in plan.sets} == {0, 1} and len(plan.sets) == 2  # B's whole wait on t, C's on u
+    plan = check(program((Tile(0, 16), Full())), {})  # B reads 2 tiles of t each: nothing implied
+    assert sorted(plan.sets[w.barrier_set].producer for w in plan.waits[2]) == [0, 1]
 
 
 def test_fan_in_concat_halves_as_spans():
