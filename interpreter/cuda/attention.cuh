@@ -20,6 +20,8 @@
 //
 // attn_merge<T, D>: instance c0 combines the ceil(L/chunk) splits of query heads
 // [c0*rows_per, min(c0*rows_per + rows_per, Hq)): out[h] = T(num / den), one warp a head.
+// It is latency-bound: the first 16 splits' rows load together with the (max, sum)
+// pairs, in one round trip, before any weight is known.
 #pragma once
 #include "common.cuh"
 
@@ -352,14 +354,25 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
                                         long long chunk, long long Hq, int rows_per, T* out, long long out_s0,
                                         long long out_s1, long long c0) {
     constexpr int DL = cdiv(D, 32);  // output columns per lane
+    constexpr int B = 16;            // splits whose rows a lane loads up front
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long nsplit = (L + chunk - 1) / chunk;
     for (int i = warp; i < rows_per; i += MEGA_WARPS) {
         const long long h = c0 * rows_per + i;
         if (h >= Hq) break;
         const float* ph = part + h * p_s0;
-        float mx = MEGA_NEG_INF;
-        for (long long s = lane; s < nsplit; s += 32) mx = fmaxf(mx, __ldcg(ph + s * p_s1 + D));
+        // One round trip for short contexts: the first B splits' rows and split `lane`'s
+        // (max, sum) are all in flight at once (the loads need no weight yet).
+        float rows[B][DL];
+#pragma unroll
+        for (int t = 0; t < B; ++t)
+#pragma unroll
+            for (int c = 0; c < DL; ++c)
+                rows[t][c] = t < nsplit && c * 32 + lane < D ? __ldcg(ph + t * p_s1 + c * 32 + lane) : 0.0f;
+        const float m_own = lane < nsplit ? __ldcg(ph + lane * p_s1 + D) : MEGA_NEG_INF;
+        const float l_own = lane < nsplit ? __ldcg(ph + lane * p_s1 + D + 1) : 0.0f;
+        float mx = m_own;
+        for (long long s = lane + 32; s < nsplit; s += 32) mx = fmaxf(mx, __ldcg(ph + s * p_s1 + D));
         mx = warp_max(mx);
         float num[DL], den = 0.0f;
 #pragma unroll
@@ -367,11 +380,23 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
         for (long long s0 = 0; s0 < nsplit; s0 += 32) {
             // lane t weighs split s0 + t; the warp then walks the 32 splits
             const long long s = s0 + lane;
-            const float ws = s < nsplit ? exp2f((__ldcg(ph + s * p_s1 + D) - mx) * attn_impl::LOG2E) : 0.0f;
-            if (s < nsplit) den += ws * __ldcg(ph + s * p_s1 + D + 1);
+            const float ms = s0 == 0 ? m_own : s < nsplit ? __ldcg(ph + s * p_s1 + D) : MEGA_NEG_INF;
+            const float ls = s0 == 0 ? l_own : s < nsplit ? __ldcg(ph + s * p_s1 + D + 1) : 0.0f;
+            const float ws = s < nsplit ? exp2f((ms - mx) * attn_impl::LOG2E) : 0.0f;
+            den += ws * ls;
             const int n = (int)min_i64(32, nsplit - s0);
+            int t = 0;
+            if (s0 == 0) {  // the rows already in registers
+#pragma unroll
+                for (int u = 0; u < B; ++u) {
+                    const float wt = __shfl_sync(MEGA_FULL_MASK, ws, u);
+#pragma unroll
+                    for (int c = 0; c < DL; ++c) num[c] = fmaf(wt, rows[u][c], num[c]);  // (0 beyond nsplit)
+                }
+                t = B;
+            }
 #pragma unroll 4
-            for (int t = 0; t < n; ++t) {
+            for (; t < n; ++t) {
                 const float wt = __shfl_sync(MEGA_FULL_MASK, ws, t);
                 const float* row = ph + (s0 + t) * p_s1;
 #pragma unroll
