@@ -227,14 +227,10 @@ def _drop_implied(program: BlockProgram, sets: list[BarrierSet], waits: dict[int
     out: dict[int, list[Wait]] = {}
     for op in program.ops:
         ws = waits.get(op.id, [])
-        finished = set()
-        for w in ws:
-            p = whole(w)
-            if p is not None:
-                finished |= {p} | done_with.get(p, set())
-        implied = set().union(*(done_with.get(whole(w), set()) for w in ws if whole(w) is not None))
+        wholes = {p for w in ws if (p := whole(w)) is not None}
+        implied = set().union(*(done_with[p] for p in wholes))
         out[op.id] = [w for w in ws if by_id[w.barrier_set].producer not in implied]
-        done_with[op.id] = finished
+        done_with[op.id] = wholes | implied
     return out
 
 
