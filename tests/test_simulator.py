@@ -128,15 +128,22 @@ def random_graph(draw):
     return g, ins, ws, rows
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(random_graph(), st.integers(0, 2**16))
-def test_random_graphs_on_simulator(case, seed):
+def case_data(case, seed: int, device: str = "cpu"):
+    """Runtime dims, random inputs and weights (on ``device``) for a ``random_graph`` case."""
     g, ins, ws, rows = case
     torch.manual_seed(seed)
     dims = {s: {"S": rows, "pos": seed % 50}[s] for s in g.symbols()}
     n_rows = dims.get("S", rows)
-    inputs = {n: torch.randn(n_rows, c) if base else torch.randn(c) for n, (base, c) in ins.items()}
-    weights = {n: torch.randn(s) * 0.2 for n, s in ws.items()}
+    inputs = {n: (torch.randn(n_rows, c) if base else torch.randn(c)).to(device) for n, (base, c) in ins.items()}
+    weights = {n: (torch.randn(s) * 0.2).to(device) for n, s in ws.items()}
+    return dims, inputs, weights
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_graph(), st.integers(0, 2**16))
+def test_random_graphs_on_simulator(case, seed):
+    g = case[0]
+    dims, inputs, weights = case_data(case, seed)
     k = me.compile(g, weights, backend="sim", max_dims={s: 64 for s in g.symbols()})
     compare(k, g, inputs, k.weights, dims, 1e-4, (Schedule(sms=5, seed=seed, adversarial=seed % 2 == 0),))
 

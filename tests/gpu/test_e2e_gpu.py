@@ -66,18 +66,14 @@ def test_out_of_range_token_raises():
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_simulator import random_graph  # noqa: E402
+from test_simulator import case_data, random_graph  # noqa: E402
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_graph(), st.integers(0, 2**16))
 def test_random_graphs_on_gpu(case, seed):
-    g, ins, ws, rows = case
-    torch.manual_seed(seed)
-    dims = {s: {"S": rows, "pos": seed % 50}[s] for s in g.symbols()}
-    n_rows = dims.get("S", rows)
-    inputs = {n: (torch.randn(n_rows, c) if base else torch.randn(c)).cuda() for n, (base, c) in ins.items()}
-    weights = {n: (torch.randn(s) * 0.2).cuda() for n, s in ws.items()}
+    g = case[0]
+    dims, inputs, weights = case_data(case, seed, "cuda")
     k = me.compile(g, weights, backend="cuda", max_dims={s: 64 for s in g.symbols()})
     out = k(**inputs, **dims)
     ref = me.run_reference(g, inputs, weights, dims)
