@@ -79,9 +79,9 @@ __device__ __noinline__ void argmax_reduce(char* smem, const float* part, long l
     float bv = MEGA_NEG_INF;
     long long bi = 0x7fffffffffffffffll;  // chunk number: the first best chunk has the lowest index
     for (long long t = threadIdx.x; t < T; t += MEGA_THREADS) {
-        const float v = __ldcg(part + c0 * p_s0 + t * p_s1);
+        const float v = ld_cg(part + c0 * p_s0 + t * p_s1);
         if (argmax_impl::better(v, t, bv, bi)) bv = v, bi = t;
     }
     argmax_impl::block_best(bv, bi, shared_ptr(smem));
-    if (threadIdx.x == 0 && bi < T) out[c0 * out_s0] = (int)__ldcg(part + c0 * p_s0 + bi * p_s1 + 1);
+    if (threadIdx.x == 0 && bi < T) out[c0 * out_s0] = (int)ld_cg(part + c0 * p_s0 + bi * p_s1 + 1);
 }

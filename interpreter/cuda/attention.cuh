@@ -368,11 +368,11 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
         for (int t = 0; t < B; ++t)
 #pragma unroll
             for (int c = 0; c < DL; ++c)
-                rows[t][c] = t < nsplit && c * 32 + lane < D ? __ldcg(ph + t * p_s1 + c * 32 + lane) : 0.0f;
-        const float m_own = lane < nsplit ? __ldcg(ph + lane * p_s1 + D) : MEGA_NEG_INF;
-        const float l_own = lane < nsplit ? __ldcg(ph + lane * p_s1 + D + 1) : 0.0f;
+                rows[t][c] = t < nsplit && c * 32 + lane < D ? ld_cg(ph + t * p_s1 + c * 32 + lane) : 0.0f;
+        const float m_own = lane < nsplit ? ld_cg(ph + lane * p_s1 + D) : MEGA_NEG_INF;
+        const float l_own = lane < nsplit ? ld_cg(ph + lane * p_s1 + D + 1) : 0.0f;
         float mx = m_own;
-        for (long long s = lane + 32; s < nsplit; s += 32) mx = fmaxf(mx, __ldcg(ph + s * p_s1 + D));
+        for (long long s = lane + 32; s < nsplit; s += 32) mx = fmaxf(mx, ld_cg(ph + s * p_s1 + D));
         mx = warp_max(mx);
         float num[DL], den = 0.0f;
 #pragma unroll
@@ -380,8 +380,8 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
         for (long long s0 = 0; s0 < nsplit; s0 += 32) {
             // lane t weighs split s0 + t; the warp then walks the 32 splits
             const long long s = s0 + lane;
-            const float ms = s0 == 0 ? m_own : s < nsplit ? __ldcg(ph + s * p_s1 + D) : MEGA_NEG_INF;
-            const float ls = s0 == 0 ? l_own : s < nsplit ? __ldcg(ph + s * p_s1 + D + 1) : 0.0f;
+            const float ms = s0 == 0 ? m_own : s < nsplit ? ld_cg(ph + s * p_s1 + D) : MEGA_NEG_INF;
+            const float ls = s0 == 0 ? l_own : s < nsplit ? ld_cg(ph + s * p_s1 + D + 1) : 0.0f;
             const float ws = s < nsplit ? exp2f((ms - mx) * attn_impl::LOG2E) : 0.0f;
             den += ws * ls;
             const int n = (int)min_i64(32, nsplit - s0);
@@ -401,7 +401,7 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
                 const float* row = ph + (s0 + t) * p_s1;
 #pragma unroll
                 for (int c = 0; c < DL; ++c)
-                    if (c * 32 + lane < D) num[c] = fmaf(wt, __ldcg(row + c * 32 + lane), num[c]);
+                    if (c * 32 + lane < D) num[c] = fmaf(wt, ld_cg(row + c * 32 + lane), num[c]);
             }
         }
         den = warp_sum(den);

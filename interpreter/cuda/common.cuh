@@ -1,8 +1,8 @@
 // Shared device helpers of the block-op bodies (no host code).
 //
 // Every body runs with the whole block (MEGA_THREADS threads) and may use the dynamic
-// shared memory `smem` (MEGA_SMEM bytes). Loads of global memory go through __ldcg
-// (L2 only): activations written by another SM in the same launch are not coherent
+// shared memory `smem` (MEGA_SMEM bytes). Loads of global memory skip L1 (ld_cg, ldcg16,
+// ldw16 below): activations written by another SM in the same launch are not coherent
 // in L1 (DESIGN.md, barrier protocol 1), and weights stream once, so L1 cannot help.
 #pragma once
 #include <cuda_bf16.h>
@@ -72,7 +72,9 @@ template <class T> struct Convert<T, T> {
 };
 template <class TO, class TI> __device__ __forceinline__ TO convert(TI v) { return Convert<TO, TI>::run(v); }
 
-// --- L2-only loads (ld.global.cg) --------------------------------------------------
+// --- Global loads that skip L1 -----------------------------------------------------
+// Activations and partials: ld.global.cg (L2 only). It compiles to a strong gpu-scope load
+// on sm_90; a weak L1::no_allocate load measured the same here (perf-notes #22).
 __device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ int ld_cg(const int* p) { return __ldcg(p); }
 __device__ __forceinline__ __nv_bfloat16 ld_cg(const __nv_bfloat16* p) {
@@ -82,11 +84,20 @@ __device__ __forceinline__ __half ld_cg(const __half* p) {
     return __ushort_as_half(__ldcg(reinterpret_cast<const unsigned short*>(p)));
 }
 template <class T> __device__ __forceinline__ float ld_f32(const T* p) { return to_f32(ld_cg(p)); }
+__device__ __forceinline__ uint4 ldcg16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+
+// A weight stream's 16-byte load: weak ld.global.L1::no_allocate. The strong loads of
+// ld.global.cg streamed weights 9% slower a decode step (perf-notes #22). Weights do not
+// change during a launch, so the asm is not volatile: the compiler may issue it early.
+__device__ __forceinline__ uint4 ldw16(const void* p) {
+    uint4 r;
+    asm("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
 
 // 16-byte vectors: VecN<T> elements (8 bf16/f16, 4 f32) per 16-byte load.
 template <class T> struct VecN { static constexpr int value = 16 / (int)sizeof(T); };
-
-__device__ __forceinline__ uint4 ldcg16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0; }
 

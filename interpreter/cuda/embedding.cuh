@@ -7,7 +7,7 @@ template <class T, class I>
 __device__ __noinline__ void embedding_row(const T* table, long long t_s0, long long t_s1, const I* ids,
                                               long long ids_s0, long long V, long long D, T* out, long long out_s0,
                                               long long out_s1, long long c0) {
-    const long long row = (long long)__ldcg(ids + c0 * ids_s0);
+    const long long row = (long long)ld_cg(ids + c0 * ids_s0);
     if (row < 0 || row >= V) {
         if (threadIdx.x == 0) mega_body_error(MEGA_ERR_INDEX, row);
         return;  // uniform: every thread read the same id

@@ -10,7 +10,7 @@
 // - x (M rows, after the norm) is staged once per instance in shared memory, as float
 //   when it fits (else as T: exact, every value the dots read is T-representable);
 // - each warp owns rows warp, warp + 8, ... of the tile (ragged tiles spread evenly),
-//   in groups of RB <= 4 rows; its lanes stride the row in coalesced 16-byte __ldcg
+//   in groups of RB <= 4 rows; its lanes stride the row in coalesced 16-byte ldw16
 //   loads, U vectors per row per step, so RB * U (* 2 with w2) <= 32 loads in flight per
 //   lane (DESIGN.md: 4 rows x 8 loads per lane reached 94% of bandwidth);
 // - the first step's weight loads are issued BEFORE x is staged, so the x round trip
@@ -197,8 +197,8 @@ __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[
         for (int u = 0; u < P::U; ++u) {
             const int kv = (s * P::U + u) * 32 + lane;
             const bool in = ok && kv < P::KV;
-            wa[rb][u] = in ? ldcg16(wr + kv * P::VEC) : make_uint4(0, 0, 0, 0);
-            if (GLU) wb[GLU ? rb : 0][GLU ? u : 0] = in ? ldcg16(wr2 + kv * P::VEC) : make_uint4(0, 0, 0, 0);
+            wa[rb][u] = in ? ldw16(wr + kv * P::VEC) : make_uint4(0, 0, 0, 0);
+            if (GLU) wb[GLU ? rb : 0][GLU ? u : 0] = in ? ldw16(wr2 + kv * P::VEC) : make_uint4(0, 0, 0, 0);
         }
     }
 }

@@ -23,7 +23,7 @@ __device__ __noinline__ void matvec_heads(char* smem, const T* x, long long x_s0
         float v = to_f32(tile[i]);
         if (ROPE) {
             float s, c;
-            sincosf((float)pos * __ldcg(inv_freq + d % HALF), &s, &c);
+            sincosf((float)pos * ld_cg(inv_freq + d % HALF), &s, &c);
             const float partner = to_f32(tile[d < HALF ? i + HALF : i - HALF]);
             v = d < HALF ? v * c - partner * s : v * c + partner * s;
         }

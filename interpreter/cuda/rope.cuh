@@ -19,8 +19,8 @@ __device__ __noinline__ void rope_rows(const T* x, long long x_s0, long long x_s
     for (int i = threadIdx.x; i < n; i += MEGA_THREADS) {
         const long long r = r0 + i / H;
         const int j = i % H;
-        const long long p = pos_ids ? (long long)__ldcg(pos_ids + (r / group) * pos_s0) : pos;
-        const float ang = __fmul_rn((float)p, __ldcg(inv_freq + j));
+        const long long p = pos_ids ? (long long)ld_cg(pos_ids + (r / group) * pos_s0) : pos;
+        const float ang = __fmul_rn((float)p, ld_cg(inv_freq + j));
         float sn, cs;
         sincosf(ang, &sn, &cs);
         const float x1 = ld_f32(x + r * x_s0 + j * x_s1), x2 = ld_f32(x + r * x_s0 + (j + H) * x_s1);
