@@ -1,0 +1,25 @@
+"""dev: run a preset's decode step a few times, for `ncu` to profile one launch.
+
+  ncu -k regex:megakernel --launch-skip 3 --launch-count 1 --metrics ... \\
+      python3 scripts/ncu_step.py llama-3.2-1b
+"""
+import sys
+
+import torch
+
+import megaegg as me
+from megaegg.models import ModelConfig, build_decode_graph, random_weights
+
+preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.2-1b"
+ctx = 512
+g, spec = build_decode_graph(ModelConfig.preset(preset), max_len=1024)
+w = random_weights(spec, seed=0, device="cuda")
+k = me.compile(g, w, backend="cuda", max_dims={"pos": 1023}, dims_hint={"pos": ctx})
+caches = spec.new_caches("cuda")
+for c in caches.values():
+    c.normal_()
+tok = torch.tensor([7], dtype=torch.int32, device="cuda")
+for _ in range(5):
+    k(token=tok, pos=ctx, check=False, **caches)
+torch.cuda.synchronize()
+print("done")
