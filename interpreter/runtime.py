@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..lowering.queue import WorkQueue
-from .render import THREADS, defines
+from .render import defines
 
 CONTROL_WORDS = 8
 ERR_TIMEOUT, ERR_INDEX = 1, 2
@@ -52,7 +52,8 @@ class CudaRunner:
         self.func = _drv(driver.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
         props = torch.cuda.get_device_properties(device)
         self.sms = props.multi_processor_count
-        self.smem = defines()["MEGA_SMEM"]  # (MEGAEGG_DEFINES may override it: launch what was compiled)
+        # (MEGAEGG_DEFINES may override these: launch what was compiled)
+        self.smem, self.threads = defines()["MEGA_SMEM"], defines()["MEGA_THREADS"]
         if smem_bytes(device) < self.smem:
             raise RuntimeError(f"the megakernel needs {self.smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
         _drv(driver.cuFuncSetAttribute(
@@ -85,7 +86,7 @@ class CudaRunner:
         for buf, t in tensors.items():
             a[self.ptr_base + self.q.memory.pointer_slot[buf]] = t.data_ptr()
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        _drv(driver.cuLaunchKernel(self.func, self.sms, 1, 1, THREADS, 1, 1, self.smem, stream,
+        _drv(driver.cuLaunchKernel(self.func, self.sms, 1, 1, self.threads, 1, 1, self.smem, stream,
                                    ctypes.addressof(self._param), 0), "cuLaunchKernel")
         self.parity ^= 1
         self.stats.launches += 1
