@@ -53,7 +53,8 @@ class CudaRunner:
         props = torch.cuda.get_device_properties(device)
         self.sms = props.multi_processor_count
         # (MEGAEGG_DEFINES may override these: launch what was compiled)
-        self.smem, self.threads = defines()["MEGA_SMEM"], defines()["MEGA_THREADS"]
+        compiled = defines()
+        self.smem, self.threads = compiled["MEGA_SMEM"], compiled["MEGA_THREADS"]
         if smem_bytes(device) < self.smem:
             raise RuntimeError(f"the megakernel needs {self.smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
         _drv(driver.cuFuncSetAttribute(
