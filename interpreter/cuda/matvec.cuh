@@ -12,7 +12,9 @@
 // - each warp owns rows warp, warp + 8, ... of the tile (ragged tiles spread evenly),
 //   in groups of RB <= 4 rows; its lanes stride the row in coalesced 16-byte ldw16
 //   loads, U vectors per row per step, so RB * U (* 2 with w2) <= 32 loads in flight per
-//   lane (DESIGN.md: 4 rows x 8 loads per lane reached 94% of bandwidth);
+//   lane (DESIGN.md: 4 rows x 8 loads per lane reached 94% of bandwidth); tiles of up to
+//   512 KB instead alternate two register buffers of 16 loads (Plan::PIPE), so the next
+//   step's loads are in flight while a step computes and while x stages after the wait;
 // - the first step's weight loads are issued BEFORE x is staged, so the x round trip
 //   (and the norm's reductions) hide under the weight latency;
 // A scalar path (any K, any weight strides: `matmul` reads w through a permute view)
@@ -40,9 +42,13 @@
 #define MEGA_SMEM_RESERVED 4096  // the top of dynamic shared memory: epilogue tiles (matvec_heads)
 #endif
 
+#ifndef MEGA_MV_PIPE
+#define MEGA_MV_PIPE 1  // two register buffers: 0 never, 1 where Plan::PIPE says, 2 always (perf-notes #26)
+#endif
+
 namespace matvec_impl {
 
-template <class T, int M, int K, int ROWS, bool GLU>
+template <class T, int M, int K, int ROWS, bool GLU, bool NORM>
 struct Plan {
     static constexpr int VEC = VecN<T>::value;
     static constexpr int KV = K / VEC;                        // 16-byte vectors per row
@@ -51,7 +57,16 @@ struct Plan {
     static constexpr int RB = cdiv(RPW, NG);                  // rows per group (<= 4)
     static constexpr int NW = GLU ? 2 : 1;                    // weight matrices
     static constexpr int VPL = cmax(1, cdiv(KV, 32));         // vectors per lane per row
-    static constexpr int U0 = cmin(VPL, cmax(1, 32 / (RB * NW)));
+    // Pipelined (two register buffers of 16 loads a lane: the next step's loads are in flight
+    // while a step computes and while x stages after the wait) where staging x is long, a
+    // norm prologue's block reduction or x of >= 16 KB, and the tile is <= 512 KB. Elsewhere
+    // 32 loads a lane in flight streamed better (perf-notes #26: pipelining every tile gave
+    // llama-3.2-1b -4%, qwen3-8b +1.5-2%, from its 256 KB O and its 768 KB-1.5 MB tiles).
+    static constexpr long long TILE_BYTES = (long long)ROWS * K * NW * (long long)sizeof(T);
+    static constexpr bool PIPE = MEGA_MV_PIPE == 2 || (MEGA_MV_PIPE == 1 && TILE_BYTES <= 512 * 1024 &&
+                                                       (NORM || K * (int)sizeof(T) >= 16384));
+    static constexpr int LOADS = PIPE ? 16 : 32;              // 16-byte loads per lane per step (a buffer)
+    static constexpr int U0 = cmin(VPL, cmax(1, LOADS / (RB * NW)));
     static constexpr int STEPS = cdiv(VPL, U0);               // steps per row group
     static constexpr int U = cdiv(VPL, STEPS);                // vectors per lane per row per step
     static constexpr int BODY_SMEM = MEGA_SMEM - MEGA_SMEM_RESERVED;  // the top stays untouched
@@ -203,13 +218,67 @@ __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[
     }
 }
 
+// Multiply-accumulate step t (row group t / STEPS, k-step t % STEPS) from its register
+// buffer; the group's first step zeroes acc, its last reduces and writes the outputs.
+template <class P, class T, class XS, int M, int K, int ROWS, bool GLU, bool RES>
+__device__ __forceinline__ void step(const uint4 (&wa)[P::RB][P::U], const uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
+                                     float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const XS* xs,
+                                     const float* rt, T* out, long long out_s0, long long out_s1, long long row0,
+                                     long long N, int t, int warp, int lane) {
+    const int gi = t / P::STEPS, s = t % P::STEPS;
+    if (s == 0) {
+#pragma unroll
+        for (int rb = 0; rb < P::RB; ++rb)
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[rb][m] = 0.0f, acc2[GLU ? rb : 0][m] = 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < P::U; ++u) {
+        const int kv = (s * P::U + u) * 32 + lane;
+        if (P::KV % (32 * P::U * P::STEPS) != 0 && kv >= P::KV) continue;
+        float xf[M][P::VEC];
+#pragma unroll
+        for (int m = 0; m < M; ++m) xs_load<P::VEC>(xs + m * K + kv * P::VEC, xf[m]);
+#pragma unroll
+        for (int rb = 0; rb < P::RB; ++rb) {
+            float wf[P::VEC];
+            unpack16<T>(wa[rb][u], wf);
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+#pragma unroll
+                for (int e = 0; e < P::VEC; ++e) acc[rb][m] = fmaf(wf[e], xf[m][e], acc[rb][m]);
+            if (GLU) {
+                unpack16<T>(wb[GLU ? rb : 0][GLU ? u : 0], wf);
+#pragma unroll
+                for (int m = 0; m < M; ++m)
+#pragma unroll
+                    for (int e = 0; e < P::VEC; ++e) acc2[GLU ? rb : 0][m] = fmaf(wf[e], xf[m][e], acc2[GLU ? rb : 0][m]);
+            }
+        }
+    }
+    if (s == P::STEPS - 1) {
+#pragma unroll
+        for (int rb = 0; rb < P::RB; ++rb) {
+            const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
+            const long long n = row0 + local;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float d = warp_sum(acc[rb][m]);
+                const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
+                if (lane == (rb * M + m) % 32 && local < ROWS && n < N)
+                    finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
+            }
+        }
+    }
+}
+
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
 __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                         long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
                                         long long w2_s0, const T* r, long long r_s0, long long r_s1, T* out,
                                         long long out_s0, long long out_s1, long long N, long long n_tile,
                                         const MegaWaits& wl) {
-    using P = Plan<T, M, K, ROWS, GLU>;
+    using P = Plan<T, M, K, ROWS, GLU, NORM>;
     using XS = typename P::XS;
     float* red = reinterpret_cast<float*>(smem);
     float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
@@ -217,6 +286,34 @@ __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long row0 = n_tile * ROWS;
 
+    if constexpr (P::PIPE) {
+    // Steps t = 0 .. NG*STEPS-1 (row group t / STEPS, k-step t % STEPS) alternate between two
+    // register buffers: step t+1's loads are in flight while step t computes, so an SM never
+    // stops streaming between steps, nor while x stages after the wait.
+    constexpr int T_STEPS = P::NG * P::STEPS;
+    uint4 wa0[P::RB][P::U], wa1[P::RB][P::U];
+    uint4 wb0[GLU ? P::RB : 1][GLU ? P::U : 1], wb1[GLU ? P::RB : 1][GLU ? P::U : 1];
+    float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
+    load_step<P, T, ROWS, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+    if (!mega_wait_all(wl)) return;
+    if (T_STEPS > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
+        load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
+    stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
+#pragma unroll 1
+    for (int t = 0; t < T_STEPS; t += 2) {
+        step<P, T, XS, M, K, ROWS, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t, warp, lane);
+        if (t + 2 < T_STEPS)
+            load_step<P, T, ROWS, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, N, (t + 2) / P::STEPS, (t + 2) % P::STEPS,
+                                       warp, lane);
+        if (t + 1 < T_STEPS) {
+            step<P, T, XS, M, K, ROWS, GLU, RES>(wa1, wb1, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t + 1, warp,
+                                                 lane);
+            if (t + 3 < T_STEPS)
+                load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, (t + 3) / P::STEPS,
+                                           (t + 3) % P::STEPS, warp, lane);
+        }
+    }
+    } else {
     uint4 wa[P::RB][P::U];
     uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
     // in flight while the inputs' producers finish and x stages
@@ -273,6 +370,7 @@ __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x
             }
         }
     }
+    }
 }
 
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
@@ -282,7 +380,7 @@ __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s
                                            long long r_s1, T* out, long long out_s0, long long out_s1, long long N,
                                            long long n_tile, const MegaWaits& wl) {
     if (!mega_wait_all(wl)) return;
-    using P = Plan<T, M, K, ROWS, GLU>;
+    using P = Plan<T, M, K, ROWS, GLU, NORM>;
     using XS = typename P::XS;
     float* red = reinterpret_cast<float*>(smem);
     float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
