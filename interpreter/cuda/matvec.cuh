@@ -287,92 +287,92 @@ __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x
     const long long row0 = n_tile * ROWS;
 
     if constexpr (P::PIPE) {
-    // Steps t = 0 .. NG*STEPS-1 (row group t / STEPS, k-step t % STEPS) alternate between two
-    // register buffers: step t+1's loads are in flight while step t computes, so an SM never
-    // stops streaming between steps, nor while x stages after the wait.
-    constexpr int T_STEPS = P::NG * P::STEPS;
-    uint4 wa0[P::RB][P::U], wa1[P::RB][P::U];
-    uint4 wb0[GLU ? P::RB : 1][GLU ? P::U : 1], wb1[GLU ? P::RB : 1][GLU ? P::U : 1];
-    float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
-    load_step<P, T, ROWS, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
-    if (!mega_wait_all(wl)) return;
-    if (T_STEPS > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
-        load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
-    stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
+        // Steps t = 0 .. NG*STEPS-1 (row group t / STEPS, k-step t % STEPS) alternate between two
+        // register buffers: step t+1's loads are in flight while step t computes, so an SM never
+        // stops streaming between steps, nor while x stages after the wait.
+        constexpr int T_STEPS = P::NG * P::STEPS;
+        uint4 wa0[P::RB][P::U], wa1[P::RB][P::U];
+        uint4 wb0[GLU ? P::RB : 1][GLU ? P::U : 1], wb1[GLU ? P::RB : 1][GLU ? P::U : 1];
+        float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
+        load_step<P, T, ROWS, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+        if (!mega_wait_all(wl)) return;
+        if (T_STEPS > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
+            load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
+        stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
 #pragma unroll 1
-    for (int t = 0; t < T_STEPS; t += 2) {
-        step<P, T, XS, M, K, ROWS, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t, warp, lane);
-        if (t + 2 < T_STEPS)
-            load_step<P, T, ROWS, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, N, (t + 2) / P::STEPS, (t + 2) % P::STEPS,
-                                       warp, lane);
-        if (t + 1 < T_STEPS) {
-            step<P, T, XS, M, K, ROWS, GLU, RES>(wa1, wb1, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t + 1, warp,
-                                                 lane);
-            if (t + 3 < T_STEPS)
-                load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, (t + 3) / P::STEPS,
-                                           (t + 3) % P::STEPS, warp, lane);
+        for (int t = 0; t < T_STEPS; t += 2) {
+            step<P, T, XS, M, K, ROWS, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t, warp, lane);
+            if (t + 2 < T_STEPS)
+                load_step<P, T, ROWS, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, N, (t + 2) / P::STEPS, (t + 2) % P::STEPS,
+                                           warp, lane);
+            if (t + 1 < T_STEPS) {
+                step<P, T, XS, M, K, ROWS, GLU, RES>(wa1, wb1, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t + 1, warp,
+                                                     lane);
+                if (t + 3 < T_STEPS)
+                    load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, (t + 3) / P::STEPS,
+                                               (t + 3) % P::STEPS, warp, lane);
+            }
         }
-    }
     } else {
-    // One buffer of 32 loads a lane. This path keeps its own nested loop: written as step()
-    // over a flat t, qwen3-8b's GLU body spilled 64 bytes instead of 16 and the step ran
-    // 5.181 vs 5.149 ms (same run).
-    uint4 wa[P::RB][P::U];
-    uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
-    // in flight while the inputs' producers finish and x stages
-    load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
-    if (!mega_wait_all(wl)) return;
-    stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
+        // One buffer of 32 loads a lane. This path keeps its own nested loop: written as step()
+        // over a flat t, qwen3-8b's GLU body spilled 64 bytes instead of 16 and the step ran
+        // 5.181 vs 5.149 ms (same run).
+        uint4 wa[P::RB][P::U];
+        uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
+        // in flight while the inputs' producers finish and x stages
+        load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+        if (!mega_wait_all(wl)) return;
+        stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
 
 #pragma unroll 1
-    for (int gi = 0; gi < P::NG; ++gi) {
-        float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
+        for (int gi = 0; gi < P::NG; ++gi) {
+            float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
 #pragma unroll
-        for (int rb = 0; rb < P::RB; ++rb)
+            for (int rb = 0; rb < P::RB; ++rb)
 #pragma unroll
-            for (int m = 0; m < M; ++m) acc[rb][m] = 0.0f, acc2[GLU ? rb : 0][m] = 0.0f;
+                for (int m = 0; m < M; ++m) acc[rb][m] = 0.0f, acc2[GLU ? rb : 0][m] = 0.0f;
 #pragma unroll 1
-        for (int s = 0; s < P::STEPS; ++s) {
-            if (gi | s) load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, gi, s, warp, lane);
+            for (int s = 0; s < P::STEPS; ++s) {
+                if (gi | s) load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, gi, s, warp, lane);
 #pragma unroll
-            for (int u = 0; u < P::U; ++u) {
-                const int kv = (s * P::U + u) * 32 + lane;
-                if (P::KV % (32 * P::U * P::STEPS) != 0 && kv >= P::KV) continue;
-                float xf[M][P::VEC];
+                for (int u = 0; u < P::U; ++u) {
+                    const int kv = (s * P::U + u) * 32 + lane;
+                    if (P::KV % (32 * P::U * P::STEPS) != 0 && kv >= P::KV) continue;
+                    float xf[M][P::VEC];
 #pragma unroll
-                for (int m = 0; m < M; ++m) xs_load<P::VEC>(xs + m * K + kv * P::VEC, xf[m]);
+                    for (int m = 0; m < M; ++m) xs_load<P::VEC>(xs + m * K + kv * P::VEC, xf[m]);
 #pragma unroll
-                for (int rb = 0; rb < P::RB; ++rb) {
-                    float wf[P::VEC];
-                    unpack16<T>(wa[rb][u], wf);
-#pragma unroll
-                    for (int m = 0; m < M; ++m)
-#pragma unroll
-                        for (int e = 0; e < P::VEC; ++e) acc[rb][m] = fmaf(wf[e], xf[m][e], acc[rb][m]);
-                    if (GLU) {
-                        unpack16<T>(wb[GLU ? rb : 0][GLU ? u : 0], wf);
+                    for (int rb = 0; rb < P::RB; ++rb) {
+                        float wf[P::VEC];
+                        unpack16<T>(wa[rb][u], wf);
 #pragma unroll
                         for (int m = 0; m < M; ++m)
 #pragma unroll
-                            for (int e = 0; e < P::VEC; ++e)
-                                acc2[GLU ? rb : 0][m] = fmaf(wf[e], xf[m][e], acc2[GLU ? rb : 0][m]);
+                            for (int e = 0; e < P::VEC; ++e) acc[rb][m] = fmaf(wf[e], xf[m][e], acc[rb][m]);
+                        if (GLU) {
+                            unpack16<T>(wb[GLU ? rb : 0][GLU ? u : 0], wf);
+#pragma unroll
+                            for (int m = 0; m < M; ++m)
+#pragma unroll
+                                for (int e = 0; e < P::VEC; ++e)
+                                    acc2[GLU ? rb : 0][m] = fmaf(wf[e], xf[m][e], acc2[GLU ? rb : 0][m]);
+                        }
                     }
                 }
             }
-        }
 #pragma unroll
-        for (int rb = 0; rb < P::RB; ++rb) {
-            const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
-            const long long n = row0 + local;
+            for (int rb = 0; rb < P::RB; ++rb) {
+                const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
+                const long long n = row0 + local;
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const float d = warp_sum(acc[rb][m]);
-                const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
-                if (lane == (rb * M + m) % 32 && local < ROWS && n < N)
-                    finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
+                for (int m = 0; m < M; ++m) {
+                    const float d = warp_sum(acc[rb][m]);
+                    const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
+                    if (lane == (rb * M + m) % 32 && local < ROWS && n < N)
+                        finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
+                }
             }
         }
-    }
     }
 }
 
