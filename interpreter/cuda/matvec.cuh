@@ -218,20 +218,19 @@ __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[
     }
 }
 
-// Multiply-accumulate step t (row group t / STEPS, k-step t % STEPS) from its register
-// buffer; the group's first step zeroes acc, its last reduces and writes the outputs.
-template <class P, class T, class XS, int M, int K, int ROWS, bool GLU, bool RES>
-__device__ __forceinline__ void step(const uint4 (&wa)[P::RB][P::U], const uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
-                                     float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const XS* xs,
-                                     const float* rt, T* out, long long out_s0, long long out_s1, long long row0,
-                                     long long N, int t, int warp, int lane) {
-    const int gi = t / P::STEPS, s = t % P::STEPS;
-    if (s == 0) {
+template <class P, int M, bool GLU>
+__device__ __forceinline__ void zero_acc(float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M]) {
 #pragma unroll
-        for (int rb = 0; rb < P::RB; ++rb)
+    for (int rb = 0; rb < P::RB; ++rb)
 #pragma unroll
-            for (int m = 0; m < M; ++m) acc[rb][m] = 0.0f, acc2[GLU ? rb : 0][m] = 0.0f;
-    }
+        for (int m = 0; m < M; ++m) acc[rb][m] = 0.0f, acc2[GLU ? rb : 0][m] = 0.0f;
+}
+
+// Multiply-accumulate k-step s of a row group from its register buffer.
+template <class P, class T, class XS, int M, int K, bool GLU>
+__device__ __forceinline__ void mac_step(const uint4 (&wa)[P::RB][P::U], const uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
+                                         float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const XS* xs, int s,
+                                         int lane) {
 #pragma unroll
     for (int u = 0; u < P::U; ++u) {
         const int kv = (s * P::U + u) * 32 + lane;
@@ -256,20 +255,38 @@ __device__ __forceinline__ void step(const uint4 (&wa)[P::RB][P::U], const uint4
             }
         }
     }
-    if (s == P::STEPS - 1) {
+}
+
+// Reduce row group gi's dots across the warp and write its outputs (fused epilogue).
+template <class P, class T, int M, int ROWS, bool GLU, bool RES>
+__device__ __forceinline__ void write_group(float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const float* rt,
+                                            T* out, long long out_s0, long long out_s1, long long row0, long long N,
+                                            int gi, int warp, int lane) {
 #pragma unroll
-        for (int rb = 0; rb < P::RB; ++rb) {
-            const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
-            const long long n = row0 + local;
+    for (int rb = 0; rb < P::RB; ++rb) {
+        const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
+        const long long n = row0 + local;
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const float d = warp_sum(acc[rb][m]);
-                const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
-                if (lane == (rb * M + m) % 32 && local < ROWS && n < N)
-                    finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
-            }
+        for (int m = 0; m < M; ++m) {
+            const float d = warp_sum(acc[rb][m]);
+            const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
+            if (lane == (rb * M + m) % 32 && local < ROWS && n < N)
+                finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
         }
     }
+}
+
+// Pipelined step t (row group t / STEPS, k-step t % STEPS): the group's first step zeroes
+// acc, its last writes the outputs.
+template <class P, class T, class XS, int M, int K, int ROWS, bool GLU, bool RES>
+__device__ __forceinline__ void step(const uint4 (&wa)[P::RB][P::U], const uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
+                                     float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const XS* xs,
+                                     const float* rt, T* out, long long out_s0, long long out_s1, long long row0,
+                                     long long N, int t, int warp, int lane) {
+    const int gi = t / P::STEPS, s = t % P::STEPS;
+    if (s == 0) zero_acc<P, M, GLU>(acc, acc2);
+    mac_step<P, T, XS, M, K, GLU>(wa, wb, acc, acc2, xs, s, lane);
+    if (s == P::STEPS - 1) write_group<P, T, M, ROWS, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, N, gi, warp, lane);
 }
 
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
@@ -314,9 +331,9 @@ __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x
             }
         }
     } else {
-        // One buffer of 32 loads a lane. This path keeps its own nested loop: written as step()
-        // over a flat t, qwen3-8b's GLU body spilled 64 bytes instead of 16 and the step ran
-        // 5.181 vs 5.149 ms (same run).
+        // One buffer of 32 loads a lane, in nested loops: written as step() over a flat t,
+        // qwen3-8b's GLU body spilled 64 bytes instead of 16 and the step ran 5.181 vs 5.149 ms
+        // (same run).
         uint4 wa[P::RB][P::U];
         uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
         // in flight while the inputs' producers finish and x stages
@@ -327,51 +344,13 @@ __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x
 #pragma unroll 1
         for (int gi = 0; gi < P::NG; ++gi) {
             float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
-#pragma unroll
-            for (int rb = 0; rb < P::RB; ++rb)
-#pragma unroll
-                for (int m = 0; m < M; ++m) acc[rb][m] = 0.0f, acc2[GLU ? rb : 0][m] = 0.0f;
+            zero_acc<P, M, GLU>(acc, acc2);
 #pragma unroll 1
             for (int s = 0; s < P::STEPS; ++s) {
                 if (gi | s) load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, gi, s, warp, lane);
-#pragma unroll
-                for (int u = 0; u < P::U; ++u) {
-                    const int kv = (s * P::U + u) * 32 + lane;
-                    if (P::KV % (32 * P::U * P::STEPS) != 0 && kv >= P::KV) continue;
-                    float xf[M][P::VEC];
-#pragma unroll
-                    for (int m = 0; m < M; ++m) xs_load<P::VEC>(xs + m * K + kv * P::VEC, xf[m]);
-#pragma unroll
-                    for (int rb = 0; rb < P::RB; ++rb) {
-                        float wf[P::VEC];
-                        unpack16<T>(wa[rb][u], wf);
-#pragma unroll
-                        for (int m = 0; m < M; ++m)
-#pragma unroll
-                            for (int e = 0; e < P::VEC; ++e) acc[rb][m] = fmaf(wf[e], xf[m][e], acc[rb][m]);
-                        if (GLU) {
-                            unpack16<T>(wb[GLU ? rb : 0][GLU ? u : 0], wf);
-#pragma unroll
-                            for (int m = 0; m < M; ++m)
-#pragma unroll
-                                for (int e = 0; e < P::VEC; ++e)
-                                    acc2[GLU ? rb : 0][m] = fmaf(wf[e], xf[m][e], acc2[GLU ? rb : 0][m]);
-                        }
-                    }
-                }
+                mac_step<P, T, XS, M, K, GLU>(wa, wb, acc, acc2, xs, s, lane);
             }
-#pragma unroll
-            for (int rb = 0; rb < P::RB; ++rb) {
-                const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
-                const long long n = row0 + local;
-#pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    const float d = warp_sum(acc[rb][m]);
-                    const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
-                    if (lane == (rb * M + m) % 32 && local < ROWS && n < N)
-                        finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
-                }
-            }
+            write_group<P, T, M, ROWS, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, N, gi, warp, lane);
         }
     }
 }
