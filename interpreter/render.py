@@ -39,6 +39,8 @@ def operand_c(q: WorkQueue, o: Operand) -> CudaOperand:
     mem = q.memory
     if o.buffer in mem.arena_offset:
         base = f"(({ctype}*)(args.arena + {mem.arena_offset[o.buffer]}))"
+    elif o.buffer in mem.accum_word:  # in this launch's counter bank
+        base = f"(({ctype}*)(ctr + {mem.accum_word[o.buffer]}))"
     else:
         base = f"(({ctype}*)args.ptr[{mem.pointer_slot[o.buffer]}])"
     ptr = base if layout.offset.is_const and layout.offset.value == 0 else f"({base} + {c_expr(layout.offset)})"
@@ -46,11 +48,11 @@ def operand_c(q: WorkQueue, o: Operand) -> CudaOperand:
 
 
 def weight_prefetches(q: WorkQueue, op) -> list[str]:
-    """L2 prefetches of the weight rows this instance reads, when they are one contiguous range."""
+    """L2 prefetches of the weight rows this instance reads first, when they are one contiguous range."""
     out = []
     for o, fp in zip(op.inputs, op.reads):
         buf = q.program.buffers[o.buffer]
-        if buf.kind != "weight" or len(o.shape) != 2 or o.views:
+        if buf.kind != "weight" or buf.transposed or len(o.shape) != 2 or o.views:  # (transposed: read last)
             continue
         rows, cols = (d.value for d in o.shape)
         row_bytes = cols * o.dtype.itemsize

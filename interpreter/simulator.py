@@ -6,7 +6,9 @@ scheduler picks which SM moves next at random, or adversarially (one chosen op's
 instances are delayed as long as anything else can move). Scratch buffers start
 as NaN, and every element an instance reads must already have been written in
 this launch (or come from outside it): a barrier that lets a consumer in early
-fails the run, naming the op, the instance and the buffer.
+fails the run, naming the op, the instance and the buffer. An ``accum`` element
+(a sum several instances add into, zero at launch) is ready once every instance
+that adds into it has run.
 """
 
 from __future__ import annotations
@@ -55,10 +57,16 @@ class Simulation:
         for k, e in enumerate(queue.entries):
             n = e.launch.eval(env)
             self.instances += [(k, i) for i in range(max(0, n))]
+        self.adders: dict[int, torch.Tensor] = {}  # accum buffer -> instances yet to add into each element
         for k, i in self.instances:  # elements written in place this launch are not ready yet
             op = queue.entries[k].op
-            if queue.program.buffers[op.output.buffer].kind != "scratch":
-                self.ready[op.output.buffer][self.elements(op.output, op.writes, self.coords(k, i))] = False
+            kind = queue.program.buffers[op.output.buffer].kind
+            idx = self.elements(op.output, op.writes, self.coords(k, i))
+            if kind == "accum":
+                pending = self.adders.setdefault(op.output.buffer, torch.zeros_like(self.ready[op.output.buffer], dtype=torch.int64))
+                pending[idx] += 1
+            if kind != "scratch":
+                self.ready[op.output.buffer][idx] = False
         self.counters: dict[tuple[int, int], int] = {}
         # buffers written during the launch: only their reads need checking
         self.tracked = {b.id for b in queue.program.buffers if b.kind == "scratch"}
@@ -103,11 +111,16 @@ class Simulation:
                 name = self.q.program.buffers[o.buffer].name
                 raise SimulationError(f"{where} read unwritten elements of buffer {name!r}: a barrier let it in early")
         out_idx = self.elements(op.output, op.writes, env)
-        if bool(self.written[op.output.buffer][out_idx].any()):
+        pending = self.adders.get(op.output.buffer)
+        if pending is None and bool(self.written[op.output.buffer][out_idx].any()):
             raise SimulationError(f"{where} writes elements another instance already wrote in this launch")
         ins = [self.view(o, env) for o in op.inputs]
         REGISTRY[op.kind].cpu(op, env, ins, self.view(op.output, env))
-        self.ready[op.output.buffer][out_idx] = True
+        if pending is not None:  # an accum sum is ready when its last adder has run
+            pending[out_idx] -= 1
+            self.ready[op.output.buffer][out_idx] = pending[out_idx] == 0
+        else:
+            self.ready[op.output.buffer][out_idx] = True
         self.written[op.output.buffer][out_idx] = True
         for s in e.signals:
             key = (s.id, s.signal.eval(env))

@@ -12,7 +12,7 @@ are the caller's tensors, passed by pointer each call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..dims import Dim, as_dim
@@ -21,6 +21,7 @@ from ..rewrite.program import BlockOp, BlockProgram, Operand
 from .barriers import BarrierPlan, BarrierSet, Wait, derive_barriers
 
 ARENA_ALIGN = 256
+ACCUM_ALIGN_WORDS = 32
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class MemoryPlan:
     arena_offset: dict[int, int]  # scratch buffer id -> byte offset in the arena
     pointer_slot: dict[int, int]  # non-arena buffer id -> slot in the kernel's pointer table
     counter_base: dict[int, int]  # barrier set id -> first counter
-    counters: int  # counters per parity
+    counters: int  # counters per parity (barrier counters, then accum buffers)
+    accum_word: dict[int, int] = field(default_factory=dict)  # accum buffer id -> first word in the bank
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,8 @@ def build_queue(program: BlockProgram, max_dims: Mapping[str, int]) -> WorkQueue
 def plan_memory(program: BlockProgram, barriers: BarrierPlan, max_dims: Mapping[str, int]) -> MemoryPlan:
     arena, offset, slots = 0, {}, {}
     for b in program.buffers:
+        if b.kind == "accum":  # in the counter bank, below
+            continue
         if b.kind == "scratch":
             nbytes = b.dtype.itemsize
             for d in b.shape:
@@ -114,4 +118,16 @@ def plan_memory(program: BlockProgram, barriers: BarrierPlan, max_dims: Mapping[
     for s in barriers.sets:
         base[s.id] = counters
         counters += max(1, upper_bound(s.count, max_dims))
-    return MemoryPlan(max(arena, ARENA_ALIGN), offset, slots, base, counters)
+    # accum buffers (f32 sums) live in the counter bank, which every launch zeroes for the
+    # next one: they start at 0 with no host work. 128-byte aligned for vector atomics.
+    accum = {}
+    for b in program.buffers:
+        if b.kind == "accum":
+            counters = -(-counters // ACCUM_ALIGN_WORDS) * ACCUM_ALIGN_WORDS
+            accum[b.id] = counters
+            n = 1
+            for d in b.shape:
+                n *= upper_bound(d, max_dims)
+            counters += n
+    counters = -(-counters // ACCUM_ALIGN_WORDS) * ACCUM_ALIGN_WORDS  # the second bank stays aligned
+    return MemoryPlan(max(arena, ARENA_ALIGN), offset, slots, base, counters, accum)

@@ -114,20 +114,23 @@ class Kernel:
 
     # --- binding and validation ----------------------------------------------------------
     def _bind_weights(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        want = {b.name: b for b in self.program.buffers if b.kind == "weight"}
-        missing = sorted(set(want) - set(weights))
+        want = [b for b in self.program.buffers if b.kind == "weight"]
+        missing = sorted({b.name for b in want} - set(weights))
         if missing:
             raise GraphError(f"missing weight(s): {', '.join(missing)}")
         out, self.weights_by_buffer = {}, {}
-        for name, b in want.items():
-            t = weights[name]
-            shape = evaluate_shape(b.shape, {})
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != b.dtype.torch:
+        for b in want:
+            t = weights[b.name]
+            shape = tuple(reversed(b.shape)) if b.transposed else b.shape  # the user's shape
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != evaluate_shape(shape, {}) or t.dtype != b.dtype.torch:
                 got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise GraphError(f"weight {name!r}: expected {b.dtype}{fmt_shape(b.shape)}, got {got}")
-            t = t.to(self.device).contiguous()
-            out[name] = t
-            self.weights_by_buffer[b.id] = t
+                raise GraphError(f"weight {b.name!r}: expected {b.dtype}{fmt_shape(shape)}, got {got}")
+            if b.transposed:  # glu_down's down weight (rewrite/build.py), stored as its transpose
+                stored = t.to(self.device).t().contiguous()
+                out.setdefault(b.name, stored.t())  # the user's layout, as a view: no second copy
+            else:
+                stored = out[b.name] = t.to(self.device).contiguous()
+            self.weights_by_buffer[b.id] = stored
         return out
 
     def _split_args(self, kwargs: dict) -> tuple[dict[int, torch.Tensor], dict[str, int]]:
@@ -199,7 +202,8 @@ class Kernel:
                 n = 1
                 for d in evaluate_shape(b.shape, dims):
                     n *= d
-                flat[b.id] = torch.empty(n, dtype=b.dtype.torch)
+                alloc = torch.zeros if b.kind == "accum" else torch.empty  # accum: zeroed each launch, as on the GPU
+                flat[b.id] = alloc(n, dtype=b.dtype.torch)
         sim = Simulation(self.queue, flat, dims)
         sim.run(schedule or self.schedule or Schedule())
         return {name: sim.view(o, dims).clone() for name, o in self.program.outputs.items()}

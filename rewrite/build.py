@@ -47,6 +47,7 @@ class ProgramBuilder:
         self.env_hint = env_hint
         self.buffers: list[Buffer] = []
         self.buffer_of: dict[int, int] = {}
+        self.transposed_of: dict[int, int] = {}  # weight node -> its transposed copy's buffer
         self.ops: list[BlockOp] = []
 
     # --- buffers and operands ----------------------------------------------------------
@@ -66,6 +67,16 @@ class ProgramBuilder:
                     kind = "state"
                 self.buffer_of[i] = self.new_buffer(n.name or f"t{i}", kind, n.shape, n.dtype)
         return self.buffer_of[i]
+
+    def transposed_weight(self, i: int) -> Operand:
+        """Weight node ``i`` ``[N, F]`` as a ``[F, N]`` buffer, transposed once when weights are bound."""
+        n = self.graph.nodes[i]
+        if i not in self.transposed_of:
+            shape = tuple(reversed(n.shape))
+            self.buffers.append(Buffer(len(self.buffers), n.name, "weight", shape, n.dtype, transposed=True))
+            self.transposed_of[i] = len(self.buffers) - 1
+        shape = self.buffers[self.transposed_of[i]].shape
+        return Operand(self.transposed_of[i], shape, n.dtype)
 
     def operand(self, ref: int) -> Operand:
         chain = []
@@ -275,8 +286,27 @@ def lower_matvec_argmax(b: ProgramBuilder, n: Node, c: Choice) -> None:
     b.emit("argmax_reduce", [n.id], [part], out if len(out.shape) == 1 else with_view(out, View("reshape", (as_dim(1),))), {})
 
 
+def lower_glu_down(b: ProgramBuilder, n: Node, c: Choice) -> None:
+    """r + (gated MLP) @ wd^T: ``glu_down`` accumulates into an f32 ``accum`` buffer,
+    ``acc_residual`` rounds it and adds the residual (blockops/glu_down.py)."""
+    x, w, w2, g, eps, wd, r, rows = c.args
+    roles = {"x": x, "g": g, "w": w, "w2": w2}
+    present = tuple(k for k, v in roles.items() if v != NONE)
+    inputs = [to_rows(b.operand(roles[k])) if k == "x" else b.operand(roles[k]) for k in present]
+    out = to_rows(b.output(n))
+    acc = Operand(b.new_buffer(f"mlp_acc{n.id}", "accum", out.shape, f32), out.shape, f32)
+    refs = {v for v in (x, w, w2, g, wd, r) if v != NONE}
+    sources = [s for s in absorbed(b.graph, n.id, refs) if s != n.id]
+    params = {"rows": rows, "roles": (*present, "wd"), "eps": eps}
+    b.emit("glu_down", sources, [*inputs, b.transposed_weight(wd)], acc, params)
+    b.emit("acc_residual", [n.id], [to_rows(b.operand(r)), acc], out, {"tile": ACC_RESIDUAL_TILE})
+
+
+ACC_RESIDUAL_TILE = 1024  # elements per acc_residual instance: a few instances, one round trip each
+
 LOWER: dict[str, Callable[[ProgramBuilder, Node, Choice], None]] = {
     "matvec": lower_matvec, "matvec_heads": lower_matvec_heads, "matvec_argmax": lower_matvec_argmax,
+    "glu_down": lower_glu_down,
 }
 
 

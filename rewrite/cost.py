@@ -22,6 +22,10 @@ class CostModel:
     # s from an instance's claim until its weights stream (claim, barrier poll, x staged): measured
     # ~2 us in the model on H200 (trace). Prices side-by-side siblings (siblings.py).
     instance_latency: float = 2.0e-6
+    # bytes an SM has in flight before it streams at its share (one register buffer of the
+    # matvec): each wave of an op waits that long for its first data after the hand-off, so
+    # one op streaming A then B beats two (perf-notes #32: the gated MLP with its down projection)
+    ramp_bytes: int = 64 * 1024
 
     def seconds(self, nbytes: int, instances: int) -> float:
         """Time for ``instances`` equal instances moving ``nbytes`` in all."""
@@ -29,4 +33,5 @@ class CostModel:
         waves = math.ceil(instances / self.sms)
         per_sm_bw = self.bandwidth / self.sms * self.sm_bandwidth_share
         stream = max(nbytes / self.bandwidth, waves * (nbytes / instances) / per_sm_bw)
-        return stream + waves * self.instance_overhead + self.op_overhead
+        ramp = waves * min(nbytes / instances, self.ramp_bytes) / per_sm_bw
+        return stream + ramp + waves * self.instance_overhead + self.op_overhead

@@ -8,6 +8,7 @@ cost plus the cheapest cost of every operand it would newly keep alive.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,7 +19,9 @@ from .encode import VIEW_OPS, base_node
 from .terms import NONE, Op, node
 
 MAX_ALTERNATIVES = 256
-FUSED_KINDS = {Op.matvec: "matvec", Op.matvec_heads: "matvec_heads", Op.matvec_argmax: "matvec_argmax"}
+FUSED_KINDS = {
+    Op.matvec: "matvec", Op.matvec_heads: "matvec_heads", Op.matvec_argmax: "matvec_argmax", Op.glu_down: "glu_down",
+}
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class Choice:
         if self.kind == "matvec_argmax":
             x, w, g, _eps, _rows = self.args
             return tuple(i for i in (x, w, g) if i != NONE)
+        if self.kind == "glu_down":
+            x, w, w2, g, _eps, wd, r, _rows = self.args
+            return tuple(i for i in (x, w, w2, g, wd, r) if i != NONE)
         if self.kind == "matvec_heads":
             x, w, g, _eps, _rows, rope, append = self.args
             inv = graph.nodes[rope].inputs[1] if rope != NONE else NONE
@@ -52,6 +58,8 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[int, li
             fn = get_callable_fn(expr)
             if fn in FUSED_KINDS:
                 args = tuple(get_literal_value(a) for a in get_callable_args(expr))
+                if fn == Op.glu_down and not glu_down_fits(graph, args):
+                    continue
                 choices.append(Choice(i, FUSED_KINDS[fn], args))
             elif fn == Op.block:
                 kind, _, tile = (get_literal_value(a) for a in get_callable_args(expr))
@@ -60,6 +68,18 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[int, li
             raise RuntimeError(f"rewrite: no block-op lowering for node %{i} ({graph.nodes[i].op})")
         out[i] = choices
     return out
+
+
+def glu_down_fits(graph: Graph, args: tuple) -> bool:
+    """Whether the ``glu_down`` body takes these shapes (one x row, 16-byte weight rows)."""
+    from ..blockops.glu_down import supported
+
+    x, w, _w2, _g, _eps, wd, _r, _rows = args
+    xs, ws, wds = (graph.nodes[j].shape for j in (x, w, wd))
+    if graph.nodes[wd].op != "weight" or len(ws) != 2 or len(wds) != 2 or not all(d.is_const for d in xs):
+        return False
+    m = math.prod(d.value for d in xs[:-1])
+    return supported(m, ws[1].value, wds[0].value, graph.nodes[w].dtype.itemsize)
 
 
 def choose(graph: Graph, alts: dict[int, list[Choice]], cost: Callable[[Choice], float]) -> dict[int, Choice]:

@@ -15,21 +15,25 @@ from ..blockops.footprint import Footprint, fmt_footprint
 from ..dims import Dim, fmt_shape
 from ..dtypes import DType
 
-BUFFER_KINDS = ("input", "weight", "constant", "state", "scratch", "output")
+BUFFER_KINDS = ("input", "weight", "constant", "state", "scratch", "accum", "output")
 
 
 @dataclass(frozen=True)
 class Buffer:
-    """Storage for one tensor. ``state`` buffers (KV caches) are inputs written in place."""
+    """Storage for one tensor. ``state`` buffers (KV caches) are inputs written in place;
+    ``accum`` buffers are f32 sums that several instances add into, zero at every launch;
+    a ``transposed`` weight holds the transpose of the user's weight ``name``."""
 
     id: int
     name: str
     kind: str
     shape: tuple[Dim, ...]
     dtype: DType
+    transposed: bool = False
 
     def __str__(self) -> str:
-        return f"b{self.id} {self.kind} {self.name!r} {self.dtype}{fmt_shape(self.shape)}"
+        t = " transposed" if self.transposed else ""
+        return f"b{self.id} {self.kind}{t} {self.name!r} {self.dtype}{fmt_shape(self.shape)}"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ chooses by cost.
 
 from __future__ import annotations
 
-from egglog import eq, f64, i64, rule, ruleset, union
+from egglog import eq, f64, i64, ne, rule, ruleset, union
 
 from .terms import NONE, Op, node
 
@@ -90,6 +90,19 @@ def _fuse(
             eq(node(b)).to(Op.matvec(x, w, NONE, g, eps, NONE, rows)),
             eq(node(u)).to(Op.matvec(x, w2, NONE, g, eps, NONE, rows)),
         ).then(union(node(i)).with_(Op.matvec(x, w, w2, g, eps, NONE, rows)))
+
+
+@fusion.register
+def _fuse_mlp(x: i64, w: i64, w2: i64, g: i64, eps: f64, r: i64, a: i64, b: i64, wd: i64, rows: i64, rd: i64, i: i64):
+    # r + (gated MLP) @ wd^T -> the down projection split over the gated op's rows, so one op
+    # streams gate, up and down weights with no hand-off between them (blockops/glu_down.py).
+    for lhs in (Op.add(r, b, 1), Op.add(b, r, 1)):
+        yield rule(
+            eq(node(i)).to(lhs),
+            eq(node(b)).to(Op.matvec(a, wd, NONE, NONE, 0.0, NONE, rd)),
+            eq(node(a)).to(Op.matvec(x, w, w2, g, eps, NONE, rows)),
+            ne(w2).to(i64(NONE)),
+        ).then(union(node(i)).with_(Op.glu_down(x, w, w2, g, eps, wd, r, rows)))
 
 
 @fusion.register

@@ -72,6 +72,12 @@ class Op(Expr):
         """``matvec_argmax`` kind: argmax partials of x @ w^T, the products never stored."""
 
     @classmethod
+    def glu_down(
+        cls, x: i64Like, w: i64Like, w2: i64Like, g: i64Like, eps: f64Like, wd: i64Like, r: i64Like, rows: i64Like
+    ) -> Op:
+        """``glu_down`` + ``acc_residual`` kinds: r + (gated MLP of x) @ wd^T, split over the MLP's rows."""
+
+    @classmethod
     def block(cls, kind: StringLike, i: i64Like, tile: i64Like) -> Op:
         """A single-node block op of ``kind`` for node ``i`` with tile parameter ``tile``."""
 

@@ -4,6 +4,14 @@ import megaegg as me
 
 P = me.sym("pos")
 
+
+def _gated_mlp(g, dt):
+    """x + down(silu(gate(norm(x))) * up(norm(x))): the glu_down + acc_residual fusion, ragged tiles."""
+    x = g.input("x", [1, 128], dt)
+    h = me.rms_norm(x, g.weight("g", [128], dt), 1e-5)
+    a = me.silu(me.linear(h, g.weight("wg", [200, 128], dt))) * me.linear(h, g.weight("wu", [200, 128], dt))
+    g.output("y", x + me.linear(a, g.weight("wd", [128, 200], dt)))
+
 CASES = {
     "linear": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 256], dt), g.weight("w", [200, 256], dt))), {"x": [1, 256]}, {"w": [200, 256]}),
     "linear_odd_k": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 100], dt), g.weight("w", [72, 100], dt))), {"x": [1, 100]}, {"w": [72, 100]}),
@@ -13,6 +21,7 @@ CASES = {
     "rope": lambda dt: (lambda g: g.output("y", me.rope(g.input("x", [4, 64], dt), P, theta=10000.0)), {"x": [4, 64]}, {}),
     "softmax": lambda dt: (lambda g: g.output("y", me.softmax(g.input("x", [3, 777], dt))), {"x": [3, 777]}, {}),
     "argmax": lambda dt: (lambda g: g.output("y", me.argmax(g.input("x", [1, 10000], dt))), {"x": [1, 10000]}, {}),
+    "gated_mlp_residual": lambda dt: (lambda g: _gated_mlp(g, dt), {"x": [1, 128]}, {"g": [128], "wg": [200, 128], "wu": [200, 128], "wd": [128, 200]}),
     "concat_transpose": lambda dt: (lambda g: g.output("y", me.concat([g.input("a", [4, 8], dt), me.transpose(g.input("b", [6, 4], dt), 0, 1)], 1)), {"a": [4, 8], "b": [6, 4]}, {}),
 }
 

@@ -165,3 +165,25 @@ def test_token_only_graph_fuses_lm_head_with_argmax_partials():
     # with logits also an output, fusing would compute the LM head twice: the extractor keeps it unfused
     g2, _ = build_decode_graph(cfg, max_len=16)
     assert "matvec_argmax" not in [e.op.kind for e in me.compile(g2, weights, backend="sim", max_dims={"pos": 15}).queue.entries]
+
+
+def test_gated_mlp_sums_wait_for_every_adder():
+    """glu_down instances add into one f32 accumulator: its reader must wait for all of them.
+    The down weight is bound transposed; ``kernel.weights`` still shows the user's layout."""
+    torch.manual_seed(5)
+    build, ins, ws = CASES["gated_mlp_residual"](me.f32)
+    g = me.Graph("mlp")
+    build(g)
+    W = {n: torch.randn(s) for n, s in ws.items()}
+    k = me.compile(g, W, backend="sim")
+    assert [e.op.kind for e in k.queue.entries] == ["glu_down", "acc_residual"]
+    assert torch.equal(k.weights["wd"], W["wd"])
+    x = torch.randn(1, 128)
+    compare(k, g, {"x": x}, k.weights, {}, 1e-5, SCHEDULES)
+    # one adder's wait is not enough: with the reader's expected count cut to 1 it must fail
+    reader = k.queue.entries[1]
+    early = tuple(dataclasses.replace(w, expected=w.expected * 0 + 1) for w in reader.waits)
+    k.queue = dataclasses.replace(k.queue, entries=(k.queue.entries[0], dataclasses.replace(reader, waits=early)))
+    with pytest.raises(SimulationError, match="read unwritten elements of buffer 'mlp_acc"):
+        for seed in range(10):
+            k.simulate(Schedule(sms=8, seed=seed, adversarial=True), x=x)

@@ -289,8 +289,9 @@ __device__ __forceinline__ void step(const uint4 (&wa)[P::RB][P::U], const uint4
     if (s == P::STEPS - 1) write_group<P, T, M, ROWS, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, N, gi, warp, lane);
 }
 
+// False when the wait gave up (abort or timeout): nothing was written.
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
-__device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
+__device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                         long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
                                         long long w2_s0, const T* r, long long r_s0, long long r_s1, T* out,
                                         long long out_s0, long long out_s1, long long N, long long n_tile,
@@ -312,7 +313,7 @@ __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x
         uint4 wb0[GLU ? P::RB : 1][GLU ? P::U : 1], wb1[GLU ? P::RB : 1][GLU ? P::U : 1];
         float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
         load_step<P, T, ROWS, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
-        if (!mega_wait_all(wl)) return;
+        if (!mega_wait_all(wl)) return false;
         if (T_STEPS > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
             load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
         stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
@@ -338,7 +339,7 @@ __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x
         uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
         // in flight while the inputs' producers finish and x stages
         load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
-        if (!mega_wait_all(wl)) return;
+        if (!mega_wait_all(wl)) return false;
         stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
 
 #pragma unroll 1
@@ -353,6 +354,7 @@ __device__ __forceinline__ void run_vec_regs(char* smem, const T* x, long long x
             write_group<P, T, M, ROWS, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, N, gi, warp, lane);
         }
     }
+    return true;
 }
 
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>

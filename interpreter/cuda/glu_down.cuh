@@ -1,0 +1,92 @@
+// glu_down: the gated MLP and its down projection in one instance (blockops/glu_down.py).
+//   phase 1: h[row0 .. row0+ROWS) = T(T(silu(T(x w^T))) * T(x w2^T)), the gated matvec body
+//            (RMSNorm prologue when NORM), written to shared memory instead of global;
+//   phase 2: acc[0, :N] += h[tile] @ wd[tile, :], wd the down weight stored transposed
+//            ([F, N]): the instance's share is ROWS contiguous rows. Thread t owns 16-byte
+//            column vectors t, t + MEGA_THREADS, ... of every row, so no reduction across
+//            threads: each thread streams its columns of 16 rows a batch (two batches in
+//            flight), then adds its f32 sums into acc with 16-byte vector atomics.
+// acc_residual: out = T(r + T(acc)), once every glu_down instance has added in.
+#pragma once
+#include "matvec.cuh"
+
+template <class T, int K, int N, int ROWS, bool NORM>
+__device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, const T* g, long long g_s0, float eps,
+                                      const T* w, long long w_s0, const T* w2, long long w2_s0, const T* wd,
+                                      long long wd_s0, float* acc, long long F, long long n_tile, const MegaWaits wl) {
+    constexpr int VEC = VecN<T>::value;
+    static_assert(K % VEC == 0 && N % VEC == 0, "glu_down: weight rows must be whole 16-byte vectors");
+    static_assert(ROWS * (int)sizeof(T) <= MEGA_SMEM_RESERVED, "glu_down: h tile does not fit the reserved smem");
+    constexpr int NV = N / VEC;                        // 16-byte vectors per wd row
+    constexpr int VPT = cdiv(NV, MEGA_THREADS);        // vectors per thread per row
+    constexpr int RB = cmax(1, 16 / VPT);              // rows per batch: 16 loads a thread
+    constexpr int NB = cdiv(ROWS, RB);                 // batches
+    smem = shared_ptr(smem);
+    T* hs = reinterpret_cast<T*>(smem + MEGA_SMEM - MEGA_SMEM_RESERVED);  // the top: matvec leaves it alone
+    const long long row0 = n_tile * ROWS;
+    const int rows = (int)min_i64(ROWS, F - row0);
+
+    // phase 1: the gated matvec (it waits for x itself, after its first weight loads)
+    if (!matvec_impl::run_vec_regs<T, 1, K, ROWS, NORM, true, false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0,
+                                                                      nullptr, 0, 0, hs - row0, 0, 1, F, n_tile, wl))
+        return;
+
+    // phase 2. Starting its loads from phase 1's last steps instead measured slower
+    // (perf-notes #32: register loads 1.22 ms vs 1.13; plus an L2 prefetch 1.25)
+    const int tid = threadIdx.x;
+    const T* base = wd + row0 * wd_s0;
+    uint4 b0[RB][VPT], b1[RB][VPT];
+    auto load = [&](uint4 (&b)[RB][VPT], int j0) {
+#pragma unroll
+        for (int r = 0; r < RB; ++r)
+#pragma unroll
+            for (int v = 0; v < VPT; ++v) {
+                const int vi = v * MEGA_THREADS + tid;
+                b[r][v] = j0 + r < rows && vi < NV ? ldw16(base + (long long)(j0 + r) * wd_s0 + vi * VEC)
+                                                   : make_uint4(0, 0, 0, 0);
+            }
+    };
+    load(b0, 0);
+    float sum[VPT][VEC];
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) sum[v][e] = 0.0f;
+    auto mac = [&](const uint4 (&b)[RB][VPT], int j0) {
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+            const float hj = j0 + r < rows ? to_f32(hs[j0 + r]) : 0.0f;
+#pragma unroll
+            for (int v = 0; v < VPT; ++v) {
+                float f[VEC];
+                unpack16<T>(b[r][v], f);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) sum[v][e] = fmaf(f[e], hj, sum[v][e]);
+            }
+        }
+    };
+    __syncthreads();  // h complete in shared memory
+#pragma unroll 1
+    for (int bi = 0; bi < NB; bi += 2) {  // b0 holds batch bi
+        if (bi + 1 < NB) load(b1, (bi + 1) * RB);
+        mac(b0, bi * RB);
+        if (bi + 2 < NB) load(b0, (bi + 2) * RB);
+        if (bi + 1 < NB) mac(b1, (bi + 1) * RB);
+    }
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+        const int vi = v * MEGA_THREADS + tid;
+        if (vi >= NV) continue;
+        float4* p = reinterpret_cast<float4*>(acc + vi * VEC);
+#pragma unroll
+        for (int e = 0; e < VEC; e += 4) atomicAdd(p + e / 4, make_float4(sum[v][e], sum[v][e + 1], sum[v][e + 2], sum[v][e + 3]));
+    }
+}
+
+template <class T>
+__device__ __noinline__ void acc_residual(const T* r, long long r_s1, const float* acc, T* out, long long out_s1,
+                                          long long n, long long tile, long long c1) {
+    const long long end = min_i64(n, c1 * tile + tile);
+    for (long long i = c1 * tile + threadIdx.x; i < end; i += MEGA_THREADS)
+        out[i * out_s1] = from_f32<T>(round_to<T>(ld_f32(r + i * r_s1) + round_to<T>(ld_cg(acc + i))));
+}

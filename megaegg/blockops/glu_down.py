@@ -1,0 +1,98 @@
+"""The gated MLP and its down projection as one streaming op, split over the MLP's rows.
+
+``glu_down``: instance ``j`` computes rows ``[j*rows, ...)`` of ``h = silu(x w^T) * (x w2^T)``
+(the gated ``matvec``, RMSNorm prologue optional), then adds its share of the down
+projection, ``h[tile] @ wd_t[tile, :]``, into an f32 accumulator ``acc[1, N]`` with atomic
+adds. ``wd_t`` is the down weight ``[N, F]`` stored transposed (``[F, N]``, done once when
+the weights are bound), so an instance's share is one contiguous block of rows. Every
+instance adds into all of ``acc``: its consumer waits for all of them. ``acc`` lives in the
+launch-zeroed counter bank (buffer kind ``accum``), so it starts at 0 every launch.
+
+``acc_residual``: ``out = T(r + T(acc))``, the down projection's rounding and the residual
+add of the unfused ops.
+
+Why: the down projection reads the whole of ``h``, so unfused it waits for the last gated
+instance and then ramps up from an idle memory system; split this way the chip streams
+gate, up and down weights back to back (docs/perf-notes.md #32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dims import as_dim, ceildiv
+from .base import BlockKind, Partition, register
+from .footprint import Full, Tile
+from .matvec import products, roles
+
+
+@register
+class GluDown(BlockKind):
+    name = "glu_down"
+    cuda_file = "glu_down.cuh"
+    waits_in_body = True  # the gated weights' first loads are in flight while it waits
+
+    def build(self, inputs, output, params) -> Partition:
+        rows = params["rows"]
+        reads = []
+        for role in params["roles"]:
+            reads.append({"x": (Tile(0, 1), Full()), "g": (Full(),)}.get(role, (Tile(1, rows), Full())))
+        f = inputs[list(params["roles"]).index("w")].shape[0]
+        return Partition(grid=(as_dim(1), ceildiv(f, rows)), reads=tuple(reads), writes=(Tile(0, 1), Full()))
+
+    def cpu(self, op, env, ins, out):
+        k, rows = roles(op), op.params["rows"]
+        dt = op.inputs[k["w"]].dtype.torch
+        r0 = env["_i1"] * rows
+        tile = slice(r0, r0 + rows)
+        gate = products(op, ins, slice(0, 1), tile, dt)
+        up = products(op, ins, slice(0, 1), tile, dt, weight="w2")
+        h = (torch.nn.functional.silu(gate).to(dt).float() * up).to(dt).float()  # [1, rows], as stored unfused
+        out += h @ ins[k["wd"]][tile].float()
+
+    def cuda_call(self, op, ins, out) -> str:
+        k, p = roles(op), op.params
+        x, w, w2, wd = (ins[k[r]] for r in ("x", "w", "w2", "wd"))
+        g = [ins[k["g"]].ptr, ins[k["g"]].strides[0]] if "g" in k else ["nullptr", "0"]
+        f, kdim = (d.value for d in op.inputs[k["w"]].shape)
+        n = op.inputs[k["wd"]].shape[1].value
+        args = ["smem", x.ptr, x.strides[1], *g, f"{float(p.get('eps', 0.0))!r}f", w.ptr, w.strides[0],
+                w2.ptr, w2.strides[0], wd.ptr, wd.strides[0], out.ptr, f"{f}LL", "c1", "wl"]
+        flag = "true" if "g" in k else "false"
+        return f"glu_down<{x.ctype}, {kdim}, {n}, {p['rows']}, {flag}>({', '.join(args)})"
+
+    def bytes_moved(self, op, env):
+        k = roles(op)
+        f, kdim = (d.value for d in op.inputs[k["w"]].shape)
+        n = op.inputs[k["wd"]].shape[1].value
+        item = op.inputs[k["w"]].dtype.itemsize
+        inst = op.grid[1].eval(env)
+        return (2 * f * kdim + f * n) * item + inst * (kdim * item + n * 4)
+
+
+@register
+class AccResidual(BlockKind):
+    name = "acc_residual"
+    cuda_file = "glu_down.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        fp = (Tile(0, 1), Tile(1, params["tile"]))
+        return Partition(grid=(as_dim(1), ceildiv(output.shape[1], params["tile"])), reads=(fp, fp), writes=fp)
+
+    def cpu(self, op, env, ins, out):
+        r, acc = ins
+        t = op.params["tile"]
+        s = slice(env["_i1"] * t, env["_i1"] * t + t)
+        out[:, s] = (r[:, s].float() + acc[:, s].to(out.dtype).float()).to(out.dtype)
+
+    def cuda_call(self, op, ins, out) -> str:
+        r, acc = ins
+        n = op.output.shape[1].value
+        args = [r.ptr, r.strides[1], acc.ptr, out.ptr, out.strides[1], f"{n}LL", f"{op.params['tile']}LL", "c1"]
+        return f"acc_residual<{out.ctype}>({', '.join(args)})"
+
+
+def supported(m: int, k: int, n: int, itemsize: int) -> bool:
+    """Shapes the CUDA body takes: one x row, 16-byte rows of every weight."""
+    vec = 16 // itemsize
+    return m == 1 and k % vec == 0 and n % vec == 0
