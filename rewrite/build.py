@@ -22,6 +22,7 @@ from .terms import NONE
 
 
 MAX_MATVEC_M = 16  # x rows one matvec instance handles (decode has 1)
+ACC_RESIDUAL_TILE = 1024  # elements per acc_residual instance: a few instances, one round trip each
 
 
 def with_view(o: Operand, view: View) -> Operand:
@@ -301,8 +302,6 @@ def lower_glu_down(b: ProgramBuilder, n: Node, c: Choice) -> None:
     b.emit("glu_down", sources, [*inputs, b.transposed_weight(wd)], acc, params)
     b.emit("acc_residual", [n.id], [to_rows(b.operand(r)), acc], out, {"tile": ACC_RESIDUAL_TILE})
 
-
-ACC_RESIDUAL_TILE = 1024  # elements per acc_residual instance: a few instances, one round trip each
 
 LOWER: dict[str, Callable[[ProgramBuilder, Node, Choice], None]] = {
     "matvec": lower_matvec, "matvec_heads": lower_matvec_heads, "matvec_argmax": lower_matvec_argmax,
