@@ -71,12 +71,13 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[int, li
 
 
 def glu_down_fits(graph: Graph, args: tuple) -> bool:
-    """Whether the ``glu_down`` body takes these shapes (one x row, 16-byte weight rows)."""
+    """Whether the ``glu_down`` body takes these operands: one x row, and weights read
+    directly (no view: the body assumes contiguous rows) with 16-byte rows."""
     from ..blockops.glu_down import supported
 
-    x, w, _w2, _g, _eps, wd, _r, _rows = args
+    x, w, w2, _g, _eps, wd, _r, _rows = args
     xs, ws, wds = (graph.nodes[j].shape for j in (x, w, wd))
-    if graph.nodes[wd].op != "weight" or len(ws) != 2 or len(wds) != 2 or not all(d.is_const for d in xs):
+    if any(graph.nodes[j].op != "weight" for j in (w, w2, wd)) or len(ws) != 2 or len(wds) != 2 or not all(d.is_const for d in xs):
         return False
     m = math.prod(d.value for d in xs[:-1])
     return supported(m, ws[1].value, wds[0].value, graph.nodes[w].dtype.itemsize)

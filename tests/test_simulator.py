@@ -187,3 +187,18 @@ def test_gated_mlp_sums_wait_for_every_adder():
     with pytest.raises(SimulationError, match="read unwritten elements of buffer 'mlp_acc"):
         for seed in range(10):
             k.simulate(Schedule(sms=8, seed=seed, adversarial=True), x=x)
+
+
+def test_gated_mlp_through_a_weight_view_stays_unfused():
+    """glu_down reads its weights' rows directly: a gate weight seen through a transpose is
+    left to the matvec path (which handles strides), and the result stays right."""
+    torch.manual_seed(6)
+    g = me.Graph("mlp_view")
+    x = g.input("x", [1, 64], me.f32)
+    gate = me.transpose(g.weight("wg_t", [64, 96], me.f32), 0, 1)
+    a = me.silu(me.linear(x, gate)) * me.linear(x, g.weight("wu", [96, 64], me.f32))
+    g.output("y", x + me.linear(a, g.weight("wd", [64, 96], me.f32)))
+    W = {"wg_t": torch.randn(64, 96), "wu": torch.randn(96, 64), "wd": torch.randn(64, 96)}
+    k = me.compile(g, W, backend="sim")
+    assert "glu_down" not in {e.op.kind for e in k.queue.entries}
+    compare(k, g, {"x": torch.randn(1, 64)}, k.weights, {}, 1e-5, SCHEDULES)
