@@ -73,11 +73,10 @@ class ProgramBuilder:
         """Weight node ``i`` ``[N, F]`` as a ``[F, N]`` buffer, transposed once when weights are bound."""
         n = self.graph.nodes[i]
         if i not in self.transposed_of:
-            shape = tuple(reversed(n.shape))
-            self.buffers.append(Buffer(len(self.buffers), n.name, "weight", shape, n.dtype, transposed=True))
+            self.buffers.append(Buffer(len(self.buffers), n.name, "weight", tuple(reversed(n.shape)), n.dtype, transposed=True))
             self.transposed_of[i] = len(self.buffers) - 1
-        shape = self.buffers[self.transposed_of[i]].shape
-        return Operand(self.transposed_of[i], shape, n.dtype)
+        buf = self.buffers[self.transposed_of[i]]
+        return Operand(buf.id, buf.shape, buf.dtype)
 
     def operand(self, ref: int) -> Operand:
         chain = []

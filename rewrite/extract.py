@@ -14,6 +14,7 @@ from typing import Callable
 
 from egglog import EGraph, get_callable_args, get_callable_fn, get_literal_value
 
+from ..blockops.glu_down import supported
 from ..graph import LEAF_OPS, Graph
 from .encode import VIEW_OPS, base_node
 from .terms import NONE, Op, node
@@ -73,8 +74,6 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[int, li
 def glu_down_fits(graph: Graph, args: tuple) -> bool:
     """Whether the ``glu_down`` body takes these operands: one x row, and weights read
     directly (no view: the body assumes contiguous rows) with 16-byte rows."""
-    from ..blockops.glu_down import supported
-
     x, w, w2, _g, _eps, wd, _r, _rows = args
     xs, ws, wds = (graph.nodes[j].shape for j in (x, w, wd))
     if any(graph.nodes[j].op != "weight" for j in (w, w2, wd)) or len(ws) != 2 or len(wds) != 2 or not all(d.is_const for d in xs):

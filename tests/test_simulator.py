@@ -10,6 +10,7 @@ from op_cases import CASES
 from test_reference import WEIGHTS, build_layer
 
 import megaegg as me
+from megaegg.dims import as_dim
 from megaegg.interpreter.simulator import Schedule, SimulationError
 
 
@@ -182,7 +183,7 @@ def test_gated_mlp_sums_wait_for_every_adder():
     compare(k, g, {"x": x}, k.weights, {}, 1e-5, SCHEDULES)
     # one adder's wait is not enough: with the reader's expected count cut to 1 it must fail
     reader = k.queue.entries[1]
-    early = tuple(dataclasses.replace(w, expected=w.expected * 0 + 1) for w in reader.waits)
+    early = tuple(dataclasses.replace(w, expected=as_dim(1)) for w in reader.waits)
     k.queue = dataclasses.replace(k.queue, entries=(k.queue.entries[0], dataclasses.replace(reader, waits=early)))
     with pytest.raises(SimulationError, match="read unwritten elements of buffer 'mlp_acc"):
         for seed in range(10):

@@ -18,12 +18,10 @@ gate, up and down weights back to back (docs/perf-notes.md #32).
 
 from __future__ import annotations
 
-import torch
-
 from ..dims import as_dim, ceildiv
 from .base import BlockKind, Partition, register
 from .footprint import Full, Tile
-from .matvec import products, roles
+from .matvec import gated, roles
 
 
 @register
@@ -45,9 +43,7 @@ class GluDown(BlockKind):
         dt = op.inputs[k["w"]].dtype.torch
         r0 = env["_i1"] * rows
         tile = slice(r0, r0 + rows)
-        gate = products(op, ins, slice(0, 1), tile, dt)
-        up = products(op, ins, slice(0, 1), tile, dt, weight="w2")
-        h = (torch.nn.functional.silu(gate).to(dt).float() * up).to(dt).float()  # [1, rows], as stored unfused
+        h = gated(op, ins, slice(0, 1), tile, dt)  # [1, rows], as the unfused gated matvec stores it
         out += h @ ins[k["wd"]][tile].float()
 
     def cuda_call(self, op, ins, out) -> str:

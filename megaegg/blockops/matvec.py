@@ -33,6 +33,13 @@ def products(op, ins, x_rows: slice, w_rows: slice, dt: torch.dtype, weight: str
     return (x @ f32(ins[k[weight]][w_rows]).T).to(dt).float()
 
 
+def gated(op, ins, x_rows: slice, w_rows: slice, dt: torch.dtype) -> torch.Tensor:
+    """``silu(x w^T) * (x w2^T)`` over those rows, rounded as the unfused ops; returned as f32."""
+    y = products(op, ins, x_rows, w_rows, dt)
+    up = products(op, ins, x_rows, w_rows, dt, weight="w2")
+    return (torch.nn.functional.silu(y).to(dt).float() * up).to(dt).float()
+
+
 @register
 class MatVec(BlockKind):
     name = "matvec"
@@ -61,10 +68,7 @@ class MatVec(BlockKind):
         rows, mrows = op.params["rows"], op.params["mrows"]
         m0, r0 = env["_i0"] * mrows, env["_i1"] * rows
         m1, r1 = m0 + mrows, min(r0 + rows, ins[k["w"]].shape[0])
-        y = products(op, ins, slice(m0, m1), slice(r0, r1), dt).to(dt)
-        if "w2" in k:
-            up = products(op, ins, slice(m0, m1), slice(r0, r1), dt, weight="w2")
-            y = (torch.nn.functional.silu(y.float()).to(dt).float() * up.float()).to(dt)
+        y = (gated if "w2" in k else products)(op, ins, slice(m0, m1), slice(r0, r1), dt).to(dt)
         if "r" in k:
             y = (f32(ins[k["r"]][m0:m1, r0:r1]) + y.float()).to(dt)
         out[m0:m1, r0:r1] = y
