@@ -24,6 +24,7 @@ from __future__ import annotations
 
 
 import hashlib
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence, TypeAlias, TypeVar
 
@@ -417,13 +418,22 @@ def _guarded(fn: Callable[[], T]) -> T | None:
 _PROBES = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 31, 64, 97, 100, 127, 512, 1000, 4096, 32768)
 
 
+_SMALL = (0, 1, 2, 5)  # every combination of these for up to 3 symbols; of 0 and 1 up to 8
+
+
 def _agrees(a: Dim, b: Dim, probes: int = 24) -> bool:
-    """A numeric check of a result at fixed spread points (0 and 1 included): a guard against
-    e-graph unsoundness. Seen: in a long process (the full test suite), a batch e-graph merged
-    T % 7 with 0; the fallback to the unsimplified dim keeps every answer value-preserving."""
+    """A numeric check of a result: a guard against e-graph unsoundness. Seen: in a long
+    process (the full test suite), a batch e-graph merged T % 7 with 0, min(S, 2) with 2 and
+    min(U // 5 % 5, S) with min(S, 1); the fallback to the unsimplified dim keeps every answer
+    value-preserving. Checked at every combination of small values (where min, max, // and %
+    change branch; spread points alone missed S = T = 0) and at fixed spread points."""
     names = sorted(a.symbols() | b.symbols())
-    for k in range(probes):
-        env = {n: _PROBES[(k * 7 + i * (k + 5) + i * i * 3) % len(_PROBES)] for i, n in enumerate(names)}
+    small = _SMALL if len(names) <= 3 else _SMALL[:2] if len(names) <= 8 else ()
+    envs = [dict(zip(names, v)) for v in itertools.product(small, repeat=len(names))] if small else [
+        dict.fromkeys(names, 0), dict.fromkeys(names, 1)]
+    envs += [{n: _PROBES[(k * 7 + i * (k + 5) + i * i * 3) % len(_PROBES)] for i, n in enumerate(names)}
+             for k in range(probes)]
+    for env in envs:
         try:
             if a.eval(env) != b.eval(env):
                 return False
