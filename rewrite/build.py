@@ -50,6 +50,8 @@ class ProgramBuilder:
         self.buffer_of: dict[int, int] = {}
         self.transposed_of: dict[int, int] = {}  # weight node -> its transposed copy's buffer
         self.ops: list[BlockOp] = []
+        self.folded: set[int] = set()  # glu_down nodes whose readers add the sum themselves
+        self.sums: dict[int, tuple[Operand, Operand]] = {}  # folded node -> (residual, f32 sum) rows
 
     # --- buffers and operands ----------------------------------------------------------
     def new_buffer(self, name: str, kind: str, shape, dtype) -> int:
@@ -152,10 +154,17 @@ def lower_matvec(b: ProgramBuilder, n: Node, c: Choice) -> None:
     x, w, w2, g, eps, r, rows = c.args
     roles = {"x": x, "w": w, "w2": w2, "g": g, "r": r}
     present = tuple(k for k, v in roles.items() if v != NONE)
-    inputs = []
+    inputs, sums = [], []
     for role in present:
+        if role in ("x", "r") and base_node(b.graph, roles[role]) in b.sums:  # a folded glu_down: read r + sum
+            residual, acc = b.sums[base_node(b.graph, roles[role])]
+            inputs.append(residual)
+            sums.append((role + "a", acc))
+            continue
         o = b.operand(roles[role])
         inputs.append(to_rows(o) if role in ("x", "r") else o)
+    present += tuple(role for role, _ in sums)
+    inputs += [acc for _, acc in sums]
     if n.op == "matmul":  # out = a @ B: B [K, N] read as w [N, K]
         inputs[1] = with_view(inputs[1], View("permute", (1, 0)))
     out = to_rows(b.output(n))
@@ -299,7 +308,37 @@ def lower_glu_down(b: ProgramBuilder, n: Node, c: Choice) -> None:
     sources = [s for s in absorbed(b.graph, n.id, refs) if s != n.id]
     params = {"rows": rows, "roles": (*present, "wd"), "eps": eps}
     b.emit("glu_down", sources, [*inputs, b.transposed_weight(wd)], acc, params)
-    b.emit("acc_residual", [n.id], [to_rows(b.operand(r)), acc], out, {"tile": ACC_RESIDUAL_TILE})
+    residual = to_rows(b.operand(r))
+    if n.id in b.folded:  # its readers stage r + T(acc) themselves
+        b.sums[n.id] = (residual, acc)
+    else:
+        b.emit("acc_residual", [n.id], [residual, acc], out, {"tile": ACC_RESIDUAL_TILE})
+
+
+def foldable_sums(graph: Graph, chosen: dict[int, Choice]) -> set[int]:
+    """The ``glu_down`` nodes whose value ``r + T(acc)`` needs no ``acc_residual`` op: every
+    reader is a matvec taking it as x or r through reshapes only (one row, as the sum is)
+    and it is no graph output. Those readers add the f32 sum as they stage it (perf-notes #34)."""
+    sums = {i for i, c in chosen.items() if c.kind == "glu_down"}
+    sums -= {base_node(graph, i) for i in graph.outputs.values()}
+    for c in chosen.values():
+        for ref in c.refs(graph):
+            i = base_node(graph, ref)
+            if i not in sums:
+                continue
+            x, r = (c.args[0], c.args[5]) if c.kind == "matvec" else (NONE, NONE)
+            reads_rows = ref in (x, r) and ref not in c.args[1:4] and _reshapes_only(graph, ref)
+            if not reads_rows or math.prod(d.value if d.is_const else 0 for d in graph.nodes[ref].shape[:-1]) != 1:
+                sums.discard(i)
+    return sums
+
+
+def _reshapes_only(graph: Graph, i: int) -> bool:
+    while graph.nodes[i].op in VIEW_OPS:
+        if graph.nodes[i].op != "reshape":
+            return False
+        i = graph.nodes[i].inputs[0]
+    return True
 
 
 LOWER: dict[str, Callable[[ProgramBuilder, Node, Choice], None]] = {
@@ -310,6 +349,7 @@ LOWER: dict[str, Callable[[ProgramBuilder, Node, Choice], None]] = {
 
 def build_program(graph: Graph, chosen: dict[int, Choice], env_hint: dict[str, int]) -> BlockProgram:
     b = ProgramBuilder(graph, env_hint)
+    b.folded = foldable_sums(graph, chosen)
     for i in sorted(chosen):
         c = chosen[i]
         LOWER.get(c.kind, lower_block)(b, graph.nodes[i], c)

@@ -12,6 +12,19 @@ def _gated_mlp(g, dt):
     a = me.silu(me.linear(h, g.weight("wg", [200, 128], dt))) * me.linear(h, g.weight("wu", [200, 128], dt))
     g.output("y", x + me.linear(a, g.weight("wd", [128, 200], dt)))
 
+
+def mlp_sum_readers(g, dt, sum_output=False):
+    """The MLP's sum read by matvecs only, as x (norm prologue) and as a residual: no
+    acc_residual op, the readers add the f32 sum themselves."""
+    x = g.input("x", [1, 128], dt)
+    h = me.rms_norm(x, g.weight("g", [128], dt), 1e-5)
+    a = me.silu(me.linear(h, g.weight("wg", [200, 128], dt))) * me.linear(h, g.weight("wu", [200, 128], dt))
+    s = x + me.linear(a, g.weight("wd", [128, 200], dt))
+    q = me.linear(me.rms_norm(s, g.weight("g2", [128], dt), 1e-5), g.weight("wq", [72, 128], dt))
+    g.output("y", me.linear(q, g.weight("wo", [128, 72], dt)) + s)
+    if sum_output:
+        g.output("s", s)
+
 CASES = {
     "linear": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 256], dt), g.weight("w", [200, 256], dt))), {"x": [1, 256]}, {"w": [200, 256]}),
     "linear_odd_k": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 100], dt), g.weight("w", [72, 100], dt))), {"x": [1, 100]}, {"w": [72, 100]}),
@@ -22,6 +35,7 @@ CASES = {
     "softmax": lambda dt: (lambda g: g.output("y", me.softmax(g.input("x", [3, 777], dt))), {"x": [3, 777]}, {}),
     "argmax": lambda dt: (lambda g: g.output("y", me.argmax(g.input("x", [1, 10000], dt))), {"x": [1, 10000]}, {}),
     "gated_mlp_residual": lambda dt: (lambda g: _gated_mlp(g, dt), {"x": [1, 128]}, {"g": [128], "wg": [200, 128], "wu": [200, 128], "wd": [128, 200]}),
+    "mlp_sum_readers": lambda dt: (lambda g: mlp_sum_readers(g, dt), {"x": [1, 128]}, {"g": [128], "wg": [200, 128], "wu": [200, 128], "wd": [128, 200], "g2": [128], "wq": [72, 128], "wo": [128, 72]}),
     "concat_transpose": lambda dt: (lambda g: g.output("y", me.concat([g.input("a", [4, 8], dt), me.transpose(g.input("b", [6, 4], dt), 0, 1)], 1)), {"a": [4, 8], "b": [6, 4]}, {}),
 }
 

@@ -249,6 +249,10 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
                                            Arg((12288, 4096), T), Arg((12288, 4096), T)], Arg((1, 4096), f32),
          {"rows": 96, "roles": ("x", "g", "w", "w2", "wd"), "eps": 1e-6}),
         ("acc_residual", "acc_residual", [Arg((1, 2048), T), Arg((1, 2048), f32)], Arg((1, 2048), T), {"tile": 1024}),
+        ("sum_norm_q", "matvec", [Arg((1, 2048), T), Arg((2048, 2048), T), Arg((2048,), T), Arg((1, 2048), f32)],
+         Arg((1, 2048), T), {"rows": 24, "mrows": 1, "roles": ("x", "w", "g", "xa"), "eps": 1e-5}),
+        ("sum_res_o", "matvec", [Arg((1, 2048), T), Arg((2048, 2048), T), Arg((1, 2048), T), Arg((1, 2048), f32)],
+         Arg((1, 2048), T), {"rows": 16, "mrows": 1, "roles": ("x", "w", "r", "ra"), "eps": 0.0}),
     ]
     attn = {"length": L, "scale": 0.125}
     c["attention"] = [
@@ -481,6 +485,13 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
                                          Arg((100, 4096), T)], Arg((1, 4096), f32),
          {"rows": 16, "roles": ("x", "w", "w2", "wd"), "eps": 0.0}, {}),
         ("acc_residual", "acc_residual", [Arg((1, 3000), T), Arg((1, 3000), f32)], Arg((1, 3000), T), {"tile": 1024}, {}),
+        ("mv_sum_norm", "matvec", [Arg((1, 1024), T), Arg((300, 1024), T), Arg((1024,), T), Arg((1, 1024), f32)],
+         Arg((1, 300), T), {"rows": 24, "mrows": 1, "roles": ("x", "w", "g", "xa"), "eps": 1e-5}, {}),
+        ("mv_sum_res", "matvec", [Arg((1, 512), T), Arg((200, 512), T), Arg((1, 200), T), Arg((1, 200), f32)],
+         Arg((1, 200), T), {"rows": 16, "mrows": 1, "roles": ("x", "w", "r", "ra"), "eps": 0.0}, {}),
+        ("mv_sum_scalar", "matvec", [Arg((1, 100), T), Arg((37, 100), T), Arg((100,), T), Arg((1, 37), T),
+                                     Arg((1, 100), f32), Arg((1, 37), f32)], Arg((1, 37), T),
+         {"rows": 8, "mrows": 1, "roles": ("x", "w", "g", "r", "xa", "ra"), "eps": 1e-5}, {}),
         ("attn_d64", "attn_partial", [Arg((32, 64), T), Arg((8, 1024, 64), T), Arg((8, 1024, 64), T)],
          Arg((32, 4, 66), f32), {**attn, "chunk": 256, "group": 4}, {}),
         ("attn_d128", "attn_partial", [Arg((16, 128), T), Arg((8, 1024, 128), T), Arg((8, 1024, 128), T)],

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from op_cases import CASES
+from op_cases import CASES, mlp_sum_readers
 from test_reference import WEIGHTS, build_layer
 
 import megaegg as me
@@ -188,6 +188,30 @@ def test_gated_mlp_sums_wait_for_every_adder():
     with pytest.raises(SimulationError, match="read unwritten elements of buffer 'mlp_acc"):
         for seed in range(10):
             k.simulate(Schedule(sms=8, seed=seed, adversarial=True), x=x)
+
+
+def test_mlp_sum_is_read_by_its_matvecs_without_acc_residual():
+    """Where every reader of the MLP's sum is a matvec (x or residual), no acc_residual op is
+    emitted: the readers stage r + T(acc) and wait for every adder. Where the sum is also a
+    graph output it is materialised as before."""
+    torch.manual_seed(7)
+    build, ins, ws = CASES["mlp_sum_readers"](me.f32)
+    g = me.Graph("sum_readers")
+    build(g)
+    W = {n: torch.randn(s) for n, s in ws.items()}
+    k = me.compile(g, W, backend="sim")
+    entries = k.queue.entries
+    assert [e.op.kind for e in entries] == ["glu_down", "matvec", "matvec"]
+    assert [e.op.params["roles"] for e in entries[1:]] == [("x", "w", "g", "xa"), ("x", "w", "r", "ra")]
+    adders = entries[0].launch.eval({})
+    assert adders > 1 and [w.expected.eval({}) for w in entries[1].waits] == [adders]  # the second reader's is implied
+    compare(k, g, {"x": torch.randn(1, 128)}, k.weights, {}, 1e-5, SCHEDULES)
+    # a second reader that is not a matvec (the sum as an output) keeps acc_residual
+    g2 = me.Graph("sum_output")
+    mlp_sum_readers(g2, me.f32, sum_output=True)
+    k2 = me.compile(g2, W, backend="sim")
+    assert "acc_residual" in [e.op.kind for e in k2.queue.entries]
+    compare(k2, g2, {"x": torch.randn(1, 128)}, k2.weights, {}, 1e-5, SCHEDULES)
 
 
 def test_gated_mlp_through_a_weight_view_stays_unfused():

@@ -28,7 +28,7 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
 
     // phase 1: the gated matvec (it waits for x itself, after its first weight loads)
     if (!matvec_impl::run_vec_regs<T, 1, K, ROWS, NORM, true, false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0,
-                                                                      nullptr, 0, 0, hs - row0, 0, 1, F, n_tile, wl))
+                                                                      nullptr, 0, 0, {}, hs - row0, 0, 1, F, n_tile, wl))
         return;
 
     // phase 2. Starting its loads from phase 1's last steps instead measured slower

@@ -5,6 +5,8 @@
 //   HAS_NORM  x <- T(T(x * rsqrt(mean(x^2) + eps)) * g)   (RMSNorm prologue)
 //   HAS_GLU   y <- T(T(silu(T(x w^T))) * T(x w2^T))       (gated pair)
 //   HAS_RES   y <- T(r + T(y))                            (residual epilogue)
+//   HAS_XACC  x <- T(x + T(xa)), HAS_RACC r <- T(r + T(ra)) (xa, ra: f32 glu_down sums, read
+//             as staged: the reader does acc_residual's work, perf-notes #34)
 //
 // Batch-1 decode is bound by streaming w, so the body is built around the weight loads:
 // - x (M rows, after the norm) is staged once per instance in shared memory, as float
@@ -47,6 +49,14 @@
 #endif
 
 namespace matvec_impl {
+
+// The f32 sums added to x and r as they are read (HAS_XACC, HAS_RACC); unused: nullptr.
+struct Sums {
+    const float* x;
+    long long x_s0, x_s1;
+    const float* r;
+    long long r_s0, r_s1;
+};
 
 template <class T, int M, int K, int ROWS, bool GLU, bool NORM>
 struct Plan {
@@ -99,29 +109,55 @@ template <int N, class T> __device__ __forceinline__ void xs_store(T* p, const f
 
 // Stage x (normalised when NORM) into xs[M][K] and the residual tile into rt[M][ROWS].
 // All threads call it; ends with a block barrier.
-template <class T, class XS, int M, int K, int ROWS, bool NORM, bool RES>
+template <class T, class XS, int M, int K, int ROWS, bool NORM, bool RES, bool XACC, bool RACC>
 __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x, long long x_s0, long long x_s1,
                                       const T* g, long long g_s0, float eps, const T* r, long long r_s0,
-                                      long long r_s1, long long row0, long long N) {
+                                      long long r_s1, const Sums& sums, long long row0, long long N) {
     constexpr int VEC = VecN<T>::value, KV = K / VEC, NVX = cdiv(KV, MEGA_THREADS) > 0 ? cdiv(KV, MEGA_THREADS) : 1;  // K < VEC: vec is false, the array just needs a size
     const int tid = threadIdx.x;
     if (RES) {
         for (int j = tid; j < M * ROWS; j += MEGA_THREADS) {
             const long long n = row0 + j % ROWS;
-            if (n < N) rt[j] = ld_f32(r + (j / ROWS) * r_s0 + n * r_s1);
+            if (n < N) {
+                rt[j] = ld_f32(r + (j / ROWS) * r_s0 + n * r_s1);
+                if (RACC) rt[j] = round_to<T>(rt[j] + round_to<T>(ld_cg(sums.r + (j / ROWS) * sums.r_s0 + n * sums.r_s1)));
+            }
         }
     }
     const bool vec = K % VEC == 0 && (M == 1 ? (x_s1 == 1 && aligned16(x)) : vec_rows_ok(x, x_s0, x_s1, K)) &&
-                     (!NORM || (g_s0 == 1 && aligned16(g)));
+                     (!NORM || (g_s0 == 1 && aligned16(g))) &&
+                     (!XACC || (sums.x_s1 == 1 && aligned16(sums.x) && (M == 1 || sums.x_s0 % 4 == 0)));
     if (vec) {
-        uint4 xr[M][NVX], gr[NORM ? NVX : 1];
+        constexpr int AV = XACC ? VEC / 4 : 1;  // 16-byte f32 vectors of the sum per x vector
+        uint4 xr[M][NVX], gr[NORM ? NVX : 1], ar[XACC ? M : 1][XACC ? NVX : 1][AV];
 #pragma unroll
         for (int i = 0; i < NVX; ++i) {
             const int kv = i * MEGA_THREADS + tid;
             if (kv < KV) {
 #pragma unroll
-                for (int m = 0; m < M; ++m) xr[m][i] = ldcg16(x + m * x_s0 + kv * VEC);
+                for (int m = 0; m < M; ++m) {
+                    xr[m][i] = ldcg16(x + m * x_s0 + kv * VEC);
+                    if (XACC)
+#pragma unroll
+                        for (int a = 0; a < AV; ++a) ar[XACC ? m : 0][XACC ? i : 0][a] = ldcg16(sums.x + m * sums.x_s0 + kv * VEC + 4 * a);
+                }
                 if (NORM) gr[i] = ldcg16(g + kv * VEC);
+            }
+        }
+        if (XACC) {  // x <- T(x + T(sum)), as acc_residual rounds
+#pragma unroll
+            for (int i = 0; i < NVX; ++i) {
+                if (i * MEGA_THREADS + tid >= KV) continue;
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    float f[VEC], a[VEC];
+                    unpack16<T>(xr[m][i], f);
+#pragma unroll
+                    for (int v = 0; v < AV; ++v) unpack16<float>(ar[XACC ? m : 0][XACC ? i : 0][v], a + 4 * v);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) f[e] = round_to<T>(f[e] + round_to<T>(a[e]));
+                    xr[m][i] = pack16<T>(f);
+                }
             }
         }
         float rinv[M];
@@ -166,7 +202,8 @@ __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x,
         for (int m = 0; m < M; ++m) {
             ss[m] = 0.0f;
             for (int k = tid; k < K; k += MEGA_THREADS) {
-                const float v = ld_f32(x + m * x_s0 + k * x_s1);
+                float v = ld_f32(x + m * x_s0 + k * x_s1);
+                if (XACC) v = round_to<T>(v + round_to<T>(ld_cg(sums.x + m * sums.x_s0 + k * sums.x_s1)));
                 ss[m] += v * v;
                 xs[m * K + k] = from_f32<XS>(v);  // exact: x is T
             }
@@ -290,10 +327,10 @@ __device__ __forceinline__ void step(const uint4 (&wa)[P::RB][P::U], const uint4
 }
 
 // False when the wait gave up (abort or timeout): nothing was written.
-template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
+template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES, bool XACC = false, bool RACC = false>
 __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                         long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
-                                        long long w2_s0, const T* r, long long r_s0, long long r_s1, T* out,
+                                        long long w2_s0, const T* r, long long r_s0, long long r_s1, const Sums& sums, T* out,
                                         long long out_s0, long long out_s1, long long N, long long n_tile,
                                         const MegaWaits& wl) {
     using P = Plan<T, M, K, ROWS, GLU, NORM>;
@@ -316,7 +353,7 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         if (!mega_wait_all(wl)) return false;
         if (T_STEPS > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
             load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
-        stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
+        stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
 #pragma unroll 1
         for (int t = 0; t < T_STEPS; t += 2) {
             step<P, T, XS, M, K, ROWS, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t, warp, lane);
@@ -340,7 +377,7 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         // in flight while the inputs' producers finish and x stages
         load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
         if (!mega_wait_all(wl)) return false;
-        stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
+        stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
 
 #pragma unroll 1
         for (int gi = 0; gi < P::NG; ++gi) {
@@ -357,11 +394,11 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
     return true;
 }
 
-template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
+template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES, bool XACC, bool RACC>
 __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                            long long g_s0, float eps, const T* w, long long w_s0, long long w_s1,
                                            const T* w2, long long w2_s0, long long w2_s1, const T* r, long long r_s0,
-                                           long long r_s1, T* out, long long out_s0, long long out_s1, long long N,
+                                           long long r_s1, const Sums& sums, T* out, long long out_s0, long long out_s1, long long N,
                                            long long n_tile, const MegaWaits& wl) {
     if (!mega_wait_all(wl)) return;
     using P = Plan<T, M, K, ROWS, GLU, NORM>;
@@ -371,7 +408,7 @@ __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s
     XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long row0 = n_tile * ROWS;
-    stage<T, XS, M, K, ROWS, NORM, RES>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, row0, N);
+    stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
 #pragma unroll 1
     for (int local = warp; local < ROWS; local += MEGA_WARPS) {
         const long long n = row0 + local;
@@ -405,26 +442,29 @@ __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s
 
 // One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N]. Absent operands
 // (g, w2, r) are nullptr with zero strides. `wl`: the instance's barrier waits (n = 0: none).
-template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES>
+template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool HAS_XACC, bool HAS_RACC>
 __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                     const T* g, long long g_s0, float eps,                    //
                                     const T* w, long long w_s0, long long w_s1,               //
                                     const T* w2, long long w2_s0, long long w2_s1,            //
                                     const T* r, long long r_s0, long long r_s1,               //
+                                    const float* xa, long long xa_s0, long long xa_s1,        //
+                                    const float* ra, long long ra_s0, long long ra_s1,        //
                                     T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
                                     const MegaWaits wl) {
     static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
     smem = shared_ptr(smem);
+    const matvec_impl::Sums sums{xa, xa_s0, xa_s1, ra, ra_s0, ra_s1};
     bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K);
     if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
     if constexpr (K % VecN<T>::value == 0) {
         if (vec) {
-            matvec_impl::run_vec_regs<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(
-                smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, out, out_s0, out_s1, N, n_tile, wl);
+            matvec_impl::run_vec_regs<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
+                smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile, wl);
             return;
         }
     }
-    matvec_impl::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1,
-                                                                       w2, w2_s0, w2_s1, r, r_s0, r_s1, out, out_s0,
-                                                                       out_s1, N, n_tile, wl);
+    matvec_impl::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
+        smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, sums, out, out_s0, out_s1, N,
+        n_tile, wl);
 }

@@ -5,8 +5,11 @@
 
 Fusion options (operand roles in ``params["roles"]``): ``g`` an RMSNorm prologue on
 ``x`` (weight ``g[K]``, ``eps``); ``w2`` a gated pair, ``out = silu(x w^T) * (x w2^T)``;
-``r`` a residual epilogue, ``out = r + x w^T``. Rounding follows the unfused ops:
-each fused stage rounds to the storage dtype, as the reference executor does.
+``r`` a residual epilogue, ``out = r + x w^T``; ``xa`` / ``ra`` an f32 sum (a ``glu_down``
+accumulator) added to x / r as they are read, ``x <- T(x + T(xa))``: the reader does
+``acc_residual``'s work, so that op and its hand-off go (docs/perf-notes.md #34). Rounding
+follows the unfused ops: each fused stage rounds to the storage dtype, as the reference
+executor does.
 """
 
 from __future__ import annotations
@@ -26,11 +29,21 @@ def products(op, ins, x_rows: slice, w_rows: slice, dt: torch.dtype, weight: str
     """``x[x_rows] @ weight[w_rows]^T`` as stored (rounded to ``dt``), after the optional RMSNorm
     prologue, rounded at the same points as the unfused ops; returned as f32."""
     k = roles(op)
-    x = f32(ins[k["x"]][x_rows])
+    x = with_sum(op, ins, "x", (x_rows,), dt)
     if "g" in k:
         x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + op.params["eps"])).to(dt).float()
         x = (x * f32(ins[k["g"]])).to(dt).float()
     return (x @ f32(ins[k[weight]][w_rows]).T).to(dt).float()
+
+
+def with_sum(op, ins, role: str, index: tuple, dt: torch.dtype) -> torch.Tensor:
+    """Operand ``role`` at ``index`` as f32, plus its f32 sum operand (``role + "a"``) when
+    fused, rounded as ``acc_residual`` rounds: ``T(v + T(sum))``."""
+    k = roles(op)
+    v = f32(ins[k[role]][index])
+    if role + "a" in k:
+        v = (v + ins[k[role + "a"]][index].to(dt).float()).to(dt).float()
+    return v
 
 
 def gated(op, ins, x_rows: slice, w_rows: slice, dt: torch.dtype) -> torch.Tensor:
@@ -53,9 +66,9 @@ class MatVec(BlockKind):
         for role, o in zip(params["roles"], inputs):
             if role in ("w", "w2"):
                 reads.append((Tile(1, rows), Full()))
-            elif role == "r":
+            elif role in ("r", "ra"):
                 reads.append(tile_mn)
-            elif role == "x":
+            elif role in ("x", "xa"):
                 reads.append((Tile(0, mrows), Full()))
             else:  # g
                 reads.append((Full(),))
@@ -70,7 +83,7 @@ class MatVec(BlockKind):
         m1, r1 = m0 + mrows, min(r0 + rows, ins[k["w"]].shape[0])
         y = (gated if "w2" in k else products)(op, ins, slice(m0, m1), slice(r0, r1), dt).to(dt)
         if "r" in k:
-            y = (f32(ins[k["r"]][m0:m1, r0:r1]) + y.float()).to(dt)
+            y = (with_sum(op, ins, "r", (slice(m0, m1), slice(r0, r1)), dt) + y.float()).to(dt)
         out[m0:m1, r0:r1] = y
 
     def cuda_call(self, op, ins, out: CudaOperand) -> str:
@@ -85,12 +98,12 @@ class MatVec(BlockKind):
             if role not in k:
                 return ["nullptr"] + ["0"] * n_strides
             o = ins[k[role]]
-            return [rows_of(o) if role == "r" else o.ptr, *o.strides[:n_strides]]
+            return [rows_of(o) if role in ("r", "xa", "ra") else o.ptr, *o.strides[:n_strides]]
 
         x, w = ins[k["x"]], ins[k["w"]]
         kdim = op.inputs[k["w"]].shape[1].value
         n = op.inputs[k["w"]].shape[0].value
-        flags = ", ".join("true" if role in k else "false" for role in ("g", "w2", "r"))
+        flags = ", ".join("true" if role in k else "false" for role in ("g", "w2", "r", "xa", "ra"))
         args = [
             "smem",
             rows_of(x), x.strides[0], x.strides[1],
@@ -98,6 +111,8 @@ class MatVec(BlockKind):
             w.ptr, w.strides[0], w.strides[1],
             *optional("w2", 2),
             *optional("r", 2),
+            *optional("xa", 2),
+            *optional("ra", 2),
             rows_of(out), out.strides[0], out.strides[1],
             f"{n}LL", "c1", "wl",
         ]
@@ -111,4 +126,5 @@ class MatVec(BlockKind):
         item = op.output.dtype.itemsize
         w_bytes = (2 if "w2" in k else 1) * n * k_dim * item * m_tiles  # each row tile re-reads the weights
         x_bytes = m * k_dim * item * n_tiles  # every instance reads its x rows
-        return w_bytes + x_bytes + m * n * item * (2 if "r" in k else 1)
+        sums = 4 * (m * k_dim * n_tiles * ("xa" in k) + m * n * ("ra" in k))
+        return w_bytes + x_bytes + m * n * item * (2 if "r" in k else 1) + sums
