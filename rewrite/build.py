@@ -204,14 +204,10 @@ def lower_block(b: ProgramBuilder, n: Node, c: Choice) -> None:
             piece = with_view(out, View("slice", (d, start, stop)))
             b.emit("elementwise", [n.id], [o], piece, elementwise_params("copy", o.shape, b.env_hint, tile))
             start = stop
-    elif family == "rope":
-        x = to_rows(ins[0])
-        params = {"rows_per": tile, "pos": n.attrs["pos"], "group": 1}
-        inputs = [x, ins[1]]
-        if n.attrs["pos"] is None:
-            params["group"] = math.prod(d.value for d in n.shape[1:-1]) if len(n.shape) > 2 else 1
-            inputs.append(ins[2])
-        b.emit("rope", [n.id], inputs, to_rows(out), params)
+    elif family == "rope":  # positions from a tensor (decode's runtime-dim RoPE lowers as rope_rows)
+        group = math.prod(d.value for d in n.shape[1:-1]) if len(n.shape) > 2 else 1
+        params = {"rows_per": tile, "pos": None, "group": group, "roles": ("x", "inv_freq", "pos_ids"), "eps": 0.0}
+        b.emit("rope", [n.id], [to_rows(ins[0]), ins[1], ins[2]], to_rows(out), params)
     elif family == "softmax":
         if n.attrs["dim"] != len(n.shape) - 1:
             raise GraphError(f"softmax {n.label}: only the last dim is supported by the megakernel (dim={n.attrs['dim']})")
@@ -270,15 +266,29 @@ def lower_matvec_heads(b: ProgramBuilder, n: Node, c: Choice) -> None:
     head_dim = inputs[present.index("w")].shape[0].value // (
         b.graph.nodes[append].shape[0].value if append != NONE else n.shape[0].value)
     pos = b.graph.nodes[rope].attrs["pos"] if rope != NONE else as_dim(0)
-    if append != NONE:  # the cache row at pos, seen as [Hkv, D]
-        a = b.graph.nodes[append]
-        hkv, d = a.shape[0], a.shape[2]
-        out = with_view(b.operand(append), View("slice", (1, a.attrs["pos"], a.attrs["pos"] + 1)))
-        out = with_view(out, View("reshape", (hkv, d)))
-    else:
-        out = b.output(n)
+    out = cache_row(b, append) if append != NONE else b.output(n)
     params = {"rows": rows, "head_dim": head_dim, "roles": present, "eps": eps, "pos": pos}
     b.emit("matvec_heads", absorbed(b.graph, n.id, {v for v in roles.values() if v != NONE}), inputs, out, params)
+
+
+def cache_row(b: ProgramBuilder, append: int) -> Operand:
+    """The KV cache row that ``kv_append`` node ``append`` writes, seen as ``[Hkv, D]``."""
+    a = b.graph.nodes[append]
+    row = with_view(b.operand(append), View("slice", (1, a.attrs["pos"], a.attrs["pos"] + 1)))
+    return with_view(row, View("reshape", (a.shape[0], a.shape[2])))
+
+
+def lower_rope_rows(b: ProgramBuilder, n: Node, c: Choice) -> None:
+    """RoPE at a runtime-dim position [after qwen3's per-head RMSNorm], into its own
+    buffer or straight into the KV cache row (blockops/rope.py)."""
+    x, g, eps, rope, append, tile = c.args
+    r = b.graph.nodes[rope]
+    roles = {"x": x, "inv_freq": r.inputs[1], "g": g}
+    present = tuple(k for k, v in roles.items() if v != NONE)
+    inputs = [to_rows(b.operand(roles[k])) if k == "x" else b.operand(roles[k]) for k in present]
+    out = cache_row(b, append) if append != NONE else to_rows(b.output(r))
+    params = {"rows_per": tile, "pos": r.attrs["pos"], "group": 1, "roles": present, "eps": eps}
+    b.emit("rope", absorbed(b.graph, n.id, {v for v in roles.values() if v != NONE}), inputs, out, params)
 
 
 def lower_matvec_argmax(b: ProgramBuilder, n: Node, c: Choice) -> None:
@@ -343,7 +353,7 @@ def _reshapes_only(graph: Graph, i: int) -> bool:
 
 LOWER: dict[str, Callable[[ProgramBuilder, Node, Choice], None]] = {
     "matvec": lower_matvec, "matvec_heads": lower_matvec_heads, "matvec_argmax": lower_matvec_argmax,
-    "glu_down": lower_glu_down,
+    "glu_down": lower_glu_down, "rope_rows": lower_rope_rows,
 }
 
 

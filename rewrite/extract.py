@@ -22,6 +22,7 @@ from .terms import NONE, Op, node
 MAX_ALTERNATIVES = 256
 FUSED_KINDS = {
     Op.matvec: "matvec", Op.matvec_heads: "matvec_heads", Op.matvec_argmax: "matvec_argmax", Op.glu_down: "glu_down",
+    Op.rope_rows: "rope_rows",
 }
 
 
@@ -43,6 +44,10 @@ class Choice:
         if self.kind == "glu_down":
             x, w, w2, g, _eps, wd, r, _rows = self.args
             return tuple(i for i in (x, w, w2, g, wd, r) if i != NONE)
+        if self.kind == "rope_rows":
+            x, g, _eps, rope, append, _tile = self.args
+            cache = graph.nodes[append].inputs[0] if append != NONE else NONE
+            return tuple(i for i in (x, g, graph.nodes[rope].inputs[1], cache) if i != NONE)
         if self.kind == "matvec_heads":
             x, w, g, _eps, _rows, rope, append = self.args
             inv = graph.nodes[rope].inputs[1] if rope != NONE else NONE

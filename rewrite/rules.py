@@ -53,7 +53,9 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
         yield rule(eq(node(i)).to(build())).then(
             *(union(node(i)).with_(Op.block("elementwise", i, t)) for t in ELEMENTWISE_TILES)
         )
-    yield rule(eq(node(i)).to(Op.rope(x, i))).then(*(union(node(i)).with_(Op.block("rope", i, t)) for t in ROW_TILES))
+    yield rule(eq(node(i)).to(Op.rope(x, i))).then(
+        *(union(node(i)).with_(Op.rope_rows(x, NONE, 0.0, i, NONE, t)) for t in ROW_TILES)
+    )
     yield rule(eq(node(i)).to(Op.kv_append(x, a))).then(union(node(i)).with_(Op.block("kv_append", i, 1)))
     yield rule(eq(node(i)).to(Op.argmax(x, i))).then(
         *(union(node(i)).with_(Op.block("argmax", i, t)) for t in ARGMAX_CHUNKS)
@@ -126,6 +128,21 @@ def _fuse_heads(x: i64, w: i64, g: i64, eps: f64, rows: i64, d: i64, b: i64, h: 
         eq(node(b)).to(Op.matvec(x, w, NONE, g, eps, NONE, rows)),
         eq(rows % d).to(i64(0)),
     ).then(union(node(i)).with_(Op.matvec_heads(x, w, g, eps, rows, NONE, i)))
+
+
+@fusion.register
+def _fuse_rope(x: i64, g: i64, eps: f64, h: i64, r: i64, c: i64, t: i64, i: i64):
+    # qwen3's per-head RMSNorm before RoPE: the rope instance normalises its own rows.
+    yield rule(
+        eq(node(i)).to(Op.rope(h, i)),
+        eq(node(h)).to(Op.rms_norm(x, g, eps)),
+    ).then(*(union(node(i)).with_(Op.rope_rows(x, g, eps, i, NONE, tt)) for tt in ROW_TILES))
+    # RoPE + KV append: the rotated rows go straight into the cache row (one hand-off fewer
+    # between the K projection and attention, perf-notes #35).
+    yield rule(
+        eq(node(i)).to(Op.kv_append(c, h)),
+        eq(node(h)).to(Op.rope_rows(x, g, eps, r, NONE, t)),
+    ).then(union(node(i)).with_(Op.rope_rows(x, g, eps, r, i, t)))
 
 
 @fusion.register

@@ -68,6 +68,11 @@ class Op(Expr):
         """``matvec_heads`` kind: a head-split projection; ``rope``/``append`` name the absorbed nodes."""
 
     @classmethod
+    def rope_rows(cls, x: i64Like, g: i64Like, eps: f64Like, rope: i64Like, append: i64Like, tile: i64Like) -> Op:
+        """``rope`` kind: RoPE of node ``rope`` read from ``x`` [after a per-row RMSNorm(g)], written
+        to its own buffer or, when ``append`` names a ``kv_append`` node, straight into its cache row."""
+
+    @classmethod
     def matvec_argmax(cls, x: i64Like, w: i64Like, g: i64Like, eps: f64Like, rows: i64Like) -> Op:
         """``matvec_argmax`` kind: argmax partials of x @ w^T, the products never stored."""
 

@@ -25,6 +25,16 @@ def mlp_sum_readers(g, dt, sum_output=False):
     if sum_output:
         g.output("s", s)
 
+def qk_norm_rope_append(g, dt):
+    """qwen3's attention inputs: per-head RMSNorm, RoPE, k appended to its cache (one rope op
+    each for q and k, the k op writing the cache row)."""
+    q = me.rope(me.rms_norm(g.input("q", [4, 64], dt), g.weight("gq", [64], dt), 1e-6), P, theta=10000.0)
+    k = me.rope(me.rms_norm(g.input("k", [2, 64], dt), g.weight("gk", [64], dt), 1e-6), P, theta=10000.0)
+    kc = me.kv_append(g.input("kc", [2, 16, 64], dt), k, P)
+    vc = me.kv_append(g.input("vc", [2, 16, 64], dt), g.input("v", [2, 64], dt), P)
+    g.output("y", me.attention(q, kc, vc, P + 1))
+
+
 CASES = {
     "linear": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 256], dt), g.weight("w", [200, 256], dt))), {"x": [1, 256]}, {"w": [200, 256]}),
     "linear_odd_k": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 100], dt), g.weight("w", [72, 100], dt))), {"x": [1, 100]}, {"w": [72, 100]}),
@@ -36,6 +46,7 @@ CASES = {
     "argmax": lambda dt: (lambda g: g.output("y", me.argmax(g.input("x", [1, 10000], dt))), {"x": [1, 10000]}, {}),
     "gated_mlp_residual": lambda dt: (lambda g: _gated_mlp(g, dt), {"x": [1, 128]}, {"g": [128], "wg": [200, 128], "wu": [200, 128], "wd": [128, 200]}),
     "mlp_sum_readers": lambda dt: (lambda g: mlp_sum_readers(g, dt), {"x": [1, 128]}, {"g": [128], "wg": [200, 128], "wu": [200, 128], "wd": [128, 200], "g2": [128], "wq": [72, 128], "wo": [128, 72]}),
+    "qk_norm_rope_append": lambda dt: (lambda g: qk_norm_rope_append(g, dt), {"q": [4, 64], "k": [2, 64], "v": [2, 64], "kc": [2, 16, 64], "vc": [2, 16, 64]}, {"gq": [64], "gk": [64]}),
     "concat_transpose": lambda dt: (lambda g: g.output("y", me.concat([g.input("a", [4, 8], dt), me.transpose(g.input("b", [6, 4], dt), 0, 1)], 1)), {"a": [4, 8], "b": [6, 4]}, {}),
 }
 

@@ -273,9 +273,12 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
     ]
     c["rope"] = [
         ("pos_dim", "rope", [Arg((32, 128), T), Arg((64,), f32)], Arg((32, 128), T),
-         {"rows_per": 4, "pos": POS, "group": 1}),
+         {"rows_per": 4, "pos": POS, "group": 1, "roles": ("x", "inv_freq"), "eps": 0.0}),
         ("pos_tensor", "rope", [Arg((4, 64), T), Arg((32,), f32), Arg((2,), i32)], Arg((4, 64), T),
-         {"rows_per": 4, "pos": None, "group": 2}),
+         {"rows_per": 4, "pos": None, "group": 2, "roles": ("x", "inv_freq", "pos_ids"), "eps": 0.0}),
+        ("norm_to_cache_row", "rope", [Arg((8, 128), T), Arg((64,), f32), Arg((128,), T)],  # qwen3's k: norm, rope, append
+         Arg((8, 128), T, strides=(1024 * 128, 1)), {"rows_per": 1, "pos": POS, "group": 1,
+                                                    "roles": ("x", "inv_freq", "g"), "eps": 1e-6}),
     ]
     c["softmax"] = [
         ("rows", "softmax", [Arg((4, 1000), T)], Arg((4, 1000), T), {"rows_per": 4}),
@@ -509,9 +512,13 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
         ("rms_wide_strided", "rms_norm", [Arg((3, 4000), T, strides=(1, 3)), Arg((4000,), T)], Arg((3, 4000), T),
          {"rows_per": 4, "eps": 1e-5}, {}),
         ("rope_pos", "rope", [Arg((32, 128), T), Arg((64,), f32)], Arg((32, 128), T),
-         {"rows_per": 4, "pos": POS, "group": 1}, {1: lambda v, g: v.copy_(v.abs() * 0.3)}),
+         {"rows_per": 4, "pos": POS, "group": 1, "roles": ("x", "inv_freq"), "eps": 0.0}, {1: lambda v, g: v.copy_(v.abs() * 0.3)}),
         ("rope_ids", "rope", [Arg((8, 64), T), Arg((32,), f32), Arg((4,), i32)], Arg((8, 64), T),
-         {"rows_per": 4, "pos": None, "group": 2}, {1: lambda v, g: v.copy_(v.abs() * 0.3), 2: _randint(0, 4096)}),
+         {"rows_per": 4, "pos": None, "group": 2, "roles": ("x", "inv_freq", "pos_ids"), "eps": 0.0}, {1: lambda v, g: v.copy_(v.abs() * 0.3), 2: _randint(0, 4096)}),
+        ("rope_norm_d256", "rope", [Arg((5, 256), T, strides=(300, 1)), Arg((128,), f32), Arg((256,), T)],
+         Arg((5, 256), T, strides=(1000 * 256, 1)), {"rows_per": 4, "pos": POS, "group": 1,
+                                                     "roles": ("x", "inv_freq", "g"), "eps": 1e-6},
+         {1: lambda v, g: v.copy_(v.abs() * 0.3)}),
         ("softmax", "softmax", [Arg((5, 1000), T)], Arg((5, 1000), T), {"rows_per": 4}, {}),
         ("softmax_long", "softmax", [Arg((2, 3000), T)], Arg((2, 3000), T), {"rows_per": 1}, {}),
         ("softmax_len", "softmax", [Arg((32, L), T, strides=(1024, 1))], Arg((32, L), T, strides=(1024, 1)),

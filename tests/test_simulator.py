@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from op_cases import CASES, mlp_sum_readers
+from op_cases import CASES, mlp_sum_readers, qk_norm_rope_append
 from test_reference import WEIGHTS, build_layer
 
 import megaegg as me
@@ -212,6 +212,18 @@ def test_mlp_sum_is_read_by_its_matvecs_without_acc_residual():
     k2 = me.compile(g2, W, backend="sim")
     assert "acc_residual" in [e.op.kind for e in k2.queue.entries]
     compare(k2, g2, {"x": torch.randn(1, 128)}, k2.weights, {}, 1e-5, SCHEDULES)
+
+
+def test_rope_takes_the_head_norm_and_writes_the_cache_row():
+    """qwen3's q/k path: the per-head RMSNorm runs inside the rope op, and k's rope writes the
+    cache row itself, so no rms_norm op and no kv_append for k remain."""
+    g = me.Graph("qk")
+    qk_norm_rope_append(g, me.f32)
+    k = me.compile(g, {"gq": torch.randn(64), "gk": torch.randn(64)}, backend="sim", max_dims={"pos": 15})
+    kinds = [e.op.kind for e in k.queue.entries]
+    assert kinds.count("rms_norm") == 0 and kinds.count("kv_append") == 1 and kinds.count("rope") == 2
+    cache_rope = next(e.op for e in k.queue.entries if e.op.kind == "rope" and k.queue.program.buffers[e.op.output.buffer].name == "kc")
+    assert cache_rope.params["roles"] == ("x", "inv_freq", "g")
 
 
 def test_gated_mlp_through_a_weight_view_stays_unfused():

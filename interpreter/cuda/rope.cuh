@@ -3,28 +3,50 @@
 // pos_s0] when pos_ids is given, else at `pos`. angle = float(position) * inv_freq[j]
 // (f32), accurate sincosf, and the products and sums rounded one by one (no FMA
 // contraction) as torch evaluates x1*cos - x2*sin and x2*cos + x1*sin.
-// One thread per (row, j < D/2) pair; in place (out == x) is safe.
+// NORM: each row is first RMS-normalised as the rms_norm kind does (rownorm.cuh),
+// x <- T(T(x * rinv) * g). A warp per row, lanes over the D/2 rotation pairs; out may be
+// a KV cache row (RoPE + KV append), and in place (out == x) is safe.
 #pragma once
 #include "common.cuh"
 
-template <class T, int D>
+template <class T, int D, bool NORM>
 __device__ __noinline__ void rope_rows(const T* x, long long x_s0, long long x_s1, const float* inv_freq,
-                                          const int* pos_ids, long long pos_s0, long long pos, long long group,
-                                          T* out, long long out_s0, long long out_s1, long long rows, int rows_per,
-                                          long long c0) {
+                                       const int* pos_ids, long long pos_s0, long long pos, long long group,
+                                       const T* g, long long g_s0, float eps, T* out, long long out_s0,
+                                       long long out_s1, long long rows, int rows_per, long long c0) {
     static_assert(D % 2 == 0, "rope: head dim must be even");
-    constexpr int H = D / 2;
+    constexpr int H = D / 2, PL = cdiv(H, 32);  // rotation pairs per lane
+    const int lane = threadIdx.x & 31;
     const long long r0 = c0 * rows_per, r1 = min_i64(r0 + rows_per, rows);
-    const int n = (int)max_i64(0, r1 - r0) * H;
-    for (int i = threadIdx.x; i < n; i += MEGA_THREADS) {
-        const long long r = r0 + i / H;
-        const int j = i % H;
+#pragma unroll 1
+    for (long long r = r0 + (threadIdx.x >> 5); r < r1; r += MEGA_WARPS) {
         const long long p = pos_ids ? (long long)ld_cg(pos_ids + (r / group) * pos_s0) : pos;
-        const float ang = __fmul_rn((float)p, ld_cg(inv_freq + j));
-        float sn, cs;
-        sincosf(ang, &sn, &cs);
-        const float x1 = ld_f32(x + r * x_s0 + j * x_s1), x2 = ld_f32(x + r * x_s0 + (j + H) * x_s1);
-        out[r * out_s0 + j * out_s1] = from_f32<T>(__fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn)));
-        out[r * out_s0 + (j + H) * out_s1] = from_f32<T>(__fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn)));
+        float x1[PL], x2[PL], ss = 0.0f;
+#pragma unroll
+        for (int t = 0; t < PL; ++t) {
+            const int j = t * 32 + lane;
+            x1[t] = j < H ? ld_f32(x + r * x_s0 + j * x_s1) : 0.0f;
+            x2[t] = j < H ? ld_f32(x + r * x_s0 + (j + H) * x_s1) : 0.0f;
+            ss += x1[t] * x1[t] + x2[t] * x2[t];
+        }
+        if (NORM) {
+            const float rinv = 1.0f / sqrtf(warp_sum(ss) / (float)D + eps);
+#pragma unroll
+            for (int t = 0; t < PL; ++t) {
+                const int j = t * 32 + lane;
+                if (j >= H) continue;
+                x1[t] = round_to<T>(round_to<T>(x1[t] * rinv) * ld_f32(g + j * g_s0));
+                x2[t] = round_to<T>(round_to<T>(x2[t] * rinv) * ld_f32(g + (j + H) * g_s0));
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < PL; ++t) {
+            const int j = t * 32 + lane;
+            if (j >= H) continue;
+            float sn, cs;
+            sincosf(__fmul_rn((float)p, ld_cg(inv_freq + j)), &sn, &cs);
+            out[r * out_s0 + j * out_s1] = from_f32<T>(__fsub_rn(__fmul_rn(x1[t], cs), __fmul_rn(x2[t], sn)));
+            out[r * out_s0 + (j + H) * out_s1] = from_f32<T>(__fadd_rn(__fmul_rn(x2[t], cs), __fmul_rn(x1[t], sn)));
+        }
     }
 }

@@ -1,7 +1,11 @@
 """rope: rotate-half rotary embedding of ``x[rows, D]`` rows; ``inv_freq[D/2]`` (f32).
 
-The position is a runtime dim (``params["pos"]``) or, with a third operand, an i32
+The position is a runtime dim (``params["pos"]``) or, with a ``pos_ids`` operand, an i32
 tensor giving the position of each group of ``params["group"]`` consecutive rows.
+Fusions (operand roles in ``params["roles"]``): ``g`` a per-row RMSNorm prologue
+(qwen3's q/k norm: ``x <- T(T(x * rsqrt(mean(x^2) + eps)) * g)``, as the ``rms_norm``
+kind rounds); the output may be a KV cache row (RoPE + ``kv_append`` in one op), which
+only changes where the rows are written.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ from .base import BlockKind, Partition, dimc, f32, register
 from .footprint import Full, Tile
 
 
+def roles(op) -> dict[str, int]:
+    return {r: k for k, r in enumerate(op.params["roles"])}
+
+
 @register
 class Rope(BlockKind):
     name = "rope"
@@ -21,35 +29,40 @@ class Rope(BlockKind):
     def build(self, inputs, output, params) -> Partition:
         rows = params["rows_per"]
         tile = (Tile(0, rows), Full())
-        reads = [tile, (Full(),)]
-        if len(inputs) == 3:
-            reads.append((Full(),))
-        return Partition(grid=(ceildiv(inputs[0].shape[0], rows),), reads=tuple(reads), writes=tile)
+        reads = tuple(tile if role == "x" else (Full(),) for role in params["roles"])
+        return Partition(grid=(ceildiv(inputs[0].shape[0], rows),), reads=reads, writes=tile)
 
     def cpu(self, op, env, ins, out):
-        rows = op.params["rows_per"]
+        k, p = roles(op), op.params
+        rows = p["rows_per"]
         r0 = env["_i0"] * rows
-        x = f32(ins[0][r0 : r0 + rows])
+        x = f32(ins[k["x"]][r0 : r0 + rows])
         n = x.shape[0]
-        if len(ins) == 3:
-            pos = ins[2].long()[(torch.arange(r0, r0 + n) // op.params["group"])].float()
+        if "g" in k:
+            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + p["eps"])).to(out.dtype).float()
+            x = (x * f32(ins[k["g"]])).to(out.dtype).float()
+        if "pos_ids" in k:
+            pos = ins[k["pos_ids"]].long()[(torch.arange(r0, r0 + n) // p["group"])].float()
         else:
-            pos = torch.full((n,), float(op.params["pos"].eval(env)))
-        ang = pos[:, None] * ins[1].float()[None, :]
+            pos = torch.full((n,), float(p["pos"].eval(env)))
+        ang = pos[:, None] * ins[k["inv_freq"]].float()[None, :]
         cos, sin = ang.cos(), ang.sin()
         h = x.shape[1] // 2
         x1, x2 = x[:, :h], x[:, h:]
         out[r0 : r0 + n] = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(out.dtype)
 
     def cuda_call(self, op, ins, out):
-        x, inv = ins[0], ins[1]
-        p = op.params
-        pos_ids = [ins[2].ptr, ins[2].strides[0]] if len(ins) == 3 else ["nullptr", "0"]
+        k, p = roles(op), op.params
+        x, inv = ins[k["x"]], ins[k["inv_freq"]]
+        pos_ids = [ins[k["pos_ids"]].ptr, ins[k["pos_ids"]].strides[0]] if "pos_ids" in k else ["nullptr", "0"]
+        g = [ins[k["g"]].ptr, ins[k["g"]].strides[0]] if "g" in k else ["nullptr", "0"]
         pos = p["pos"].to_c(dimc) if p.get("pos") is not None else "0"
         args = [
             x.ptr, x.strides[0], x.strides[1], inv.ptr,
             *pos_ids, pos, f"{p.get('group', 1)}LL",
+            *g, f"{float(p.get('eps', 0.0))!r}f",
             out.ptr, out.strides[0], out.strides[1],
             op.inputs[0].shape[0].to_c(dimc), str(p["rows_per"]), "c0",
         ]
-        return f"rope_rows<{x.ctype}, {op.inputs[0].shape[1].value}>({', '.join(args)})"
+        norm = "true" if "g" in k else "false"
+        return f"rope_rows<{x.ctype}, {op.inputs[0].shape[1].value}, {norm}>({', '.join(args)})"
