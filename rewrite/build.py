@@ -336,9 +336,9 @@ def foldable_sums(graph: Graph, chosen: dict[int, Choice]) -> set[int]:
             i = base_node(graph, ref)
             if i not in sums:
                 continue
-            x, r = (c.args[0], c.args[5]) if c.kind == "matvec" else (NONE, NONE)
-            reads_rows = ref in (x, r) and ref not in c.args[1:4] and _reshapes_only(graph, ref)
-            if not reads_rows or math.prod(d.value if d.is_const else 0 for d in graph.nodes[ref].shape[:-1]) != 1:
+            as_x_or_r = c.kind == "matvec" and ref in (c.args[0], c.args[5]) and ref not in c.args[1:4]
+            one_row = math.prod(d.value if d.is_const else 0 for d in graph.nodes[ref].shape[:-1]) == 1
+            if not (as_x_or_r and one_row and _reshapes_only(graph, ref)):
                 sums.discard(i)
     return sums
 
