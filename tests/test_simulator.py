@@ -168,15 +168,20 @@ def test_token_only_graph_fuses_lm_head_with_argmax_partials():
     assert "matvec_argmax" not in [e.op.kind for e in me.compile(g2, weights, backend="sim", max_dims={"pos": 15}).queue.entries]
 
 
+def _compiled_case(name: str, seed: int):
+    """Op case ``name`` in f32 with fresh random weights, compiled for the simulator."""
+    torch.manual_seed(seed)
+    build, _ins, ws = CASES[name](me.f32)
+    g = me.Graph(name)
+    build(g)
+    W = {n: torch.randn(s) for n, s in ws.items()}
+    return g, W, me.compile(g, W, backend="sim")
+
+
 def test_gated_mlp_sums_wait_for_every_adder():
     """glu_down instances add into one f32 accumulator: its reader must wait for all of them.
     The down weight is bound transposed; ``kernel.weights`` still shows the user's layout."""
-    torch.manual_seed(5)
-    build, ins, ws = CASES["gated_mlp_residual"](me.f32)
-    g = me.Graph("mlp")
-    build(g)
-    W = {n: torch.randn(s) for n, s in ws.items()}
-    k = me.compile(g, W, backend="sim")
+    g, W, k = _compiled_case("gated_mlp_residual", seed=5)
     assert [e.op.kind for e in k.queue.entries] == ["glu_down", "acc_residual"]
     assert torch.equal(k.weights["wd"], W["wd"])
     x = torch.randn(1, 128)
@@ -194,12 +199,7 @@ def test_mlp_sum_is_read_by_its_matvecs_without_acc_residual():
     """Where every reader of the MLP's sum is a matvec (x or residual), no acc_residual op is
     emitted: the readers stage r + T(acc) and wait for every adder. Where the sum is also a
     graph output it is materialised as before."""
-    torch.manual_seed(7)
-    build, ins, ws = CASES["mlp_sum_readers"](me.f32)
-    g = me.Graph("sum_readers")
-    build(g)
-    W = {n: torch.randn(s) for n, s in ws.items()}
-    k = me.compile(g, W, backend="sim")
+    g, W, k = _compiled_case("mlp_sum_readers", seed=7)
     entries = k.queue.entries
     assert [e.op.kind for e in entries] == ["glu_down", "matvec", "matvec"]
     assert [e.op.params["roles"] for e in entries[1:]] == [("x", "w", "g", "xa"), ("x", "w", "r", "ra")]

@@ -15,10 +15,7 @@ import torch
 from ..dims import ceildiv
 from .base import BlockKind, Partition, dimc, f32, register
 from .footprint import Full, Tile
-
-
-def roles(op) -> dict[str, int]:
-    return {r: k for k, r in enumerate(op.params["roles"])}
+from .matvec import roles
 
 
 @register
