@@ -27,19 +27,22 @@ import pytest
 from megaegg import dtypes as dt
 from megaegg.blockops import REGISTRY, CudaOperand
 from megaegg.dims import Dim, as_dim, sym
+from megaegg.interpreter.render import SMEM_BYTES, THREADS
 from megaegg.rewrite.program import BlockOp, Operand, View
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "interpreter" / "cuda"
 POS = sym("pos")
 
-PRELUDE = """\
-#define MEGA_THREADS 256
-#define MEGA_SMEM (160 * 1024)
+# The bodies compile and run with the megakernel's own block size and shared memory, so a
+# case that fits here fits in the kernel (attention's ring depth and matvec's x staging follow it).
+PRELUDE = f"""\
+#define MEGA_THREADS {THREADS}
+#define MEGA_SMEM {SMEM_BYTES}
 #define MEGA_ERR_INDEX 2
 __device__ int mega_test_error;
-__device__ void mega_body_error(int code, long long detail) { atomicCAS(&mega_test_error, 0, code); (void)detail; }
+__device__ void mega_body_error(int code, long long detail) {{ atomicCAS(&mega_test_error, 0, code); (void)detail; }}
 #include "common.cuh"
-__device__ bool mega_wait_all(const MegaWaits& w) { return w.n == 0; }  // the wrappers wait for nothing
+__device__ bool mega_wait_all(const MegaWaits& w) {{ return w.n == 0; }}  // the wrappers wait for nothing
 """
 
 
@@ -351,7 +354,7 @@ def test_cuda_bodies_compile(group):
 
 
 # --- GPU: each body against its kind's cpu() (the living definition) ---------------------
-SMEM = 160 * 1024  # PRELUDE's MEGA_SMEM, as interpreter/render.py sets it
+SMEM = SMEM_BYTES  # PRELUDE's MEGA_SMEM
 
 
 def _torch_cuda():
@@ -387,7 +390,7 @@ class Module:
         vals = [np.array([a.data_ptr() if hasattr(a, "data_ptr") else a], dtype=np.uint64 if hasattr(a, "data_ptr")
                          else np.int64) for a in args]
         ptrs = np.array([v.ctypes.data for v in vals], dtype=np.uint64)
-        (err,) = d.cuLaunchKernel(fn, grid[0], grid[1], 1, 256, 1, 1, SMEM, 0, ptrs.ctypes.data, 0)
+        (err,) = d.cuLaunchKernel(fn, grid[0], grid[1], 1, THREADS, 1, 1, SMEM, 0, ptrs.ctypes.data, 0)
         assert err == d.CUresult.CUDA_SUCCESS, (name, err)
 
     def error_code(self) -> int:
