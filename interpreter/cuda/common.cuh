@@ -34,6 +34,8 @@ struct MegaWaits {
 // All threads: thread i < w.n waits for ctr[i] >= expected[i], then a block barrier.
 // False: the block must stop (abort or timeout, error recorded). Defined in runtime.cuh.
 __device__ bool mega_wait_all(const MegaWaits& w);
+// All threads: one non-blocking look at the waits (acquire); true when every one is met.
+__device__ bool mega_waits_met(const MegaWaits& w);
 
 // Compile-time helpers (no <type_traits> under NVRTC).
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }

@@ -44,6 +44,10 @@
 #define MEGA_SMEM_RESERVED 4096  // the top of dynamic shared memory: epilogue tiles (matvec_heads)
 #endif
 
+#ifndef MEGA_MV_PACE
+#define MEGA_MV_PACE 0  // 1: an unpipelined, ungated tile paces its pre-wait loads (paced_first_step)
+#endif
+
 #ifndef MEGA_MV_PIPE
 #define MEGA_MV_PIPE 1  // two register buffers: 0 never, 1 where Plan::PIPE says, 2 always (perf-notes #26)
 #endif
@@ -233,13 +237,13 @@ __device__ __forceinline__ void finish(float dot, float dot2, const float* rt, i
     out[m * out_s0 + n * out_s1] = from_f32<T>(y);
 }
 
-// Issue the 16-byte weight loads of step s of row group gi into wa (and wb).
-template <class P, class T, int ROWS, bool GLU>
+// Issue the 16-byte weight loads of step s of row group gi into wa (and wb), row slots [RB0, RB1).
+template <class P, class T, int ROWS, bool GLU, int RB0 = 0, int RB1 = P::RB>
 __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
                                           const T* w, long long w_s0, const T* w2, long long w2_s0, long long row0,
                                           long long N, int gi, int s, int warp, int lane) {
 #pragma unroll
-    for (int rb = 0; rb < P::RB; ++rb) {
+    for (int rb = RB0; rb < RB1; ++rb) {
         const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
         const long long n = row0 + local;
         const bool ok = local < ROWS && n < N;
@@ -252,6 +256,31 @@ __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[
             wa[rb][u] = in ? ldw16(wr + kv * P::VEC) : make_uint4(0, 0, 0, 0);
             if (GLU) wb[GLU ? rb : 0][GLU ? u : 0] = in ? ldw16(wr2 + kv * P::VEC) : make_uint4(0, 0, 0, 0);
         }
+    }
+}
+
+// Paced pre-wait loads (MEGA_MV_PACE): the first step's row slots are issued one at a time,
+// each only once the previous one has landed, until the waits are met; then the rest at once.
+// A waiting SM so keeps one slot (~32 KB) in flight instead of its whole first step, and the
+// chain its producers run (attention, ~17 MB of O weights queued ahead of it on qwen3-8b)
+// sees a short memory queue (perf-notes #39: unpaced, the bytes trade one for one).
+template <class P, class T, int ROWS, bool GLU, int RB0>
+__device__ __forceinline__ void paced_first_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
+                                                 const T* w, long long w_s0, const T* w2, long long w2_s0,
+                                                 long long row0, long long N, int warp, int lane, const MegaWaits& wl,
+                                                 float* red) {
+    if constexpr (RB0 < P::RB) {
+        load_step<P, T, ROWS, GLU, RB0, RB0 + 1>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+        if (RB0 + 1 == P::RB) return;
+        if (mega_waits_met(wl)) {
+            load_step<P, T, ROWS, GLU, RB0 + 1, P::RB>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+            return;
+        }
+        unsigned dep = 0;  // reading the slot's registers waits for its loads to land
+#pragma unroll
+        for (int u = 0; u < P::U; ++u) dep |= wa[RB0][u].x;
+        red[threadIdx.x % MEGA_WARPS] = __uint_as_float(dep);  // (scratch: the stage after the wait rewrites it)
+        paced_first_step<P, T, ROWS, GLU, RB0 + 1>(wa, wb, w, w_s0, w2, w2_s0, row0, N, warp, lane, wl, red);
     }
 }
 
@@ -375,7 +404,10 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         uint4 wa[P::RB][P::U];
         uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
         // in flight while the inputs' producers finish and x stages
-        load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+        if (MEGA_MV_PACE && !GLU && P::RB > 1)
+            paced_first_step<P, T, ROWS, GLU, 0>(wa, wb, w, w_s0, w2, w2_s0, row0, N, warp, lane, wl, red);
+        else
+            load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
         if (!mega_wait_all(wl)) return false;
         stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
 

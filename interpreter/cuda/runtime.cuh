@@ -94,6 +94,11 @@ __device__ __forceinline__ void mega_prefetch_l2(const void* p, long long bytes)
   }
 }
 
+__device__ bool mega_waits_met(const MegaWaits& w) {
+    const bool met = threadIdx.x >= w.n || mega_ld_acquire(w.ctr[threadIdx.x]) >= w.expected[threadIdx.x];
+    return __syncthreads_and(met);
+}
+
 __device__ bool mega_wait_all(const MegaWaits& w) {
     if (w.n == 0) return true;
     if (threadIdx.x < w.n && !mega_wait(w.ctr[threadIdx.x], w.expected[threadIdx.x], mega_control_ptr, mega_cur_entry,
