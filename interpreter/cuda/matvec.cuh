@@ -45,7 +45,7 @@
 #endif
 
 #ifndef MEGA_MV_PACE
-#define MEGA_MV_PACE 0  // 1: an unpipelined, ungated tile paces its pre-wait loads (paced_first_step)
+#define MEGA_MV_PACE 1  // an unpipelined, ungated tile paces its pre-wait loads (paced_first_step; perf-notes #41)
 #endif
 
 #ifndef MEGA_MV_PIPE
