@@ -12,6 +12,7 @@ are the caller's tensors, passed by pointer each call.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -102,14 +103,15 @@ def build_queue(program: BlockProgram, max_dims: Mapping[str, int]) -> WorkQueue
 
 
 def plan_memory(program: BlockProgram, barriers: BarrierPlan, max_dims: Mapping[str, int]) -> MemoryPlan:
+    def elements(b) -> int:  # at the largest dims
+        return math.prod(upper_bound(d, max_dims) for d in b.shape)
+
     arena, offset, slots = 0, {}, {}
     for b in program.buffers:
         if b.kind == "accum":  # in the counter bank, below
             continue
         if b.kind == "scratch":
-            nbytes = b.dtype.itemsize
-            for d in b.shape:
-                nbytes *= upper_bound(d, max_dims)
+            nbytes = b.dtype.itemsize * elements(b)
             offset[b.id] = arena
             arena += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
         else:
@@ -125,9 +127,6 @@ def plan_memory(program: BlockProgram, barriers: BarrierPlan, max_dims: Mapping[
         if b.kind == "accum":
             counters = -(-counters // ACCUM_ALIGN_WORDS) * ACCUM_ALIGN_WORDS
             accum[b.id] = counters
-            n = 1
-            for d in b.shape:
-                n *= upper_bound(d, max_dims)
-            counters += n
+            counters += elements(b)
     counters = -(-counters // ACCUM_ALIGN_WORDS) * ACCUM_ALIGN_WORDS  # the second bank stays aligned
     return MemoryPlan(max(arena, ARENA_ALIGN), offset, slots, base, counters, accum)
