@@ -3,7 +3,8 @@
 #   bash scripts/gpu_round.sh PRESET "ENV=VALUE ..." "ENV=VALUE ..." ...   (logs under $OUT)
 # Each variant is a set of environment assignments for scripts/gpu_probe.py (MEGAEGG_DEFINES,
 # cost-model knobs TILE_OVERHEAD_US, OP_OVERHEAD_US, ...); "-" runs the defaults.
-# The variant OLD probes the code unpacked in $OLD instead (another commit, for a same-run A/B).
+# The variant "OLD [ENV=VALUE ...]" probes the code unpacked in $OLD instead (another commit,
+# for a same-run A/B), with those assignments.
 set -u
 mkdir -p /tmp/site && tar xzf .device/site.tgz -C /tmp/site
 export PYTHONPATH=/tmp/site MEGAEGG_CACHE=/tmp/mcache
@@ -24,9 +25,9 @@ probe() {  # name, env assignments, script
 i=0
 for d in "$@"; do
   i=$((i + 1)); [ "$d" = "-" ] && d=""
-  if [ "$d" = "OLD" ]; then  # the code unpacked in $OLD (another commit), for a same-run A/B
+  if [ "${d%% *}" = "OLD" ]; then  # the code unpacked in $OLD (another commit), for a same-run A/B
     (cd "$OLD" && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1)
-    probe "v$i-old" "OP_OVERHEAD_US=1.5" "$OLD/scripts/gpu_probe.py"
+    probe "v$i-old" "OP_OVERHEAD_US=1.5 ${d#OLD}" "$OLD/scripts/gpu_probe.py"
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
   else
     probe "v$i" "OP_OVERHEAD_US=1.5 $d" scripts/gpu_probe.py
