@@ -241,12 +241,11 @@ def rel_errs(got: torch.Tensor, want: torch.Tensor) -> dict:
             "rel_err_norm": ((got - want).norm() / want.norm()).item()}
 
 
-def next_token_check(got: torch.Tensor, want: torch.Tensor) -> dict:
+def next_token_check(got_next: int, want_next: int, got: torch.Tensor, want: torch.Tensor) -> dict:
     """Greedy next tokens compared; where they differ, how far apart the two tokens' exact
     logits are against the largest logit error (random weights give near-ties)."""
     got, want = got.float().cpu().reshape(-1), want.float().cpu().reshape(-1)
-    g, w = int(got.argmax()), int(want.argmax())
-    return {"next_token_equal": g == w, "next_token_gap": (want[w] - want[g]).item(),
+    return {"next_token_equal": got_next == want_next, "next_token_gap": (want[want_next] - want[got_next]).item(),
             "logit_err_max": (got - want).abs().max().item()}
 
 
@@ -368,7 +367,8 @@ def megakernel(b: Bench) -> dict:
     b.extra["megakernel_next"] = int(out["next_token"].reshape(-1)[0])
     if b.exact_logits is not None:  # against the torch step that rounds like the reference
         b.extra["correctness"] = {**rel_errs(out["logits"], b.exact_logits),
-                                  **next_token_check(b.extra["megakernel_logits"], b.exact_logits)}
+                                  **next_token_check(b.extra["megakernel_next"], b.exact_next,
+                                                     b.extra["megakernel_logits"], b.exact_logits)}
         if b.torch_logits is not None:
             b.extra["correctness"]["vs_torch_sdpa"] = rel_errs(out["logits"], b.torch_logits)
     del out

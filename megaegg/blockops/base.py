@@ -87,3 +87,9 @@ def dimc(name: str) -> str:
 
 def f32(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.is_floating_point() else x
+
+
+def rms_normed(x: torch.Tensor, g: torch.Tensor, eps: float, dt: torch.dtype) -> torch.Tensor:
+    """RMSNorm of f32 rows ``x`` rounded as the unfused op stores it, ``T(T(x * rinv) * g)``; f32."""
+    y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dt).float()
+    return (y * f32(g)).to(dt).float()

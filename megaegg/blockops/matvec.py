@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..dims import ceildiv
-from .base import BlockKind, CudaOperand, Partition, f32, register
+from .base import BlockKind, CudaOperand, Partition, f32, register, rms_normed
 from .footprint import Full, Tile
 
 
@@ -31,8 +31,7 @@ def products(op, ins, x_rows: slice, w_rows: slice, dt: torch.dtype, weight: str
     k = roles(op)
     x = with_sum(op, ins, "x", (x_rows,), dt)
     if "g" in k:
-        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + op.params["eps"])).to(dt).float()
-        x = (x * f32(ins[k["g"]])).to(dt).float()
+        x = rms_normed(x, ins[k["g"]], op.params["eps"], dt)
     return (x @ f32(ins[k[weight]][w_rows]).T).to(dt).float()
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..dims import ceildiv
-from .base import BlockKind, Partition, dimc, f32, register
+from .base import BlockKind, Partition, dimc, f32, register, rms_normed
 from .footprint import Full, Tile
 from .matvec import roles
 
@@ -36,8 +36,7 @@ class Rope(BlockKind):
         x = f32(ins[k["x"]][r0 : r0 + rows])
         n = x.shape[0]
         if "g" in k:
-            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + p["eps"])).to(out.dtype).float()
-            x = (x * f32(ins[k["g"]])).to(out.dtype).float()
+            x = rms_normed(x, ins[k["g"]], p["eps"], out.dtype)
         if "pos_ids" in k:
             pos = ins[k["pos_ids"]].long()[(torch.arange(r0, r0 + n) // p["group"])].float()
         else:

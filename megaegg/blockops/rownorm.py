@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from ..dims import ceildiv
-from .base import BlockKind, Partition, dimc, f32, register
+from .base import BlockKind, Partition, dimc, f32, register, rms_normed
 from .footprint import Full, Tile
 
 
@@ -23,8 +21,7 @@ class RmsNorm(BlockKind):
         rows = op.params["rows_per"]
         r0 = env["_i0"] * rows
         x = f32(ins[0][r0 : r0 + rows])
-        y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + op.params["eps"])).to(out.dtype)
-        out[r0 : r0 + rows] = (y.float() * f32(ins[1])).to(out.dtype)
+        out[r0 : r0 + rows] = rms_normed(x, ins[1], op.params["eps"], out.dtype).to(out.dtype)
 
     def cuda_call(self, op, ins, out):
         x, g = ins
