@@ -1,6 +1,7 @@
 """The compiled queue on the CPU simulator: random and adversarial schedules, poisoned buffers."""
 
 import dataclasses
+import zlib
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ SCHEDULES = [Schedule(sms=1), Schedule(sms=4, seed=1), Schedule(sms=16, seed=2, 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_op_on_simulator(case):
-    torch.manual_seed(abs(hash(case)) % 1000)
+    torch.manual_seed(zlib.crc32(case.encode()) % 1000)  # hash() varies per process (PYTHONHASHSEED)
     build, ins, ws = CASES[case](me.f32)
     g = me.Graph(case)
     build(g)

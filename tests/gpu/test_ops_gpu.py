@@ -1,5 +1,7 @@
 """Each block op alone on the GPU against the reference executor (fresh random data)."""
 
+import zlib
+
 import pytest
 import torch
 
@@ -31,7 +33,7 @@ def _rand(shape, dt):
 @pytest.mark.parametrize("dt, tol", [(me.f32, 1e-5), (me.bf16, 1e-2)], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_op(case, dt, tol):
-    torch.manual_seed(hash(case) % 1000)
+    torch.manual_seed(zlib.crc32(case.encode()) % 1000)  # hash() varies per process (PYTHONHASHSEED)
     build, ins, ws = CASES[case](dt)
     g = me.Graph(case)
     build(g)
