@@ -27,9 +27,10 @@ class CompiledCubin:
     cached: bool
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("MEGAEGG_CACHE") or Path.home() / ".cache" / "megaegg"
-    path = Path(root)
+def cubin_dir() -> Path:
+    from ..artifact import cache_dir
+
+    path = cache_dir() / "cubin"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -67,7 +68,7 @@ def compile_cubin(source: str, *, arch: str = "sm_90a", defines: dict[str, int] 
     opts += [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
     headers = "".join(p.read_text() for p in sorted(CUDA_DIR.glob("*.cuh")))
     key = hashlib.sha256("\0".join([source, headers, *opts, str(nvrtc_version())]).encode()).hexdigest()
-    path = cache_dir() / f"{key}.cubin"
+    path = cubin_dir() / f"{key}.cubin"
     if use_cache and path.exists():
         return CompiledCubin(path.read_bytes(), "", 0.0, True)
     t0 = time.perf_counter()
@@ -85,5 +86,7 @@ def compile_cubin(source: str, *, arch: str = "sm_90a", defines: dict[str, int] 
         nvrtc.nvrtcGetCUBIN(prog, cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    path.write_bytes(cubin)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, then renamed: no torn reads
+    tmp.write_bytes(cubin)
+    os.replace(tmp, path)
     return CompiledCubin(cubin, log, time.perf_counter() - t0, False)

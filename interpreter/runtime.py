@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from ..lowering.queue import WorkQueue
-from .render import defines
 
 CONTROL_WORDS = 8
 ERR_TIMEOUT, ERR_INDEX = 1, 2
@@ -42,7 +41,7 @@ class LaunchStats:
 
 class CudaRunner:
     def __init__(self, queue: WorkQueue, cubin: bytes, bound: dict[int, torch.Tensor], device: torch.device,
-                 *, trace_instances: int = 0) -> None:
+                 *, defines: dict[str, int], trace_instances: int = 0) -> None:
         from cuda.bindings import driver
 
         self.q = queue
@@ -52,9 +51,7 @@ class CudaRunner:
         self.func = _drv(driver.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
         props = torch.cuda.get_device_properties(device)
         self.sms = props.multi_processor_count
-        # (MEGAEGG_DEFINES may override these: launch what was compiled)
-        compiled = defines()
-        self.smem, self.threads = compiled["MEGA_SMEM"], compiled["MEGA_THREADS"]
+        self.smem, self.threads = defines["MEGA_SMEM"], defines["MEGA_THREADS"]  # launch what was compiled
         if smem_bytes(device) < self.smem:
             raise RuntimeError(f"the megakernel needs {self.smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
         _drv(driver.cuFuncSetAttribute(

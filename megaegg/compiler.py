@@ -11,80 +11,116 @@ True
 
 from __future__ import annotations
 
-import pickle
+import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping
 
 import torch
 
+from .artifact import Artifact, artifact_key, load_cached, store_cached
 from .dims import evaluate_shape, fmt_shape
 from .graph import Graph, GraphError
+from .rewrite import schedule
 from .rewrite.cost import CostModel
 from .rewrite.program import Operand
-from .rewrite.schedule import RewriteStats, rewrite
 
 DEFAULT_MAX_DIM = 8192
 BACKENDS = ("cuda", "sim")
+log = logging.getLogger("megaegg")
 
 
-@dataclass
-class Artifact:
-    """Everything needed to run without recompiling: the queue, source, cubin and constants."""
-
-    queue: "WorkQueue"  # noqa: F821 (megaegg.lowering.queue)
-    source: str
-    cubin: bytes | None
-    constants: dict[int, torch.Tensor]
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def save(self, path: str | Path) -> None:
-        with open(path, "wb") as f:
-            pickle.dump(self, f)
-
-    @staticmethod
-    def load(path: str | Path) -> "Artifact":
-        with open(path, "rb") as f:
-            art = pickle.load(f)
-        if not isinstance(art, Artifact):
-            raise TypeError(f"{path} does not hold a megaegg artifact")
-        return art
+def compile_options(graph: Graph, max_dims: Mapping[str, int] | None, dims_hint: Mapping[str, int] | None,
+                    cost_model: CostModel | None) -> dict:
+    """The options that decide an artifact, checked against the graph's runtime dims."""
+    symbols = sorted(graph.symbols())
+    for arg, given in (("max_dims", max_dims), ("dims_hint", dims_hint)):
+        if given is None:
+            continue
+        if not isinstance(given, Mapping):
+            raise GraphError(f"{arg} must be a dict of runtime dim -> int, got {type(given).__name__}")
+        unknown = sorted(set(given) - set(symbols))
+        if unknown:
+            raise GraphError(f"{arg}: unknown runtime dim(s) {', '.join(map(repr, unknown))}; "
+                             f"the graph's runtime dims are: {', '.join(map(repr, symbols)) or 'none'}")
+        for name, v in given.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise GraphError(f"{arg}[{name!r}] must be a non-negative int, got {v!r}")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise GraphError(f"cost_model must be a megaegg.rewrite.cost.CostModel, got {type(cost_model).__name__}")
+    return {
+        "max_dims": {s: DEFAULT_MAX_DIM for s in symbols} | dict(max_dims or {}),
+        "dims_hint": dict(dims_hint or {}),
+        "cost_model": cost_model or CostModel(),
+    }
 
 
 def build_artifact(
     graph: Graph, *, max_dims: Mapping[str, int] | None = None, cost_model: CostModel | None = None,
     dims_hint: Mapping[str, int] | None = None, compile_cuda: bool = True,
 ) -> Artifact:
-    from .interpreter.nvrtc import compile_cubin
+    """Compile ``graph`` from scratch (no artifact cache): rewrite, queue, CUDA source [, cubin]."""
     from .interpreter.render import defines, render
     from .lowering.queue import build_queue
 
     if not graph.outputs:
         raise GraphError("graph has no outputs: call graph.output(name, tensor)")
-    stats = RewriteStats()
+    opts = compile_options(graph, max_dims, dims_hint, cost_model)
+    stats = schedule.RewriteStats()
+    log.info("rewrite: %d graph nodes ...", len(graph.nodes))
     t0 = time.perf_counter()
-    program = rewrite(graph, cost_model=cost_model, dims_hint=dict(dims_hint or {}), stats=stats)
+    program = schedule.rewrite(graph, cost_model=opts["cost_model"], dims_hint=opts["dims_hint"], stats=stats)
     t1 = time.perf_counter()
-    maxes = {s: DEFAULT_MAX_DIM for s in graph.symbols()} | dict(max_dims or {})
-    queue = build_queue(program, maxes)
+    queue = build_queue(program, opts["max_dims"])
     t2 = time.perf_counter()
     source = render(queue)
     t3 = time.perf_counter()
     timings = {"rewrite": t1 - t0, **{f"rewrite.{k}": v for k, v in stats.seconds.items()},
                "barriers+queue": t2 - t1, "render": t3 - t2}
-    cubin = None
-    if compile_cuda:
-        out = compile_cubin(source, defines=defines())
-        cubin = out.cubin
-        timings["nvrtc"] = out.seconds
-        timings["nvrtc_cached"] = float(out.cached)
+    log.info("rewrite: %d block ops in %.2f s", len(queue.entries), t3 - t0)
     constants = {}
     for b in program.buffers:
         if b.kind == "constant":
             node = next(n for n in graph.nodes if n.op == "constant" and n.name == b.name)
             constants[b.id] = node.attrs["value"]
-    return Artifact(queue, source, cubin, constants, timings)
+    art = Artifact(queue, source, None, constants, defines(), timings)
+    if compile_cuda:
+        compile_kernel(art)
+    return art
+
+
+def compile_kernel(art: Artifact) -> None:
+    """Give ``art`` its cubin (NVRTC, or the cubin cache)."""
+    from .interpreter.nvrtc import compile_cubin
+
+    log.info("nvrtc: compiling %d KB of CUDA (cold: ~10-60 s; cached cubins load at once) ...", len(art.source) // 1024)
+    out = compile_cubin(art.source, defines=art.defines)
+    art.cubin = out.cubin
+    art.timings["nvrtc"] = out.seconds
+    art.timings["nvrtc_cached"] = float(out.cached)
+    log.info("nvrtc: %s", "cubin cache hit" if out.cached else f"compiled in {out.seconds:.1f} s")
+
+
+def cached_artifact(graph: Graph, *, max_dims=None, cost_model=None, dims_hint=None, compile_cuda: bool = True) -> Artifact:
+    """:func:`build_artifact` through the on-disk artifact cache (``$MEGAEGG_CACHE/artifacts``): a graph
+    compiled before with the same options and code version is loaded, not rebuilt."""
+    t0 = time.perf_counter()
+    if not graph.outputs:
+        raise GraphError("graph has no outputs: call graph.output(name, tensor)")
+    opts = compile_options(graph, max_dims, dims_hint, cost_model)
+    from .interpreter.render import defines
+
+    key = artifact_key(graph, {**opts, "defines": defines()})
+    art = load_cached(key)
+    if art is None:
+        art = build_artifact(graph, compile_cuda=compile_cuda, **opts)
+        store_cached(key, art)
+        return art
+    art.timings = {"cache_load": time.perf_counter() - t0}
+    log.info("artifact cache hit: %d block ops loaded in %.2f s", len(art.queue.entries), art.timings["cache_load"])
+    if compile_cuda and art.cubin is None:  # cached from a simulator run: add the cubin
+        compile_kernel(art)
+        store_cached(key, art)
+    return art
 
 
 class Kernel:
@@ -92,11 +128,7 @@ class Kernel:
 
     def __init__(self, artifact: Artifact, weights: Mapping[str, torch.Tensor], *, backend: str | None = None,
                  device: torch.device | str | None = None) -> None:
-        backend = backend or ("cuda" if torch.cuda.is_available() else "sim")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if backend == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("backend 'cuda' needs a CUDA GPU; use backend='sim' for the CPU simulator")
+        backend = resolve_backend(backend)
         self.artifact, self.backend = artifact, backend
         self.queue = artifact.queue
         self.program = self.queue.program
@@ -109,15 +141,22 @@ class Kernel:
             from .interpreter.runtime import CudaRunner
 
             if artifact.cubin is None:
-                raise RuntimeError("artifact was built without a cubin (compile_cuda=False)")
-            self._runner = CudaRunner(self.queue, artifact.cubin, bound, self.device)
+                raise GraphError("artifact was built without a cubin (compile_cuda=False): build it for backend 'cuda'")
+            self._runner = CudaRunner(self.queue, artifact.cubin, bound, self.device, defines=artifact.defines)
 
     # --- binding and validation ----------------------------------------------------------
     def _bind_weights(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         want = [b for b in self.program.buffers if b.kind == "weight"]
-        missing = sorted({b.name for b in want} - set(weights))
+        if not isinstance(weights, Mapping):
+            raise GraphError(f"weights must be a dict of name -> torch.Tensor, got {type(weights).__name__}")
+        names = sorted({b.name for b in want})
+        missing = sorted(set(names) - set(weights))
         if missing:
             raise GraphError(f"missing weight(s): {', '.join(missing)}")
+        unknown = sorted(set(weights) - set(names))
+        if unknown:  # a typo or a stale name would otherwise be ignored silently
+            raise GraphError(f"unknown weight(s): {', '.join(map(repr, unknown))}; the compiled graph reads: "
+                             f"{', '.join(map(repr, names)) or 'none'}")
         out, self.weights_by_buffer = {}, {}
         for b in want:
             t = weights[b.name]
@@ -144,8 +183,15 @@ class Kernel:
             v = dims.get(s)
             if v is None:
                 raise GraphError(f"missing value for runtime dim {s!r}")
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= self.queue.max_dims[s]:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise GraphError(f"runtime dim {s!r} must be an int, got {type(v).__name__} {v!r}")
+            if not 0 <= v <= self.queue.max_dims[s]:
                 raise GraphError(f"runtime dim {s!r} = {v!r} outside [0, {self.queue.max_dims[s]}] (compile with max_dims to raise it)")
+        for c in self.program.checks:  # the ops' own bounds (an attention within its cache, ...)
+            v, lo, hi = c.value.eval(dims), c.lo.eval(dims), c.hi.eval(dims)
+            if not lo <= v <= hi:
+                raise GraphError(f"{c.what} {v} outside [{lo}, {hi}] ({c.value} with "
+                                 f"{', '.join(f'{k}={x}' for k, x in dims.items())})")
         tensors = {}
         for name, b in inputs.items():
             if name not in kwargs:
@@ -213,18 +259,18 @@ class Kernel:
         import numpy as np
 
         from .interpreter.nvrtc import compile_cubin
-        from .interpreter.render import defines
         from .interpreter.runtime import CudaRunner
         from .interpreter.trace import Trace
         from .lowering.queue import upper_bound
 
         if self.backend != "cuda":
-            raise RuntimeError("trace() needs the cuda backend")
+            raise GraphError("trace() needs the cuda backend")
         tensors, dims = self._split_args(kwargs)
         if getattr(self, "_traced", None) is None:
-            cubin = compile_cubin(self.artifact.source, defines={**defines(), "MEGA_TRACE": 1}).cubin
+            traced = {**self.artifact.defines, "MEGA_TRACE": 1}
+            cubin = compile_cubin(self.artifact.source, defines=traced).cubin
             cap = sum(upper_bound(e.launch, self.queue.max_dims) for e in self.queue.entries)
-            self._traced = CudaRunner(self.queue, cubin, self.bound, self.device, trace_instances=cap)
+            self._traced = CudaRunner(self.queue, cubin, self.bound, self.device, defines=traced, trace_instances=cap)
         run = self._traced
         dim_list = [dims[s] for s in self.program.symbols]
         run.launch(dim_list, tensors)  # warm-up: module load, caches
@@ -242,18 +288,32 @@ class Kernel:
         return self._run_sim(tensors, dims, schedule)
 
 
+def resolve_backend(backend: str | None) -> str:
+    """``backend`` checked against this machine; None picks "cuda" when a GPU is present, else "sim"."""
+    if backend is None:
+        return "cuda" if torch.cuda.is_available() else "sim"
+    if backend not in BACKENDS:
+        raise GraphError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise GraphError("backend 'cuda' needs a CUDA GPU and none is available; use backend 'sim' (the CPU simulator)")
+    return backend
+
+
 def compile(  # noqa: A001 - the public name the API promises
     graph: Graph, weights: Mapping[str, torch.Tensor] | None = None, *, backend: str | None = None,
     max_dims: Mapping[str, int] | None = None, cost_model: CostModel | None = None,
-    dims_hint: Mapping[str, int] | None = None, device=None,
+    dims_hint: Mapping[str, int] | None = None, device=None, cache: bool = True,
 ) -> Kernel:
     """Compile ``graph`` into one persistent kernel bound to ``weights``.
 
     ``backend``: "cuda" (default when a GPU is present) or "sim" (the CPU simulator
     running the same queue). ``max_dims`` bounds each runtime dim (sizes the arena
     and counters); ``dims_hint`` gives representative values for the cost model.
+    ``cache``: reuse (and store) the compiled artifact in ``$MEGAEGG_CACHE`` (default
+    ``~/.cache/megaegg``), keyed by the graph, these options and the compiler's code,
+    so a graph compiled before, in any process, starts without a rewrite or NVRTC.
     """
-    backend = backend or ("cuda" if torch.cuda.is_available() else "sim")
-    art = build_artifact(graph, max_dims=max_dims, cost_model=cost_model, dims_hint=dims_hint,
-                         compile_cuda=backend == "cuda")
-    return Kernel(art, weights or {}, backend=backend, device=device)
+    backend = resolve_backend(backend)
+    build = cached_artifact if cache else build_artifact
+    art = build(graph, max_dims=max_dims, cost_model=cost_model, dims_hint=dims_hint, compile_cuda=backend == "cuda")
+    return Kernel(art, weights if weights is not None else {}, backend=backend, device=device)

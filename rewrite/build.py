@@ -17,7 +17,7 @@ from ..graph import Graph, GraphError, Node
 from .encode import VIEW_OPS, base_node
 from .extract import Choice
 from .layout import layout_of, view_shape
-from .program import BlockOp, BlockProgram, Buffer, Estimate, Operand, View
+from .program import BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View
 from .terms import NONE
 
 
@@ -364,4 +364,25 @@ def build_program(graph: Graph, chosen: dict[int, Choice], env_hint: dict[str, i
         c = chosen[i]
         LOWER.get(c.kind, lower_block)(b, graph.nodes[i], c)
     outputs = {name: b.operand(i) for name, i in graph.outputs.items()}
-    return BlockProgram(b.buffers, b.ops, outputs, tuple(sorted(graph.symbols())))
+    return BlockProgram(b.buffers, b.ops, outputs, tuple(sorted(graph.symbols())), range_checks(graph))
+
+
+def range_checks(graph: Graph) -> tuple[RangeCheck, ...]:
+    """The runtime bounds the reference executor enforces, for the host to check each call:
+    attention reads ``length`` rows of its cache, ``kv_append`` writes row ``pos``. Checks that
+    only differ in the op they name (every layer's) are kept once."""
+    out: dict[tuple, RangeCheck] = {}
+    live = graph.live_nodes()
+    for n in graph.nodes:
+        if n.id not in live:
+            continue
+        if n.op == "attention":
+            rows = graph.nodes[n.inputs[1]].shape[1]
+            check = RangeCheck(f"attention {n.label}: length", n.attrs["length"], as_dim(1), rows)
+        elif n.op == "kv_append":
+            rows = graph.nodes[n.inputs[0]].shape[1]
+            check = RangeCheck(f"kv_append {n.label}: position", n.attrs["pos"], as_dim(0), rows - 1)
+        else:
+            continue
+        out.setdefault((check.value, check.lo, check.hi), check)
+    return tuple(out.values())

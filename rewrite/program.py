@@ -109,12 +109,28 @@ class BlockOp:
         )
 
 
+@dataclass(frozen=True)
+class RangeCheck:
+    """A runtime-dim expression that must lie in ``[lo, hi]`` at every call (an attention
+    length within its cache, a KV append inside it): checked on the host before a launch,
+    so a bad ``pos`` is an error instead of a read past the cache."""
+
+    what: str  # names the op and the quantity, e.g. "attention %12: length"
+    value: Dim
+    lo: Dim
+    hi: Dim
+
+    def __str__(self) -> str:
+        return f"{self.what} {self.value} in [{self.lo}, {self.hi}]"
+
+
 @dataclass
 class BlockProgram:
     buffers: list[Buffer]
     ops: list[BlockOp]
     outputs: dict[str, Operand]
     symbols: tuple[str, ...] = ()
+    checks: tuple[RangeCheck, ...] = ()
 
     def __str__(self) -> str:
         lines = ["buffers:"] + [f"  {b}" for b in self.buffers]
