@@ -10,7 +10,8 @@ and compiled with ``--ptxas-options=-v``. The register / spill figures are print
 
 GPU tests (marked ``gpu``, skipped without one): each body against its kind's ``cpu()``
 on random data with poisoned outputs (bf16 / f32 / f16); out-of-range ids and positions
-reported, not written; and a bandwidth printout of matvec and attention.
+reported, not written. (The bandwidth printout of matvec and attention, which checks
+nothing, is ``scripts/dev/bandwidth_probe.py``; it imports this file's helpers.)
 """
 
 from __future__ import annotations
@@ -626,77 +627,3 @@ def test_cuda_bodies_report_bad_indices():
     mod.launch("bad_kv", (1, 1), [torch.ones(2 * 64, dtype=torch.bfloat16).cuda(), cache, 16])
     torch.cuda.synchronize()
     assert not cache.any()
-
-
-@pytest.mark.gpu
-def test_matvec_and_attention_bandwidth():
-    """Prints achieved bandwidth (not a pass/fail gate): the matvec body in a persistent
-    one-block-per-SM loop over 1 GiB of bf16 weights, cuBLAS gemv and a device copy as
-    the references measured in the same run; split-KV attention (one block per instance)
-    over 32768 cached rows of 8 KV heads."""
-    torch = _torch_cuda()
-    T = dt.bf16
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-
-    def median_ms(fn, reps=20):
-        fn()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
-
-    gib = 1 << 30
-    src = torch.empty(gib // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    print(f"\ndevice copy: {2 * src.numel() * 2 / ms / 1e9:.2f} TB/s (read + write)")
-    del src, dst
-
-    mv_specs = []
-    for k, rows in ((2048, 16), (2048, 32), (2048, 64), (8192, 32)):
-        n = gib // (2 * k)
-        mv_specs.append((f"mv_k{k}_r{rows}", [Arg((1, k), T), Arg((n, k), T)], Arg((1, n), T),
-                         {"rows": rows, "mrows": 1, "roles": ("x", "w"), "eps": 0.0}))
-    n = gib // (4 * 2048)
-    mv_specs.append(("mv_norm_glu_k2048_r32", [Arg((1, 2048), T), Arg((n, 2048), T), Arg((n, 2048), T),
-                                                Arg((2048,), T)], Arg((1, n), T),
-                     {"rows": 32, "mrows": 1, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}))
-    attn_specs = []
-    for d, chunk in ((128, 256), (128, 1024), (64, 256), (64, 1024)):
-        attn_specs.append((f"attn_d{d}_c{chunk}", [Arg((32, d), T), Arg((8, 32768, d), T), Arg((8, 32768, d), T)],
-                           Arg((32, 32768 // chunk, d + 2), dt.f32),
-                           {"length": POS + 1, "scale": 0.088, "chunk": chunk, "group": 4}))
-    mod = Module("\n".join([PRELUDE, '#include "matvec.cuh"', '#include "attention.cuh"']
-                           + [kernel_source(name, "matvec", i, o, p, persistent=True) for name, i, o, p in mv_specs]
-                           + [kernel_source(name, "attn_partial", i, o, p) for name, i, o, p in attn_specs]
-                           + [kernel_source(name + "_p", "attn_partial", i, o, p, persistent=True)
-                              for name, i, o, p in attn_specs]))
-    for name, ins, out, params in mv_specs:
-        tensors = [torch.randn([as_dim(s).value for s in a.shape], device="cuda").to(torch.bfloat16) for a in ins]
-        y = torch.empty([as_dim(s).value for s in out.shape], device="cuda", dtype=torch.bfloat16)
-        n_inst = -(-y.shape[1] // params["rows"])
-        w_bytes = sum(t.numel() * 2 for t in tensors[1:3] if t.dim() == 2 and t.shape[0] > 2)
-        ms = median_ms(lambda: mod.launch(name, (sms, 1), [*tensors, y, 0, n_inst, n_inst]))
-        r = mod.resources[name]
-        print(f"{name:26s} {w_bytes / ms / 1e9:5.2f} TB/s  ({ms * 1e3:7.1f} us, {r.registers} regs)")
-        if name == "mv_k2048_r16":
-            x, w = tensors
-            ms = median_ms(lambda: torch.mv(w, x[0]))
-            print(f"{'cuBLAS torch.mv k2048':26s} {w_bytes / ms / 1e9:5.2f} TB/s  ({ms * 1e3:7.1f} us)")
-        del tensors, y
-    L = 32768
-    for name, ins, out, params in attn_specs:
-        q, kc, vc = (torch.randn([as_dim(s).value for s in a.shape], device="cuda").to(torch.bfloat16) for a in ins)
-        part = torch.empty([as_dim(s).value for s in out.shape], device="cuda")
-        n_split = L // params["chunk"]
-        kv_bytes = (kc.numel() + vc.numel()) * 2
-        ms = median_ms(lambda: mod.launch(name, (8, n_split), [q, kc, vc, part, L - 1]))
-        ms_p = median_ms(lambda: mod.launch(name + "_p", (sms, 1), [q, kc, vc, part, L - 1, 8 * n_split, n_split]))
-        r = mod.resources[name]
-        print(f"{name + ' L=32768':26s} {kv_bytes / ms / 1e9:5.2f} TB/s  ({ms * 1e3:7.1f} us, {r.registers} regs); "
-              f"persistent {kv_bytes / ms_p / 1e9:5.2f} TB/s")
