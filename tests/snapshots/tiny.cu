@@ -1,0 +1,543 @@
+// The megakernel: a persistent interpreter over the symbolic work queue.
+//
+// Every block (one per SM) loops: claim the next instance (one atomic, queue
+// order), find its entry, wait for its input barriers (acquire), run the inlined
+// block-op body, signal its output barriers (release). Launch counts, offsets,
+// barrier indices and expected counts are expressions of the runtime dims in
+// args.dims, evaluated here, so a new position needs no rebuild.
+//
+// Counters come in two parity sets: a launch uses set `parity` and zeroes the
+// other one (and its claim counter) for the next launch, so no host reset is needed.
+#define MEGA_MAX_WAITS 3  // the most barrier waits of one queue entry
+#include "runtime.cuh"
+#include "common.cuh"
+#include "argmax.cuh"
+#include "attention.cuh"
+#include "embedding.cuh"
+#include "glu_down.cuh"
+#include "kv_append.cuh"
+#include "matvec.cuh"
+#include "matvec_argmax.cuh"
+#include "rope.cuh"
+
+#ifndef MEGA_CLAIM_AHEAD
+#define MEGA_CLAIM_AHEAD 0  // measured slower on llama-3.2-1b (1.40 -> 1.77 ms): docs/perf-notes.md #9
+#endif
+#define MEGA_ENTRIES 24
+#define MEGA_COUNTERS 576
+
+struct MegaArgs {
+  char* arena;
+  unsigned* counters;              // 2 * MEGA_COUNTERS
+  unsigned long long* control;     // see runtime.cuh
+  long long parity;
+  unsigned long long* trace;       // MEGA_TRACE builds: 4 words per instance
+  long long dims[1];
+  void* ptr[27];
+};
+
+extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
+  extern __shared__ __align__(16) char smem[];
+  __shared__ long long prefix[MEGA_ENTRIES + 1];
+  __shared__ long long claimed;
+
+  unsigned long long* control = args.control;
+  const int parity = (int)args.parity;
+  unsigned* ctr = args.counters + (parity ? MEGA_COUNTERS : 0);
+  const long long D_pos = args.dims[0];
+
+  if (threadIdx.x == 0) {
+    mega_control_ptr = control;
+    mega_abort_block = 0;
+    prefix[0] = 0;
+    prefix[1] = prefix[0] + max_i64(0LL, 1LL);
+    prefix[2] = prefix[1] + max_i64(0LL, 32LL);
+    prefix[3] = prefix[2] + max_i64(0LL, 16LL);
+    prefix[4] = prefix[3] + max_i64(0LL, 16LL);
+    prefix[5] = prefix[4] + max_i64(0LL, 4LL);
+    prefix[6] = prefix[5] + max_i64(0LL, 2LL);
+    prefix[7] = prefix[6] + max_i64(0LL, 1LL);
+    prefix[8] = prefix[7] + max_i64(0LL, (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
+    prefix[9] = prefix[8] + max_i64(0LL, 2LL);
+    prefix[10] = prefix[9] + max_i64(0LL, 32LL);
+    prefix[11] = prefix[10] + max_i64(0LL, 64LL);
+    prefix[12] = prefix[11] + max_i64(0LL, 32LL);
+    prefix[13] = prefix[12] + max_i64(0LL, 16LL);
+    prefix[14] = prefix[13] + max_i64(0LL, 16LL);
+    prefix[15] = prefix[14] + max_i64(0LL, 4LL);
+    prefix[16] = prefix[15] + max_i64(0LL, 2LL);
+    prefix[17] = prefix[16] + max_i64(0LL, 1LL);
+    prefix[18] = prefix[17] + max_i64(0LL, (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
+    prefix[19] = prefix[18] + max_i64(0LL, 2LL);
+    prefix[20] = prefix[19] + max_i64(0LL, 32LL);
+    prefix[21] = prefix[20] + max_i64(0LL, 64LL);
+    prefix[22] = prefix[21] + max_i64(0LL, 1LL);
+    prefix[23] = prefix[22] + max_i64(0LL, 128LL);
+    prefix[24] = prefix[23] + max_i64(0LL, 1LL);
+  }
+  {  // zero the other parity's counters and claim counter for the next launch
+    unsigned* next = args.counters + (parity ? 0 : MEGA_COUNTERS);
+    for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < MEGA_COUNTERS;
+         k += (long long)gridDim.x * blockDim.x)
+      next[k] = 0;
+    if (blockIdx.x == 0 && threadIdx.x == 0) control[1 - parity] = 0;
+  }
+  __syncthreads();
+  const long long total = prefix[MEGA_ENTRIES];
+
+  // Claim-ahead: thread 0 claims its next instance as soon as it starts the current one,
+  // so the atomic's round trip overlaps the body. Liveness holds: a block's claimed-ahead
+  // instance is later in the queue than its current one, so the earliest unfinished
+  // instance is always running or claimable.
+  long long ahead = -1;
+  while (true) {
+    if (threadIdx.x == 0) {
+      if (*(volatile unsigned long long*)&control[2]) {
+        claimed = total;
+      } else {
+        claimed = ahead >= 0 ? ahead : (long long)atomicAdd(&control[parity], 1ULL);
+        ahead = -1;
+#if MEGA_CLAIM_AHEAD
+        if (claimed < total) ahead = (long long)atomicAdd(&control[parity], 1ULL);
+#endif
+      }
+    }
+    __syncthreads();
+    const long long g = claimed;
+    if (g >= total) break;
+    int lo = 0, hi = MEGA_ENTRIES - 1;  // entry e holds instances [prefix[e], prefix[e+1])
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
+    }
+    const int entry = lo;
+    const long long local = g - prefix[entry];
+    if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; }
+#ifdef MEGA_TRACE
+    unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
+#endif
+    switch (entry) {
+      case 0: {  // op0 embedding sources [3]
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        MEGA_TRACE_WAITED();
+        embedding_row<__nv_bfloat16, int>(((__nv_bfloat16*)args.ptr[0]), 256LL, 1LL, ((int*)args.ptr[1]), 1LL, 1024LL, 256LL, ((__nv_bfloat16*)(args.arena + 0)), 256LL, 1LL, c0);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[0 + (0LL)], 1u);
+        }
+      } break;
+      case 1: {  // op1 matvec sources [5, 7]
+        long long rem = local;
+        const long long c1 = rem % (32LL); rem /= (32LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[2] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(smem, (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[3]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[2]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 512)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[1 + ((D__i1 / 8LL))], 1u);
+        }
+      } break;
+      case 2: {  // op2 matvec sources [5, 10]
+        long long rem = local;
+        const long long c1 = rem % (16LL); rem /= (16LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[4] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(smem, (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[3]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[4]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 1024)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[5 + ((D__i1 / 8LL))], 1u);
+        }
+      } break;
+      case 3: {  // op3 matvec sources [5, 13]
+        long long rem = local;
+        const long long c1 = rem % (16LL); rem /= (16LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[5] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(smem, (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[3]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[5]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 1280)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[7 + (0LL)], 1u);
+        }
+      } break;
+      case 4: {  // op4 rope sources [15]
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[1 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 512)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)(args.arena + 1536)), 64LL, 1LL, 4LL, 1, c0);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[8 + ((D__i0 / 2LL))], 1u);
+        }
+      } break;
+      case 5: {  // op5 rope sources [16, 18]
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[5 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 1024)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, (((__nv_bfloat16*)args.ptr[7]) + (D_pos * 64LL)), 65536LL, 1LL, 2LL, 1, c0);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[10 + (D__i0)], 1u);
+        }
+      } break;
+      case 6: {  // op6 kv_append sources [20]
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[7 + (0LL)]; wl.expected[0] = (unsigned)(16LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        kv_append<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + 1280)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[8]), 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[12 + (0LL)], 1u);
+        }
+      } break;
+      case 7: {  // op7 attn_partial sources [21]
+        long long rem = local;
+        const long long c1 = rem % (((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        MegaWaits wl; wl.n = 3;
+        wl.ctr[0] = &ctr[8 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[10 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[2] = &ctr[12 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        attn_partial<__nv_bfloat16, 64, 2>(smem, ((__nv_bfloat16*)(args.arena + 1536)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[7]), 65536LL, 64LL, 1LL, ((__nv_bfloat16*)args.ptr[8]), 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, ((float*)(args.arena + 2560)), 1056LL, 66LL, c0, c1);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[13 + (D__i0)], 1u);
+        }
+      } break;
+      case 8: {  // op8 attn_merge sources [21]
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[13 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        attn_merge<__nv_bfloat16, 64>(((float*)(args.arena + 2560)), 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, ((__nv_bfloat16*)(args.arena + 2048)), 64LL, 1LL, c0);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[15 + (0LL)], 1u);
+        }
+      } break;
+      case 9: {  // op9 matvec sources [24, 25]
+        long long rem = local;
+        const long long c1 = rem % (32LL); rem /= (32LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[9] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 2;
+        wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, false>(smem, (((__nv_bfloat16*)(args.arena + 2048)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)args.ptr[9]), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[16 + (0LL)], 1u);
+        }
+      } break;
+      case 10: {  // op10 glu_down sources [27, 29, 30, 32, 33, 35]
+        long long rem = local;
+        const long long c1 = rem % (64LL); rem /= (64LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[11] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[12] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[16 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
+        glu_down<__nv_bfloat16, 256, 256, 8, true>(smem, ((__nv_bfloat16*)(args.arena + 19456)), 1LL, ((__nv_bfloat16*)args.ptr[10]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[11]), 256LL, ((__nv_bfloat16*)args.ptr[12]), 256LL, ((__nv_bfloat16*)args.ptr[13]), 256LL, ((float*)(ctr + 64)), 512LL, c1, wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[17 + (0LL)], 1u);
+        }
+      } break;
+      case 11: {  // op11 matvec sources [38, 40]
+        long long rem = local;
+        const long long c1 = rem % (32LL); rem /= (32LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[14] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[14]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 20480)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[18 + ((D__i1 / 8LL))], 1u);
+        }
+      } break;
+      case 12: {  // op12 matvec sources [38, 43]
+        long long rem = local;
+        const long long c1 = rem % (16LL); rem /= (16LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[16] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[16]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 20992)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[22 + ((D__i1 / 8LL))], 1u);
+        }
+      } break;
+      case 13: {  // op13 matvec sources [38, 46]
+        long long rem = local;
+        const long long c1 = rem % (16LL); rem /= (16LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[17] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[17]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 21248)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[24 + (0LL)], 1u);
+        }
+      } break;
+      case 14: {  // op14 rope sources [48]
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[18 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 20480)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)(args.arena + 21504)), 64LL, 1LL, 4LL, 1, c0);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[25 + ((D__i0 / 2LL))], 1u);
+        }
+      } break;
+      case 15: {  // op15 rope sources [49, 51]
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[22 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 20992)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, (((__nv_bfloat16*)args.ptr[18]) + (D_pos * 64LL)), 65536LL, 1LL, 2LL, 1, c0);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[27 + (D__i0)], 1u);
+        }
+      } break;
+      case 16: {  // op16 kv_append sources [53]
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[24 + (0LL)]; wl.expected[0] = (unsigned)(16LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        kv_append<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + 21248)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[19]), 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[29 + (0LL)], 1u);
+        }
+      } break;
+      case 17: {  // op17 attn_partial sources [54]
+        long long rem = local;
+        const long long c1 = rem % (((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        MegaWaits wl; wl.n = 3;
+        wl.ctr[0] = &ctr[25 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[27 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[2] = &ctr[29 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        attn_partial<__nv_bfloat16, 64, 2>(smem, ((__nv_bfloat16*)(args.arena + 21504)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[18]), 65536LL, 64LL, 1LL, ((__nv_bfloat16*)args.ptr[19]), 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, ((float*)(args.arena + 22528)), 1056LL, 66LL, c0, c1);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[30 + (D__i0)], 1u);
+        }
+      } break;
+      case 18: {  // op18 attn_merge sources [54]
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[30 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        attn_merge<__nv_bfloat16, 64>(((float*)(args.arena + 22528)), 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, ((__nv_bfloat16*)(args.arena + 22016)), 64LL, 1LL, c0);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[32 + (0LL)], 1u);
+        }
+      } break;
+      case 19: {  // op19 matvec sources [57, 58]
+        long long rem = local;
+        const long long c1 = rem % (32LL); rem /= (32LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[20] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 2;
+        wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[17 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, true>(smem, (((__nv_bfloat16*)(args.arena + 22016)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)args.ptr[20]), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, (((__nv_bfloat16*)(args.arena + 39424)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[33 + (0LL)], 1u);
+        }
+      } break;
+      case 20: {  // op20 glu_down sources [60, 62, 63, 65, 66, 68]
+        long long rem = local;
+        const long long c1 = rem % (64LL); rem /= (64LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[22] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[23] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[33 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
+        glu_down<__nv_bfloat16, 256, 256, 8, true>(smem, ((__nv_bfloat16*)(args.arena + 39424)), 1LL, ((__nv_bfloat16*)args.ptr[21]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[22]), 256LL, ((__nv_bfloat16*)args.ptr[23]), 256LL, ((__nv_bfloat16*)args.ptr[24]), 256LL, ((float*)(ctr + 320)), 512LL, c1, wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[34 + (0LL)], 1u);
+        }
+      } break;
+      case 21: {  // op21 acc_residual sources [69]
+        long long rem = local;
+        const long long c1 = rem % (1LL); rem /= (1LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[34 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        acc_residual<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + 39424)), 1LL, ((float*)(ctr + 320)), ((__nv_bfloat16*)(args.arena + 39936)), 1LL, 256LL, 1024LL, c1);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[35 + (0LL)], 1u);
+        }
+      } break;
+      case 22: {  // op22 matvec_argmax sources [71, 73, 74]
+        long long rem = local;
+        const long long c1 = rem % (128LL); rem /= (128LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[25] + c1 * 4096LL, (min_i64(1024LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[35 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        matvec_argmax<__nv_bfloat16, 256, 8, true>(smem, ((__nv_bfloat16*)(args.arena + 39936)), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[26]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[25]), 256LL, 1LL, ((float*)(args.arena + 40448)), 2LL, 1024LL, c1);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[36 + (0LL)], 1u);
+        }
+      } break;
+      case 23: {  // op23 argmax_reduce sources [74]
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[36 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        argmax_reduce(smem, ((float*)(args.arena + 40448)), 256LL, 2LL, 128LL, ((int*)(args.arena + 41472)), 1LL, c0);
+      } break;
+      default: break;
+    }
+    __syncthreads();
+#ifdef MEGA_TRACE
+    if (threadIdx.x == 0) {
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      unsigned long long* rec = args.trace + 4 * g;
+      rec[0] = ((unsigned long long)entry << 40) | ((unsigned long long)smid << 32) | (unsigned long long)local;
+      rec[1] = t_claim;
+      rec[2] = t_waited ? t_waited : t_claim;
+      rec[3] = mega_globaltimer();
+    }
+#endif
+    if (mega_abort_block) break;
+  }
+}
