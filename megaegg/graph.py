@@ -28,6 +28,16 @@ class ShapeError(GraphError):
     """Operand shapes or dtypes do not fit the op."""
 
 
+def check_static_dims(what: str, shape: Sequence[DimLike], skip: Iterable[int] = ()) -> None:
+    """Static dims must be >= 1: a 0 or negative one would only fail deep inside compile or at run time.
+    ``skip``: indices exempt from the check (reshape's -1)."""
+    skip = set(skip)
+    for i, d in enumerate(shape):
+        d = as_dim(d)
+        if i not in skip and d.is_const and d.value < 1:
+            raise ShapeError(f"{what}: dim {i} of shape {fmt_shape(shape)} is {d.value}; static dims must be >= 1")
+
+
 @dataclass(frozen=True, eq=False)
 class Node:
     """One op of the graph. ``inputs`` are ids of earlier nodes (SSA order)."""
@@ -154,6 +164,7 @@ class Graph:
         if name in self._leaf_names:
             raise GraphError(f"{op} {name!r}: a leaf with this name already exists")
         shape = tuple(as_dim(d) for d in shape)
+        check_static_dims(f"{op} {name!r}", shape)
         t = self.add_node(op, (), shape, as_dtype(dtype), attrs, name=name)
         self._leaf_names[name] = t.id
         return t

@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 from .dims import Dim, DimLike, as_dim, fmt_shape
 from .dtypes import DType, as_dtype, f32, i32
-from .graph import GraphError, ShapeError, Tensor
+from .graph import GraphError, ShapeError, Tensor, check_static_dims
 
 __all__ = [
     "matmul", "linear", "add", "mul", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
@@ -286,6 +286,7 @@ def reshape(x: Tensor, shape: Sequence[DimLike], *, name: str | None = None) -> 
     holes = [i for i, s in enumerate(shape) if isinstance(s, int) and s == -1]
     if len(holes) > 1:
         raise ShapeError(f"reshape: at most one -1 allowed, got {shape} for {_desc(x)}")
+    check_static_dims(f"reshape of {_desc(x)}", shape, skip=holes)
     if holes:
         rest = [s for i, s in enumerate(shape) if i != holes[0]]
         cx, _ = numel_key(x.shape)
@@ -334,6 +335,7 @@ def slice(x: Tensor, dim: int, start: DimLike, stop: DimLike, *, name: str | Non
 def expand(x: Tensor, shape: Sequence[DimLike], *, name: str | None = None) -> Tensor:
     """Broadcast size-1 (or missing leading) dims to ``shape`` without copying."""
     shape = tuple(as_dim(s) for s in shape)
+    check_static_dims(f"expand of {_desc(x)}", shape)
     if len(shape) < x.ndim:
         raise ShapeError(f"expand: {fmt_shape(shape)} has fewer dims than {_desc(x)}")
     for have, want in zip(x.shape, shape[len(shape) - x.ndim :]):

@@ -21,7 +21,9 @@ def bind_dims(graph: Graph, dims: Mapping[str, int]) -> dict[str, int]:
         if name not in dims:
             raise GraphError(f"missing value for runtime dim {name!r} (graph uses: {', '.join(sorted(graph.symbols()))})")
         v = dims[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, int):  # the same words as Kernel's check
+            raise GraphError(f"runtime dim {name!r} must be an int, got {type(v).__name__} {v!r}")
+        if v < 0:
             raise GraphError(f"runtime dim {name!r} must be a non-negative int, got {v!r}")
         env[name] = v
     extra = set(dims) - graph.symbols()

@@ -109,8 +109,10 @@ def test_reference_errors():
         me.run_reference(g, {"x": torch.randn(2, 4).half()}, w, {"S": 2})
     with pytest.raises(GraphError, match="unknown input"):
         me.run_reference(g, {"x": torch.randn(2, 4), "z": torch.randn(1)}, w, {"S": 2})
-    with pytest.raises(GraphError, match="runtime dim 'S' must be a non-negative int"):
+    with pytest.raises(GraphError, match="runtime dim 'S' must be a non-negative int, got -1"):
         me.run_reference(g, {"x": torch.randn(2, 4)}, w, {"S": -1})
+    with pytest.raises(GraphError, match="runtime dim 'S' must be an int, got float 2.0"):
+        me.run_reference(g, {"x": torch.randn(2, 4)}, w, {"S": 2.0})
 
 
 def test_kv_append_position_out_of_range():
