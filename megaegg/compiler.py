@@ -164,7 +164,7 @@ class Kernel:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != evaluate_shape(shape, {}) or t.dtype != b.dtype.torch:
                 got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise GraphError(f"weight {b.name!r}: expected {b.dtype}{fmt_shape(shape)}, got {got}")
-            if b.transposed:  # glu_down's down weight (rewrite/build.py), stored as its transpose
+            if b.transposed:  # a weight a block op reads transposed: stored as its transpose
                 stored = t.to(self.device).t().contiguous()
                 out.setdefault(b.name, stored.t())  # the user's layout, as a view: no second copy
             else:

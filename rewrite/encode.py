@@ -1,6 +1,13 @@
-"""Graph -> e-graph: one ``Op`` term per computing node, unioned into ``node(i)``."""
+"""Graph -> e-graph: one ``Op`` term per computing node, unioned into ``node(i)``.
+
+:data:`ENCODERS` gives, per graph op, the fields of its term in ``terms.GRAPH_TERMS`` (or None
+where the node does not fit that term's rules, e.g. RoPE at positions from a tensor); every
+other op becomes ``Op.other(op=..., node=i)``, lowered by a single-node term.
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 from egglog import EGraph, union
 
@@ -17,30 +24,31 @@ def base_node(graph: Graph, i: int) -> int:
     return i
 
 
-def term_of(graph: Graph, n: Node) -> Op:
-    ins = n.inputs
-    same = int(all(graph.nodes[j].shape == n.shape for j in ins))
-    if n.op == "linear":
-        return Op.linear(*ins)
-    if n.op == "rms_norm":
-        return Op.rms_norm(ins[0], ins[1], n.attrs["eps"])
-    if n.op == "add":
-        return Op.add(ins[0], ins[1], same)
-    if n.op == "mul":
-        return Op.mul(ins[0], ins[1], same)
-    if n.op == "silu":
-        return Op.silu(ins[0])
-    if n.op == "rope" and n.attrs["pos"] is not None:
-        return Op.rope(ins[0], n.id)
-    if n.op == "kv_append":
-        return Op.kv_append(ins[0], ins[1])
-    if n.op == "argmax" and _is_row_vector(graph.nodes[ins[0]].shape) and n.attrs["dim"] == 1:
-        return Op.argmax(ins[0], n.id)
-    return Op.other(n.op, n.id)
+def _same_shape(graph: Graph, n: Node) -> int:
+    return int(all(graph.nodes[j].shape == n.shape for j in n.inputs))
 
 
 def _is_row_vector(shape) -> bool:
     return len(shape) == 2 and shape[0].is_const and shape[0].value == 1
+
+
+ENCODERS: dict[str, Callable[[Graph, Node], dict | None]] = {
+    "linear": lambda g, n: dict(x=n.inputs[0], w=n.inputs[1]),
+    "rms_norm": lambda g, n: dict(x=n.inputs[0], g=n.inputs[1], eps=n.attrs["eps"]),
+    "add": lambda g, n: dict(a=n.inputs[0], b=n.inputs[1], same_shape=_same_shape(g, n)),
+    "mul": lambda g, n: dict(a=n.inputs[0], b=n.inputs[1], same_shape=_same_shape(g, n)),
+    "silu": lambda g, n: dict(a=n.inputs[0]),
+    "rope": lambda g, n: dict(x=n.inputs[0], node=n.id) if n.attrs["pos"] is not None else None,
+    "kv_append": lambda g, n: dict(cache=n.inputs[0], new=n.inputs[1]),
+    "argmax": lambda g, n: (dict(x=n.inputs[0], node=n.id)
+                            if _is_row_vector(g.nodes[n.inputs[0]].shape) and n.attrs["dim"] == 1 else None),
+}
+
+
+def term_of(graph: Graph, n: Node) -> Op:
+    encoder = ENCODERS.get(n.op)
+    fields = encoder(graph, n) if encoder else None
+    return getattr(Op, n.op)(**fields) if fields is not None else Op.other(op=n.op, node=n.id)
 
 
 def heads_view(graph: Graph, n: Node) -> Op | None:
@@ -49,7 +57,7 @@ def heads_view(graph: Graph, n: Node) -> Op | None:
         return None
     src = graph.nodes[n.inputs[0]].shape
     if len(src) == 2 and src[0].is_const and src[0].value == 1 and src[1] == n.shape[0] * n.shape[1]:
-        return Op.heads(n.inputs[0], n.shape[1].value)
+        return Op.heads(src=n.inputs[0], head_dim=n.shape[1].value)
     return None
 
 
@@ -65,4 +73,3 @@ def encode(graph: Graph, live: set[int]) -> EGraph:
     if actions:
         egraph.register(*actions)
     return egraph
-

@@ -1,142 +1,173 @@
-"""Read each node's alternatives out of the e-graph and choose one per live node.
+"""Read each value's alternatives out of the e-graph and choose one per value the outputs need.
 
-egglog's built-in extractor costs a term as a tree; our choice is a DAG problem (a
-fused matvec makes its intermediate dead only if no other consumer keeps it), so we
-extract greedily over the DAG: consumers first, each alternative charged its own
-cost plus the cheapest cost of every operand it would newly keep alive.
+A value is a graph node's (its e-class ``node(i)``) or an f32 sum's (``acc(i)``, a :class:`Sum`).
+egglog's built-in extractor costs a term as a tree; our choice is a DAG problem (a fused
+matvec makes its intermediate dead only if no other consumer keeps it), so we extract
+greedily over the DAG: consumers first, each alternative charged its own cost plus the
+cheapest cost of every value it would newly keep alive.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable
+from functools import cached_property
+from typing import Any, Callable
 
 from egglog import EGraph, get_callable_args, get_callable_fn, get_literal_value
 
-from ..blockops.glu_down import supported
+from ..blockops import TERMS
+from ..blockops.base import Sum
 from ..graph import LEAF_OPS, Graph
 from .encode import VIEW_OPS, base_node
-from .terms import NONE, Op, node
+from .terms import Op, acc, node
 
 MAX_ALTERNATIVES = 256
-FUSED_KINDS = {
-    Op.matvec: "matvec", Op.matvec_heads: "matvec_heads", Op.matvec_argmax: "matvec_argmax", Op.glu_down: "glu_down",
-    Op.rope_rows: "rope_rows",
-}
+Value = "int | Sum"  # a graph node id, or an f32 sum
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One executable alternative of node ``node``: a matvec or a single-node block op."""
+    """One executable alternative of ``value``: term ``term`` with its fields ``args`` (name, value)."""
 
-    node: int
-    kind: str  # "matvec" or a block family ("rms_norm", "attention", ...)
-    args: tuple  # matvec: (x, w, w2, g, eps, r, rows); block: (tile,)
+    value: Any  # int (a graph node) | Sum
+    term: str
+    args: tuple[tuple[str, Any], ...]
 
-    def refs(self, graph: Graph) -> tuple[int, ...]:
-        if self.kind == "matvec":
-            x, w, w2, g, _eps, r, _rows = self.args
-            return tuple(i for i in (x, w, w2, g, r) if i != NONE)
-        if self.kind == "matvec_argmax":
-            x, w, g, _eps, _rows = self.args
-            return tuple(i for i in (x, w, g) if i != NONE)
-        if self.kind == "glu_down":
-            x, w, w2, g, _eps, wd, r, _rows = self.args
-            return tuple(i for i in (x, w, w2, g, wd, r) if i != NONE)
-        if self.kind == "rope_rows":
-            x, g, _eps, rope, append, _tile = self.args
-            cache = graph.nodes[append].inputs[0] if append != NONE else NONE
-            return tuple(i for i in (x, g, graph.nodes[rope].inputs[1], cache) if i != NONE)
-        if self.kind == "matvec_heads":
-            x, w, g, _eps, _rows, rope, append = self.args
-            inv = graph.nodes[rope].inputs[1] if rope != NONE else NONE
-            cache = graph.nodes[append].inputs[0] if append != NONE else NONE
-            return tuple(i for i in (x, w, g, inv, cache) if i != NONE)
-        return graph.nodes[self.node].inputs
+    @cached_property
+    def named(self) -> dict[str, Any]:
+        return dict(self.args)
+
+    def refs(self, graph: Graph) -> tuple:
+        return TERMS[self.term].refs(graph, self.named)
+
+    def with_args(self, **changes) -> "Choice":
+        return Choice(self.value, self.term, tuple((k, changes.get(k, v)) for k, v in self.args))
+
+    def __str__(self) -> str:
+        return f"{self.value} = {self.term}(" + ", ".join(f"{k}={v}" for k, v in self.args) + ")"
 
 
-def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[int, list[Choice]]:
-    out: dict[int, list[Choice]] = {}
-    for i in nodes:
+def order(v) -> float:
+    """Topological position of a value: a Sum sits just after its node's own producers."""
+    return v.node - 0.5 if isinstance(v, Sum) else float(v)
+
+
+def _read(expr, fn_names: dict) -> tuple[str, tuple] | None:
+    name = fn_names.get(get_callable_fn(expr))
+    if name is None:  # a graph-op term (what the user wrote), not executable
+        return None
+    values = tuple(get_literal_value(a) for a in get_callable_args(expr))
+    return name, tuple(zip((f.name for f in TERMS[name].fields), values))
+
+
+def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[Any, list[Choice]]:
+    """Every executable alternative of each computing node, and of each sum some alternative reads."""
+    fn_names = {getattr(Op, name): name for name in TERMS}
+    out: dict[Any, list[Choice]] = {}
+    todo: list = list(nodes)
+    while todo:
+        v = todo.pop()
+        if v in out:
+            continue
+        eclass, computes = (acc(v.node), "sum") if isinstance(v, Sum) else (node(v), "node")
         choices = []
-        for expr in egraph.extract_multiple(node(i), MAX_ALTERNATIVES):
-            fn = get_callable_fn(expr)
-            if fn in FUSED_KINDS:
-                args = tuple(get_literal_value(a) for a in get_callable_args(expr))
-                if fn == Op.glu_down and not glu_down_fits(graph, args):
-                    continue
-                choices.append(Choice(i, FUSED_KINDS[fn], args))
-            elif fn == Op.block:
-                kind, _, tile = (get_literal_value(a) for a in get_callable_args(expr))
-                choices.append(Choice(i, kind, (tile,)))
-        if not choices:
-            raise RuntimeError(f"rewrite: no block-op lowering for node %{i} ({graph.nodes[i].op})")
-        out[i] = choices
-    return out
+        for expr in egraph.extract_multiple(eclass, MAX_ALTERNATIVES):
+            read = _read(expr, fn_names)
+            if read is None or TERMS[read[0]].computes != computes:
+                continue
+            c = Choice(v, *read)
+            if TERMS[c.term].fits(graph, c.named):
+                choices.append(c)
+                todo += [r for r in c.refs(graph) if isinstance(r, Sum)]
+        out[v] = choices
+    _drop_unbuildable(graph, out)
+    for v in nodes:
+        if not out[v]:
+            raise RuntimeError(f"rewrite: no block-op lowering for node %{v} ({graph.nodes[v].op})")
+    return {v: cs for v, cs in out.items() if cs}
 
 
-def glu_down_fits(graph: Graph, args: tuple) -> bool:
-    """Whether the ``glu_down`` body takes these operands: one x row, and weights read
-    directly (no view: the body assumes contiguous rows) with 16-byte rows."""
-    x, w, w2, _g, _eps, wd, _r, _rows = args
-    xs, ws, wds = (graph.nodes[j].shape for j in (x, w, wd))
-    if any(graph.nodes[j].op != "weight" for j in (w, w2, wd)) or len(ws) != 2 or len(wds) != 2 or not all(d.is_const for d in xs):
-        return False
-    m = math.prod(d.value for d in xs[:-1])
-    return supported(m, ws[1].value, wds[0].value, graph.nodes[w].dtype.itemsize)
+def _drop_unbuildable(graph: Graph, alts: dict) -> None:
+    """Drop alternatives that read a value no alternative computes (a sum whose only producer did
+    not fit), until none is left."""
+    changed = True
+    while changed:
+        changed = False
+        for v, cs in alts.items():
+            keep = [c for c in cs if all(_computable(graph, alts, r) for r in c.refs(graph))]
+            if len(keep) != len(cs):
+                alts[v], changed = keep, True
 
 
-def choose(graph: Graph, alts: dict[int, list[Choice]], cost: Callable[[Choice], float]) -> dict[int, Choice]:
-    """Greedy DAG extraction: returns the chosen alternative of every node left live.
+def _computable(graph: Graph, alts: dict, r) -> bool:
+    if isinstance(r, Sum):
+        return bool(alts.get(r))
+    i = base_node(graph, r)
+    return graph.nodes[i].op in LEAF_OPS or bool(alts.get(i))
 
-    An alternative is charged its own cost plus the cheapest cost of the nodes it alone
+
+def choose(graph: Graph, alts: dict[Any, list[Choice]], cost: Callable[[Choice], float]) -> dict[Any, Choice]:
+    """Greedy DAG extraction: returns the chosen alternative of every value left live.
+
+    An alternative is charged its own cost plus the cheapest cost of the values it alone
     would keep alive: its operands and their producers, walked down to what is already
-    needed or upstream of every alternative of the node (needed whichever is chosen).
+    needed or upstream of every alternative of the value (needed whichever is chosen).
     """
     own = {c: cost(c) for cs in alts.values() for c in cs}
-    local_best = {i: min(cs, key=own.__getitem__) for i, cs in alts.items()}
-    ancestors: list[int] = []  # bitset of each node and its graph ancestors
-    for n in graph.nodes:
-        bits = 1 << n.id
-        for j in n.inputs:
-            bits |= ancestors[j]
-        ancestors.append(bits)
+    local_best = {v: min(cs, key=own.__getitem__) for v, cs in alts.items()}
+    n = len(graph.nodes)
 
-    def storage(i: int) -> int:
-        return base_node(graph, i)
+    def bit(v) -> int:
+        return 1 << (n + v.node if isinstance(v, Sum) else v)
 
-    def deps(c: Choice) -> set[int]:
-        return {storage(r) for r in c.refs(graph)}
+    def deps(c: Choice) -> set:
+        return {storage(graph, r) for r in c.refs(graph)}
 
-    needed = {storage(i) for i in graph.outputs.values()}
-    chosen: dict[int, Choice] = {}
-    for i in sorted(alts, reverse=True):  # node ids are topological: consumers first
-        if i not in needed:
+    # must[v]: v and every value needed to compute v whichever alternatives are chosen (a node that
+    # a fused alternative bypasses, e.g. a sum's rounding, is not needed by its consumers)
+    must: dict = {}
+    for v in sorted([*range(n), *(v for v in alts if isinstance(v, Sum))], key=order):
+        if v in alts:
+            common = ~0
+            for c in alts[v]:
+                reach = 0
+                for d in deps(c):
+                    reach |= must[d]
+                common &= reach
+        else:  # a leaf (or a node no output needs): its graph inputs
+            common = 0
+            for j in graph.nodes[v].inputs:
+                common |= must[j]
+        must[v] = bit(v) | common
+
+    needed = {storage(graph, i) for i in graph.outputs.values()}
+    chosen: dict = {}
+    for v in sorted(alts, key=order, reverse=True):  # consumers first
+        if v not in needed:
             continue
-        upstream = ~0  # needed whichever alternative is chosen
-        for c in alts[i]:
-            reach = 0
-            for j in deps(c):
-                reach |= ancestors[j]
-            upstream &= reach
+        upstream = must[v] & ~bit(v)  # needed whichever alternative is chosen
 
         def total(c: Choice) -> float:
             """Own cost plus the region this alternative alone keeps alive (down to the common upstream)."""
             cost_sum, seen, stack = own[c], set(), list(deps(c))
             while stack:
                 j = stack.pop()
-                if j in seen or j in needed or (upstream >> j) & 1 or j not in alts:
+                if j in seen or j in needed or upstream & bit(j) or j not in alts:
                     continue
                 seen.add(j)
                 cost_sum += own[local_best[j]]
                 stack.extend(deps(local_best[j]))
             return cost_sum
 
-        best = min(alts[i], key=total)
-        chosen[i] = best
+        best = min(alts[v], key=total)
+        chosen[v] = best
         needed |= deps(best)
     return chosen
+
+
+def storage(graph: Graph, v):
+    """The value that owns ``v``'s storage: views resolve to their base node."""
+    return v if isinstance(v, Sum) else base_node(graph, v)
 
 
 def computing_nodes(graph: Graph, live: set[int]) -> list[int]:

@@ -67,7 +67,6 @@ class Estimate:
 
     bytes: int
     instances: int
-    cost: float
 
 
 @dataclass

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..graph import Graph
-from .build import build_program
+from .build import ProgramBuilder, build_program
 from .cost import CostModel
 from .encode import encode
 from .extract import alternatives, choose, computing_nodes
@@ -57,13 +57,11 @@ def rewrite(
 def _choice_costs(graph, alts, model: CostModel, env) -> dict:
     """Cost of each alternative (lower it alone and price its block ops), and its
     (bytes, instances) when it is a single block op."""
-    from .build import LOWER, ProgramBuilder, lower_block
-
     costs, estimates = {}, {}
     for cs in alts.values():
         for c in cs:
             b = ProgramBuilder(graph, env)
-            LOWER.get(c.kind, lower_block)(b, graph.nodes[c.node], c)
+            b.lower(c)
             costs[c] = sum(model.seconds(op.estimate.bytes, op.estimate.instances) for op in b.ops)
             if len(b.ops) == 1:
                 estimates[c] = (b.ops[0].estimate.bytes, b.ops[0].estimate.instances)

@@ -1,10 +1,10 @@
-"""Independent matvecs that read the same input run side by side: choose their tiles together.
+"""Independent ops that read the same input run side by side: choose their tiles together.
 
 The extractor prices each op alone, so Q, K and V each get the tile that is best for a
 whole chip (llama-3.2-1b: 128 + 64 + 64 instances, two waves on 132 SMs). Nothing orders
 them, so the queue runs them concurrently and what costs is their combined waves. This
-pass re-picks the tile heights of each group of sibling matvecs (same x, same fused
-norm, no path between them) to minimise
+pass re-picks the tiles of each group of siblings (a term's ``siblings`` key: for a matvec,
+same x and fused norm; no path between them) to minimise
 
     waves(total instances) * (largest instance's bytes / per-SM bandwidth + instance latency)
 
@@ -19,7 +19,9 @@ from collections import defaultdict
 
 from ..graph import Graph
 from .cost import CostModel
-from .extract import Choice
+from ..blockops import TERMS
+from ..blockops.base import Sum
+from .extract import Choice, order
 
 MAX_GROUP = 4  # siblings tiled jointly (options ** MAX_GROUP combinations are tried)
 
@@ -34,17 +36,16 @@ def group_seconds(estimates: list[tuple[int, int]], model: CostModel) -> float:
 def balance_siblings(graph: Graph, alts: dict[int, list[Choice]], chosen: dict[int, Choice],
                      estimates: dict[Choice, tuple[int, int]], model: CostModel) -> dict[int, Choice]:
     groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, c in sorted(chosen.items()):
-        if c.kind == "matvec":
-            x, _w, _w2, g, eps, _r, _rows = c.args
-            groups[(x, g, eps)].append(i)
+    for v, c in sorted(chosen.items(), key=lambda vc: order(vc[0])):
+        key = TERMS[c.term].siblings(c.named)
+        if key is not None and not isinstance(v, Sum):
+            groups[key].append(v)
     out = dict(chosen)
     for members in groups.values():
         members = _independent(graph, members)[:MAX_GROUP]
         if len(members) < 2:
             continue
-        options = [[a for a in alts[i] if a.kind == "matvec" and a.args[:6] == chosen[i].args[:6] and a in estimates]
-                   for i in members]
+        options = [[a for a in alts[i] if a in estimates and _same_but_tile(a, chosen[i])] for i in members]
         best = [chosen[i] for i in members]
         best_t = group_seconds([estimates[c] for c in best], model)
         for combo in itertools.product(*options):
@@ -53,6 +54,11 @@ def balance_siblings(graph: Graph, alts: dict[int, list[Choice]], chosen: dict[i
                 best, best_t = list(combo), t
         out.update(zip(members, best))
     return out
+
+
+def _same_but_tile(a: Choice, b: Choice) -> bool:
+    tile = TERMS[b.term].tile
+    return a.term == b.term and all(v == b.named[k] for k, v in a.args if k != tile)
 
 
 def _independent(graph: Graph, members: list[int]) -> list[int]:

@@ -1,91 +1,81 @@
 """The e-graph encoding of a graph: one small ``Op`` term per node, in SSA form.
 
-``node(i)`` is the e-class of graph node ``i``. Tensor operands are node ids
-(``i64``), never nested terms: nested terms share subterms across layers and make
-extraction cost overflow (DESIGN.md, egglog facts). A node whose operand is a view
-refers to the view node's id; views have no term, so no fusion rule sees through
-one (a fused body reads its operands unviewed).
+``node(i)`` is the e-class of graph node ``i``; ``acc(i)`` that of an f32 sum whose rounding
+is node ``i``'s value (a :class:`~megaegg.blockops.base.Sum`). Tensor operands are node ids
+(``i64``), never nested terms: nested terms share subterms across layers and make extraction
+cost overflow (docs/design.md, egglog facts). A node whose operand is a view refers to the
+view node's id; views have no term, so no fusion rule sees through one (a fused body reads
+its operands unviewed), except the ``heads`` reshape below.
 
-Graph-op constructors (what the user wrote) and block-op constructors (how it runs)
-live in one sort so that rules can union them into the same e-class. Absent
-optional operands are ``-1``.
+``Op`` has two families of constructors, all with named fields, so that rules can union
+what the user wrote with how it runs in one e-class:
+
+- graph-op terms (:data:`GRAPH_TERMS`, built by ``encode.py``): what the user wrote;
+- block terms, one per :data:`~megaegg.blockops.TERMS` entry, generated from the fields its
+  ``megaegg/blockops`` module declares (``Op.matvec(x=, w=, ..., rows=)``).
+
+Absent optional operands are ``NONE`` (-1).
 """
 
 from __future__ import annotations
 
+import inspect
+
 from egglog import Expr, StringLike, f64Like, function, i64Like
 
-NONE = -1
+from ..blockops import TERMS
+from ..blockops.base import NONE, fields
+
+# Graph ops that rules rewrite, with their fields (``encode.py`` fills them from a node).
+GRAPH_TERMS = {
+    "linear": fields("x:ref w:ref"),
+    "rms_norm": fields("x:ref g:ref eps:float"),
+    "add": fields("a:ref b:ref same_shape:int"),
+    "mul": fields("a:ref b:ref same_shape:int"),
+    "silu": fields("a:ref"),
+    "heads": fields("src:ref head_dim:int"),  # a reshape view [1, H*D] -> [H, D], seen so QKV fusion can look through it
+    "rope": fields("x:ref node:node"),  # RoPE at a runtime-dim position
+    "kv_append": fields("cache:ref new:ref"),
+    "argmax": fields("x:ref node:node"),  # over the last dim of a [1, N] tensor
+    "other": fields("op:str node:node"),  # any other graph op: lowered by a single-node term
+}
+_EGG_TYPES = {"ref": i64Like, "sum": i64Like, "node": i64Like, "int": i64Like, "float": f64Like, "str": StringLike}
 
 
-class Op(Expr):
-    # --- graph ops with rewrite rules --------------------------------------------------
-    @classmethod
-    def linear(cls, x: i64Like, w: i64Like) -> Op: ...
+def _constructor(name: str, spec, doc: str | None):
+    """A classmethod ``Op.<name>(field, ...)`` with typed parameters, as egglog reads them."""
 
-    @classmethod
-    def rms_norm(cls, x: i64Like, g: i64Like, eps: f64Like) -> Op: ...
+    def make(cls, *args, **kwargs): ...
 
-    @classmethod
-    def add(cls, a: i64Like, b: i64Like, same_shape: i64Like) -> Op: ...
+    params = [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_EGG_TYPES[f.kind]) for f in spec]
+    make.__signature__ = inspect.Signature(params, return_annotation="Op")
+    make.__annotations__ = {f.name: _EGG_TYPES[f.kind] for f in spec} | {"return": "Op"}
+    make.__name__, make.__qualname__, make.__doc__ = name, f"Op.{name}", doc
+    return classmethod(make)
 
-    @classmethod
-    def mul(cls, a: i64Like, b: i64Like, same_shape: i64Like) -> Op: ...
 
-    @classmethod
-    def silu(cls, a: i64Like) -> Op: ...
+def _op_sort() -> type:
+    clash = set(GRAPH_TERMS) & set(TERMS)
+    if clash:
+        raise ValueError(f"block terms named like graph terms: {sorted(clash)}")
+    namespace = {"__module__": __name__, "__doc__": "A graph op or a block term (see the module docstring)."}
+    for name, spec in GRAPH_TERMS.items():
+        namespace[name] = _constructor(name, spec, None)
+    for name, t in TERMS.items():
+        namespace[name] = _constructor(name, t.fields, type(t).__doc__)
+    return type("Op", (Expr,), namespace)
 
-    @classmethod
-    def heads(cls, src: i64Like, head_dim: i64Like) -> Op:
-        """A reshape view ``[1, H*D] -> [H, D]`` (a term only so that fusion rules can see through it)."""
 
-    @classmethod
-    def rope(cls, x: i64Like, i: i64Like) -> Op:
-        """RoPE of node ``i`` at a runtime-dim position."""
-
-    @classmethod
-    def kv_append(cls, cache: i64Like, new: i64Like) -> Op: ...
-
-    @classmethod
-    def argmax(cls, x: i64Like, i: i64Like) -> Op:
-        """Argmax of node ``i`` over the last dim of a ``[1, N]`` tensor."""
-
-    @classmethod
-    def other(cls, op: StringLike, i: i64Like) -> Op:
-        """Any other graph op (rope, attention, argmax, ...): lowered by one rule family."""
-
-    # --- block ops ----------------------------------------------------------------------
-    @classmethod
-    def matvec(
-        cls, x: i64Like, w: i64Like, w2: i64Like, g: i64Like, eps: f64Like, r: i64Like, rows: i64Like
-    ) -> Op:
-        """``matvec`` kind: x @ w^T [* silu gate w2] [with RMSNorm(g) prologue] [+ r]."""
-
-    @classmethod
-    def matvec_heads(
-        cls, x: i64Like, w: i64Like, g: i64Like, eps: f64Like, rows: i64Like, rope: i64Like, append: i64Like
-    ) -> Op:
-        """``matvec_heads`` kind: a head-split projection; ``rope``/``append`` name the absorbed nodes."""
-
-    @classmethod
-    def rope_rows(cls, x: i64Like, g: i64Like, eps: f64Like, rope: i64Like, append: i64Like, tile: i64Like) -> Op:
-        """``rope`` kind: RoPE of node ``rope`` read from ``x`` [after a per-row RMSNorm(g)], written
-        to its own buffer or, when ``append`` names a ``kv_append`` node, straight into its cache row."""
-
-    @classmethod
-    def matvec_argmax(cls, x: i64Like, w: i64Like, g: i64Like, eps: f64Like, rows: i64Like) -> Op:
-        """``matvec_argmax`` kind: argmax partials of x @ w^T, the products never stored."""
-
-    @classmethod
-    def glu_down(
-        cls, x: i64Like, w: i64Like, w2: i64Like, g: i64Like, eps: f64Like, wd: i64Like, r: i64Like, rows: i64Like
-    ) -> Op:
-        """``glu_down`` + ``acc_residual`` kinds: r + (gated MLP of x) @ wd^T, split over the MLP's rows."""
-
-    @classmethod
-    def block(cls, kind: StringLike, i: i64Like, tile: i64Like) -> Op:
-        """A single-node block op of ``kind`` for node ``i`` with tile parameter ``tile``."""
+Op = _op_sort()
 
 
 @function
 def node(i: i64Like) -> Op: ...
+
+
+@function
+def acc(i: i64Like) -> Op: ...
+
+
+__all__ = ["GRAPH_TERMS", "NONE", "Op", "acc", "node"]

@@ -1,8 +1,10 @@
-"""Block-op kinds. Importing this package registers every kind in ``REGISTRY``."""
+"""Block-op kinds and their rewrite terms. Importing this package registers every kind in
+``REGISTRY`` and every term in ``TERMS``."""
 
 from . import (  # noqa: F401
     argmax, attention, elementwise, embedding, glu_down, kv_append, matvec, matvec_argmax, matvec_heads, rope, rownorm, softmax,
 )
-from .base import REGISTRY, BlockKind, CudaOperand, Partition
+from .base import REGISTRY, TERMS, BlockKind, CudaOperand, Partition, Term
+from .elementwise import materialize
 
-__all__ = ["REGISTRY", "BlockKind", "CudaOperand", "Partition"]
+__all__ = ["REGISTRY", "TERMS", "BlockKind", "CudaOperand", "Partition", "Term", "materialize"]

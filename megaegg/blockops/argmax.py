@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..dims import ceildiv
-from .base import BlockKind, Partition, dimc, f32, register
+from ..dims import as_dim, ceildiv
+from ..dtypes import f32 as F32
+from ..graph import GraphError
+from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
 from .footprint import Full, Tile
 
 
@@ -64,3 +66,22 @@ class ArgmaxReduce(BlockKind):
         p = ins[0]
         args = ["smem", p.ptr, p.strides[0], p.strides[1], op.inputs[0].shape[1].to_c(dimc), out.ptr, out.strides[0], "c0"]
         return f"argmax_reduce({', '.join(args)})"
+
+
+@term
+class ArgmaxChunksTerm(Term):
+    """Argmax over the last dim as ``argmax_partial`` over ``chunk`` columns per instance, then ``argmax_reduce``."""
+
+    name = "argmax_chunks"
+    fields = fields("node:node chunk:int")
+
+    def lower(self, b, value, args):
+        n = b.graph.nodes[value]
+        x, out = b.operand(n.inputs[0]), b.output(value)
+        if n.attrs["dim"] != len(x.shape) - 1:
+            raise GraphError(f"argmax {n.label}: only the last dim is supported by the megakernel")
+        x = b.rows(x) if len(x.shape) != 1 else b.view(x, "reshape", (as_dim(1), x.shape[0]))
+        m, cols = x.shape
+        part = b.scratch(f"argmax_part{value}", (m, ceildiv(cols, args["chunk"]), as_dim(2)), F32)
+        b.emit("argmax_partial", [value], [x], part, {"chunk": args["chunk"]})
+        b.emit("argmax_reduce", [value], [part], out if len(out.shape) == 1 else b.view(out, "reshape", (m,)), {})

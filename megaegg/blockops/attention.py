@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..dims import ceildiv
-from .base import BlockKind, Partition, dimc, f32, register
+from ..dims import as_dim, ceildiv
+from ..dtypes import f32 as F32
+from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
 from .footprint import Full, Span, Tile
 
 
@@ -102,3 +103,22 @@ class AttnMerge(BlockKind):
             "c0",
         ]
         return f"attn_merge<{out.ctype}, {d}>({', '.join(args)})"
+
+
+@term
+class AttentionSplitTerm(Term):
+    """Decode attention as ``attn_partial`` over ``chunk`` cache rows per instance, then ``attn_merge``."""
+
+    name = "attention_split"
+    fields = fields("node:node chunk:int")
+
+    def lower(self, b, value, args):
+        n, chunk = b.graph.nodes[value], args["chunk"]
+        q, kc, vc = (b.operand(i) for i in n.inputs)
+        out = b.output(value)
+        hq, d = (x.value for x in q.shape)
+        hkv, smax = kc.shape[0].value, kc.shape[1]
+        part = b.scratch(f"attn_part{value}", (hq, ceildiv(smax, chunk), as_dim(d + 2)), F32)
+        common = {"length": n.attrs["length"], "chunk": chunk}
+        b.emit("attn_partial", [value], [q, kc, vc], part, {**common, "group": hq // hkv, "scale": n.attrs["scale"]})
+        b.emit("attn_merge", [value], [part], out, {**common, "rows_per": max(1, hq // hkv)})

@@ -1,18 +1,25 @@
 """The block-op registry: each kind is defined in ONE module of this package.
 
-A kind declares how a block op of that kind is partitioned (``build``: launch grid
-and read/write footprints), what one instance computes on the CPU (``cpu``: the
-living definition the simulator runs and the CUDA body is tested against), how the
-CUDA interpreter calls its device body (``cuda_call``, body in ``<name>.cuh``; with
-``waits_in_body`` the body does its own barrier waits) and what it costs
-(``estimate``). Opcodes, the interpreter's switch and the simulator's dispatch are
-generated from :data:`REGISTRY`.
+A kind (:class:`BlockKind`, in :data:`REGISTRY`) declares how a block op of that kind is
+partitioned (``build``: launch grid and read/write footprints), what one instance computes
+on the CPU (``cpu``: the living definition the simulator runs and the CUDA body is tested
+against), how the CUDA interpreter calls its device body (``cuda_call``, body in
+``<name>.cuh``; with ``waits_in_body`` the body does its own barrier waits) and how many
+bytes it moves (``bytes_moved``, for the cost model). The interpreter's switch and the
+simulator's dispatch are generated from :data:`REGISTRY`.
+
+The same module declares the kind's :class:`Term` (in :data:`TERMS`): how the rewrite stage
+sees it. A term is the e-graph constructor ``Op.<name>(**fields)`` for one way of computing
+a value with block ops, the values it reads (``refs``) and its lowering into block ops
+(``lower``, through the rewrite stage's ``ProgramBuilder``). The e-graph sort, extraction,
+pricing and program building are generated from :data:`TERMS`; only ``rewrite/rules.py``
+says which graph patterns become which terms.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -23,6 +30,8 @@ if TYPE_CHECKING:
     from ..rewrite.program import BlockOp, Operand
 
 REGISTRY: dict[str, "BlockKind"] = {}
+TERMS: dict[str, "Term"] = {}
+NONE = -1  # an absent operand of a term
 
 
 def register(cls: type["BlockKind"]) -> type["BlockKind"]:
@@ -30,6 +39,81 @@ def register(cls: type["BlockKind"]) -> type["BlockKind"]:
         raise ValueError(f"block op kind {cls.name!r} registered twice")
     REGISTRY[cls.name] = cls()
     return cls
+
+
+def term(cls: type["Term"]) -> type["Term"]:
+    if cls.name in TERMS:
+        raise ValueError(f"term {cls.name!r} registered twice")
+    kinds = {f.kind for f in cls.fields} - set(FIELD_KINDS)
+    if kinds:
+        raise ValueError(f"term {cls.name!r}: unknown field kind(s) {sorted(kinds)}")
+    TERMS[cls.name] = cls()
+    return cls
+
+
+# What a term's field holds. ref: a tensor it reads (a graph node id, NONE if absent); sum: an
+# f32 sum it reads (the id of the graph node whose value the sum rounds to, NONE if absent);
+# node: a graph node whose attributes and leaf operands it uses (NONE if absent); int / float /
+# str: a constant (a tile size, eps, ...). The first three are node ids: a layer's copy shifts them.
+FIELD_KINDS = ("ref", "sum", "node", "int", "float", "str")
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str
+
+
+def fields(spec: str) -> tuple[Field, ...]:
+    """``"x:ref w:ref eps:float"`` -> Fields, in that order (the e-graph constructor's arguments)."""
+    return tuple(Field(*item.split(":")) for item in spec.split())
+
+
+@dataclass(frozen=True)
+class Sum:
+    """The value id of an f32 sum that several instances add into (a ``glu_down`` accumulator):
+    the sum whose rounding is graph node ``node``'s value. Graph values are plain node ids."""
+
+    node: int
+
+    def __str__(self) -> str:
+        return f"sum(%{self.node})"
+
+
+class Term:
+    """One way to compute a value (a graph node's, or a :class:`Sum`) with block ops."""
+
+    name: ClassVar[str]
+    fields: ClassVar[tuple[Field, ...]]
+    computes: ClassVar[str] = "node"  # "node": a graph node's value; "sum": a Sum's
+    tile: ClassVar[str | None] = None  # the field that alone differs between tile-size alternatives
+
+    def refs(self, graph, args: Mapping[str, Any]) -> tuple:
+        """The values this alternative reads (node ids and Sums); its own node's inputs for a term
+        with a ``node`` field and no ``ref``, else its ``ref`` and ``sum`` fields."""
+        out = []
+        for f in self.fields:
+            v = args[f.name]
+            if f.kind == "ref" and v != NONE:
+                out.append(v)
+            elif f.kind == "sum" and v != NONE:
+                out.append(Sum(v))
+        if not any(f.kind in ("ref", "sum") for f in self.fields):
+            out += graph.nodes[args["node"]].inputs
+        return tuple(out)
+
+    def fits(self, graph, args: Mapping[str, Any]) -> bool:
+        """Whether the block ops take these operands (shapes, layouts); else the alternative is dropped."""
+        return True
+
+    def siblings(self, args: Mapping[str, Any]) -> tuple | None:
+        """A key shared by alternatives that read the same input and may run side by side
+        (``rewrite/siblings.py`` tiles them together), or None."""
+        return None
+
+    def lower(self, b, value, args: Mapping[str, Any]) -> None:
+        """Emit the block ops computing ``value`` (a node id, or a Sum) through ``b``, a ProgramBuilder."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)

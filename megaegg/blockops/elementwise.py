@@ -4,10 +4,12 @@ stride-0 views); tiles of ``tile`` elements along dim ``axis``. ``fn`` also cove
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..dims import ceildiv
-from .base import BlockKind, Partition, dimc, f32, register
+from ..dims import as_dim, ceildiv
+from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
 from .footprint import Full, Tile
 
 FUNCTIONS = {
@@ -54,3 +56,52 @@ class Elementwise(BlockKind):
         for o in ins:
             args += [o.ptr, idx(o.strides)]
         return f"elementwise<Ew{op.params['fn'].capitalize()}, {max(nd, 1)}, {types}>({', '.join(args)})"
+
+
+def elementwise_params(fn: str, shape, env: dict[str, int], tile: int = 8192) -> dict:
+    """Tile along the largest dim, ``tile`` elements per instance in all."""
+    if not shape:
+        return {"fn": fn, "axis": 0, "tile": 1}
+    sizes = [d.eval(env) for d in shape]
+    axis = max(range(len(shape)), key=lambda k: sizes[k])
+    other = math.prod(sizes) // max(1, sizes[axis])
+    return {"fn": fn, "axis": axis, "tile": max(1, tile // max(1, other))}
+
+
+def materialize(b, src, dst, sources) -> None:
+    """Copy ``src`` (a view with no strided layout) into the contiguous ``dst``: the rewrite
+    stage inserts this where a block op cannot read an operand through its views."""
+    b.emit("elementwise", sources, [src], dst, elementwise_params("copy", dst.shape, b.env_hint))
+
+
+@term
+class ElementwiseTilesTerm(Term):
+    """add / mul / silu / cast (anything else: copy) of operands broadcast to the output, ``tile`` elements per instance."""
+
+    name = "elementwise_tiles"
+    fields = fields("node:node tile:int")
+
+    def lower(self, b, value, args):
+        n = b.graph.nodes[value]
+        ins, out = [b.operand(i) for i in n.inputs], b.output(value)
+        fn = n.op if n.op in FUNCTIONS else "copy"
+        ins = [b.broadcast(o, out.shape) for o in ins]
+        b.emit("elementwise", [value], ins, out, elementwise_params(fn, out.shape, b.env_hint, args["tile"]))
+
+
+@term
+class ConcatTilesTerm(Term):
+    """Concatenation as one copy per piece into a slice of the output."""
+
+    name = "concat_tiles"
+    fields = fields("node:node tile:int")
+
+    def lower(self, b, value, args):
+        n = b.graph.nodes[value]
+        ins, out = [b.operand(i) for i in n.inputs], b.output(value)
+        d, start = n.attrs["dim"], as_dim(0)
+        for o in ins:
+            stop = start + o.shape[d]
+            piece = b.view(out, "slice", (d, start, stop))
+            b.emit("elementwise", [value], [o], piece, elementwise_params("copy", o.shape, b.env_hint, args["tile"]))
+            start = stop

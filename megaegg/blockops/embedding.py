@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import BlockKind, Partition, dimc, register
+from .base import BlockKind, Partition, Term, dimc, fields, register, term
 from .footprint import Full, Tile
 
 
@@ -35,3 +35,16 @@ class Embedding(BlockKind):
             "c0",
         ]
         return f"embedding_row<{table.ctype}, {ids.ctype}>({', '.join(args)})"
+
+
+@term
+class EmbeddingRowsTerm(Term):
+    """Table rows gathered by id, one row per instance."""
+
+    name = "embedding_rows"
+    fields = fields("node:node")
+
+    def lower(self, b, value, args):
+        n = b.graph.nodes[value]
+        table, ids = (b.operand(i) for i in n.inputs)
+        b.emit("embedding", [value], [table, b.flat(ids)], b.rows(b.output(value)), {})

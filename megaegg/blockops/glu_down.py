@@ -18,8 +18,10 @@ gate, up and down weights back to back (docs/perf-notes.md #32).
 
 from __future__ import annotations
 
+import math
+
 from ..dims import as_dim, ceildiv
-from .base import BlockKind, Partition, register
+from .base import NONE, BlockKind, Partition, Term, fields, register, term
 from .footprint import Full, Tile
 from .matvec import gated, roles
 
@@ -88,7 +90,46 @@ class AccResidual(BlockKind):
         return f"acc_residual<{out.ctype}>({', '.join(args)})"
 
 
-def supported(m: int, k: int, n: int, itemsize: int) -> bool:
-    """Shapes the CUDA body takes: one x row, 16-byte rows of every weight."""
-    vec = 16 // itemsize
-    return m == 1 and k % vec == 0 and n % vec == 0
+ACC_RESIDUAL_TILE = 1024  # elements per acc_residual instance: a few instances, one round trip each
+
+
+@term
+class GluDownTerm(Term):
+    """The f32 sum of ``(gated MLP of x) @ wd^T``, split over the MLP's rows (computes a Sum)."""
+
+    name = "glu_down"
+    fields = fields("x:ref w:ref w2:ref g:ref eps:float wd:ref rows:int")
+    computes = "sum"
+    tile = "rows"
+
+    def fits(self, graph, args):
+        """One x row, and weights read directly (no view: the body assumes contiguous rows) with 16-byte rows."""
+        xs, ws, wds = (graph.nodes[args[k]].shape for k in ("x", "w", "wd"))
+        if any(graph.nodes[args[k]].op != "weight" for k in ("w", "w2", "wd")) or len(ws) != 2 or len(wds) != 2:
+            return False
+        if not all(d.is_const for d in xs):
+            return False
+        vec = 16 // graph.nodes[args["w"]].dtype.itemsize
+        return math.prod(d.value for d in xs[:-1]) == 1 and ws[1].value % vec == 0 and wds[0].value % vec == 0
+
+    def lower(self, b, value, args):
+        operands = {"x": args["x"], "g": args["g"], "w": args["w"], "w2": args["w2"]}
+        present = tuple(k for k, v in operands.items() if v != NONE)
+        inputs = [b.rows(b.operand(operands[k])) if k == "x" else b.operand(operands[k]) for k in present]
+        acc = b.sum(value.node)
+        reads = {v for v in (*operands.values(), args["wd"]) if v != NONE}
+        params = {"rows": args["rows"], "roles": (*present, "wd"), "eps": args["eps"]}
+        b.emit("glu_down", b.absorbed(value.node, reads), [*inputs, b.transposed_weight(args["wd"])], acc, params)
+
+
+@term
+class AccResidualTerm(Term):
+    """``r + T(acc)``: the rounding of a ``glu_down`` sum and the residual add."""
+
+    name = "acc_residual"
+    fields = fields("r:ref acc:sum")
+
+    def lower(self, b, value, args):
+        out = b.rows(b.output(value))
+        residual = b.rows(b.operand(args["r"]))
+        b.emit("acc_residual", [value], [residual, b.sum(args["acc"])], out, {"tile": ACC_RESIDUAL_TILE})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..dims import as_dim
-from .base import BlockKind, Partition, dimc, register
+from .base import BlockKind, Partition, Term, dimc, fields, register, term
 from .footprint import At, Full
 
 
@@ -35,3 +35,16 @@ class KvAppend(BlockKind):
             f"{hkv}LL", f"{smax}LL", f"{d}LL", op.params["pos"].to_c(dimc),
         ]
         return f"kv_append<{new.ctype}>({', '.join(args)})"
+
+
+@term
+class KvAppendRowTerm(Term):
+    """One new row written into a KV cache in place."""
+
+    name = "kv_append_row"
+    fields = fields("node:node")
+
+    def lower(self, b, value, args):
+        n = b.graph.nodes[value]
+        _cache, new = (b.operand(i) for i in n.inputs)
+        b.emit("kv_append", [value], [new], b.operand(value), {"pos": n.attrs["pos"]})

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..dims import ceildiv
-from .base import BlockKind, CudaOperand, Partition, f32, register, rms_normed
+from .base import NONE, BlockKind, CudaOperand, Partition, Term, f32, fields, register, rms_normed, term
 from .footprint import Full, Tile
 
 
@@ -127,3 +127,52 @@ class MatVec(BlockKind):
         x_bytes = m * k_dim * item * n_tiles  # every instance reads its x rows
         sums = 4 * (m * k_dim * n_tiles * ("xa" in k) + m * n * ("ra" in k))
         return w_bytes + x_bytes + m * n * item * (2 if "r" in k else 1) + sums
+
+
+MAX_MATVEC_M = 16  # x rows one matvec instance handles (decode has 1)
+
+
+@term
+class MatVecTerm(Term):
+    """``x @ w^T`` [* silu gate ``w2``] [after an RMSNorm(``g``) prologue] [+ ``r``], ``rows`` weight
+    rows per instance; ``xa`` / ``ra``: f32 sums added to x / r as they are read."""
+
+    name = "matvec"
+    fields = fields("x:ref w:ref w2:ref g:ref eps:float r:ref xa:sum ra:sum rows:int")
+    tile = "rows"
+
+    def siblings(self, args):
+        return ("matvec", args["x"], args["g"], args["eps"], args["xa"])
+
+    def lower(self, b, value, args):
+        lower_matvec(b, value, {r: args[r] for r in ("x", "w", "w2", "g", "r")}, args, transpose_w=False)
+
+
+@term
+class MatMulTerm(Term):
+    """``a @ B`` (``B [K, N]``, read as ``w [N, K]`` through a transposing view) as a matvec."""
+
+    name = "matmul_rows"
+    fields = fields("node:node rows:int")
+
+    def lower(self, b, value, args):
+        a, w = b.graph.nodes[value].inputs
+        lower_matvec(b, value, {"x": a, "w": w}, {"eps": 0.0, "xa": NONE, "ra": NONE, "rows": args["rows"]},
+                     transpose_w=True)
+
+
+def lower_matvec(b, value: int, operands: dict, args, *, transpose_w: bool) -> None:
+    """One matvec op: ``operands`` role -> node id (NONE if absent); a sum read with x (``xa``) or
+    r (``ra``) comes after the other operands."""
+    present = tuple(k for k, v in operands.items() if v != NONE)
+    inputs = [b.rows(b.operand(operands[k])) if k in ("x", "r") else b.operand(operands[k]) for k in present]
+    sums = tuple(k for k in ("xa", "ra") if args[k] != NONE)
+    inputs += [b.sum(args[k]) for k in sums]
+    if transpose_w:  # out = a @ B: B [K, N] read as w [N, K]
+        inputs[1] = b.view(inputs[1], "permute", (1, 0))
+    out = b.rows(b.output(value))
+    m = out.shape[0]
+    mrows = m.value if m.is_const and m.value <= MAX_MATVEC_M else 1  # a runtime M adds instances
+    params = {"rows": args["rows"], "mrows": mrows, "roles": present + sums, "eps": args["eps"]}
+    reads = {v for v in operands.values() if v != NONE} | {args[k] for k in sums}
+    b.emit("matvec", b.absorbed(value, reads), inputs, out, params)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..dims import as_dim, ceildiv
-from .base import BlockKind, Partition, register
+from ..dtypes import f32
+from .base import NONE, BlockKind, Partition, Term, fields, register, term
 from .footprint import Full, Tile
 from .matvec import products, roles
 
@@ -50,3 +51,23 @@ class MatVecArgmax(BlockKind):
         w = op.inputs[roles(op)["w"]]
         n, kd, item = w.shape[0].value, w.shape[1].value, w.dtype.itemsize
         return n * kd * item + op.grid[1].eval(env) * (kd * item + 8)
+
+
+@term
+class MatVecArgmaxTerm(Term):
+    """Argmax partials of ``x @ w^T`` [after RMSNorm(``g``)], then ``argmax_reduce``: the logits are never stored."""
+
+    name = "matvec_argmax"
+    fields = fields("x:ref w:ref g:ref eps:float rows:int")
+    tile = "rows"
+
+    def lower(self, b, value, args):
+        operands = {"x": args["x"], "w": args["w"], "g": args["g"]}
+        present = tuple(k for k, v in operands.items() if v != NONE)
+        inputs = [b.operand(operands[r]) for r in present]
+        tiles = ceildiv(inputs[present.index("w")].shape[0], args["rows"])
+        part = b.scratch(f"argmax_part{value}", (1, tiles, 2), f32)
+        params = {"rows": args["rows"], "roles": present, "eps": args["eps"]}
+        b.emit("matvec_argmax", b.absorbed(value, {v for v in operands.values() if v != NONE}), inputs, part, params)
+        out = b.output(value)
+        b.emit("argmax_reduce", [value], [part], out if len(out.shape) == 1 else b.view(out, "reshape", (as_dim(1),)), {})

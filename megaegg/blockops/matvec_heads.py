@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..dims import as_dim, ceildiv
-from .base import BlockKind, Partition, dimc, register
+from .base import NONE, BlockKind, Partition, Term, dimc, fields, register, term
 from .footprint import Full, Tile
 from .matvec import products, roles
 
@@ -69,3 +69,31 @@ class MatVecHeads(BlockKind):
 
 def roles_index(params, role: str) -> int:
     return list(params["roles"]).index(role)
+
+
+@term
+class MatVecHeadsTerm(Term):
+    """A head-split projection ``x @ w^T`` [after RMSNorm(``g``)] [rotated as RoPE node ``rope`` does]
+    [written into the cache row of ``kv_append`` node ``append``]."""
+
+    name = "matvec_heads"
+    fields = fields("x:ref w:ref g:ref eps:float rows:int rope:node append:node")
+    tile = "rows"
+
+    def refs(self, graph, args):
+        inv = graph.nodes[args["rope"]].inputs[1] if args["rope"] != NONE else NONE
+        cache = graph.nodes[args["append"]].inputs[0] if args["append"] != NONE else NONE
+        return tuple(i for i in (args["x"], args["w"], args["g"], inv, cache) if i != NONE)
+
+    def lower(self, b, value, args):
+        rope, append = args["rope"], args["append"]
+        operands = {"x": args["x"], "w": args["w"], "g": args["g"],
+                    "inv_freq": b.graph.nodes[rope].inputs[1] if rope != NONE else NONE}
+        present = tuple(k for k, v in operands.items() if v != NONE)
+        inputs = [b.rows(b.operand(operands[r])) if r == "x" else b.operand(operands[r]) for r in present]
+        heads = b.graph.nodes[append].shape[0] if append != NONE else b.graph.nodes[value].shape[0]
+        head_dim = inputs[present.index("w")].shape[0].value // heads.value
+        pos = b.graph.nodes[rope].attrs["pos"] if rope != NONE else as_dim(0)
+        out = b.cache_row(append) if append != NONE else b.output(value)
+        params = {"rows": args["rows"], "head_dim": head_dim, "roles": present, "eps": args["eps"], "pos": pos}
+        b.emit("matvec_heads", b.absorbed(value, {v for v in operands.values() if v != NONE}), inputs, out, params)

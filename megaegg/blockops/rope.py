@@ -10,10 +10,12 @@ only changes where the rows are written.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..dims import ceildiv
-from .base import BlockKind, Partition, dimc, f32, register, rms_normed
+from .base import NONE, BlockKind, Partition, Term, dimc, f32, fields, register, rms_normed, term
 from .footprint import Full, Tile
 from .matvec import roles
 
@@ -62,3 +64,41 @@ class Rope(BlockKind):
         ]
         norm = "true" if "g" in k else "false"
         return f"rope_rows<{x.ctype}, {op.inputs[0].shape[1].value}, {norm}>({', '.join(args)})"
+
+
+@term
+class RopeRowsTerm(Term):
+    """RoPE of node ``rope`` (a runtime-dim position) read from ``x`` [after a per-row RMSNorm(``g``)],
+    written to its own buffer or, when ``append`` names a ``kv_append`` node, straight into its cache row."""
+
+    name = "rope_rows"
+    fields = fields("x:ref g:ref eps:float rope:node append:node rows_per:int")
+    tile = "rows_per"
+
+    def refs(self, graph, args):
+        cache = graph.nodes[args["append"]].inputs[0] if args["append"] != NONE else NONE
+        return tuple(i for i in (args["x"], args["g"], graph.nodes[args["rope"]].inputs[1], cache) if i != NONE)
+
+    def lower(self, b, value, args):
+        r = b.graph.nodes[args["rope"]]
+        operands = {"x": args["x"], "inv_freq": r.inputs[1], "g": args["g"]}
+        present = tuple(k for k, v in operands.items() if v != NONE)
+        inputs = [b.rows(b.operand(operands[k])) if k == "x" else b.operand(operands[k]) for k in present]
+        out = b.cache_row(args["append"]) if args["append"] != NONE else b.rows(b.output(r.id))
+        params = {"rows_per": args["rows_per"], "pos": r.attrs["pos"], "group": 1, "roles": present, "eps": args["eps"]}
+        b.emit("rope", b.absorbed(value, {v for v in operands.values() if v != NONE}), inputs, out, params)
+
+
+@term
+class RopeIdsTerm(Term):
+    """RoPE at positions read from an i32 tensor (one per group of rows)."""
+
+    name = "rope_ids"
+    fields = fields("node:node rows_per:int")
+
+    def lower(self, b, value, args):
+        n = b.graph.nodes[value]
+        x, inv, ids = (b.operand(i) for i in n.inputs)
+        group = math.prod(d.value for d in n.shape[1:-1]) if len(n.shape) > 2 else 1
+        params = {"rows_per": args["rows_per"], "pos": None, "group": group, "roles": ("x", "inv_freq", "pos_ids"), "eps": 0.0}
+        b.emit("rope", [value], [b.rows(x), inv, ids], b.rows(b.output(value)), params)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..dims import ceildiv
-from .base import BlockKind, Partition, dimc, f32, register, rms_normed
+from .base import BlockKind, Partition, Term, dimc, f32, fields, register, rms_normed, term
 from .footprint import Full, Tile
 
 
@@ -33,3 +33,16 @@ class RmsNorm(BlockKind):
             op.inputs[0].shape[0].to_c(dimc), str(p["rows_per"]), "c0",
         ]
         return f"rms_norm_rows<{x.ctype}, {op.inputs[0].shape[1].value}>({', '.join(args)})"
+
+
+@term
+class RmsNormRowsTerm(Term):
+    """RMSNorm over the last dim, ``rows_per`` rows per instance."""
+
+    name = "rms_norm_rows"
+    fields = fields("node:node rows_per:int")
+
+    def lower(self, b, value, args):
+        n = b.graph.nodes[value]
+        x, g = (b.operand(i) for i in n.inputs)
+        b.emit("rms_norm", [value], [b.rows(x), g], b.rows(b.output(value)), {"rows_per": args["rows_per"], "eps": n.attrs["eps"]})

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..dims import ceildiv
-from .base import BlockKind, Partition, dimc, f32, register
+from ..graph import GraphError
+from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
 from .footprint import Full, Tile
 
 
@@ -32,3 +33,17 @@ class Softmax(BlockKind):
             d.to_c(dimc), rows.to_c(dimc), str(op.params["rows_per"]), "c0",
         ]
         return f"softmax_rows<{x.ctype}>({', '.join(args)})"
+
+
+@term
+class SoftmaxRowsTerm(Term):
+    """Softmax over the last dim, ``rows_per`` rows per instance."""
+
+    name = "softmax_rows"
+    fields = fields("node:node rows_per:int")
+
+    def lower(self, b, value, args):
+        n = b.graph.nodes[value]
+        if n.attrs["dim"] != len(n.shape) - 1:
+            raise GraphError(f"softmax {n.label}: only the last dim is supported by the megakernel (dim={n.attrs['dim']})")
+        b.emit("softmax", [value], [b.rows(b.operand(n.inputs[0]))], b.rows(b.output(value)), {"rows_per": args["rows_per"]})

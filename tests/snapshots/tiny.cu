@@ -304,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_red_release(&ctr[17 + (0LL)], 1u);
         }
       } break;
-      case 11: {  // op11 matvec sources [38, 40]
+      case 11: {  // op11 matvec sources [36, 38, 40]
         long long rem = local;
         const long long c1 = rem % (32LL); rem /= (32LL);
         const long long c0 = rem;
@@ -314,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[14]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 20480)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[14]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 19968)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -323,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_red_release(&ctr[18 + ((D__i1 / 8LL))], 1u);
         }
       } break;
-      case 12: {  // op12 matvec sources [38, 43]
+      case 12: {  // op12 matvec sources [36, 38, 43]
         long long rem = local;
         const long long c1 = rem % (16LL); rem /= (16LL);
         const long long c0 = rem;
@@ -333,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[16]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 20992)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[16]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 20480)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -342,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_red_release(&ctr[22 + ((D__i1 / 8LL))], 1u);
         }
       } break;
-      case 13: {  // op13 matvec sources [38, 46]
+      case 13: {  // op13 matvec sources [36, 38, 46]
         long long rem = local;
         const long long c1 = rem % (16LL); rem /= (16LL);
         const long long c0 = rem;
@@ -352,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[17]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 21248)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[17]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 20736)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -369,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[18 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 20480)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)(args.arena + 21504)), 64LL, 1LL, 4LL, 1, c0);
+        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 19968)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)(args.arena + 20992)), 64LL, 1LL, 4LL, 1, c0);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
@@ -384,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[22 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 20992)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, (((__nv_bfloat16*)args.ptr[18]) + (D_pos * 64LL)), 65536LL, 1LL, 2LL, 1, c0);
+        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 20480)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, (((__nv_bfloat16*)args.ptr[18]) + (D_pos * 64LL)), 65536LL, 1LL, 2LL, 1, c0);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
@@ -399,7 +399,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[24 + (0LL)]; wl.expected[0] = (unsigned)(16LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        kv_append<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + 21248)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[19]), 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
+        kv_append<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + 20736)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[19]), 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
@@ -417,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[2] = &ctr[29 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        attn_partial<__nv_bfloat16, 64, 2>(smem, ((__nv_bfloat16*)(args.arena + 21504)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[18]), 65536LL, 64LL, 1LL, ((__nv_bfloat16*)args.ptr[19]), 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, ((float*)(args.arena + 22528)), 1056LL, 66LL, c0, c1);
+        attn_partial<__nv_bfloat16, 64, 2>(smem, ((__nv_bfloat16*)(args.arena + 20992)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[18]), 65536LL, 64LL, 1LL, ((__nv_bfloat16*)args.ptr[19]), 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, ((float*)(args.arena + 22016)), 1056LL, 66LL, c0, c1);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
@@ -432,14 +432,14 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[30 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        attn_merge<__nv_bfloat16, 64>(((float*)(args.arena + 22528)), 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, ((__nv_bfloat16*)(args.arena + 22016)), 64LL, 1LL, c0);
+        attn_merge<__nv_bfloat16, 64>(((float*)(args.arena + 22016)), 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, ((__nv_bfloat16*)(args.arena + 21504)), 64LL, 1LL, c0);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
           mega_red_release(&ctr[32 + (0LL)], 1u);
         }
       } break;
-      case 19: {  // op19 matvec sources [57, 58]
+      case 19: {  // op19 matvec sources [36, 57, 58]
         long long rem = local;
         const long long c1 = rem % (32LL); rem /= (32LL);
         const long long c0 = rem;
@@ -450,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[17 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, true>(smem, (((__nv_bfloat16*)(args.arena + 22016)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)args.ptr[20]), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, (((__nv_bfloat16*)(args.arena + 39424)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, true>(smem, (((__nv_bfloat16*)(args.arena + 21504)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)args.ptr[20]), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, (((__nv_bfloat16*)(args.arena + 38912)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -470,7 +470,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[33 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
-        glu_down<__nv_bfloat16, 256, 256, 8, true>(smem, ((__nv_bfloat16*)(args.arena + 39424)), 1LL, ((__nv_bfloat16*)args.ptr[21]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[22]), 256LL, ((__nv_bfloat16*)args.ptr[23]), 256LL, ((__nv_bfloat16*)args.ptr[24]), 256LL, ((float*)(ctr + 320)), 512LL, c1, wl);
+        glu_down<__nv_bfloat16, 256, 256, 8, true>(smem, ((__nv_bfloat16*)(args.arena + 38912)), 1LL, ((__nv_bfloat16*)args.ptr[21]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[22]), 256LL, ((__nv_bfloat16*)args.ptr[23]), 256LL, ((__nv_bfloat16*)args.ptr[24]), 256LL, ((float*)(ctr + 320)), 512LL, c1, wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -488,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[34 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        acc_residual<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + 39424)), 1LL, ((float*)(ctr + 320)), ((__nv_bfloat16*)(args.arena + 39936)), 1LL, 256LL, 1024LL, c1);
+        acc_residual<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + 38912)), 1LL, ((float*)(ctr + 320)), ((__nv_bfloat16*)(args.arena + 39424)), 1LL, 256LL, 1024LL, c1);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
@@ -507,7 +507,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[35 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        matvec_argmax<__nv_bfloat16, 256, 8, true>(smem, ((__nv_bfloat16*)(args.arena + 39936)), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[26]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[25]), 256LL, 1LL, ((float*)(args.arena + 40448)), 2LL, 1024LL, c1);
+        matvec_argmax<__nv_bfloat16, 256, 8, true>(smem, ((__nv_bfloat16*)(args.arena + 39424)), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[26]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[25]), 256LL, 1LL, ((float*)(args.arena + 39936)), 2LL, 1024LL, c1);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
@@ -522,7 +522,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[36 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        argmax_reduce(smem, ((float*)(args.arena + 40448)), 256LL, 2LL, 128LL, ((int*)(args.arena + 41472)), 1LL, c0);
+        argmax_reduce(smem, ((float*)(args.arena + 39936)), 256LL, 2LL, 128LL, ((int*)(args.arena + 40960)), 1LL, c0);
       } break;
       default: break;
     }
