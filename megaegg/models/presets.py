@@ -1,8 +1,9 @@
 """Named model configs in Hugging Face ``config.json`` form (read them with ``ModelConfig.from_hf``).
 
 The real models' published architecture hyperparameters (training-only fields such
-as ``initializer_range`` are left out), plus ``tiny``, a small Llama-style model for
-demos and CI.
+as ``initializer_range`` are left out), plus ``tiny`` and ``qwen3-tiny``, small
+Llama- and Qwen3-style models for demos and CI (no EOS token: random weights would
+stop at it by chance).
 """
 
 from __future__ import annotations
@@ -72,6 +73,21 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 2048,
         "tie_word_embeddings": False,
     },
+    "qwen3-tiny": {
+        **_QWEN3,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 1024,
+        "max_position_embeddings": 2048,
+        "max_window_layers": 2,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    },
     "llama-3.2-1b": {
         **_LLAMA3,
         "hidden_size": 2048,
@@ -119,3 +135,10 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False,
     },
 }
+
+DEFAULT_PRESET = {"llama": "tiny", "qwen3": "qwen3-tiny"}  # what each example runs with --random-weights alone
+
+
+def presets_of(arch: str) -> list[str]:
+    """The presets of one architecture (``model_type``), in PRESETS order."""
+    return [name for name, cfg in PRESETS.items() if cfg["model_type"] == arch]
