@@ -35,15 +35,21 @@ class Generation:
     tokens: list[int]  # generated tokens (the prompt excluded)
     logits: list[torch.Tensor] | None = None  # if kept: logits[i] is the step at position i, [1, vocab]
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step, prompt steps first
+    stop_token: int | None = None  # the stop token that ended generation (the last of ``tokens``), if one did
 
 
 class Generator:
-    """Greedy decoding: the prompt is fed one token per step (prefill as decode), then the argmax."""
+    """Greedy decoding: the prompt is fed one token per step (prefill as decode), then the argmax.
 
-    def __init__(self, step: StepFn, *, max_len: int, device="cpu") -> None:
+    ``vocab``, if given, is the model's vocabulary size: prompt ids outside ``[0, vocab)`` are
+    refused up front (an embedding lookup past the table would otherwise read garbage).
+    """
+
+    def __init__(self, step: StepFn, *, max_len: int, device="cpu", vocab: int | None = None) -> None:
         self.step = step
         self.max_len = max_len
         self.device = torch.device(device)
+        self.vocab = vocab
 
     def generate(
         self,
@@ -52,11 +58,20 @@ class Generator:
         *,
         stop_tokens: Sequence[int] = (),
         keep_logits: bool = False,
+        on_token: Callable[[int], None] | None = None,
     ) -> Generation:
-        """Generate up to ``max_new_tokens`` after ``prompt`` (positions from 0; the caches are overwritten)."""
+        """Generate up to ``max_new_tokens`` after ``prompt`` (positions from 0; the caches are overwritten).
+
+        Generation ends early after a token in ``stop_tokens`` (kept in the output). ``on_token``
+        is called with each generated token as soon as it is known (to stream it).
+        """
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise GraphError("generate: the prompt must hold at least one token")
+        if self.vocab is not None:
+            check_token_ids(prompt, self.vocab, "generate: prompt")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise GraphError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if len(prompt) + max_new_tokens - 1 > self.max_len:
             raise GraphError(
                 f"generate: {len(prompt)} prompt + {max_new_tokens} new tokens need "
@@ -75,10 +90,21 @@ class Generator:
                 token = prompt[pos + 1]
                 continue
             out.tokens.append(nxt)
+            if on_token is not None:
+                on_token(nxt)
             if nxt in stop_tokens:
+                out.stop_token = nxt
                 break
             token = nxt
         return out
+
+
+def check_token_ids(ids: Sequence[int], vocab: int, what: str) -> None:
+    """Every id in ``[0, vocab)``, else a GraphError naming the first bad one."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab:
+            raise GraphError(f"{what} token id {t} (at index {i}) is outside the vocabulary: ids must be in "
+                             f"[0, {vocab - 1}] for vocab size {vocab}")
 
 
 def reference_step(graph: Graph, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> StepFn:
