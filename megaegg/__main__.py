@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -48,12 +47,15 @@ def inspect(preset: str, *, context: int, max_len: int, cuda: bool, out=sys.stdo
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m megaegg")
+    from .models.cli import OneLineParser, positive_int
+
+    ap = OneLineParser(prog="python -m megaegg")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ins = sub.add_parser("inspect", help="print the compiled block program of a preset model")
     ins.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     ins.add_argument("--context", type=int, default=512)
-    ins.add_argument("--max-len", type=int, default=4096)
+    ins.add_argument("--max-len", type=positive_int, default=4096,
+                     help="KV cache rows, capped by max_position_embeddings")
     ins.add_argument("--cuda", action="store_true", help="also compile the CUDA source with NVRTC (timed)")
     a = ap.parse_args(argv)
     try:

@@ -1,9 +1,14 @@
 """The command lines: inspect and the model examples, on the CPU (simulator)."""
 
+import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from tiny_checkpoints import save_tiny, save_word_tokenizer
 
 ROOT = Path(__file__).parent.parent
 
@@ -22,10 +27,6 @@ def test_inspect_tiny_reports_ops_barriers_and_times():
 def test_bad_arguments_give_one_line_errors():
     out = run("-m", "megaegg", "inspect", "--model", "tiny", "--context", "5000")
     assert out.returncode != 0 and "error: --context 5000" in out.stderr and "Traceback" not in out.stderr
-    out = run("examples/llama.py", "--preset", "tiny", "--random-weights", "--max-len", "100000")
-    assert out.returncode != 0 and "max_len 100000" in out.stderr and "Traceback" not in out.stderr
-    out = run("examples/qwen3.py", "--preset", "tiny", "--random-weights")
-    assert out.returncode != 0 and "runs qwen3 models" in out.stderr
 
 
 def test_llama_example_json_on_the_simulator():
@@ -34,3 +35,218 @@ def test_llama_example_json_on_the_simulator():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["prompt_ids"] == [5, 6] and len(result["generated_ids"]) == 3 and result["ms_per_token"] > 0
+    assert result["stopped_at_eos"] is False and result["text"] is None
+    # the ids were streamed to stdout before the JSON line
+    assert f"generated: {' '.join(map(str, result['generated_ids']))}" in out.stdout.splitlines()
+
+
+def test_qwen3_example_runs_its_own_tiny_preset_by_default():
+    out = run("examples/qwen3.py", "--random-weights", "--backend", "sim", "--prompt-ids", "3", "--max-new-tokens", "2",
+              "--json")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.startswith("qwen3: 2 layers, hidden 256") and "max_len 1024" in out.stderr
+    assert len(json.loads(out.stdout.splitlines()[-1])["generated_ids"]) == 2
+
+
+def test_help_offers_the_examples_own_presets_and_says_the_defaults():
+    help_text = run("examples/qwen3.py", "--help").stdout
+    assert "{qwen3-tiny,qwen3-0.6b,qwen3-1.7b,qwen3-8b}" in help_text and "llama" not in help_text
+    for default in ("default: qwen3-tiny", "min(1024, the config's", "max_position_embeddings", "default: 1 2 3 4"):
+        assert default in " ".join(help_text.split()), default
+
+
+# --- a small checkpoint folder: defaults, tokenizer, streaming, EOS ------------------------------------
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A llama with max_position_embeddings 256, below the default cache length."""
+    pytest.importorskip("transformers")
+    return save_tiny(tmp_path_factory.mktemp("ckpt") / "llama", max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def ckpt_tok(ckpt, tmp_path_factory):
+    """The same with a word-level tokenizer (token i is the word "w{i}")."""
+    path = Path(shutil.copytree(ckpt, tmp_path_factory.mktemp("ckpt_tok") / "llama"))
+    save_word_tokenizer(path, 97)
+    return path
+
+
+def copy_of(ckpt: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(ckpt, tmp_path / "model"))
+
+
+def last_json(out) -> dict:
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_checkpoint_with_256_positions_runs_with_default_flags(ckpt):
+    out = run("examples/llama.py", "--model", str(ckpt), "--backend", "sim", "--json")
+    result = last_json(out)
+    assert "max_len 256" in out.stderr  # min(1024, max_position_embeddings)
+    assert result["prompt_ids"] == [1, 2, 3, 4] and len(result["generated_ids"]) == 16  # no EOS in this config
+    assert f"generated: {' '.join(map(str, result['generated_ids']))}" in out.stdout.splitlines()  # no tokenizer
+    lines = out.stderr.splitlines()
+    loaded = next(i for i, line in enumerate(lines) if "weights loaded" in line)
+    compiled = next(i for i, line in enumerate(lines) if "compiled:" in line)
+    assert compiled > loaded + 1  # the compiler's log records (rewrite or cache hit) came through in between
+
+
+def greedy_tokens(path: Path, prompt: list[int], n: int) -> list[int]:
+    """The checkpoint's greedy continuation on the reference executor (the oracle the simulator matches)."""
+    from megaegg.models import Generator, build_decode_graph, load_checkpoint, read_config, reference_step
+
+    graph, spec = build_decode_graph(read_config(path), max_len=32)
+    step = reference_step(graph, load_checkpoint(path, spec), spec.new_caches())
+    return Generator(step, max_len=32).generate(prompt, n).tokens
+
+
+@pytest.mark.parametrize("where, flags", [("generation_config.json", ()), ("config.json", ()),
+                                          ("generation_config.json", ("--ignore-eos",))])
+def test_prompt_text_streams_and_stops_at_the_checkpoints_eos(ckpt_tok, tmp_path, where, flags):
+    model = copy_of(ckpt_tok, tmp_path)
+    want = greedy_tokens(model, [5, 9, 2], 6)
+    eos = want[2]
+    if where == "config.json":  # no eos_token_id in generation_config.json: config.json's is used
+        (model / "generation_config.json").unlink()
+    cfg = json.loads((model / where).read_text())
+    (model / where).write_text(json.dumps({**cfg, "eos_token_id": [96, eos] if where == "config.json" else eos}))
+    out = run("examples/llama.py", "--model", str(model), "--backend", "sim", "--max-len", "32",
+              "--prompt", "w5 w9 w2", "--max-new-tokens", "6", "--json", *flags)
+    result = last_json(out)
+    assert result["prompt_ids"] == [5, 9, 2]
+    stops = not flags
+    assert result["generated_ids"] == (want[: want.index(eos) + 1] if stops else want)
+    assert result["stopped_at_eos"] is stops and (f"stopped at EOS {eos}" in out.stdout) is stops
+    assert result["text"] == " ".join(f"w{t}" for t in result["generated_ids"])  # the tokenizer's text, streamed:
+    assert f"generated: {result['text']}" in out.stdout.splitlines()
+
+
+# --- every bad input: one "error:" line naming it, a non-zero status, no traceback ------------------------
+def assert_one_line_error(out, *needles: str) -> None:
+    assert out.returncode != 0, out.stdout
+    assert "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0] == out.stderr.splitlines()[-1], out.stderr  # one line, the last
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+
+
+def _truncate(model: Path) -> None:
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _index_to_missing_shard(model: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        weight_map = {name: "model-00002-of-00002.safetensors" for name in f.keys()}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+BROKEN = {  # name: (how to break a copy of the checkpoint, what the error names)
+    "truncated_safetensors": (_truncate, ["model/model.safetensors", "truncated"]),
+    "empty_safetensors": (lambda m: (m / "model.safetensors").write_bytes(b""), ["model/model.safetensors"]),
+    "malformed_config": (lambda m: (m / "config.json").write_text('{\n  "model_type": "llama",,\n}'),
+                         ["model/config.json", "invalid JSON at line 2"]),
+    "config_not_an_object": (lambda m: (m / "config.json").write_text("[1, 2]"),
+                             ["model/config.json", "expected a JSON object, got list"]),
+    "index_to_missing_shard": (_index_to_missing_shard,
+                               ["model/model.safetensors.index.json", "'model-00002-of-00002.safetensors'"]),
+    "corrupt_index": (lambda m: (m / "model.safetensors.index.json").write_bytes(b"\x89PNG\r\n"),
+                      ["model/model.safetensors.index.json"]),
+    "index_without_weight_map": (lambda m: (m / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+                                 ["model/model.safetensors.index.json", "'weight_map'"]),
+    "malformed_generation_config": (lambda m: (m / "generation_config.json").write_text("{"),
+                                    ["model/generation_config.json", "invalid JSON at line 1"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_broken_checkpoint_is_one_line_error(ckpt, tmp_path, name):
+    model = copy_of(ckpt, tmp_path)
+    breaks, needles = BROKEN[name]
+    breaks(model)
+    assert_one_line_error(run("examples/llama.py", "--model", str(model), "--backend", "sim"), *needles)
+
+
+PRESET = ("examples/llama.py", "--random-weights", "--backend", "sim")
+
+
+@pytest.mark.parametrize("args, needles", [
+    ((*PRESET, "--prompt-ids", "7", "5000"), ["token id 5000", "vocab size 1024"]),
+    ((*PRESET, "--prompt-ids", "-1"), ["token id -1", "vocab size 1024"]),
+    ((*PRESET, "--max-new-tokens", "-5"), ["--max-new-tokens", ">= 1", "-5"]),
+    ((*PRESET, "--max-new-tokens", "0"), ["--max-new-tokens", ">= 1"]),
+    ((*PRESET, "--max-len", "0"), ["--max-len", ">= 1"]),
+    ((*PRESET, "--max-len", "-3"), ["--max-len", ">= 1", "-3"]),
+    ((*PRESET, "--max-len", "100000"), ["--max-len 100000", "max_position_embeddings (2048)"]),
+    ((*PRESET, "--max-len", "8"), ["--max-new-tokens 16", "19 cache rows", "--max-len"]),
+    ((*PRESET, "--prompt", "hello"), ["--prompt needs --model"]),
+    (("examples/llama.py",), ["--model", "--random-weights"]),
+    (("examples/qwen3.py", "--random-weights", "--preset", "tiny"), ["--preset", "'tiny'", "qwen3-tiny"]),
+], ids=["id_above_vocab", "negative_id", "negative_new_tokens", "zero_new_tokens", "zero_max_len",
+        "negative_max_len", "max_len_above_positions", "cache_too_short", "prompt_without_tokenizer",
+        "no_weights", "preset_of_other_arch"])
+def test_bad_argument_is_one_line_error(args, needles):
+    assert_one_line_error(run(*args), *needles)
+
+
+@pytest.mark.parametrize("prompt, needle", [("", "--prompt is empty"), ("   ", "tokenizes to no tokens")])
+def test_empty_prompt_is_an_error_not_a_default(ckpt_tok, prompt, needle):
+    assert_one_line_error(run("examples/llama.py", "--model", str(ckpt_tok), "--backend", "sim", "--prompt", prompt),
+                          needle)
+
+
+@pytest.mark.parametrize("case", ["no_such_dir", "max_len_above_positions", "other_arch"])
+def test_model_argument_errors_name_it(ckpt, tmp_path, case):
+    if case == "no_such_dir":
+        args, needles = ["--model", str(tmp_path / "nowhere")], ["--model", "nowhere", "no such directory"]
+    elif case == "max_len_above_positions":
+        args, needles = ["--model", str(ckpt), "--max-len", "300"], ["--max-len 300", "max_position_embeddings (256)"]
+    else:
+        args, needles = ["--model", str(save_tiny(tmp_path / "qwen", "qwen3"))], ["runs llama models", "qwen3"]
+    assert_one_line_error(run("examples/llama.py", "--backend", "sim", *args), *needles)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_backend_without_a_gpu_is_checked_first(ckpt, tmp_path):
+    model = copy_of(ckpt, tmp_path)
+    _truncate(model)  # the backend is checked before the checkpoint is read
+    assert_one_line_error(run("examples/llama.py", "--model", str(model), "--backend", "cuda"),
+                          "--backend cuda", "no CUDA GPU", "--backend sim")
+
+
+# --- in-process pieces: the compile summary and the token stream ---------------------------------------
+def test_compile_summary_copes_with_a_cache_hit():
+    from megaegg.models.cli import compile_summary
+
+    assert compile_summary({"cache_load": 0.05}) == "artifact cache hit, loaded in 0.05 s"
+    assert compile_summary({"cache_load": 0.05, "nvrtc": 3.0}) == "artifact cache hit, loaded in 0.05 s, nvrtc 3.00 s"
+    assert compile_summary({"rewrite": 1.5, "nvrtc": 0.2, "nvrtc_cached": 1.0}) == "rewrite 1.50 s, nvrtc 0.20 s cached"
+
+
+class ByteTokenizer:
+    """Token i is byte i of UTF-8; an incomplete character decodes to U+FFFD, as real BPE tokenizers do."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_stream_prints_each_tokens_new_text_as_it_comes():
+    from megaegg.models.cli import Stream
+
+    out = io.StringIO()
+    stream = Stream(ByteTokenizer(), out)
+    seen = []
+    for b in "hé!".encode():  # é is two bytes: nothing is printed for its first
+        stream(b)
+        seen.append(out.getvalue())
+    stream.finish()
+    assert seen == ["h", "h", "hé", "hé!"] and out.getvalue() == "hé!\n"
+    ids = Stream(None, out := io.StringIO())
+    for t in (5, 17):
+        ids(t)
+    ids.finish()
+    assert out.getvalue() == "5 17\n"
