@@ -44,6 +44,8 @@ class ProgramBuilder:
         self.sum_of: dict[int, int] = {}  # Sum node -> its accum buffer
         self.transposed_of: dict[int, int] = {}  # weight node -> its transposed copy's buffer
         self.ops: list[BlockOp] = []
+        # inputs that a kv_append updates in place
+        self.state = {base_node(graph, n.inputs[0]) for n in graph.nodes if n.op == "kv_append"}
 
     # --- buffers and operands ----------------------------------------------------------
     def new_buffer(self, name: str, kind: str, shape, dtype, *, transposed: bool = False) -> int:
@@ -63,7 +65,7 @@ class ProgramBuilder:
                 self.buffer_of[i] = self.buffer(base_node(self.graph, n.inputs[0]))
             else:
                 kind = n.op if n.op in LEAF_OPS else "scratch"
-                if kind == "input" and any(m.op == "kv_append" and base_node(self.graph, m.inputs[0]) == i for m in self.graph.nodes):
+                if kind == "input" and i in self.state:
                     kind = "state"
                 self.buffer_of[i] = self.new_buffer(n.name or f"t{i}", kind, n.shape, n.dtype)
         return self.buffer_of[i]
