@@ -4,7 +4,7 @@
     python examples/bench_decode.py --preset qwen3-8b --max-autotune
     python examples/bench_decode.py --dry-run          # CPU smoke test: tiny preset, f32, sim backend
 
-What it does (DESIGN.md, "Performance"):
+What it does (docs/design.md, "Performance facts"):
 1. read bandwidth: a >= 4 GiB tensor summed (f32 and bf16 views, read only), CUDA-event
    timed, median of several; a device-to-device copy for reference;
 2. the floor: (weight bytes read + KV bytes read at ``--context``) / read bandwidth;

@@ -5,7 +5,7 @@ offset, barrier index and expected count stay *expressions* of the runtime dims,
 evaluated on the device each launch. Changing ``pos`` changes only the dims array.
 
 Memory plan: scratch buffers live in one arena, each at its own offset. Nothing is
-reused inside a launch (DESIGN.md barrier rule 6), so no anti-dependency barriers
+reused inside a launch (docs/design.md, barrier rule 6), so no anti-dependency barriers
 are needed. Weights and constants are bound once; inputs, KV caches and outputs
 are the caller's tensors, passed by pointer each call.
 """

@@ -15,7 +15,7 @@ class CostModel:
     sms: int = 132
     # an SM streams at most this times its fair share (in-model traces: 21-32 GB/s per SM vs 22.7 here)
     sm_bandwidth_share: float = 1.2
-    instance_overhead: float = 0.15e-6  # s per instance: queue pop + barrier check (DESIGN.md)
+    instance_overhead: float = 0.15e-6  # s per instance: queue pop + barrier check (docs/design.md)
     # s per block op: its hand-off latency. Measured on llama-3.2-1b (H200): 1.5 us (QKV left unfused,
     # 128 instances each) 1.42-1.87 ms vs 4 us (partly fused) 1.50-1.94 ms: wide ops beat fewer ops.
     op_overhead: float = 1.5e-6

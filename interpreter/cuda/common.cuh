@@ -3,16 +3,13 @@
 // Every body runs with the whole block (MEGA_THREADS threads) and may use the dynamic
 // shared memory `smem` (MEGA_SMEM bytes). Loads of global memory skip L1 (ld_cg, ldcg16,
 // ldw16 below): activations written by another SM in the same launch are not coherent
-// in L1 (DESIGN.md, barrier protocol 1), and weights stream once, so L1 cannot help.
+// in L1 (docs/design.md, barrier protocol 1), and weights stream once, so L1 cannot help.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#ifndef MEGA_THREADS
-#define MEGA_THREADS 256
-#endif
-#ifndef MEGA_SMEM
-#define MEGA_SMEM (96 * 1024)
+#if !defined(MEGA_THREADS) || !defined(MEGA_SMEM)
+#error "MEGA_THREADS and MEGA_SMEM come from the compiler (interpreter/render.py: DEFINES)"
 #endif
 static_assert(MEGA_THREADS % 32 == 0 && MEGA_THREADS <= 1024, "MEGA_THREADS: whole warps, at most 1024");
 

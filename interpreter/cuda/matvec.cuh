@@ -14,7 +14,7 @@
 // - each warp owns rows warp, warp + 8, ... of the tile (ragged tiles spread evenly),
 //   in groups of RB <= 4 rows; its lanes stride the row in coalesced 16-byte ldw16
 //   loads, U vectors per row per step, so RB * U (* 2 with w2) <= 32 loads in flight per
-//   lane (DESIGN.md: 4 rows x 8 loads per lane reached 94% of bandwidth); tiles of up to
+//   lane (docs/design.md: 4 rows x 8 loads per lane reached 94% of bandwidth); tiles of up to
 //   512 KB instead alternate two register buffers of 16 loads (Plan::PIPE), so the next
 //   step's loads are in flight while a step computes and while x stages after the wait;
 // - the first step's weight loads are issued BEFORE x is staged, so the x round trip
@@ -40,17 +40,8 @@
 #pragma once
 #include "common.cuh"
 
-#ifndef MEGA_SMEM_RESERVED
 #define MEGA_SMEM_RESERVED 4096  // the top of dynamic shared memory: epilogue tiles (matvec_heads)
-#endif
 
-#ifndef MEGA_MV_PACE
-#define MEGA_MV_PACE 1  // an unpipelined, ungated tile paces its pre-wait loads (paced_first_step; perf-notes #41)
-#endif
-
-#ifndef MEGA_MV_PIPE
-#define MEGA_MV_PIPE 1  // two register buffers: 0 never, 1 where Plan::PIPE says, 2 always (perf-notes #26)
-#endif
 
 namespace matvec_impl {
 
@@ -77,8 +68,7 @@ struct Plan {
     // 32 loads a lane in flight streamed better (perf-notes #26: pipelining every tile gave
     // llama-3.2-1b -4%, qwen3-8b +1.5-2%, from its 256 KB O and its 768 KB-1.5 MB tiles).
     static constexpr long long TILE_BYTES = (long long)ROWS * K * NW * (long long)sizeof(T);
-    static constexpr bool PIPE = MEGA_MV_PIPE == 2 || (MEGA_MV_PIPE == 1 && TILE_BYTES <= 512 * 1024 &&
-                                                       (NORM || K * (int)sizeof(T) >= 16384));
+    static constexpr bool PIPE = TILE_BYTES <= 512 * 1024 && (NORM || K * (int)sizeof(T) >= 16384);
     static constexpr int LOADS = PIPE ? 16 : 32;              // 16-byte loads per lane per step (a buffer)
     static constexpr int U0 = cmin(VPL, cmax(1, LOADS / (RB * NW)));
     static constexpr int STEPS = cdiv(VPL, U0);               // steps per row group
@@ -259,7 +249,7 @@ __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[
     }
 }
 
-// Paced pre-wait loads (MEGA_MV_PACE): the first step's row slots are issued one at a time,
+// Paced pre-wait loads (perf-notes #41): the first step's row slots are issued one at a time,
 // each only once the previous one has landed, until the waits are met; then the rest at once.
 // A waiting SM so keeps one slot (~32 KB) in flight instead of its whole first step, and the
 // chain its producers run (attention, ~17 MB of O weights queued ahead of it on qwen3-8b)
@@ -404,7 +394,7 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         uint4 wa[P::RB][P::U];
         uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
         // in flight while the inputs' producers finish and x stages
-        if (MEGA_MV_PACE && !GLU && P::RB > 1)
+        if (!GLU && P::RB > 1)  // an unpipelined, ungated tile paces its pre-wait loads
             paced_first_step<P, T, ROWS, GLU, 0>(wa, wb, w, w_s0, w2, w2_s0, row0, N, warp, lane, wl, red);
         else
             load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);

@@ -80,9 +80,7 @@ __device__ bool mega_wait(const unsigned* counter, unsigned expected, unsigned l
 // Start streaming [p, p + bytes) from HBM into L2 without waiting (sm_90 bulk prefetch).
 // Issued for an instance's weight tile before its barrier wait, so the handoff latency
 // of the previous op overlaps this op's weight traffic. `bytes` is a multiple of 16.
-#ifndef MEGA_PREFETCH_BYTES
 #define MEGA_PREFETCH_BYTES 16384LL  // per operand (A/B on llama-1b: 0: 1.430 ms, 16K: 1.417, 64K: 1.434, whole tile: 1.514)
-#endif
 __device__ __forceinline__ void mega_prefetch_l2(const void* p, long long bytes) {
   const char* c = (const char*)p;
   if (bytes > MEGA_PREFETCH_BYTES) bytes = MEGA_PREFETCH_BYTES;

@@ -20,9 +20,6 @@
 #include "matvec_argmax.cuh"
 #include "rope.cuh"
 
-#ifndef MEGA_CLAIM_AHEAD
-#define MEGA_CLAIM_AHEAD 0  // measured slower on llama-3.2-1b (1.40 -> 1.77 ms): docs/perf-notes.md #9
-#endif
 #define MEGA_ENTRIES 24
 #define MEGA_COUNTERS 576
 
@@ -85,23 +82,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
   __syncthreads();
   const long long total = prefix[MEGA_ENTRIES];
 
-  // Claim-ahead: thread 0 claims its next instance as soon as it starts the current one,
-  // so the atomic's round trip overlaps the body. Liveness holds: a block's claimed-ahead
-  // instance is later in the queue than its current one, so the earliest unfinished
-  // instance is always running or claimable.
-  long long ahead = -1;
   while (true) {
-    if (threadIdx.x == 0) {
-      if (*(volatile unsigned long long*)&control[2]) {
-        claimed = total;
-      } else {
-        claimed = ahead >= 0 ? ahead : (long long)atomicAdd(&control[parity], 1ULL);
-        ahead = -1;
-#if MEGA_CLAIM_AHEAD
-        if (claimed < total) ahead = (long long)atomicAdd(&control[parity], 1ULL);
-#endif
-      }
-    }
+    if (threadIdx.x == 0)  // claim the next instance in queue order (or stop: another block failed)
+      claimed = *(volatile unsigned long long*)&control[2] ? total : (long long)atomicAdd(&control[parity], 1ULL);
     __syncthreads();
     const long long g = claimed;
     if (g >= total) break;
