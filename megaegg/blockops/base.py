@@ -164,6 +164,13 @@ class BlockKind:
         return total
 
 
+def c_call(fn: str, template: list, args: list[tuple[str, str]]) -> str:
+    """``fn<template>(/*name*/ value, ...)``: each argument labelled with the C++ parameter it fills
+    (``tests/test_cuda_calls.py`` checks the labels against the body's signature)."""
+    targs = f"<{', '.join(map(str, template))}>" if template else ""
+    return f"{fn}{targs}(" + ", ".join(f"/*{name}*/ {value}" for name, value in args) + ")"
+
+
 def dimc(name: str) -> str:
     """C name of a runtime dim (or grid coordinate ``_i*``) inside the interpreter."""
     return f"D_{name}"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from ..dims import as_dim, ceildiv
-from .base import NONE, BlockKind, Partition, Term, fields, register, term
+from .base import NONE, BlockKind, Partition, Term, c_call, fields, register, term
 from .footprint import Full, Tile
 from .matvec import gated, roles
 
@@ -51,13 +51,13 @@ class GluDown(BlockKind):
     def cuda_call(self, op, ins, out) -> str:
         k, p = roles(op), op.params
         x, w, w2, wd = (ins[k[r]] for r in ("x", "w", "w2", "wd"))
-        g = [ins[k["g"]].ptr, ins[k["g"]].strides[0]] if "g" in k else ["nullptr", "0"]
+        g = [("g", ins[k["g"]].ptr), ("g_s0", ins[k["g"]].strides[0])] if "g" in k else [("g", "nullptr"), ("g_s0", "0")]
         f, kdim = (d.value for d in op.inputs[k["w"]].shape)
         n = op.inputs[k["wd"]].shape[1].value
-        args = ["smem", x.ptr, x.strides[1], *g, f"{float(p.get('eps', 0.0))!r}f", w.ptr, w.strides[0],
-                w2.ptr, w2.strides[0], wd.ptr, wd.strides[0], out.ptr, f"{f}LL", "c1", "wl"]
-        flag = "true" if "g" in k else "false"
-        return f"glu_down<{x.ctype}, {kdim}, {n}, {p['rows']}, {flag}>({', '.join(args)})"
+        args = [("smem", "smem"), ("x", x.ptr), ("x_s1", x.strides[1]), *g, ("eps", f"{float(p.get('eps', 0.0))!r}f"),
+                ("w", w.ptr), ("w_s0", w.strides[0]), ("w2", w2.ptr), ("w2_s0", w2.strides[0]), ("wd", wd.ptr),
+                ("wd_s0", wd.strides[0]), ("acc", out.ptr), ("F", f"{f}LL"), ("n_tile", "c1"), ("wl", "wl")]
+        return c_call("glu_down", [x.ctype, kdim, n, p["rows"], "true" if "g" in k else "false"], args)
 
     def bytes_moved(self, op, env):
         k = roles(op)

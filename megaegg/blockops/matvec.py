@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..dims import ceildiv
-from .base import NONE, BlockKind, CudaOperand, Partition, Term, f32, fields, register, rms_normed, term
+from .base import NONE, BlockKind, CudaOperand, Partition, Term, c_call, f32, fields, register, rms_normed, term
 from .footprint import Full, Tile
 
 
@@ -93,29 +93,22 @@ class MatVec(BlockKind):
         def rows_of(o: CudaOperand) -> str:  # the operand advanced to this instance's first x row
             return f"({o.ptr} + c0 * {mrows} * {o.strides[0]})"
 
-        def optional(role: str, n_strides: int) -> list[str]:  # absent operands: nullptr, zero strides
+        def operand(role: str, n_strides: int) -> list[tuple[str, str]]:  # absent: nullptr, zero strides
+            strides = [f"{role}_s{d}" for d in range(n_strides)]
             if role not in k:
-                return ["nullptr"] + ["0"] * n_strides
+                return [(role, "nullptr"), *((s, "0") for s in strides)]
             o = ins[k[role]]
-            return [rows_of(o) if role in ("r", "xa", "ra") else o.ptr, *o.strides[:n_strides]]
+            ptr = rows_of(o) if role in ("x", "r", "xa", "ra") else o.ptr
+            return [(role, ptr), *zip(strides, o.strides[:n_strides])]
 
-        x, w = ins[k["x"]], ins[k["w"]]
         kdim = op.inputs[k["w"]].shape[1].value
         n = op.inputs[k["w"]].shape[0].value
-        flags = ", ".join("true" if role in k else "false" for role in ("g", "w2", "r", "xa", "ra"))
-        args = [
-            "smem",
-            rows_of(x), x.strides[0], x.strides[1],
-            *optional("g", 1), f"{float(p.get('eps', 0.0))!r}f",
-            w.ptr, w.strides[0], w.strides[1],
-            *optional("w2", 2),
-            *optional("r", 2),
-            *optional("xa", 2),
-            *optional("ra", 2),
-            rows_of(out), out.strides[0], out.strides[1],
-            f"{n}LL", "c1", "wl",
-        ]
-        return f"matvec<{x.ctype}, {mrows}, {kdim}, {p['rows']}, {flags}>({', '.join(args)})"
+        flags = ["true" if role in k else "false" for role in ("g", "w2", "r", "xa", "ra")]
+        args = [("smem", "smem"), *operand("x", 2), *operand("g", 1), ("eps", f"{float(p.get('eps', 0.0))!r}f"),
+                *operand("w", 2), *operand("w2", 2), *operand("r", 2), *operand("xa", 2), *operand("ra", 2),
+                ("out", rows_of(out)), ("out_s0", out.strides[0]), ("out_s1", out.strides[1]),
+                ("N", f"{n}LL"), ("n_tile", "c1"), ("wl", "wl")]
+        return c_call("matvec", [ins[k["x"]].ctype, mrows, kdim, p["rows"], *flags], args)
 
     def bytes_moved(self, op, env):
         k = roles(op)

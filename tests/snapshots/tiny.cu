@@ -122,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(smem, (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[3]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[2]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 512)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[3]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[2]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 512)) + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -141,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(smem, (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[3]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[4]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 1024)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[3]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[4]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 1024)) + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -160,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(smem, (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[3]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[5]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 1280)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[3]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[5]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 1280)) + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -258,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, false>(smem, (((__nv_bfloat16*)(args.arena + 2048)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)args.ptr[9]), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 2048)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ ((__nv_bfloat16*)args.ptr[9]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -278,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[16 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
-        glu_down<__nv_bfloat16, 256, 256, 8, true>(smem, ((__nv_bfloat16*)(args.arena + 19456)), 1LL, ((__nv_bfloat16*)args.ptr[10]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[11]), 256LL, ((__nv_bfloat16*)args.ptr[12]), 256LL, ((__nv_bfloat16*)args.ptr[13]), 256LL, ((float*)(ctr + 64)), 512LL, c1, wl);
+        glu_down<__nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ ((__nv_bfloat16*)(args.arena + 19456)), /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[10]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[11]), /*w_s0*/ 256LL, /*w2*/ ((__nv_bfloat16*)args.ptr[12]), /*w2_s0*/ 256LL, /*wd*/ ((__nv_bfloat16*)args.ptr[13]), /*wd_s0*/ 256LL, /*acc*/ ((float*)(ctr + 64)), /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -297,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[14]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 19968)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[15]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[14]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (((float*)(ctr + 64)) + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 19968)) + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -316,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[16]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 20480)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[15]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[16]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (((float*)(ctr + 64)) + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 20480)) + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -335,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(smem, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[15]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[17]), 256LL, 1LL, nullptr, 0, 0, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 20736)) + c0 * 1 * 128LL), 128LL, 1LL, 128LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[15]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[17]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (((float*)(ctr + 64)) + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 20736)) + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -433,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[17 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, true>(smem, (((__nv_bfloat16*)(args.arena + 21504)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)args.ptr[20]), 256LL, 1LL, nullptr, 0, 0, (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), 256LL, 1LL, nullptr, 0, 0, (((float*)(ctr + 64)) + c0 * 1 * 256LL), 256LL, 1LL, (((__nv_bfloat16*)(args.arena + 38912)) + c0 * 1 * 256LL), 256LL, 1LL, 256LL, c1, wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, true>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 21504)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ ((__nv_bfloat16*)args.ptr[20]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (((float*)(ctr + 64)) + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (((__nv_bfloat16*)(args.arena + 38912)) + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -453,7 +453,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[33 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
-        glu_down<__nv_bfloat16, 256, 256, 8, true>(smem, ((__nv_bfloat16*)(args.arena + 38912)), 1LL, ((__nv_bfloat16*)args.ptr[21]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[22]), 256LL, ((__nv_bfloat16*)args.ptr[23]), 256LL, ((__nv_bfloat16*)args.ptr[24]), 256LL, ((float*)(ctr + 320)), 512LL, c1, wl);
+        glu_down<__nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ ((__nv_bfloat16*)(args.arena + 38912)), /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[21]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[22]), /*w_s0*/ 256LL, /*w2*/ ((__nv_bfloat16*)args.ptr[23]), /*w2_s0*/ 256LL, /*wd*/ ((__nv_bfloat16*)args.ptr[24]), /*wd_s0*/ 256LL, /*acc*/ ((float*)(ctr + 320)), /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();

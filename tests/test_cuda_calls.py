@@ -1,0 +1,31 @@
+"""Generated CUDA calls fill the body's parameters in its own order: each argument's label
+(``blockops.base.c_call``) is checked against the parameter names parsed from the ``.cuh``."""
+
+import re
+
+import pytest
+
+from megaegg.compiler import build_artifact
+from megaegg.interpreter.nvrtc import CUDA_DIR
+from megaegg.models import ModelConfig, build_decode_graph
+
+
+def signature(fn: str, cuh: str) -> list[str]:
+    text = (CUDA_DIR / cuh).read_text()
+    m = re.search(rf"__device__[^;{{]*?\b{fn}\((.*?)\)\s*{{", text, re.S)
+    assert m, f"no definition of {fn} in {cuh}"
+    params = re.sub(r"//[^\n]*", "", m.group(1)).split(",")
+    return [re.findall(r"\w+", p)[-1] for p in params]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b"])
+def test_labelled_calls_match_the_body_signatures(preset):
+    graph, _ = build_decode_graph(ModelConfig.preset(preset), max_len=256, logits=False)
+    source = build_artifact(graph, max_dims={"pos": 255}, compile_cuda=False).source
+    checked = set()
+    for fn, cuh in (("matvec", "matvec.cuh"), ("glu_down", "glu_down.cuh")):
+        for call in re.findall(rf"\b{fn}<[^>]*>\((/\*.*?)\);\n", source):
+            labels = re.findall(r"/\*(\w+)\*/", call)
+            assert labels == signature(fn, cuh), fn
+            checked.add(fn)
+    assert checked == {"matvec", "glu_down"}
