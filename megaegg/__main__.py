@@ -1,7 +1,13 @@
-"""``python -m megaegg inspect --model PRESET``: the block program, barriers, queue and compile times."""
+"""``python -m megaegg inspect --model PRESET``: the block program, barriers, queue and compile times.
+
+``--timings`` prints a table of the compile stages instead of the program; ``--layers N``
+changes the preset's layer count (compile time against depth:
+``python -m megaegg inspect --model llama-3.2-1b --layers 64 --timings``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -9,10 +15,13 @@ from .graph import GraphError
 from .models import PRESETS, ModelConfig, build_decode_graph
 
 
-def inspect(preset: str, *, context: int, max_len: int, cuda: bool, out=sys.stdout) -> dict:
+def inspect(preset: str, *, context: int, max_len: int, cuda: bool, layers: int | None = None, timings: bool = False,
+            out=sys.stdout) -> dict:
     from .compiler import build_artifact
 
     cfg = ModelConfig.preset(preset)
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, layers=layers)
     max_len = min(max_len, cfg.max_positions)
     if not 0 <= context < max_len:
         raise GraphError(f"--context {context} must be below the cache length {max_len}")
@@ -24,6 +33,9 @@ def inspect(preset: str, *, context: int, max_len: int, cuda: bool, out=sys.stdo
     env = {"pos": context}
     names = {n.id: n.op for n in graph.nodes}
     p = lambda *a: print(*a, file=out)  # noqa: E731
+    if timings:
+        print_timings(p, f"{preset} ({cfg.layers} layers)", graph, {"graph": t_graph, **art.timings})
+        return {"entries": len(q.entries), "timings": art.timings}
     p(f"{preset}: {len(graph.nodes)} graph nodes, {spec.weight_bytes / 1e9:.3f} GB of weights, context {context}")
     p(f"{'op':>5} {'kind':<15} {'fused source ops':<44} {'launch':>12} {'tile':<18} {'MB':>8} {'waits':>5}")
     total_bytes = total_inst = 0
@@ -46,6 +58,24 @@ def inspect(preset: str, *, context: int, max_len: int, cuda: bool, out=sys.stdo
     return {"entries": len(q.entries), "instances": total_inst, **s, "timings": art.timings}
 
 
+def print_timings(p, what: str, graph, timings: dict) -> None:
+    """One row per compile stage: seconds and share of the total (sub-stages indented)."""
+    from .rewrite.layers import find_repeats
+
+    rep = find_repeats(graph)
+    shown = {k: v for k, v in timings.items() if k != "nvrtc_cached"}
+    total = sum(v for k, v in shown.items() if "." not in k)
+    p(f"{what}: {len(graph.nodes)} graph nodes; "
+      + (f"{rep.count} identical blocks of {rep.period} nodes, rewritten once" if rep else "no repeated blocks"))
+    p(f"{'stage':<26} {'s':>8} {'%':>6}")
+    for k, v in shown.items():
+        name = ("  " + k.split(".", 1)[1]) if "." in k else k
+        if k == "nvrtc" and timings.get("nvrtc_cached"):
+            name += " (cached)"
+        p(f"{name:<26} {v:>8.3f} {100 * v / total if total else 0:>5.1f}%")
+    p(f"{'total':<26} {total:>8.3f}")
+
+
 def main(argv=None) -> None:
     from .models.cli import OneLineParser, positive_int
 
@@ -57,9 +87,11 @@ def main(argv=None) -> None:
     ins.add_argument("--max-len", type=positive_int, default=4096,
                      help="KV cache rows, capped by max_position_embeddings")
     ins.add_argument("--cuda", action="store_true", help="also compile the CUDA source with NVRTC (timed)")
+    ins.add_argument("--layers", type=positive_int, default=None, help="change the preset's number of layers")
+    ins.add_argument("--timings", action="store_true", help="print the compile stages' times instead of the program")
     a = ap.parse_args(argv)
     try:
-        inspect(a.model, context=a.context, max_len=a.max_len, cuda=a.cuda)
+        inspect(a.model, context=a.context, max_len=a.max_len, cuda=a.cuda, layers=a.layers, timings=a.timings)
     except GraphError as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -250,3 +250,11 @@ def test_stream_prints_each_tokens_new_text_as_it_comes():
         ids(t)
     ids.finish()
     assert out.getvalue() == "5 17\n"
+
+
+def test_inspect_timings_table_names_every_stage():
+    out = run("-m", "megaegg", "inspect", "--model", "tiny", "--layers", "7", "--timings")
+    assert out.returncode == 0, out.stderr
+    assert "7 identical blocks" in out.stdout
+    for stage in ("graph", "rewrite", "  layers", "  alternatives", "  extract", "barriers+queue", "render", "total"):
+        assert f"\n{stage} " in out.stdout, stage

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # dev: one GPU round: unpack the egglog site, install, GPU body/op tests, then probes.
-#   bash scripts/gpu_round.sh PRESET "ENV=VALUE ..." "ENV=VALUE ..." ...   (logs under $OUT)
-# Each variant is a set of environment assignments for scripts/gpu_probe.py (MEGAEGG_DEFINES,
+#   bash scripts/dev/gpu_round.sh PRESET "ENV=VALUE ..." "ENV=VALUE ..." ...   (logs under $OUT)
+# Each variant is a set of environment assignments for scripts/dev/gpu_probe.py (MEGAEGG_DEFINES,
 # cost-model knobs TILE_OVERHEAD_US, OP_OVERHEAD_US, ...); "-" runs the defaults.
 # The variant "OLD [ENV=VALUE ...]" probes the code unpacked in $OLD instead (another commit,
 # for a same-run A/B), with those assignments.
@@ -27,9 +27,9 @@ for d in "$@"; do
   i=$((i + 1)); [ "$d" = "-" ] && d=""
   if [ "${d%% *}" = "OLD" ]; then  # the code unpacked in $OLD (another commit), for a same-run A/B
     (cd "$OLD" && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1)
-    probe "v$i-old" "OP_OVERHEAD_US=1.5 ${d#OLD}" "$OLD/scripts/gpu_probe.py"
+    probe "v$i-old" "OP_OVERHEAD_US=1.5 ${d#OLD}" "$OLD/scripts/dev/gpu_probe.py"
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
   else
-    probe "v$i" "OP_OVERHEAD_US=1.5 $d" scripts/gpu_probe.py
+    probe "v$i" "OP_OVERHEAD_US=1.5 $d" scripts/dev/gpu_probe.py
   fi
 done

@@ -1,7 +1,7 @@
 """Dev probe: one matvec op alone in the megakernel, TB/s and per-SM GB/s by instance count.
 
 Separates per-SM limits from chip-wide ones: the same op with one instance per SM on all
-SMs, on half of them, and many instances per SM.  python3 scripts/wave_probe.py
+SMs, on half of them, and many instances per SM.  python3 scripts/dev/wave_probe.py
 """
 import torch
 import megaegg as me

@@ -2,7 +2,7 @@
 
   ncu -k regex:megakernel --launch-skip 3 --launch-count 1 \\
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio" \\
-      python3 scripts/ncu_step.py llama-3.2-1b
+      python3 scripts/dev/ncu_step.py llama-3.2-1b
 
 (the stall breakdown in docs/perf-notes.md, "What would close the gap")
 """
