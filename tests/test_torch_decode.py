@@ -1,4 +1,5 @@
-"""The PyTorch baseline decoder (megaegg.models.torch_decode) against the reference executor (CPU, f32)."""
+"""The PyTorch baseline decoders against the reference executor (CPU, f32): megaegg.models.torch_decode
+(the reference's rounding) and megaegg.models.torch_plain (the plain gpt-fast-style step)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 import megaegg as me
 from megaegg.models import ModelConfig, build_decode_graph, random_weights
-from megaegg.models import torch_decode
+from megaegg.models import torch_decode, torch_plain
 from megaegg.models.torch_decode import TorchDecoder
+from megaegg.models.torch_plain import PlainDecoder
 
 SMALL = dict(
     hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
@@ -124,3 +126,106 @@ def test_rejects_mismatched_inputs():
 
 def test_doctests():
     assert doctest.testmod(torch_decode).failed == 0
+
+
+# --- PlainDecoder (megaegg.models.torch_plain): the gpt-fast-style peer -----------------------
+PLAIN_CONFIGS = {f"{p}-{'tied' if tie else 'untied'}": dataclasses.replace(ModelConfig.preset(p), tie_embeddings=tie)
+                 for p in ("tiny", "qwen3-tiny") for tie in (False, True)}
+PLAIN_CONFIGS["llama3-2l"] = CONFIGS["llama3-2l"]  # llama3 rope scaling, GQA 4:1
+
+
+@pytest.mark.parametrize("gqa", [True, False], ids=["enable_gqa", "repeat_interleave"])
+@pytest.mark.parametrize("attention", torch_plain.ATTENTION)
+@pytest.mark.parametrize("name", list(PLAIN_CONFIGS))
+def test_plain_matches_exact(name, attention, gqa, monkeypatch):
+    """f32: the plain step's logits match TorchDecoder(attention="exact") (the reference's
+    arithmetic) over steps at scattered positions from random caches; greedy tokens and
+    the caches agree too."""
+    monkeypatch.setattr(torch_plain, "HAS_ENABLE_GQA", gqa and torch_plain.HAS_ENABLE_GQA)
+    cfg, max_len = f32(PLAIN_CONFIGS[name]), 24
+    _, spec = build_decode_graph(cfg, max_len=max_len)
+    weights = random_weights(spec, seed=7)
+    exact = TorchDecoder(cfg, weights, max_len=max_len, device="cpu", fuse=False, attention="exact")
+    plain = PlainDecoder(cfg, weights, max_len=max_len, device="cpu", attention=attention)
+    caches = random_caches(spec, seed=3)
+    exact.load_caches(caches)
+    plain.load_caches(caches)
+    with torch.no_grad():
+        for pos, tok in [(0, 5), (1, 17), (9, 99), (max_len - 1, 3), (13, 300 % cfg.vocab)]:
+            t, p = torch.tensor([tok], dtype=torch.int32), torch.tensor([pos])
+            want, want_next = exact.step(t, p)
+            got, got_next = plain.step(t, p)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert rel_err(got, want) < 1e-4, f"{name} pos {pos}"
+            assert got_next.dtype == torch.int32 and got_next.shape == (1,)
+            assert got_next.item() == want_next.item()
+    for cname, c in plain.caches.items():
+        assert rel_err(c, exact.caches[cname]) < 1e-5, cname
+
+
+def test_plain_shares_unfused_weights():
+    """Only q/k/v and gate/up are copied (concatenated); the rest share the caller's storage."""
+    cfg = f32(ModelConfig.preset("tiny"))
+    _, spec = build_decode_graph(cfg, max_len=8)
+    weights = random_weights(spec)
+    dec = PlainDecoder(cfg, weights, max_len=8, device="cpu")
+    assert dec.embed_tokens.data_ptr() == weights["model.embed_tokens.weight"].data_ptr()
+    assert dec.layers[0].wo.data_ptr() == weights["model.layers.0.self_attn.o_proj.weight"].data_ptr()
+    assert dec.layers[0].wqkv.shape[0] == (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+
+
+def test_plain_bf16_close_to_exact():
+    cfg, max_len = ModelConfig.preset("qwen3-tiny"), 16
+    _, spec = build_decode_graph(cfg, max_len=max_len)
+    weights = random_weights(spec, seed=1)
+    exact = TorchDecoder(cfg, weights, max_len=max_len, device="cpu", attention="exact")
+    plain = PlainDecoder(cfg, weights, max_len=max_len, device="cpu")
+    with torch.no_grad():
+        for pos, tok in enumerate([1, 2, 3, 4]):
+            t, p = torch.tensor([tok], dtype=torch.int32), torch.tensor([pos])
+            want, _ = exact.step(t, p)
+            got, _ = plain.step(t, p)
+            assert got.dtype == torch.bfloat16
+            assert rel_err(got, want) < 3e-2
+
+
+def test_plain_one_graph_for_all_positions():
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    cfg, max_len = f32(CONFIGS["qwen3-2l"]), 16
+    _, spec = build_decode_graph(cfg, max_len=max_len)
+    weights = random_weights(spec, seed=2)
+    eager = PlainDecoder(cfg, weights, max_len=max_len, device="cpu")
+    dec = PlainDecoder(cfg, weights, max_len=max_len, device="cpu")
+    counter = CompileCounter()
+    step = torch.compile(dec, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for pos in range(5):
+            t = torch.tensor([pos + 1], dtype=torch.int32)
+            want, _ = eager.step(t, torch.tensor([pos]))
+            got, _ = step(t, torch.tensor([pos]))
+            assert rel_err(got, want) < 1e-6
+    assert counter.frame_count == 1
+    for name, c in dec.caches.items():
+        assert torch.equal(c, eager.caches[name])
+    torch._dynamo.reset()
+
+
+def test_plain_rejects_mismatched_inputs():
+    cfg = CONFIGS["tiny"]
+    _, spec = build_decode_graph(cfg, max_len=8)
+    weights = random_weights(spec)
+    with pytest.raises(me.GraphError, match="must be f32"):
+        PlainDecoder(f32(cfg), weights, max_len=8, device="cpu")
+    with pytest.raises(me.GraphError, match="max_len"):
+        PlainDecoder(cfg, weights, max_len=cfg.max_positions + 1, device="cpu")
+    dec = PlainDecoder(cfg, weights, max_len=8, device="cpu")
+    with pytest.raises(me.GraphError, match="caches"):
+        dec.load_caches({"k_cache.0": torch.zeros(2, 8, 64)})
+    with pytest.raises(ValueError, match="attention"):
+        PlainDecoder(cfg, weights, max_len=8, device="cpu", attention="flash")
+
+
+def test_plain_doctests():
+    assert doctest.testmod(torch_plain).failed == 0

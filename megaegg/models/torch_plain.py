@@ -1,0 +1,199 @@
+"""The decode step as a performance-minded PyTorch user writes it (gpt-fast style): the peer at full strength.
+
+Same model, weights, KV-cache layout and interface as
+:class:`~megaegg.models.torch_decode.TorchDecoder` (``step(token, pos)``, ``caches``,
+``load_caches``), but with no emulation of the reference's rounding: it computes the
+way the framework's fused ops want to.
+
+- ``F.rms_norm`` (one op; fp32 inside, one rounding) for every norm, Qwen3's per-head
+  q/k norms included;
+- q/k/v and gate/up weights concatenated ONCE at construction (one matmul each; the
+  concatenation is a copy of those weights, the rest are shared with ``weights``);
+- RoPE as gpt-fast does it: the rotation in fp32 from an fp32 cos/sin table
+  ``[max_len, head_dim/2]`` built at construction (llama3 scaling through
+  :func:`megaegg.ops.rope_inv_freq`), rounded once to the model dtype;
+- static KV caches ``[kv_heads, max_len, head_dim]`` per layer, the new row written
+  with ``index_copy_`` at ``pos``; ``pos`` is a device tensor ``int64[1]`` (no host
+  sync), so one CUDA graph or one ``torch.compile`` (fullgraph) trace serves every
+  position;
+- attention over the WHOLE cache with the boolean mask ``arange(max_len) <= pos``
+  (a benchmark at context ``C`` uses ``max_len = C + 1``), through
+  ``F.scaled_dot_product_attention``: ``attention="gqa"`` (default) passes
+  ``q: [1, H, 1, D]`` with ``enable_gqa=True`` (``repeat_interleave`` of K/V where
+  this torch's SDPA lacks ``enable_gqa``); ``attention="grouped"`` views q as
+  ``[1, kv_heads, group, D]`` (the group as the query length), so no K/V is repeated
+  and no GQA support is needed from the SDPA backend;
+- everything else in the model dtype (bf16 for the real models).
+
+>>> import dataclasses, torch, megaegg as me
+>>> from megaegg.models import ModelConfig, build_decode_graph, random_weights
+>>> cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32)
+>>> _, spec = build_decode_graph(cfg, max_len=8)
+>>> dec = PlainDecoder(cfg, random_weights(spec), max_len=8, device="cpu")
+>>> logits, nxt = dec.step(torch.tensor([3], dtype=torch.int32), torch.tensor([0]))
+>>> logits.shape, nxt.dtype
+(torch.Size([1, 1024]), torch.int32)
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..graph import GraphError
+from ..ops import rope_inv_freq
+from .config import ModelConfig
+
+ATTENTION = ("gqa", "grouped")
+
+
+def _sdpa_has_gqa() -> bool:
+    """Whether this torch's SDPA takes ``enable_gqa`` (torch >= 2.5)."""
+    try:
+        q, kv = torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 2, 4)
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return True
+    except TypeError:
+        return False
+
+
+HAS_ENABLE_GQA = _sdpa_has_gqa()
+
+
+def _w(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if hasattr(F, "rms_norm"):  # torch >= 2.4
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    xf = x.float()  # gpt-fast's RMSNorm
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x: [heads, D]`` in fp32 (``cos``/``sin``: fp32 ``[1, D/2]``), rounded once."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class PlainLayer(nn.Module):
+    """One pre-norm block with fused q/k/v and gate/up weights and its own static KV caches."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], layer: int, *, max_len: int,
+                 device, attention: str) -> None:
+        super().__init__()
+        self.cfg, self.attention = cfg, attention
+        H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.sizes = [H * D, Hkv * D, Hkv * D]
+
+        def w(name: str) -> torch.Tensor:
+            return weights[f"model.layers.{layer}.{name}.weight"].to(device)
+
+        self.input_layernorm = _w(w("input_layernorm"))
+        self.post_attention_layernorm = _w(w("post_attention_layernorm"))
+        self.wqkv = _w(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]))
+        self.w13 = _w(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
+        self.wo, self.w2 = _w(w("self_attn.o_proj")), _w(w("mlp.down_proj"))
+        self.qk_norm = cfg.arch == "qwen3"
+        if self.qk_norm:
+            self.q_norm, self.k_norm = _w(w("self_attn.q_norm")), _w(w("self_attn.k_norm"))
+        dtype = self.wo.dtype
+        self.register_buffer("k_cache", torch.zeros(Hkv, max_len, D, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(Hkv, max_len, D, dtype=dtype, device=device), persistent=False)
+
+    def forward(self, x, pos, cos, sin, mask):
+        cfg, eps = self.cfg, self.cfg.rms_eps
+        H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+        q, k, v = F.linear(_rms_norm(x, self.input_layernorm, eps), self.wqkv).split(self.sizes, dim=-1)
+        q, k, v = q.view(H, D), k.view(Hkv, D), v.view(Hkv, D)
+        if self.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = _rms_norm(q, self.q_norm, eps), _rms_norm(k, self.k_norm, eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        self.k_cache.index_copy_(1, pos, k.unsqueeze(1))  # [Hkv, 1, D] at row pos
+        self.v_cache.index_copy_(1, pos, v.unsqueeze(1))
+        x = x + F.linear(self._attend(q, mask).reshape(1, H * D), self.wo)
+        gate, up = F.linear(_rms_norm(x, self.post_attention_layernorm, eps), self.w13).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w2)
+
+    def _attend(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``q: [H, D]`` over the cache rows where ``mask: [max_len]`` holds -> ``[H, D]``."""
+        H, Hkv, D = self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim
+        k, v, m = self.k_cache[None], self.v_cache[None], mask.view(1, 1, 1, -1)
+        if self.attention == "grouped":  # q head h reads KV head h // group: the group is the query length
+            return F.scaled_dot_product_attention(q.view(1, Hkv, H // Hkv, D), k, v, attn_mask=m).reshape(H, D)
+        if H == Hkv:
+            return F.scaled_dot_product_attention(q.view(1, H, 1, D), k, v, attn_mask=m).reshape(H, D)
+        if HAS_ENABLE_GQA:
+            return F.scaled_dot_product_attention(q.view(1, H, 1, D), k, v, attn_mask=m, enable_gqa=True).reshape(H, D)
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        return F.scaled_dot_product_attention(q.view(1, H, 1, D), k, v, attn_mask=m).reshape(H, D)
+
+
+class PlainDecoder(nn.Module):
+    """One decode step in plain PyTorch over static KV caches (gpt-fast style; see the module doc).
+
+    ``weights``: Hugging Face names (as :func:`~megaegg.models.random_weights` or
+    ``load_checkpoint`` return them), in ``cfg.dtype``. Holds a copy of the q/k/v and
+    gate/up weights (concatenated); shares the others' storage when ``weights`` is
+    already on ``device``. ``attention``: ``"gqa"`` (SDPA with ``enable_gqa``) or
+    ``"grouped"`` (SDPA on q viewed per KV head).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, max_len: int, device="cuda",
+                 attention: str = "gqa") -> None:
+        super().__init__()
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if not 0 < max_len <= cfg.max_positions:
+            raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings)")
+        bad = sorted(n for n, t in weights.items() if t.dtype != cfg.dtype.torch)
+        if bad:
+            raise GraphError(f"weights must be {cfg.dtype} like the config; {bad[0]!r} is {weights[bad[0]].dtype}")
+        self.cfg, self.max_len, self.device, self.attention = cfg, max_len, torch.device(device), attention
+        self.embed_tokens = _w(weights["model.embed_tokens.weight"].to(device))
+        self.layers = nn.ModuleList(
+            PlainLayer(cfg, weights, i, max_len=max_len, device=device, attention=attention) for i in range(cfg.layers)
+        )
+        self.norm = _w(weights["model.norm.weight"].to(device))
+        self.lm_head = self.embed_tokens if cfg.tie_embeddings else _w(weights["lm_head.weight"].to(device))
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(torch.float32)
+        angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv[None, :]  # [max_len, D/2]
+        self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)
+        self.register_buffer("positions", torch.arange(max_len, device=device), persistent=False)
+
+    def forward(self, token: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token`` int32[1], ``pos`` int64[1] (device tensors) -> logits [1, vocab], next_token int32[1]."""
+        x = F.embedding(token, self.embed_tokens)  # [1, hidden]
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [1, D/2]
+        mask = self.positions <= pos  # [max_len]: rows 0..pos (the new row included)
+        for layer in self.layers:
+            x = layer(x, pos, cos, sin, mask)
+        logits = F.linear(_rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head)
+        return logits, logits.argmax(-1).to(torch.int32)
+
+    def step(self, token: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step (the module's forward); appends this token's K/V to the caches."""
+        return self(token, pos)
+
+    @property
+    def caches(self) -> dict[str, torch.Tensor]:
+        """The KV cache buffers by the graph's input names (``k_cache.{l}``, ``v_cache.{l}``): live, not copies."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            out[f"k_cache.{i}"], out[f"v_cache.{i}"] = layer.k_cache, layer.v_cache
+        return out
+
+    def load_caches(self, caches: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``caches`` (by graph input name) into the buffers in place (addresses stay, for CUDA graphs)."""
+        mine = self.caches
+        if set(caches) != set(mine):
+            raise GraphError(f"caches: expected {sorted(mine)}, got {sorted(caches)}")
+        with torch.no_grad():
+            for name, t in caches.items():
+                mine[name].copy_(t)
