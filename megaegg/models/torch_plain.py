@@ -16,8 +16,10 @@ way the framework's fused ops want to.
   with ``index_copy_`` at ``pos``; ``pos`` is a device tensor ``int64[1]`` (no host
   sync), so one CUDA graph or one ``torch.compile`` (fullgraph) trace serves every
   position;
-- attention over the WHOLE cache with the boolean mask ``arange(max_len) <= pos``
-  (a benchmark at context ``C`` uses ``max_len = C + 1``), through
+- attention over the WHOLE cache with the mask ``arange(max_len) <= pos`` (a benchmark
+  at context ``C`` uses ``max_len = C + 1``), made once per step as an additive mask
+  (0 / -inf, the model dtype) in a row padded to a multiple of 16 elements, so SDPA
+  neither converts a boolean mask nor pads an unaligned one in every layer; through
   ``F.scaled_dot_product_attention``: ``attention="gqa"`` (default) passes
   ``q: [1, H, 1, D]`` with ``enable_gqa=True`` (``repeat_interleave`` of K/V where
   this torch's SDPA lacks ``enable_gqa``); ``attention="grouped"`` views q as
@@ -121,9 +123,9 @@ class PlainLayer(nn.Module):
         return x + F.linear(F.silu(gate) * up, self.w2)
 
     def _attend(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``q: [H, D]`` over the cache rows where ``mask: [max_len]`` holds -> ``[H, D]``."""
+        """``q: [H, D]`` over the cache rows ``mask: [1, 1, 1, max_len]`` (additive) lets through -> ``[H, D]``."""
         H, Hkv, D = self.cfg.heads, self.cfg.kv_heads, self.cfg.head_dim
-        k, v, m = self.k_cache[None], self.v_cache[None], mask.view(1, 1, 1, -1)
+        k, v, m = self.k_cache[None], self.v_cache[None], mask
         if self.attention == "grouped":  # q head h reads KV head h // group: the group is the query length
             return F.scaled_dot_product_attention(q.view(1, Hkv, H // Hkv, D), k, v, attn_mask=m).reshape(H, D)
         if H == Hkv:
@@ -165,13 +167,18 @@ class PlainDecoder(nn.Module):
         angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv[None, :]  # [max_len, D/2]
         self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)
-        self.register_buffer("positions", torch.arange(max_len, device=device), persistent=False)
+        padded = -(-max_len // 16) * 16  # the mask's row stride: aligned for the fused SDPA kernels
+        self.register_buffer("positions", torch.arange(padded, device=device).view(1, 1, 1, padded), persistent=False)
+        dtype = self.norm.dtype
+        self.register_buffer("mask_open", torch.zeros((), dtype=dtype, device=device), persistent=False)
+        self.register_buffer("mask_shut", torch.full((), float("-inf"), dtype=dtype, device=device), persistent=False)
 
     def forward(self, token: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``token`` int32[1], ``pos`` int64[1] (device tensors) -> logits [1, vocab], next_token int32[1]."""
         x = F.embedding(token, self.embed_tokens)  # [1, hidden]
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [1, D/2]
-        mask = self.positions <= pos  # [max_len]: rows 0..pos (the new row included)
+        # [1, 1, 1, max_len] additive: rows 0..pos (the new row included) open
+        mask = torch.where(self.positions <= pos, self.mask_open, self.mask_shut)[..., : self.max_len]
         for layer in self.layers:
             x = layer(x, pos, cos, sin, mask)
         logits = F.linear(_rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head)
