@@ -229,3 +229,41 @@ def test_plain_rejects_mismatched_inputs():
 
 def test_plain_doctests():
     assert doctest.testmod(torch_plain).failed == 0
+
+
+def test_bench_dry_run_has_plain_peers(tmp_path):
+    """examples/bench_decode.py --dry-run (CPU) times both families of peers; CUDA graphs and
+    torch.compile report skipped; the best peer is named and is in the JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).parent.parent / "examples" / "bench_decode.py"
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, str(bench), "--dry-run", "--iters", "2", "--warmup", "1", "--bw-reps", "1",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split("|")[0].strip(): line for line in run.stdout.splitlines() if "|" in line}
+    assert "vs best peer" in rows["variant"]
+    for name in ("ref-rounding eager", "plain eager", "megakernel"):
+        assert name in rows and "SKIPPED" not in rows[name], name
+    for name in ("ref-rounding CUDA graph", "plain CUDA graph", "ref-rounding torch.compile reduce-overhead",
+                 "plain torch.compile", "plain torch.compile reduce-overhead"):
+        assert "SKIPPED" in rows[name], name
+    report = json.loads(out.read_text())
+    best = report["best_peer"]
+    assert best["name"] in ("ref-rounding eager", "plain eager")
+    assert f"best peer: {best['name']}" in run.stdout
+    v = report["variants"]
+    assert v[best["name"]]["vs_best_peer"] == 1.0 and v["megakernel"]["vs_best_peer"] > 0
+    for name in ("ref-rounding eager", "plain eager"):
+        assert v[name]["vs_exact"]["next_token_equal"] and v[name]["vs_exact"]["rel_err_max"] < 1e-4
+
+    run = subprocess.run([sys.executable, str(bench), "--dry-run", "--iters", "1", "--warmup", "0", "--bw-reps", "1",
+                          "--skip-ref-rounding", "--skip-compile-baseline", "--no-reference-check"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split("|")[0].strip() for line in run.stdout.splitlines() if "|" in line]
+    assert rows[rows.index("memory floor"):] == ["memory floor", "plain eager", "plain CUDA graph", "megakernel"]
+    assert "plain eager vs exact: rel err max" in run.stdout
