@@ -8,6 +8,9 @@ waits itself), the kind's body call, barrier signals).
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 from ..blockops import REGISTRY, CudaOperand
 from ..blockops.base import dimc
 from ..blockops.footprint import Full, Tile
@@ -67,10 +70,11 @@ def weight_prefetches(q: WorkQueue, op) -> list[str]:
     return out
 
 
-def render_case(q: WorkQueue, k: int, e: QueueEntry) -> str:
+def case_body(q: WorkQueue, e: QueueEntry) -> list[str]:
+    """The C++ of one queue entry's instance: grid coordinates, prefetches, waits, the body, signals."""
     op = e.op
     kind = REGISTRY[op.kind]
-    lines = [f"      case {k}: {{  // op{op.id} {op.kind} sources {list(op.sources)}"]
+    lines = []
     # grid coordinates, row-major from the local instance index
     lines.append("        long long rem = local;")
     for axis in range(len(op.grid) - 1, 0, -1):
@@ -104,12 +108,74 @@ def render_case(q: WorkQueue, k: int, e: QueueEntry) -> str:
         for s in e.signals:
             lines.append(f"          mega_red_release(&ctr[{q.memory.counter_base[s.id]} + ({c_expr(s.signal)})], 1u);")
         lines.append("        }")
-    lines.append("      } break;")
-    return "\n".join(lines)
+    return lines
 
 
-def render(q: WorkQueue) -> str:
+# Integer literals a case may take from the entry table: not inside a template argument list
+# (those must stay compile-time constants), not part of a name or a float literal.
+_TEMPLATE_ARGS = re.compile(r"\b\w+<[^<>;()]*>(?=\()")
+_INT = re.compile(r"(?<![\w.])\d+(?:LL)?(?![\w.])")
+
+
+def _holes(text: str) -> tuple[str, list[str]]:
+    """``text`` with its table-able integer literals replaced by a hole mark, and those literals."""
+    out, literals, pos = [], [], 0
+    for m in [*_TEMPLATE_ARGS.finditer(text), None]:
+        end = m.start() if m else len(text)
+        out.append(_INT.sub(lambda lit: literals.append(lit.group()) or "\x01", text[pos:end]))
+        if m:
+            out.append(m.group())
+            pos = m.end()
+    return "".join(out), literals
+
+
+@dataclass(frozen=True)
+class EntryTable:
+    """Per queue entry: which shared case runs it (``variant``) and where its own constants start in
+    ``consts`` (``offset``): the arena offsets, pointer slots and counter bases that differ between
+    entries whose code is otherwise the same (the layers of a model)."""
+
+    variant: tuple[int, ...]
+    offset: tuple[int, ...]
+    consts: tuple[int, ...]
+
+    def words(self) -> list[int]:
+        """The table as the kernel reads it: variants, then offsets, then constants (int64)."""
+        return [*self.variant, *self.offset, *self.consts]
+
+
+@dataclass(frozen=True)
+class Rendered:
+    source: str
+    table: EntryTable
+
+
+def shared_cases(q: WorkQueue) -> tuple[list[str], EntryTable]:
+    """One ``case`` per distinct entry code, literals that differ between its entries read from the table."""
+    groups: dict[str, list[int]] = {}
+    holes: list[list[str]] = []
+    for k, e in enumerate(q.entries):
+        skeleton, literals = _holes("\n".join(case_body(q, e)))
+        groups.setdefault(skeleton, []).append(k)
+        holes.append(literals)
+    cases, variant, offset, consts = [], [0] * len(q.entries), [0] * len(q.entries), []
+    for g, (skeleton, members) in enumerate(groups.items()):
+        columns = list(zip(*(holes[k] for k in members)))
+        varying = [j for j, col in enumerate(columns) if len(set(col)) > 1]
+        fill = iter([col[0] if j not in varying else f"__ldg(E + {varying.index(j)})" for j, col in enumerate(columns)])
+        text = re.sub("\x01", lambda _: next(fill), skeleton)
+        for k in members:
+            variant[k], offset[k] = g, len(consts)
+            consts += [int(holes[k][j].removesuffix("LL")) for j in varying]
+        ops = ", ".join(f"op{q.entries[k].op.id}" for k in members[:6]) + (" ..." if len(members) > 6 else "")
+        cases.append(f"      case {g}: {{  // {q.entries[members[0]].op.kind}: {ops} ({len(members)} entries)\n"
+                     + text + "\n      } break;")
+    return cases, EntryTable(tuple(variant), tuple(offset), tuple(consts))
+
+
+def render(q: WorkQueue) -> Rendered:
     src = (CUDA_DIR / "megakernel.cu").read_text()
+    cases, table = shared_cases(q)
     kinds = sorted({REGISTRY[e.op.kind].cuda_file for e in q.entries if REGISTRY[e.op.kind].cuda_file})
     symbols = q.program.symbols
     slots = {
@@ -123,8 +189,8 @@ def render(q: WorkQueue) -> str:
         "PREFIX": "\n    ".join(
             f"prefix[{k + 1}] = prefix[{k}] + max_i64(0LL, {c_expr(e.launch)});" for k, e in enumerate(q.entries)
         ),
-        "CASES": "\n".join(render_case(q, k, e) for k, e in enumerate(q.entries)),
+        "CASES": "\n".join(cases),
     }
     for name, text in slots.items():
         src = src.replace(f"/*@{name}@*/", text)
-    return src
+    return Rendered(src, table)

@@ -41,7 +41,7 @@ class LaunchStats:
 
 class CudaRunner:
     def __init__(self, queue: WorkQueue, cubin: bytes, bound: dict[int, torch.Tensor], device: torch.device,
-                 *, defines: dict[str, int], trace_instances: int = 0) -> None:
+                 *, defines: dict[str, int], table: list[int], trace_instances: int = 0) -> None:
         from cuda.bindings import driver
 
         self.q = queue
@@ -64,12 +64,14 @@ class CudaRunner:
         self.parity = 0
         self.bound = bound  # weights and constants, kept alive here
         nd, np_ = max(1, len(queue.program.symbols)), max(1, len(mem.pointer_slot))
-        # MegaArgs: arena, counters, control, parity, trace, dims[nd], ptr[np]
+        # MegaArgs: arena, counters, control, parity, trace, table, dims[nd], ptr[np]
         self.trace = torch.zeros(4 * max(1, trace_instances), dtype=torch.int64, device=device) if trace_instances else None
-        self.args = np.zeros(5 + nd + np_, dtype=np.int64)
+        self.table = torch.tensor(table, dtype=torch.int64, device=device)
+        self.args = np.zeros(6 + nd + np_, dtype=np.int64)
         self.args[0:3] = [self.arena.data_ptr(), self.counters.data_ptr(), self.control.data_ptr()]
         self.args[4] = self.trace.data_ptr() if self.trace is not None else 0
-        self.dim_base, self.ptr_base = 5, 5 + nd
+        self.args[5] = self.table.data_ptr()
+        self.dim_base, self.ptr_base = 6, 6 + nd
         for buf, t in bound.items():
             self.args[self.ptr_base + mem.pointer_slot[buf]] = t.data_ptr()
         self._param = (ctypes.c_void_p * 1)(self.args.ctypes.data)

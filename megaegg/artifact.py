@@ -61,6 +61,7 @@ class Artifact:
 
     queue: "WorkQueue"  # noqa: F821 (megaegg.lowering.queue)
     source: str
+    table: list[int]  # the entry table the kernel reads (interpreter/render.py: EntryTable)
     cubin: bytes | None
     constants: dict[int, torch.Tensor]
     defines: dict[str, int] = field(default_factory=dict)  # what the source was (or is to be) compiled with
@@ -73,7 +74,7 @@ class Artifact:
         path = Path(path)
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION, "code": code_version(),
-            "defines": self.defines, "timings": self.timings, "queue": encode(self.queue),
+            "defines": self.defines, "timings": self.timings, "table": list(self.table), "queue": encode(self.queue),
         }
         constants = {str(k): t.contiguous() for k, t in self.constants.items()}
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -109,6 +110,7 @@ class Artifact:
                 cubin = z.read("kernel.cubin") if "kernel.cubin" in names else None
             queue = decode(meta["queue"])
             defines = {str(k): int(v) for k, v in meta["defines"].items()}
+            table = [int(v) for v in meta["table"]]
             timings = {str(k): float(v) for k, v in meta["timings"].items()}
         except ArtifactError:
             raise
@@ -120,7 +122,8 @@ class Artifact:
 
         if not isinstance(queue, WorkQueue):
             raise ArtifactError(f"{path}: not a megaegg artifact (no work queue)")
-        return Artifact(queue, source, cubin, constants, defines, timings)
+        return Artifact(queue=queue, source=source, table=table, cubin=cubin, constants=constants, defines=defines,
+                        timings=timings)
 
 
 # --- the cache -------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def build_artifact(
     t1 = time.perf_counter()
     queue = build_queue(program, opts["max_dims"])
     t2 = time.perf_counter()
-    source = render(queue)
+    rendered = render(queue)
     t3 = time.perf_counter()
     timings = {"rewrite": t1 - t0, **{f"rewrite.{k}": v for k, v in stats.seconds.items()},
                "barriers+queue": t2 - t1, "render": t3 - t2}
@@ -82,7 +82,8 @@ def build_artifact(
         if b.kind == "constant":
             node = next(n for n in graph.nodes if n.op == "constant" and n.name == b.name)
             constants[b.id] = node.attrs["value"]
-    art = Artifact(queue, source, None, constants, defines(), timings)
+    art = Artifact(queue=queue, source=rendered.source, table=rendered.table.words(), cubin=None, constants=constants,
+                   defines=defines(), timings=timings)
     if compile_cuda:
         compile_kernel(art)
     return art
@@ -142,7 +143,8 @@ class Kernel:
 
             if artifact.cubin is None:
                 raise GraphError("artifact was built without a cubin (compile_cuda=False): build it for backend 'cuda'")
-            self._runner = CudaRunner(self.queue, artifact.cubin, bound, self.device, defines=artifact.defines)
+            self._runner = CudaRunner(self.queue, artifact.cubin, bound, self.device, defines=artifact.defines,
+                                      table=artifact.table)
 
     # --- binding and validation ----------------------------------------------------------
     def _bind_weights(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -270,7 +272,8 @@ class Kernel:
             traced = {**self.artifact.defines, "MEGA_TRACE": 1}
             cubin = compile_cubin(self.artifact.source, defines=traced).cubin
             cap = sum(upper_bound(e.launch, self.queue.max_dims) for e in self.queue.entries)
-            self._traced = CudaRunner(self.queue, cubin, self.bound, self.device, defines=traced, trace_instances=cap)
+            self._traced = CudaRunner(self.queue, cubin, self.bound, self.device, defines=traced,
+                                      table=self.artifact.table, trace_instances=cap)
         run = self._traced
         dim_list = [dims[s] for s in self.program.symbols]
         run.launch(dim_list, tensors)  # warm-up: module load, caches

@@ -46,7 +46,7 @@ def test_save_load_runs_without_recompiling(tmp_path, monkeypatch):
     loaded = Artifact.load(tmp_path / "layer.megaegg")
     assert loaded.queue == art.queue and loaded.source == art.source and loaded.defines == art.defines
     assert all(e.op is op for e, op in zip(loaded.queue.entries, loaded.queue.program.ops))  # sharing survives
-    assert render(loaded.queue) == art.source
+    assert render(loaded.queue).source == art.source and loaded.table == art.table
     kernel = Kernel(loaded, W, backend="sim")
     x, kc, vc = torch.randn(1, 64), torch.randn(2, 32, 16), torch.randn(2, 32, 16)
     ref = me.run_reference(g, {"x": x, "k_cache": kc.clone(), "v_cache": vc.clone()}, W, {"pos": 4})["y"]

@@ -6,6 +6,11 @@
 // barrier indices and expected counts are expressions of the runtime dims in
 // args.dims, evaluated here, so a new position needs no rebuild.
 //
+// Entries whose code differs only in constants (the same op in every layer) share one
+// `case`; the entry table (args.table) gives each entry its case and its own constants
+// E[0..] (arena offsets, pointer slots, counter bases), so the code does not grow with
+// the number of layers.
+//
 // Counters come in two parity sets: a launch uses set `parity` and zeroes the
 // other one (and its claim counter) for the next launch, so no host reset is needed.
 #define MEGA_MAX_WAITS /*@MAXWAITS@*/  // the most barrier waits of one queue entry
@@ -22,6 +27,7 @@ struct MegaArgs {
   unsigned long long* control;     // see runtime.cuh
   long long parity;
   unsigned long long* trace;       // MEGA_TRACE builds: 4 words per instance
+  const long long* table;          // per entry: its case, then where its constants start; then the constants
   long long dims[/*@NDIMS@*/];
   void* ptr[/*@NPTRS@*/];
 };
@@ -29,6 +35,7 @@ struct MegaArgs {
 extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
   extern __shared__ __align__(16) char smem[];
   __shared__ long long prefix[MEGA_ENTRIES + 1];
+  __shared__ int entry_case[MEGA_ENTRIES], entry_consts[MEGA_ENTRIES];
   __shared__ long long claimed;
 
   unsigned long long* control = args.control;
@@ -41,6 +48,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     mega_abort_block = 0;
     prefix[0] = 0;
     /*@PREFIX@*/
+  }
+  for (int e = threadIdx.x; e < MEGA_ENTRIES; e += blockDim.x) {
+    entry_case[e] = (int)args.table[e];
+    entry_consts[e] = (int)args.table[MEGA_ENTRIES + e];
   }
   {  // zero the other parity's counters and claim counter for the next launch
     unsigned* next = args.counters + (parity ? 0 : MEGA_COUNTERS);
@@ -69,7 +80,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
 #ifdef MEGA_TRACE
     unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
 #endif
-    switch (entry) {
+    const long long* E = args.table + 2 * MEGA_ENTRIES + entry_consts[entry];  // this entry's constants
+    (void)E;
+    switch (entry_case[entry]) {
 /*@CASES@*/
       default: break;
     }

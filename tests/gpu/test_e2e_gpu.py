@@ -95,9 +95,9 @@ def test_barrier_timeout_raises_instead_of_hanging(monkeypatch):
     e = q.entries[-1]
     bad = tuple(dataclasses.replace(w, expected=w.expected + 1) for w in e.waits)
     q = dataclasses.replace(q, entries=q.entries[:-1] + (dataclasses.replace(e, waits=bad),))
-    source = render(q)
-    art = dataclasses.replace(art, queue=q, source=source,
-                              cubin=compile_cubin(source, defines={**defines(), "MEGA_TIMEOUT_NS": 200_000_000}).cubin)
+    rendered = render(q)
+    art = dataclasses.replace(art, queue=q, source=rendered.source, table=rendered.table.words(),
+                              cubin=compile_cubin(rendered.source, defines={**defines(), "MEGA_TIMEOUT_NS": 200_000_000}).cubin)
     W = {n: torch.randn(s, device="cuda") for n, s in WEIGHTS.items()}
     k = Kernel(art, W, backend="cuda")
     kc, vc = torch.randn(2, 32, 16, device="cuda"), torch.randn(2, 32, 16, device="cuda")

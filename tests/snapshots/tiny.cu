@@ -6,6 +6,11 @@
 // barrier indices and expected counts are expressions of the runtime dims in
 // args.dims, evaluated here, so a new position needs no rebuild.
 //
+// Entries whose code differs only in constants (the same op in every layer) share one
+// `case`; the entry table (args.table) gives each entry its case and its own constants
+// E[0..] (arena offsets, pointer slots, counter bases), so the code does not grow with
+// the number of layers.
+//
 // Counters come in two parity sets: a launch uses set `parity` and zeroes the
 // other one (and its claim counter) for the next launch, so no host reset is needed.
 #define MEGA_MAX_WAITS 3  // the most barrier waits of one queue entry
@@ -29,6 +34,7 @@ struct MegaArgs {
   unsigned long long* control;     // see runtime.cuh
   long long parity;
   unsigned long long* trace;       // MEGA_TRACE builds: 4 words per instance
+  const long long* table;          // per entry: its case, then where its constants start; then the constants
   long long dims[1];
   void* ptr[27];
 };
@@ -36,6 +42,7 @@ struct MegaArgs {
 extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
   extern __shared__ __align__(16) char smem[];
   __shared__ long long prefix[MEGA_ENTRIES + 1];
+  __shared__ int entry_case[MEGA_ENTRIES], entry_consts[MEGA_ENTRIES];
   __shared__ long long claimed;
 
   unsigned long long* control = args.control;
@@ -72,6 +79,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     prefix[23] = prefix[22] + max_i64(0LL, 128LL);
     prefix[24] = prefix[23] + max_i64(0LL, 1LL);
   }
+  for (int e = threadIdx.x; e < MEGA_ENTRIES; e += blockDim.x) {
+    entry_case[e] = (int)args.table[e];
+    entry_consts[e] = (int)args.table[MEGA_ENTRIES + e];
+  }
   {  // zero the other parity's counters and claim counter for the next launch
     unsigned* next = args.counters + (parity ? 0 : MEGA_COUNTERS);
     for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < MEGA_COUNTERS;
@@ -99,8 +110,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
 #ifdef MEGA_TRACE
     unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
 #endif
-    switch (entry) {
-      case 0: {  // op0 embedding sources [3]
+    const long long* E = args.table + 2 * MEGA_ENTRIES + entry_consts[entry];  // this entry's constants
+    (void)E;
+    switch (entry_case[entry]) {
+      case 0: {  // embedding: op0 (1 entries)
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
@@ -112,45 +125,26 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_red_release(&ctr[0 + (0LL)], 1u);
         }
       } break;
-      case 1: {  // op1 matvec sources [5, 7]
+      case 1: {  // matvec: op1, op2 (2 entries)
         long long rem = local;
-        const long long c1 = rem % (32LL); rem /= (32LL);
+        const long long c1 = rem % (__ldg(E + 0)); rem /= (__ldg(E + 1));
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[2] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[__ldg(E + 2)] + c1 * 4096LL, (min_i64(__ldg(E + 3) - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[3]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[2]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 512)) + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[3]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 4)]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + __ldg(E + 5))) + c0 * 1 * __ldg(E + 6)), /*out_s0*/ __ldg(E + 7), /*out_s1*/ 1LL, /*N*/ __ldg(E + 8), /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[1 + ((D__i1 / 8LL))], 1u);
+          mega_red_release(&ctr[__ldg(E + 9) + ((D__i1 / 8LL))], 1u);
         }
       } break;
-      case 2: {  // op2 matvec sources [5, 10]
-        long long rem = local;
-        const long long c1 = rem % (16LL); rem /= (16LL);
-        const long long c0 = rem;
-        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
-        if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[4] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
-        }
-        MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[3]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[4]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 1024)) + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
-        if (mega_abort_block) break;
-        MEGA_TRACE_WAITS_PASSED();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence();
-          mega_red_release(&ctr[5 + ((D__i1 / 8LL))], 1u);
-        }
-      } break;
-      case 3: {  // op3 matvec sources [5, 13]
+      case 2: {  // matvec: op3 (1 entries)
         long long rem = local;
         const long long c1 = rem % (16LL); rem /= (16LL);
         const long long c0 = rem;
@@ -169,85 +163,85 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_red_release(&ctr[7 + (0LL)], 1u);
         }
       } break;
-      case 4: {  // op4 rope sources [15]
+      case 3: {  // rope: op4, op14 (2 entries)
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[1 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
+        wl.ctr[0] = &ctr[__ldg(E + 0) + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 512)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)(args.arena + 1536)), 64LL, 1LL, 4LL, 1, c0);
+        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + __ldg(E + 1))), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)(args.arena + __ldg(E + 2))), 64LL, 1LL, 4LL, 1, c0);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[8 + ((D__i0 / 2LL))], 1u);
+          mega_red_release(&ctr[__ldg(E + 3) + ((D__i0 / 2LL))], 1u);
         }
       } break;
-      case 5: {  // op5 rope sources [16, 18]
+      case 4: {  // rope: op5, op15 (2 entries)
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[5 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
+        wl.ctr[0] = &ctr[__ldg(E + 0) + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 1024)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, (((__nv_bfloat16*)args.ptr[7]) + (D_pos * 64LL)), 65536LL, 1LL, 2LL, 1, c0);
+        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + __ldg(E + 1))), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, (((__nv_bfloat16*)args.ptr[__ldg(E + 2)]) + (D_pos * 64LL)), 65536LL, 1LL, 2LL, 1, c0);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[10 + (D__i0)], 1u);
+          mega_red_release(&ctr[__ldg(E + 3) + (D__i0)], 1u);
         }
       } break;
-      case 6: {  // op6 kv_append sources [20]
+      case 5: {  // kv_append: op6, op16 (2 entries)
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[7 + (0LL)]; wl.expected[0] = (unsigned)(16LL);
+        wl.ctr[0] = &ctr[__ldg(E + 0) + (0LL)]; wl.expected[0] = (unsigned)(16LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        kv_append<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + 1280)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[8]), 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
+        kv_append<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + __ldg(E + 1))), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[__ldg(E + 2)]), 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[12 + (0LL)], 1u);
+          mega_red_release(&ctr[__ldg(E + 3) + (0LL)], 1u);
         }
       } break;
-      case 7: {  // op7 attn_partial sources [21]
+      case 6: {  // attn_partial: op7, op17 (2 entries)
         long long rem = local;
         const long long c1 = rem % (((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         MegaWaits wl; wl.n = 3;
-        wl.ctr[0] = &ctr[8 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
-        wl.ctr[1] = &ctr[10 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
-        wl.ctr[2] = &ctr[12 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[0] = &ctr[__ldg(E + 0) + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[__ldg(E + 1) + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[2] = &ctr[__ldg(E + 2) + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        attn_partial<__nv_bfloat16, 64, 2>(smem, ((__nv_bfloat16*)(args.arena + 1536)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[7]), 65536LL, 64LL, 1LL, ((__nv_bfloat16*)args.ptr[8]), 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, ((float*)(args.arena + 2560)), 1056LL, 66LL, c0, c1);
+        attn_partial<__nv_bfloat16, 64, 2>(smem, ((__nv_bfloat16*)(args.arena + __ldg(E + 3))), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[__ldg(E + 4)]), 65536LL, 64LL, 1LL, ((__nv_bfloat16*)args.ptr[__ldg(E + 5)]), 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, ((float*)(args.arena + __ldg(E + 6))), 1056LL, 66LL, c0, c1);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[13 + (D__i0)], 1u);
+          mega_red_release(&ctr[__ldg(E + 7) + (D__i0)], 1u);
         }
       } break;
-      case 8: {  // op8 attn_merge sources [21]
+      case 7: {  // attn_merge: op8, op18 (2 entries)
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[13 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
+        wl.ctr[0] = &ctr[__ldg(E + 0) + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        attn_merge<__nv_bfloat16, 64>(((float*)(args.arena + 2560)), 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, ((__nv_bfloat16*)(args.arena + 2048)), 64LL, 1LL, c0);
+        attn_merge<__nv_bfloat16, 64>(((float*)(args.arena + __ldg(E + 1))), 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, ((__nv_bfloat16*)(args.arena + __ldg(E + 2))), 64LL, 1LL, c0);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[15 + (0LL)], 1u);
+          mega_red_release(&ctr[__ldg(E + 3) + (0LL)], 1u);
         }
       } break;
-      case 9: {  // op9 matvec sources [24, 25]
+      case 8: {  // matvec: op9 (1 entries)
         long long rem = local;
         const long long c1 = rem % (32LL); rem /= (32LL);
         const long long c0 = rem;
@@ -267,65 +261,46 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_red_release(&ctr[16 + (0LL)], 1u);
         }
       } break;
-      case 10: {  // op10 glu_down sources [27, 29, 30, 32, 33, 35]
+      case 9: {  // glu_down: op10, op20 (2 entries)
         long long rem = local;
         const long long c1 = rem % (64LL); rem /= (64LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[11] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
-          mega_prefetch_l2((const char*)args.ptr[12] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[__ldg(E + 0)] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[__ldg(E + 1)] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[16 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
-        glu_down<__nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ ((__nv_bfloat16*)(args.arena + 19456)), /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[10]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[11]), /*w_s0*/ 256LL, /*w2*/ ((__nv_bfloat16*)args.ptr[12]), /*w2_s0*/ 256LL, /*wd*/ ((__nv_bfloat16*)args.ptr[13]), /*wd_s0*/ 256LL, /*acc*/ ((float*)(ctr + 64)), /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl);
+        wl.ctr[0] = &ctr[__ldg(E + 2) + (0LL)]; wl.expected[0] = (unsigned)(32LL);
+        glu_down<__nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ ((__nv_bfloat16*)(args.arena + __ldg(E + 3))), /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 4)]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 5)]), /*w_s0*/ 256LL, /*w2*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 6)]), /*w2_s0*/ 256LL, /*wd*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 7)]), /*wd_s0*/ 256LL, /*acc*/ ((float*)(ctr + __ldg(E + 8))), /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[17 + (0LL)], 1u);
+          mega_red_release(&ctr[__ldg(E + 9) + (0LL)], 1u);
         }
       } break;
-      case 11: {  // op11 matvec sources [36, 38, 40]
+      case 10: {  // matvec: op11, op12 (2 entries)
         long long rem = local;
-        const long long c1 = rem % (32LL); rem /= (32LL);
+        const long long c1 = rem % (__ldg(E + 0)); rem /= (__ldg(E + 1));
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[14] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[__ldg(E + 2)] + c1 * 4096LL, (min_i64(__ldg(E + 3) - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[15]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[14]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (((float*)(ctr + 64)) + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 19968)) + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[15]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 4)]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (((float*)(ctr + 64)) + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + __ldg(E + 5))) + c0 * 1 * __ldg(E + 6)), /*out_s0*/ __ldg(E + 7), /*out_s1*/ 1LL, /*N*/ __ldg(E + 8), /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[18 + ((D__i1 / 8LL))], 1u);
+          mega_red_release(&ctr[__ldg(E + 9) + ((D__i1 / 8LL))], 1u);
         }
       } break;
-      case 12: {  // op12 matvec sources [36, 38, 43]
-        long long rem = local;
-        const long long c1 = rem % (16LL); rem /= (16LL);
-        const long long c0 = rem;
-        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
-        if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[16] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
-        }
-        MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[15]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[16]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (((float*)(ctr + 64)) + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 20480)) + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
-        if (mega_abort_block) break;
-        MEGA_TRACE_WAITS_PASSED();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence();
-          mega_red_release(&ctr[22 + ((D__i1 / 8LL))], 1u);
-        }
-      } break;
-      case 13: {  // op13 matvec sources [36, 38, 46]
+      case 11: {  // matvec: op13 (1 entries)
         long long rem = local;
         const long long c1 = rem % (16LL); rem /= (16LL);
         const long long c0 = rem;
@@ -344,85 +319,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_red_release(&ctr[24 + (0LL)], 1u);
         }
       } break;
-      case 14: {  // op14 rope sources [48]
-        long long rem = local;
-        const long long c0 = rem;
-        const long long D__i0 = c0; (void)D__i0;
-        MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[18 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
-        if (!mega_wait_all(wl)) break;
-        MEGA_TRACE_WAITS_PASSED();
-        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 19968)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)(args.arena + 20992)), 64LL, 1LL, 4LL, 1, c0);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence();
-          mega_red_release(&ctr[25 + ((D__i0 / 2LL))], 1u);
-        }
-      } break;
-      case 15: {  // op15 rope sources [49, 51]
-        long long rem = local;
-        const long long c0 = rem;
-        const long long D__i0 = c0; (void)D__i0;
-        MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[22 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
-        if (!mega_wait_all(wl)) break;
-        MEGA_TRACE_WAITS_PASSED();
-        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + 20480)), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, (((__nv_bfloat16*)args.ptr[18]) + (D_pos * 64LL)), 65536LL, 1LL, 2LL, 1, c0);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence();
-          mega_red_release(&ctr[27 + (D__i0)], 1u);
-        }
-      } break;
-      case 16: {  // op16 kv_append sources [53]
-        long long rem = local;
-        const long long c0 = rem;
-        const long long D__i0 = c0; (void)D__i0;
-        MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[24 + (0LL)]; wl.expected[0] = (unsigned)(16LL);
-        if (!mega_wait_all(wl)) break;
-        MEGA_TRACE_WAITS_PASSED();
-        kv_append<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + 20736)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[19]), 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence();
-          mega_red_release(&ctr[29 + (0LL)], 1u);
-        }
-      } break;
-      case 17: {  // op17 attn_partial sources [54]
-        long long rem = local;
-        const long long c1 = rem % (((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
-        const long long c0 = rem;
-        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
-        MegaWaits wl; wl.n = 3;
-        wl.ctr[0] = &ctr[25 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
-        wl.ctr[1] = &ctr[27 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
-        wl.ctr[2] = &ctr[29 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
-        if (!mega_wait_all(wl)) break;
-        MEGA_TRACE_WAITS_PASSED();
-        attn_partial<__nv_bfloat16, 64, 2>(smem, ((__nv_bfloat16*)(args.arena + 20992)), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[18]), 65536LL, 64LL, 1LL, ((__nv_bfloat16*)args.ptr[19]), 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, ((float*)(args.arena + 22016)), 1056LL, 66LL, c0, c1);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence();
-          mega_red_release(&ctr[30 + (D__i0)], 1u);
-        }
-      } break;
-      case 18: {  // op18 attn_merge sources [54]
-        long long rem = local;
-        const long long c0 = rem;
-        const long long D__i0 = c0; (void)D__i0;
-        MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[30 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
-        if (!mega_wait_all(wl)) break;
-        MEGA_TRACE_WAITS_PASSED();
-        attn_merge<__nv_bfloat16, 64>(((float*)(args.arena + 22016)), 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, ((__nv_bfloat16*)(args.arena + 21504)), 64LL, 1LL, c0);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence();
-          mega_red_release(&ctr[32 + (0LL)], 1u);
-        }
-      } break;
-      case 19: {  // op19 matvec sources [36, 57, 58]
+      case 12: {  // matvec: op19 (1 entries)
         long long rem = local;
         const long long c1 = rem % (32LL); rem /= (32LL);
         const long long c0 = rem;
@@ -442,27 +339,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_red_release(&ctr[33 + (0LL)], 1u);
         }
       } break;
-      case 20: {  // op20 glu_down sources [60, 62, 63, 65, 66, 68]
-        long long rem = local;
-        const long long c1 = rem % (64LL); rem /= (64LL);
-        const long long c0 = rem;
-        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
-        if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[22] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
-          mega_prefetch_l2((const char*)args.ptr[23] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
-        }
-        MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[33 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
-        glu_down<__nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ ((__nv_bfloat16*)(args.arena + 38912)), /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[21]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[22]), /*w_s0*/ 256LL, /*w2*/ ((__nv_bfloat16*)args.ptr[23]), /*w2_s0*/ 256LL, /*wd*/ ((__nv_bfloat16*)args.ptr[24]), /*wd_s0*/ 256LL, /*acc*/ ((float*)(ctr + 320)), /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl);
-        if (mega_abort_block) break;
-        MEGA_TRACE_WAITS_PASSED();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence();
-          mega_red_release(&ctr[34 + (0LL)], 1u);
-        }
-      } break;
-      case 21: {  // op21 acc_residual sources [69]
+      case 13: {  // acc_residual: op21 (1 entries)
         long long rem = local;
         const long long c1 = rem % (1LL); rem /= (1LL);
         const long long c0 = rem;
@@ -478,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_red_release(&ctr[35 + (0LL)], 1u);
         }
       } break;
-      case 22: {  // op22 matvec_argmax sources [71, 73, 74]
+      case 14: {  // matvec_argmax: op22 (1 entries)
         long long rem = local;
         const long long c1 = rem % (128LL); rem /= (128LL);
         const long long c0 = rem;
@@ -497,7 +374,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_red_release(&ctr[36 + (0LL)], 1u);
         }
       } break;
-      case 23: {  // op23 argmax_reduce sources [74]
+      case 15: {  // argmax_reduce: op23 (1 entries)
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
