@@ -8,6 +8,7 @@ waits itself), the kind's body call, barrier signals).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -81,8 +82,14 @@ def case_body(q: WorkQueue, e: QueueEntry) -> list[str]:
         lines.append(f"        const long long c{axis} = rem % ({c_expr(op.grid[axis])}); rem /= ({c_expr(op.grid[axis])});")
     lines.append("        const long long c0 = rem;")
     lines.append("        " + " ".join(f"const long long D__i{a} = c{a}; (void)D__i{a};" for a in range(max(1, len(op.grid)))))
-    ins = [operand_c(q, o) for o in op.inputs]
-    out = operand_c(q, op.output)
+    # operand pointers first, before any wait: where they come from the entry table, their loads
+    # then overlap the wait instead of following it on the dependent chain
+    ins, out = [operand_c(q, o) for o in op.inputs], operand_c(q, op.output)
+    names = [f"in{k}" for k in range(len(ins))] + ["out"]
+    for name, o in zip(names, [*ins, out]):
+        lines.append(f"        {o.ctype}* const {name} = {o.ptr};")
+    ins = [dataclasses.replace(o, ptr=name) for o, name in zip(ins, names)]
+    out = dataclasses.replace(out, ptr="out")
     prefetch = weight_prefetches(q, op)
     if prefetch:
         lines.append("        if (threadIdx.x == 0) {")
@@ -162,8 +169,11 @@ def shared_cases(q: WorkQueue) -> tuple[list[str], EntryTable]:
     for g, (skeleton, members) in enumerate(groups.items()):
         columns = list(zip(*(holes[k] for k in members)))
         varying = [j for j, col in enumerate(columns) if len(set(col)) > 1]
-        fill = iter([col[0] if j not in varying else f"__ldg(E + {varying.index(j)})" for j, col in enumerate(columns)])
+        fill = iter([col[0] if j not in varying else f"e{varying.index(j)}" for j, col in enumerate(columns)])
         text = re.sub("\x01", lambda _: next(fill), skeleton)
+        if varying:  # all loaded at once, first: one table round trip per instance
+            loads = ", ".join(f"e{i} = __ldg(E + {i})" for i in range(len(varying)))
+            text = f"        const long long {loads};\n" + text
         for k in members:
             variant[k], offset[k] = g, len(consts)
             consts += [int(holes[k][j].removesuffix("LL")) for j in varying]

@@ -117,8 +117,11 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)args.ptr[0]);
+        int* const in1 = ((int*)args.ptr[1]);
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 0));
         MEGA_TRACE_WAITED();
-        embedding_row<__nv_bfloat16, int>(((__nv_bfloat16*)args.ptr[0]), 256LL, 1LL, ((int*)args.ptr[1]), 1LL, 1024LL, 256LL, ((__nv_bfloat16*)(args.arena + 0)), 256LL, 1LL, c0);
+        embedding_row<__nv_bfloat16, int>(in0, 256LL, 1LL, in1, 1LL, 1024LL, 256LL, out, 256LL, 1LL, c0);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
@@ -126,22 +129,27 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
       } break;
       case 1: {  // matvec: op1, op2 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
         long long rem = local;
-        const long long c1 = rem % (__ldg(E + 0)); rem /= (__ldg(E + 1));
+        const long long c1 = rem % (e0); rem /= (e1);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 0));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e2]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[3]);
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e3));
         if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[__ldg(E + 2)] + c1 * 4096LL, (min_i64(__ldg(E + 3) - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[e4] + c1 * 4096LL, (min_i64(e5 - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[3]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 4)]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + __ldg(E + 5))) + c0 * 1 * __ldg(E + 6)), /*out_s0*/ __ldg(E + 7), /*out_s1*/ 1LL, /*N*/ __ldg(E + 8), /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[__ldg(E + 9) + ((D__i1 / 8LL))], 1u);
+          mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
         }
       } break;
       case 2: {  // matvec: op3 (1 entries)
@@ -149,12 +157,16 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         const long long c1 = rem % (16LL); rem /= (16LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 0));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[5]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[3]);
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 1280));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[5] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[3]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[5]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 1280)) + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -164,81 +176,100 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
       } break;
       case 3: {  // rope: op4, op14 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
+        float* const in1 = ((float*)args.ptr[6]);
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e1));
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[__ldg(E + 0) + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
+        wl.ctr[0] = &ctr[e2 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + __ldg(E + 1))), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, ((__nv_bfloat16*)(args.arena + __ldg(E + 2))), 64LL, 1LL, 4LL, 1, c0);
+        rope_rows<__nv_bfloat16, 64, false>(in0, 64LL, 1LL, in1, nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, out, 64LL, 1LL, 4LL, 1, c0);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[__ldg(E + 3) + ((D__i0 / 2LL))], 1u);
+          mega_red_release(&ctr[e3 + ((D__i0 / 2LL))], 1u);
         }
       } break;
       case 4: {  // rope: op5, op15 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
+        float* const in1 = ((float*)args.ptr[6]);
+        __nv_bfloat16* const out = (((__nv_bfloat16*)args.ptr[e1]) + (D_pos * 64LL));
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[__ldg(E + 0) + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
+        wl.ctr[0] = &ctr[e2 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        rope_rows<__nv_bfloat16, 64, false>(((__nv_bfloat16*)(args.arena + __ldg(E + 1))), 64LL, 1LL, ((float*)args.ptr[6]), nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, (((__nv_bfloat16*)args.ptr[__ldg(E + 2)]) + (D_pos * 64LL)), 65536LL, 1LL, 2LL, 1, c0);
+        rope_rows<__nv_bfloat16, 64, false>(in0, 64LL, 1LL, in1, nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, out, 65536LL, 1LL, 2LL, 1, c0);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[__ldg(E + 3) + (D__i0)], 1u);
+          mega_red_release(&ctr[e3 + (D__i0)], 1u);
         }
       } break;
       case 5: {  // kv_append: op6, op16 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)args.ptr[e1]);
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[__ldg(E + 0) + (0LL)]; wl.expected[0] = (unsigned)(16LL);
+        wl.ctr[0] = &ctr[e2 + (0LL)]; wl.expected[0] = (unsigned)(16LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        kv_append<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + __ldg(E + 1))), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[__ldg(E + 2)]), 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
+        kv_append<__nv_bfloat16>(in0, 64LL, 1LL, out, 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[__ldg(E + 3) + (0LL)], 1u);
+          mega_red_release(&ctr[e3 + (0LL)], 1u);
         }
       } break;
       case 6: {  // attn_partial: op7, op17 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7);
         long long rem = local;
         const long long c1 = rem % (((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e1]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e2]);
+        float* const out = ((float*)(args.arena + e3));
         MegaWaits wl; wl.n = 3;
-        wl.ctr[0] = &ctr[__ldg(E + 0) + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
-        wl.ctr[1] = &ctr[__ldg(E + 1) + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
-        wl.ctr[2] = &ctr[__ldg(E + 2) + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[0] = &ctr[e4 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[e5 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[2] = &ctr[e6 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        attn_partial<__nv_bfloat16, 64, 2>(smem, ((__nv_bfloat16*)(args.arena + __ldg(E + 3))), 64LL, 1LL, ((__nv_bfloat16*)args.ptr[__ldg(E + 4)]), 65536LL, 64LL, 1LL, ((__nv_bfloat16*)args.ptr[__ldg(E + 5)]), 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, ((float*)(args.arena + __ldg(E + 6))), 1056LL, 66LL, c0, c1);
+        attn_partial<__nv_bfloat16, 64, 2>(smem, in0, 64LL, 1LL, in1, 65536LL, 64LL, 1LL, in2, 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, out, 1056LL, 66LL, c0, c1);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[__ldg(E + 7) + (D__i0)], 1u);
+          mega_red_release(&ctr[e7 + (D__i0)], 1u);
         }
       } break;
       case 7: {  // attn_merge: op8, op18 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
+        float* const in0 = ((float*)(args.arena + e0));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e1));
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[__ldg(E + 0) + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
+        wl.ctr[0] = &ctr[e2 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        attn_merge<__nv_bfloat16, 64>(((float*)(args.arena + __ldg(E + 1))), 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, ((__nv_bfloat16*)(args.arena + __ldg(E + 2))), 64LL, 1LL, c0);
+        attn_merge<__nv_bfloat16, 64>(in0, 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, out, 64LL, 1LL, c0);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[__ldg(E + 3) + (0LL)], 1u);
+          mega_red_release(&ctr[e3 + (0LL)], 1u);
         }
       } break;
       case 8: {  // matvec: op9 (1 entries)
@@ -246,13 +277,17 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         const long long c1 = rem % (32LL); rem /= (32LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 2048));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[9]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)(args.arena + 0));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 19456));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[9] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 2048)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ ((__nv_bfloat16*)args.ptr[9]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (((__nv_bfloat16*)(args.arena + 0)) + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -262,42 +297,55 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
       } break;
       case 9: {  // glu_down: op10, op20 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
         long long rem = local;
         const long long c1 = rem % (64LL); rem /= (64LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e1]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e2]);
+        __nv_bfloat16* const in3 = ((__nv_bfloat16*)args.ptr[e3]);
+        __nv_bfloat16* const in4 = ((__nv_bfloat16*)args.ptr[e4]);
+        float* const out = ((float*)(ctr + e5));
         if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[__ldg(E + 0)] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
-          mega_prefetch_l2((const char*)args.ptr[__ldg(E + 1)] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[e6] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[e7] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[__ldg(E + 2) + (0LL)]; wl.expected[0] = (unsigned)(32LL);
-        glu_down<__nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ ((__nv_bfloat16*)(args.arena + __ldg(E + 3))), /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 4)]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 5)]), /*w_s0*/ 256LL, /*w2*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 6)]), /*w2_s0*/ 256LL, /*wd*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 7)]), /*wd_s0*/ 256LL, /*acc*/ ((float*)(ctr + __ldg(E + 8))), /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl);
+        wl.ctr[0] = &ctr[e8 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
+        glu_down<__nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ in0, /*x_s1*/ 1LL, /*g*/ in1, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in2, /*w_s0*/ 256LL, /*w2*/ in3, /*w2_s0*/ 256LL, /*wd*/ in4, /*wd_s0*/ 256LL, /*acc*/ out, /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[__ldg(E + 9) + (0LL)], 1u);
+          mega_red_release(&ctr[e9 + (0LL)], 1u);
         }
       } break;
       case 10: {  // matvec: op11, op12 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
         long long rem = local;
-        const long long c1 = rem % (__ldg(E + 0)); rem /= (__ldg(E + 1));
+        const long long c1 = rem % (e0); rem /= (e1);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e2]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[15]);
+        float* const in3 = ((float*)(ctr + 64));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e3));
         if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[__ldg(E + 2)] + c1 * 4096LL, (min_i64(__ldg(E + 3) - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[e4] + c1 * 4096LL, (min_i64(e5 - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[15]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[__ldg(E + 4)]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (((float*)(ctr + 64)) + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + __ldg(E + 5))) + c0 * 1 * __ldg(E + 6)), /*out_s0*/ __ldg(E + 7), /*out_s1*/ 1LL, /*N*/ __ldg(E + 8), /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
-          mega_red_release(&ctr[__ldg(E + 9) + ((D__i1 / 8LL))], 1u);
+          mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
         }
       } break;
       case 11: {  // matvec: op13 (1 entries)
@@ -305,12 +353,17 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         const long long c1 = rem % (16LL); rem /= (16LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[17]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[15]);
+        float* const in3 = ((float*)(ctr + 64));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 20736));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[17] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ ((__nv_bfloat16*)args.ptr[15]), /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ ((__nv_bfloat16*)args.ptr[17]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (((float*)(ctr + 64)) + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (((__nv_bfloat16*)(args.arena + 20736)) + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -324,13 +377,18 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         const long long c1 = rem % (32LL); rem /= (32LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 21504));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[20]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)(args.arena + 19456));
+        float* const in3 = ((float*)(ctr + 64));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 38912));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[20] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[17 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, true>(/*smem*/ smem, /*x*/ (((__nv_bfloat16*)(args.arena + 21504)) + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ ((__nv_bfloat16*)args.ptr[20]), /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (((__nv_bfloat16*)(args.arena + 19456)) + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (((float*)(ctr + 64)) + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (((__nv_bfloat16*)(args.arena + 38912)) + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, true>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (in3 + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         __syncthreads();
@@ -344,11 +402,14 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         const long long c1 = rem % (1LL); rem /= (1LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 38912));
+        float* const in1 = ((float*)(ctr + 320));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 39424));
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[34 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        acc_residual<__nv_bfloat16>(((__nv_bfloat16*)(args.arena + 38912)), 1LL, ((float*)(ctr + 320)), ((__nv_bfloat16*)(args.arena + 39424)), 1LL, 256LL, 1024LL, c1);
+        acc_residual<__nv_bfloat16>(in0, 1LL, in1, out, 1LL, 256LL, 1024LL, c1);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
@@ -360,6 +421,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         const long long c1 = rem % (128LL); rem /= (128LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 39424));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[25]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[26]);
+        float* const out = ((float*)(args.arena + 39936));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[25] + c1 * 4096LL, (min_i64(1024LL - c1 * 8, 8LL)) * 512LL);
         }
@@ -367,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[35 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        matvec_argmax<__nv_bfloat16, 256, 8, true>(smem, ((__nv_bfloat16*)(args.arena + 39424)), 256LL, 1LL, ((__nv_bfloat16*)args.ptr[26]), 1LL, 1e-05f, ((__nv_bfloat16*)args.ptr[25]), 256LL, 1LL, ((float*)(args.arena + 39936)), 2LL, 1024LL, c1);
+        matvec_argmax<__nv_bfloat16, 256, 8, true>(smem, in0, 256LL, 1LL, in2, 1LL, 1e-05f, in1, 256LL, 1LL, out, 2LL, 1024LL, c1);
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence();
@@ -378,11 +443,13 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         long long rem = local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
+        float* const in0 = ((float*)(args.arena + 39936));
+        int* const out = ((int*)(args.arena + 40960));
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[36 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        argmax_reduce(smem, ((float*)(args.arena + 39936)), 256LL, 2LL, 128LL, ((int*)(args.arena + 40960)), 1LL, c0);
+        argmax_reduce(smem, in0, 256LL, 2LL, 128LL, out, 1LL, c0);
       } break;
       default: break;
     }
