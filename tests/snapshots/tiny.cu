@@ -112,6 +112,11 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
 #endif
     const long long* E = args.table + 2 * MEGA_ENTRIES + entry_consts[entry];  // this entry's constants
     (void)E;
+    if (threadIdx.x == 32 && entry + 1 < MEGA_ENTRIES) {  // the next entry's constants into L1: its first
+      const long long* next = args.table + 2 * MEGA_ENTRIES + entry_consts[entry + 1];  // instance here finds them
+      asm volatile("prefetch.global.L1 [%0];" :: "l"(next));
+      asm volatile("prefetch.global.L1 [%0];" :: "l"(next + 15));
+    }
     switch (entry_case[entry]) {
       case 0: {  // embedding: op0 (1 entries)
         long long rem = local;
