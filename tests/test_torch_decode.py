@@ -87,16 +87,18 @@ def test_bf16_close_to_reference():
             assert rel_err(logits, ref["logits"]) < 2e-2
 
 
-def test_one_graph_for_all_positions():
+@pytest.mark.parametrize("decoder, config", [("ref", "llama3-2l"), ("plain", "qwen3-2l")])
+def test_one_graph_for_all_positions(decoder, config):
     """Position is data, not a guard: dynamo traces the step once, without graph breaks."""
     from torch._dynamo.testing import CompileCounter
 
+    make = {"ref": TorchDecoder, "plain": PlainDecoder}[decoder]
     torch._dynamo.reset()
-    cfg, max_len = f32(CONFIGS["llama3-2l"]), 16
+    cfg, max_len = f32(CONFIGS[config]), 16
     graph, spec = build_decode_graph(cfg, max_len=max_len)
     weights = random_weights(spec, seed=2)
-    eager = TorchDecoder(cfg, weights, max_len=max_len, device="cpu")
-    dec = TorchDecoder(cfg, weights, max_len=max_len, device="cpu")
+    eager = make(cfg, weights, max_len=max_len, device="cpu")
+    dec = make(cfg, weights, max_len=max_len, device="cpu")
     counter = CompileCounter()
     step = torch.compile(dec, backend=counter, fullgraph=True)
     with torch.no_grad():
@@ -187,29 +189,6 @@ def test_plain_bf16_close_to_exact():
             got, _ = plain.step(t, p)
             assert got.dtype == torch.bfloat16
             assert rel_err(got, want) < 3e-2
-
-
-def test_plain_one_graph_for_all_positions():
-    from torch._dynamo.testing import CompileCounter
-
-    torch._dynamo.reset()
-    cfg, max_len = f32(CONFIGS["qwen3-2l"]), 16
-    _, spec = build_decode_graph(cfg, max_len=max_len)
-    weights = random_weights(spec, seed=2)
-    eager = PlainDecoder(cfg, weights, max_len=max_len, device="cpu")
-    dec = PlainDecoder(cfg, weights, max_len=max_len, device="cpu")
-    counter = CompileCounter()
-    step = torch.compile(dec, backend=counter, fullgraph=True)
-    with torch.no_grad():
-        for pos in range(5):
-            t = torch.tensor([pos + 1], dtype=torch.int32)
-            want, _ = eager.step(t, torch.tensor([pos]))
-            got, _ = step(t, torch.tensor([pos]))
-            assert rel_err(got, want) < 1e-6
-    assert counter.frame_count == 1
-    for name, c in dec.caches.items():
-        assert torch.equal(c, eager.caches[name])
-    torch._dynamo.reset()
 
 
 def test_plain_rejects_mismatched_inputs():

@@ -58,36 +58,21 @@ _QWEN3 = {
     "eos_token_id": 151645,
 }
 
+_TINY = {  # the shape of the small demo/CI models
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}
+
 PRESETS: dict[str, dict] = {
-    "tiny": {
-        **_LLAMA,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "vocab_size": 1024,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": False,
-    },
-    "qwen3-tiny": {
-        **_QWEN3,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "vocab_size": 1024,
-        "max_position_embeddings": 2048,
-        "max_window_layers": 2,
-        "tie_word_embeddings": False,
-        "bos_token_id": None,
-        "eos_token_id": None,
-    },
+    "tiny": {**_LLAMA, **_TINY, "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
+    "qwen3-tiny": {**_QWEN3, **_TINY, "max_window_layers": 2, "bos_token_id": None, "eos_token_id": None},
     "llama-3.2-1b": {
         **_LLAMA3,
         "hidden_size": 2048,
