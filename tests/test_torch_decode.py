@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import doctest
 
 import pytest
 import torch
 
 import megaegg as me
 from megaegg.models import ModelConfig, build_decode_graph, random_weights
-from megaegg.models import torch_decode, torch_plain
+from megaegg.models import torch_plain
 from megaegg.models.torch_decode import TorchDecoder
 from megaegg.models.torch_plain import PlainDecoder
 
@@ -126,10 +125,6 @@ def test_rejects_mismatched_inputs():
         TorchDecoder(cfg, weights, max_len=8, device="cpu", attention="flash")
 
 
-def test_doctests():
-    assert doctest.testmod(torch_decode).failed == 0
-
-
 # --- PlainDecoder (megaegg.models.torch_plain): the gpt-fast-style peer -----------------------
 PLAIN_CONFIGS = {f"{p}-{'tied' if tie else 'untied'}": dataclasses.replace(ModelConfig.preset(p), tie_embeddings=tie)
                  for p in ("tiny", "qwen3-tiny") for tie in (False, True)}
@@ -204,10 +199,6 @@ def test_plain_rejects_mismatched_inputs():
         dec.load_caches({"k_cache.0": torch.zeros(2, 8, 64)})
     with pytest.raises(ValueError, match="attention"):
         PlainDecoder(cfg, weights, max_len=8, device="cpu", attention="flash")
-
-
-def test_plain_doctests():
-    assert doctest.testmod(torch_plain).failed == 0
 
 
 def test_bench_dry_run_has_plain_peers(tmp_path):
