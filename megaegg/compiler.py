@@ -32,6 +32,8 @@ log = logging.getLogger("megaegg")
 def compile_options(graph: Graph, max_dims: Mapping[str, int] | None, dims_hint: Mapping[str, int] | None,
                     cost_model: CostModel | None) -> dict:
     """The options that decide an artifact, checked against the graph's runtime dims."""
+    if not graph.outputs:
+        raise GraphError("graph has no outputs: call graph.output(name, tensor)")
     symbols = sorted(graph.symbols())
     for arg, given in (("max_dims", max_dims), ("dims_hint", dims_hint)):
         if given is None:
@@ -62,8 +64,6 @@ def build_artifact(
     from .interpreter.render import defines, render
     from .lowering.queue import build_queue
 
-    if not graph.outputs:
-        raise GraphError("graph has no outputs: call graph.output(name, tensor)")
     opts = compile_options(graph, max_dims, dims_hint, cost_model)
     stats = schedule.RewriteStats()
     log.info("rewrite: %d graph nodes ...", len(graph.nodes))
@@ -105,8 +105,6 @@ def cached_artifact(graph: Graph, *, max_dims=None, cost_model=None, dims_hint=N
     """:func:`build_artifact` through the on-disk artifact cache (``$MEGAEGG_CACHE/artifacts``): a graph
     compiled before with the same options and code version is loaded, not rebuilt."""
     t0 = time.perf_counter()
-    if not graph.outputs:
-        raise GraphError("graph has no outputs: call graph.output(name, tensor)")
     opts = compile_options(graph, max_dims, dims_hint, cost_model)
     from .interpreter.render import defines
 

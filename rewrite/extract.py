@@ -22,7 +22,6 @@ from .encode import VIEW_OPS, base_node
 from .terms import Op, acc, node
 
 MAX_ALTERNATIVES = 256
-Value = "int | Sum"  # a graph node id, or an f32 sum
 
 
 @dataclass(frozen=True)
@@ -39,9 +38,6 @@ class Choice:
 
     def refs(self, graph: Graph) -> tuple:
         return TERMS[self.term].refs(graph, self.named)
-
-    def with_args(self, **changes) -> "Choice":
-        return Choice(self.value, self.term, tuple((k, changes.get(k, v)) for k, v in self.args))
 
     def __str__(self) -> str:
         return f"{self.value} = {self.term}(" + ", ".join(f"{k}={v}" for k, v in self.args) + ")"

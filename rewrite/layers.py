@@ -58,10 +58,10 @@ def _signature(n: Node):
     return (n.op, n.dtype, n.shape, attrs)
 
 
-def _shifted(graph: Graph, i: int, p: int, outputs: set[int]) -> bool:
-    """Whether node ``i`` is node ``i - p`` shifted by ``p``."""
+def _shifted(graph: Graph, sigs: list, i: int, p: int, outputs: set[int]) -> bool:
+    """Whether node ``i`` is node ``i - p`` shifted by ``p`` (``sigs``: every node's signature)."""
     a, b = graph.nodes[i - p], graph.nodes[i]
-    if _signature(a) != _signature(b) or (a.id in outputs) != (b.id in outputs) or len(a.inputs) != len(b.inputs):
+    if sigs[i - p] != sigs[i] or (a.id in outputs) != (b.id in outputs) or len(a.inputs) != len(b.inputs):
         return False
     if "value" in a.attrs and not torch.equal(a.attrs["value"], b.attrs["value"]):
         return False
@@ -71,19 +71,19 @@ def _shifted(graph: Graph, i: int, p: int, outputs: set[int]) -> bool:
 def find_repeats(graph: Graph) -> Repeats | None:
     """The longest run of at least ``KEEP + 1`` shifted blocks, or None."""
     outputs = set(graph.outputs.values())
+    sigs = [_signature(n) for n in graph.nodes]
     last: dict = {}
     gaps: Counter = Counter()
     for n in graph.nodes:
         if n.inputs:  # computing nodes: their spacing is the layer's length
-            sig = _signature(n)
-            if sig in last:
-                gaps[n.id - last[sig]] += 1
-            last[sig] = n.id
+            if sigs[n.id] in last:
+                gaps[n.id - last[sigs[n.id]]] += 1
+            last[sigs[n.id]] = n.id
     best = None
     for p, _ in gaps.most_common(MAX_PERIODS_TRIED):
         run = 0
         for i in range(p, len(graph.nodes) + 1):
-            if i < len(graph.nodes) and _shifted(graph, i, p, outputs):
+            if i < len(graph.nodes) and _shifted(graph, sigs, i, p, outputs):
                 run += 1
                 continue
             if run:  # nodes [i - run - p, i) are `run // p + 1` shifted blocks (whole ones counted)

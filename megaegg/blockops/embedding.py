@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import BlockKind, Partition, Term, dimc, fields, register, term
+from .base import BlockKind, Partition, Term, fields, register, term
 from .footprint import Full, Tile
 
 

@@ -41,7 +41,8 @@ from .config import ModelConfig
 ATTENTION = ("sdpa", "exact")
 
 
-def _w(t: torch.Tensor) -> nn.Parameter:
+def frozen(t: torch.Tensor) -> nn.Parameter:
+    """A weight as a parameter that takes no gradient."""
     return nn.Parameter(t, requires_grad=False)
 
 
@@ -73,17 +74,17 @@ class DecoderLayer(nn.Module):
         def w(name: str) -> torch.Tensor:
             return weights[f"model.layers.{layer}.{name}.weight"].to(device)
 
-        self.input_layernorm = _w(w("input_layernorm"))
-        self.post_attention_layernorm = _w(w("post_attention_layernorm"))
+        self.input_layernorm = frozen(w("input_layernorm"))
+        self.post_attention_layernorm = frozen(w("post_attention_layernorm"))
         if fuse:  # one matvec for q/k/v and one for gate/up: fewer launches, identical rounding per element
-            self.qkv_proj = _w(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]))
-            self.gate_up_proj = _w(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
+            self.qkv_proj = frozen(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]))
+            self.gate_up_proj = frozen(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
         else:
-            self.q_proj, self.k_proj, self.v_proj = (_w(w(f"self_attn.{p}_proj")) for p in "qkv")
-            self.gate_proj, self.up_proj = _w(w("mlp.gate_proj")), _w(w("mlp.up_proj"))
-        self.o_proj, self.down_proj = _w(w("self_attn.o_proj")), _w(w("mlp.down_proj"))
+            self.q_proj, self.k_proj, self.v_proj = (frozen(w(f"self_attn.{p}_proj")) for p in "qkv")
+            self.gate_proj, self.up_proj = frozen(w("mlp.gate_proj")), frozen(w("mlp.up_proj"))
+        self.o_proj, self.down_proj = frozen(w("self_attn.o_proj")), frozen(w("mlp.down_proj"))
         if cfg.arch == "qwen3":
-            self.q_norm, self.k_norm = _w(w("self_attn.q_norm")), _w(w("self_attn.k_norm"))
+            self.q_norm, self.k_norm = frozen(w("self_attn.q_norm")), frozen(w("self_attn.k_norm"))
         dtype = self.o_proj.dtype
         self.register_buffer("k_cache", torch.zeros(Hkv, max_len, D, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(Hkv, max_len, D, dtype=dtype, device=device), persistent=False)
@@ -133,49 +134,19 @@ class DecoderLayer(nn.Module):
         return o.to(q.dtype).reshape(Hkv * group, D)
 
 
-class TorchDecoder(nn.Module):
-    """One decode step in PyTorch over static KV caches.
+class StaticCacheDecoder(nn.Module):
+    """What every PyTorch decode step here shares: checked arguments, ``step`` and the per-layer
+    static KV caches by the graph's input names. Subclasses build ``self.layers`` (each with
+    ``k_cache`` and ``v_cache`` buffers) and ``forward(token, pos)``."""
 
-    ``weights``: Hugging Face names (as :func:`~megaegg.models.random_weights` or
-    ``load_checkpoint`` return them), in ``cfg.dtype``. ``fuse`` concatenates q/k/v and
-    gate/up weights into one matrix each (a copy; same results). ``attention``:
-    ``"sdpa"`` (``F.scaled_dot_product_attention`` with a boolean mask, the fast
-    baseline) or ``"exact"`` (the reference's fp32 arithmetic).
-    """
-
-    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, max_len: int, device="cuda",
-                 fuse: bool = True, attention: str = "sdpa") -> None:
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, max_len: int, device) -> None:
         super().__init__()
-        if attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if not 0 < max_len <= cfg.max_positions:
             raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings)")
         bad = sorted(n for n, t in weights.items() if t.dtype != cfg.dtype.torch)
         if bad:
             raise GraphError(f"weights must be {cfg.dtype} like the config; {bad[0]!r} is {weights[bad[0]].dtype}")
         self.cfg, self.max_len, self.device = cfg, max_len, torch.device(device)
-        self.embed_tokens = _w(weights["model.embed_tokens.weight"].to(device))
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, weights, i, max_len=max_len, device=device, fuse=fuse, attention=attention)
-            for i in range(cfg.layers)
-        )
-        self.norm = _w(weights["model.norm.weight"].to(device))
-        self.lm_head = self.embed_tokens if cfg.tie_embeddings else _w(weights["lm_head.weight"].to(device))
-        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # the graph's constant
-        self.register_buffer("inv_freq", inv.to(device), persistent=False)
-        self.register_buffer("positions", torch.arange(max_len, device=device), persistent=False)
-
-    def forward(self, token: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``token`` int32[1], ``pos`` int64[1] (device tensors) -> logits [1, vocab], next_token int32[1]."""
-        x = F.embedding(token, self.embed_tokens)  # [1, hidden]
-        angles = pos.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [1, D/2], fp32 like the reference
-        cos, sin = angles.cos(), angles.sin()
-        mask = self.positions <= pos  # [max_len]: rows 0..pos (the new row included)
-        for layer in self.layers:
-            x = layer(x, pos, cos, sin, mask)
-        x = rms_norm(x, self.norm, self.cfg.rms_eps)
-        logits = F.linear(x, self.lm_head)
-        return logits, logits.argmax(-1).to(torch.int32)  # first index on ties, like the reference
 
     def step(self, token: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step (the module's forward); appends this token's K/V to the caches."""
@@ -197,3 +168,42 @@ class TorchDecoder(nn.Module):
         with torch.no_grad():
             for name, t in caches.items():
                 mine[name].copy_(t)
+
+
+class TorchDecoder(StaticCacheDecoder):
+    """One decode step in PyTorch over static KV caches.
+
+    ``weights``: Hugging Face names (as :func:`~megaegg.models.random_weights` or
+    ``load_checkpoint`` return them), in ``cfg.dtype``. ``fuse`` concatenates q/k/v and
+    gate/up weights into one matrix each (a copy; same results). ``attention``:
+    ``"sdpa"`` (``F.scaled_dot_product_attention`` with a boolean mask, the fast
+    baseline) or ``"exact"`` (the reference's fp32 arithmetic).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, max_len: int, device="cuda",
+                 fuse: bool = True, attention: str = "sdpa") -> None:
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        super().__init__(cfg, weights, max_len=max_len, device=device)
+        self.embed_tokens = frozen(weights["model.embed_tokens.weight"].to(device))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, weights, i, max_len=max_len, device=device, fuse=fuse, attention=attention)
+            for i in range(cfg.layers)
+        )
+        self.norm = frozen(weights["model.norm.weight"].to(device))
+        self.lm_head = self.embed_tokens if cfg.tie_embeddings else frozen(weights["lm_head.weight"].to(device))
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # the graph's constant
+        self.register_buffer("inv_freq", inv.to(device), persistent=False)
+        self.register_buffer("positions", torch.arange(max_len, device=device), persistent=False)
+
+    def forward(self, token: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token`` int32[1], ``pos`` int64[1] (device tensors) -> logits [1, vocab], next_token int32[1]."""
+        x = F.embedding(token, self.embed_tokens)  # [1, hidden]
+        angles = pos.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [1, D/2], fp32 like the reference
+        cos, sin = angles.cos(), angles.sin()
+        mask = self.positions <= pos  # [max_len]: rows 0..pos (the new row included)
+        for layer in self.layers:
+            x = layer(x, pos, cos, sin, mask)
+        x = rms_norm(x, self.norm, self.cfg.rms_eps)
+        logits = F.linear(x, self.lm_head)
+        return logits, logits.argmax(-1).to(torch.int32)  # first index on ties, like the reference

@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graph import GraphError
 from ..ops import rope_inv_freq
 from .config import ModelConfig
+from .torch_decode import StaticCacheDecoder, frozen
 
 ATTENTION = ("gqa", "grouped")
 
@@ -63,10 +63,6 @@ def _sdpa_has_gqa() -> bool:
 
 
 HAS_ENABLE_GQA = _sdpa_has_gqa()
-
-
-def _w(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,14 +92,14 @@ class PlainLayer(nn.Module):
         def w(name: str) -> torch.Tensor:
             return weights[f"model.layers.{layer}.{name}.weight"].to(device)
 
-        self.input_layernorm = _w(w("input_layernorm"))
-        self.post_attention_layernorm = _w(w("post_attention_layernorm"))
-        self.wqkv = _w(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]))
-        self.w13 = _w(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
-        self.wo, self.w2 = _w(w("self_attn.o_proj")), _w(w("mlp.down_proj"))
+        self.input_layernorm = frozen(w("input_layernorm"))
+        self.post_attention_layernorm = frozen(w("post_attention_layernorm"))
+        self.wqkv = frozen(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]))
+        self.w13 = frozen(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
+        self.wo, self.w2 = frozen(w("self_attn.o_proj")), frozen(w("mlp.down_proj"))
         self.qk_norm = cfg.arch == "qwen3"
         if self.qk_norm:
-            self.q_norm, self.k_norm = _w(w("self_attn.q_norm")), _w(w("self_attn.k_norm"))
+            self.q_norm, self.k_norm = frozen(w("self_attn.q_norm")), frozen(w("self_attn.k_norm"))
         dtype = self.wo.dtype
         self.register_buffer("k_cache", torch.zeros(Hkv, max_len, D, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(Hkv, max_len, D, dtype=dtype, device=device), persistent=False)
@@ -136,7 +132,7 @@ class PlainLayer(nn.Module):
         return F.scaled_dot_product_attention(q.view(1, H, 1, D), k, v, attn_mask=m).reshape(H, D)
 
 
-class PlainDecoder(nn.Module):
+class PlainDecoder(StaticCacheDecoder):
     """One decode step in plain PyTorch over static KV caches (gpt-fast style; see the module doc).
 
     ``weights``: Hugging Face names (as :func:`~megaegg.models.random_weights` or
@@ -148,21 +144,16 @@ class PlainDecoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, max_len: int, device="cuda",
                  attention: str = "gqa") -> None:
-        super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-        if not 0 < max_len <= cfg.max_positions:
-            raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings)")
-        bad = sorted(n for n, t in weights.items() if t.dtype != cfg.dtype.torch)
-        if bad:
-            raise GraphError(f"weights must be {cfg.dtype} like the config; {bad[0]!r} is {weights[bad[0]].dtype}")
-        self.cfg, self.max_len, self.device, self.attention = cfg, max_len, torch.device(device), attention
-        self.embed_tokens = _w(weights["model.embed_tokens.weight"].to(device))
+        super().__init__(cfg, weights, max_len=max_len, device=device)
+        self.attention = attention
+        self.embed_tokens = frozen(weights["model.embed_tokens.weight"].to(device))
         self.layers = nn.ModuleList(
             PlainLayer(cfg, weights, i, max_len=max_len, device=device, attention=attention) for i in range(cfg.layers)
         )
-        self.norm = _w(weights["model.norm.weight"].to(device))
-        self.lm_head = self.embed_tokens if cfg.tie_embeddings else _w(weights["lm_head.weight"].to(device))
+        self.norm = frozen(weights["model.norm.weight"].to(device))
+        self.lm_head = self.embed_tokens if cfg.tie_embeddings else frozen(weights["lm_head.weight"].to(device))
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(torch.float32)
         angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv[None, :]  # [max_len, D/2]
         self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)
@@ -183,24 +174,3 @@ class PlainDecoder(nn.Module):
             x = layer(x, pos, cos, sin, mask)
         logits = F.linear(_rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head)
         return logits, logits.argmax(-1).to(torch.int32)
-
-    def step(self, token: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step (the module's forward); appends this token's K/V to the caches."""
-        return self(token, pos)
-
-    @property
-    def caches(self) -> dict[str, torch.Tensor]:
-        """The KV cache buffers by the graph's input names (``k_cache.{l}``, ``v_cache.{l}``): live, not copies."""
-        out = {}
-        for i, layer in enumerate(self.layers):
-            out[f"k_cache.{i}"], out[f"v_cache.{i}"] = layer.k_cache, layer.v_cache
-        return out
-
-    def load_caches(self, caches: Mapping[str, torch.Tensor]) -> None:
-        """Copy ``caches`` (by graph input name) into the buffers in place (addresses stay, for CUDA graphs)."""
-        mine = self.caches
-        if set(caches) != set(mine):
-            raise GraphError(f"caches: expected {sorted(mine)}, got {sorted(caches)}")
-        with torch.no_grad():
-            for name, t in caches.items():
-                mine[name].copy_(t)

@@ -1,5 +1,5 @@
 """Quick GPU probe: correctness + timing of a preset decode step vs torch (dev use)."""
-import sys, time, torch, dataclasses
+import sys, time, torch
 import megaegg as me
 from megaegg.models import ModelConfig, build_decode_graph, random_weights
 
