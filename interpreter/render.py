@@ -22,7 +22,10 @@ from .nvrtc import CUDA_DIR
 
 THREADS = 256
 SMEM_BYTES = 120 * 1024  # dynamic smem per block: >113 KB keeps one block per SM; more starves L1 (measured)
-DEFINES = {"MEGA_THREADS": THREADS, "MEGA_SMEM": SMEM_BYTES}
+# The weight page ring (cuda/pages.cuh): MEGA_PAGES pages of MEGA_PAGE_BYTES after the bodies'
+# MEGA_SMEM bytes, filled by a loader warp; MEGA_PAGES=0 turns it off (no loader warp).
+PAGES, PAGE_BYTES = 6, 16384
+DEFINES = {"MEGA_THREADS": THREADS, "MEGA_SMEM": SMEM_BYTES, "MEGA_PAGES": PAGES, "MEGA_PAGE_BYTES": PAGE_BYTES}
 
 
 def defines() -> dict[str, int]:
@@ -31,6 +34,12 @@ def defines() -> dict[str, int]:
 
     extra = dict(kv.split("=") for kv in os.environ.get("MEGAEGG_DEFINES", "").split(",") if kv)
     return {**DEFINES, **{k: int(v) for k, v in extra.items()}}
+
+
+def launch_shape(defs: dict[str, int]) -> tuple[int, int]:
+    """(threads, dynamic shared memory bytes) of a block of the kernel compiled with ``defs``."""
+    pages = defs.get("MEGA_PAGES", 0)
+    return defs["MEGA_THREADS"] + (32 if pages else 0), defs["MEGA_SMEM"] + pages * defs.get("MEGA_PAGE_BYTES", 0)
 
 
 def c_expr(d: Dim) -> str:
@@ -71,17 +80,74 @@ def weight_prefetches(q: WorkQueue, op) -> list[str]:
     return out
 
 
-def case_body(q: WorkQueue, e: QueueEntry) -> list[str]:
-    """The C++ of one queue entry's instance: grid coordinates, prefetches, waits, the body, signals."""
-    op = e.op
-    kind = REGISTRY[op.kind]
-    lines = []
-    # grid coordinates, row-major from the local instance index
-    lines.append("        long long rem = local;")
+@dataclass(frozen=True)
+class Stream:
+    """Rows ``[first, first + rows)`` of a weight operand, streamed into the page ring."""
+
+    input: int
+    first: str  # C expressions of the instance's grid coordinates
+    rows: str
+    row_stride: int  # elements
+    row_elems: int
+
+
+def paged_streams(q: WorkQueue, op, defs: dict[str, int]) -> list[Stream] | None:
+    """The weight streams of an instance of ``op`` in the order its body reads them, when its body
+    takes them from the page ring: every input the kind offers is a tile of whole, contiguous,
+    16-byte-aligned rows that fit a page. None: the body loads its weights itself."""
+    inputs = REGISTRY[op.kind].paged_inputs(op)
+    page = defs.get("MEGA_PAGE_BYTES", 0)
+    if not defs.get("MEGA_PAGES") or not inputs:
+        return None
+    streams = []
+    for k in inputs:
+        o, fp = op.inputs[k], op.reads[k]
+        buf, layout = q.program.buffers[o.buffer], q.layout(o)
+        if buf.kind != "weight" or len(o.shape) != 2 or len(fp) != 2:
+            return None
+        tile, cols = fp
+        item = o.dtype.itemsize
+        if not (isinstance(tile, Tile) and isinstance(cols, Full) and all(s.is_const for s in layout.stride)
+                and layout.offset.is_const and layout.offset.value == 0 and o.shape[1].is_const):
+            return None
+        stride0, stride1 = (s.value for s in layout.stride)
+        k_elems = o.shape[1].value
+        if stride1 != 1 or (stride0 * item) % 16 or k_elems * item > page or (k_elems * item) % (32 * 16):
+            return None  # (page_dots: each warp's 32 16-byte vectors in one row)
+        c = f"c{tile.axis}"
+        total = c_expr(o.shape[0])
+        streams.append(Stream(k, f"{c} * {tile.size}LL", f"min_i64({total} - {c} * {tile.size}LL, {tile.size}LL)",
+                              stride0, k_elems))
+    return streams
+
+
+def loader_lines(q: WorkQueue, e: QueueEntry, streams: list[Stream]) -> list[str]:
+    """The loader warp's code for an instance: fill pages with its weight streams, in order."""
+    lines = grid_coordinates(e.op)
+    for s in streams:
+        o = operand_c(q, e.op.inputs[s.input])
+        item = e.op.inputs[s.input].dtype.itemsize
+        lines.append(f"        if (!mega_load_rows(L, {o.ptr} + ({s.first}) * {s.row_stride}LL, {s.row_stride * item}LL, "
+                     f"{s.row_elems * item}, {s.rows})) {{ ok = false; break; }}")
+    return lines
+
+
+def grid_coordinates(op) -> list[str]:
+    """c0, c1, ...: the instance's grid coordinates, row-major from its local index."""
+    lines = ["        long long rem = local;"]
     for axis in range(len(op.grid) - 1, 0, -1):
         lines.append(f"        const long long c{axis} = rem % ({c_expr(op.grid[axis])}); rem /= ({c_expr(op.grid[axis])});")
     lines.append("        const long long c0 = rem;")
     lines.append("        " + " ".join(f"const long long D__i{a} = c{a}; (void)D__i{a};" for a in range(max(1, len(op.grid)))))
+    return lines
+
+
+def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
+    """The C++ of one queue entry's instance: grid coordinates, prefetches, waits, the body, signals.
+    ``paged``: its weights come from the page ring (the body gets ``params["paged"]``)."""
+    op = dataclasses.replace(e.op, params={**e.op.params, "paged": True}) if paged else e.op
+    kind = REGISTRY[op.kind]
+    lines = grid_coordinates(op)
     # operand pointers first, before any wait: where they come from the entry table, their loads
     # then overlap the wait instead of following it on the dependent chain
     ins, out = [operand_c(q, o) for o in op.inputs], operand_c(q, op.output)
@@ -90,7 +156,7 @@ def case_body(q: WorkQueue, e: QueueEntry) -> list[str]:
         lines.append(f"        {o.ctype}* const {name} = {o.ptr};")
     ins = [dataclasses.replace(o, ptr=name) for o, name in zip(ins, names)]
     out = dataclasses.replace(out, ptr="out")
-    prefetch = weight_prefetches(q, op)
+    prefetch = [] if paged else weight_prefetches(q, op)
     if prefetch:
         lines.append("        if (threadIdx.x == 0) {")
         lines += [f"          {p}" for p in prefetch]
@@ -109,7 +175,7 @@ def case_body(q: WorkQueue, e: QueueEntry) -> list[str]:
             lines.append("        if (!mega_wait_all(wl)) break;")
         lines += [traced, call]
     if e.signals:
-        lines.append("        __syncthreads();")
+        lines.append("        mega_sync();")
         lines.append("        if (threadIdx.x == 0) {")
         lines.append("          __threadfence();")
         for s in e.signals:
@@ -157,35 +223,48 @@ class Rendered:
     table: EntryTable
 
 
-def shared_cases(q: WorkQueue) -> tuple[list[str], EntryTable]:
-    """One ``case`` per distinct entry code, literals that differ between its entries read from the table."""
+_LOADER = "\n\x02\n"  # separates an entry's body code from its loader code while literals are tabled
+
+
+def shared_cases(q: WorkQueue, defs: dict[str, int]) -> tuple[list[str], list[str], EntryTable]:
+    """One ``case`` per distinct entry code, literals that differ between its entries read from the
+    table; and the loader warp's ``case`` of each variant whose weights go through the page ring."""
     groups: dict[str, list[int]] = {}
     holes: list[list[str]] = []
     for k, e in enumerate(q.entries):
-        skeleton, literals = _holes("\n".join(case_body(q, e)))
+        streams = paged_streams(q, e.op, defs)
+        text = "\n".join(case_body(q, e, paged=streams is not None))
+        if streams:
+            text += _LOADER + "\n".join(loader_lines(q, e, streams))
+        skeleton, literals = _holes(text)
         groups.setdefault(skeleton, []).append(k)
         holes.append(literals)
-    cases, variant, offset, consts = [], [0] * len(q.entries), [0] * len(q.entries), []
+    cases, loader_cases, variant, offset, consts = [], [], [0] * len(q.entries), [0] * len(q.entries), []
     for g, (skeleton, members) in enumerate(groups.items()):
         columns = list(zip(*(holes[k] for k in members)))
         varying = [j for j, col in enumerate(columns) if len(set(col)) > 1]
         fill = iter([col[0] if j not in varying else f"e{varying.index(j)}" for j, col in enumerate(columns)])
-        text = re.sub("\x01", lambda _: next(fill), skeleton)
+        body, _, loader = re.sub("\x01", lambda _: next(fill), skeleton).partition(_LOADER)
         if varying:  # all loaded at once, first: one table round trip per instance
-            loads = ", ".join(f"e{i} = __ldg(E + {i})" for i in range(len(varying)))
-            text = f"        const long long {loads};\n" + text
+            loads = "        const long long " + ", ".join(f"e{i} = __ldg(E + {i})" for i in range(len(varying))) + ";\n"
+            body, loader = loads + body, loads + loader if loader else loader
         for k in members:
             variant[k], offset[k] = g, len(consts)
             consts += [int(holes[k][j].removesuffix("LL")) for j in varying]
         ops = ", ".join(f"op{q.entries[k].op.id}" for k in members[:6]) + (" ..." if len(members) > 6 else "")
-        cases.append(f"      case {g}: {{  // {q.entries[members[0]].op.kind}: {ops} ({len(members)} entries)\n"
-                     + text + "\n      } break;")
-    return cases, EntryTable(tuple(variant), tuple(offset), tuple(consts))
+        head = f"      case {g}: {{  // {q.entries[members[0]].op.kind}: {ops} ({len(members)} entries)\n"
+        cases.append(head + body + "\n      } break;")
+        if loader:
+            loader_cases.append(head + loader + "\n      } break;")
+    return cases, loader_cases, EntryTable(tuple(variant), tuple(offset), tuple(consts))
 
 
-def render(q: WorkQueue) -> Rendered:
+def render(q: WorkQueue, defs: dict[str, int] | None = None) -> Rendered:
+    """The kernel's source and entry table for the defines it will be compiled with (default:
+    ``defines()``; they decide, for one, whether weights go through the page ring)."""
+    defs = defines() if defs is None else defs
     src = (CUDA_DIR / "megakernel.cu").read_text()
-    cases, table = shared_cases(q)
+    cases, loader_cases, table = shared_cases(q, defs)
     kinds = sorted({REGISTRY[e.op.kind].cuda_file for e in q.entries if REGISTRY[e.op.kind].cuda_file})
     symbols = q.program.symbols
     slots = {
@@ -200,6 +279,7 @@ def render(q: WorkQueue) -> Rendered:
             f"prefix[{k + 1}] = prefix[{k}] + max_i64(0LL, {c_expr(e.launch)});" for k, e in enumerate(q.entries)
         ),
         "CASES": "\n".join(cases),
+        "LOADER_CASES": "\n".join(loader_cases),
     }
     for name, text in slots.items():
         src = src.replace(f"/*@{name}@*/", text)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..lowering.queue import WorkQueue
+from .render import launch_shape
 
 CONTROL_WORDS = 8
 ERR_TIMEOUT, ERR_INDEX = 1, 2
@@ -51,7 +52,7 @@ class CudaRunner:
         self.func = _drv(driver.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
         props = torch.cuda.get_device_properties(device)
         self.sms = props.multi_processor_count
-        self.smem, self.threads = defines["MEGA_SMEM"], defines["MEGA_THREADS"]  # launch what was compiled
+        self.threads, self.smem = launch_shape(defines)  # launch what was compiled
         if smem_bytes(device) < self.smem:
             raise RuntimeError(f"the megakernel needs {self.smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
         _drv(driver.cuFuncSetAttribute(

@@ -72,7 +72,8 @@ def build_artifact(
     t1 = time.perf_counter()
     queue = build_queue(program, opts["max_dims"])
     t2 = time.perf_counter()
-    rendered = render(queue)
+    defs = defines()
+    rendered = render(queue, defs)
     t3 = time.perf_counter()
     timings = {"rewrite": t1 - t0, **{f"rewrite.{k}": v for k, v in stats.seconds.items()},
                "barriers+queue": t2 - t1, "render": t3 - t2}
@@ -83,7 +84,7 @@ def build_artifact(
             node = next(n for n in graph.nodes if n.op == "constant" and n.name == b.name)
             constants[b.id] = node.attrs["value"]
     art = Artifact(queue=queue, source=rendered.source, table=rendered.table.words(), cubin=None, constants=constants,
-                   defines=defines(), timings=timings)
+                   defines=defs, timings=timings)
     if compile_cuda:
         compile_kernel(art)
     return art

@@ -25,9 +25,9 @@ __device__ __forceinline__ void block_best(float& bv, long long& bi, char* red) 
     float* rv = reinterpret_cast<float*>(red);
     long long* ri = reinterpret_cast<long long*>(red + 8 * MEGA_WARPS);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
+    mega_sync();
     if (lane == 0) rv[warp] = bv, ri[warp] = bi;
-    __syncthreads();
+    mega_sync();
     bv = lane < MEGA_WARPS ? rv[lane] : MEGA_NEG_INF;
     bi = lane < MEGA_WARPS ? ri[lane] : 0x7fffffffffffffffll;
 #pragma unroll

@@ -199,7 +199,7 @@ struct Warp {
                 if (sub == 0) dst[D] = m_run[g], dst[D + 1] = l_run[g];
             }
         }
-        __syncthreads();
+        mega_sync();
         for (int idx = threadIdx.x; idx < G * (D + 1); idx += MEGA_THREADS) {  // column j of head g; j == D: max, sum
             const int g = idx / (D + 1), j = idx % (D + 1);
             float mx = MEGA_NEG_INF;

@@ -1,6 +1,6 @@
 // Shared device helpers of the block-op bodies (no host code).
 //
-// Every body runs with the whole block (MEGA_THREADS threads) and may use the dynamic
+// Every body runs with the block's MEGA_THREADS body threads (synchronised by mega_sync) and may use the dynamic
 // shared memory `smem` (MEGA_SMEM bytes). Loads of global memory skip L1 (ld_cg, ldcg16,
 // ldw16 below): activations written by another SM in the same launch are not coherent
 // in L1 (docs/design.md, barrier protocol 1), and weights stream once, so L1 cannot help.
@@ -14,6 +14,17 @@
 static_assert(MEGA_THREADS % 32 == 0 && MEGA_THREADS <= 1024, "MEGA_THREADS: whole warps, at most 1024");
 
 #define MEGA_WARPS (MEGA_THREADS / 32)
+
+// The barrier of the threads that run bodies: named barrier 1 over MEGA_THREADS threads, since
+// the block may also hold a loader warp that never runs a body (pages.cuh).
+__device__ __forceinline__ void mega_sync() { asm volatile("bar.sync 1, %0;" ::"n"(MEGA_THREADS) : "memory"); }
+// mega_sync that also returns whether `p` holds in every body thread.
+__device__ __forceinline__ bool mega_sync_and(bool p) {
+    unsigned r;
+    asm volatile("{ .reg .pred a, b; setp.ne.u32 a, %1, 0; bar.red.and.pred b, 1, %2, a; selp.u32 %0, 1, 0, b; }"
+                 : "=r"(r) : "r"((unsigned)p), "n"(MEGA_THREADS) : "memory");
+    return r != 0;
+}
 #define MEGA_FULL_MASK 0xffffffffu
 #define MEGA_NEG_INF __int_as_float(0xff800000)
 
@@ -200,12 +211,12 @@ __device__ __forceinline__ void block_reduce_sum_n(float (&v)[N], float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] = warp_sum(v[i]);
-    __syncthreads();
+    mega_sync();
     if (lane == 0) {
 #pragma unroll
         for (int i = 0; i < N; ++i) red[i * MEGA_WARPS + warp] = v[i];
     }
-    __syncthreads();
+    mega_sync();
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] = warp_sum(lane < MEGA_WARPS ? red[i * MEGA_WARPS + lane] : 0.0f);
 }
@@ -219,9 +230,9 @@ __device__ __forceinline__ float block_reduce_sum(float v, float* red) {
 __device__ __forceinline__ float block_reduce_max(float v, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_max(v);
-    __syncthreads();
+    mega_sync();
     if (lane == 0) red[warp] = v;
-    __syncthreads();
+    mega_sync();
     return warp_max(lane < MEGA_WARPS ? red[lane] : MEGA_NEG_INF);
 }
 

@@ -10,7 +10,41 @@
 #pragma once
 #include "matvec.cuh"
 
-template <class T, int K, int N, int ROWS, bool NORM>
+#if MEGA_PAGES > 0
+// sum[v][e] += h[row] * w[row][(v * MEGA_THREADS + tid) * VEC + e] over the stream's rows [0, n)
+// (N columns): thread t owns the same column vectors of every row. False: the block is stopping.
+template <class T, class H, int N>
+__device__ bool page_axpy(const H* h, long long n, float (&sum)[cdiv(N / VecN<T>::value, MEGA_THREADS)][VecN<T>::value],
+                          unsigned& k) {
+    constexpr int VEC = VecN<T>::value, NV = N / VEC, VPT = cdiv(NV, MEGA_THREADS);
+    constexpr int RPP = MEGA_PAGE_BYTES / (N * (int)sizeof(T));
+    static_assert(N % VEC == 0 && RPP >= 1, "page_axpy: rows must be whole vectors and fit a page");
+    const int tid = threadIdx.x;
+    for (long long r0 = 0; r0 < n; r0 += RPP, ++k) {
+        const uint4* page = reinterpret_cast<const uint4*>(mega_page_acquire(k));
+        if (!page) return false;
+        const int rows = (int)min_i64(RPP, n - r0);
+#pragma unroll 2
+        for (int r = 0; r < rows; ++r) {
+            const float hj = to_f32(h[r0 + r]);
+#pragma unroll
+            for (int v = 0; v < VPT; ++v) {
+                const int vi = v * MEGA_THREADS + tid;
+                if (VPT * MEGA_THREADS != NV && vi >= NV) continue;
+                float f[VEC];
+                unpack16<T>(page[r * NV + vi], f);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) sum[v][e] = fmaf(f[e], hj, sum[v][e]);
+            }
+        }
+        mega_page_release(k);
+    }
+    return true;
+}
+
+#endif
+
+template <class T, int K, int N, int ROWS, bool NORM, bool PAGED = false>
 __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, const T* g, long long g_s0, float eps,
                                       const T* w, long long w_s0, const T* w2, long long w2_s0, const T* wd,
                                       long long wd_s0, float* acc, long long F, long long n_tile, const MegaWaits wl) {
@@ -26,60 +60,86 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
     const long long row0 = n_tile * ROWS;
     const int rows = (int)min_i64(ROWS, F - row0);
 
-    // phase 1: the gated matvec (it waits for x itself, after its first weight loads)
-    if (!matvec_impl::run_vec_regs<T, 1, K, ROWS, NORM, true, false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0,
-                                                                      nullptr, 0, 0, {}, hs - row0, 0, 1, F, n_tile, wl))
-        return;
-
-    // phase 2. Starting its loads from phase 1's last steps instead measured slower
-    // (perf-notes #32: register loads 1.22 ms vs 1.13; plus an L2 prefetch 1.25)
-    const int tid = threadIdx.x;
-    const T* base = wd + row0 * wd_s0;
-    uint4 b0[RB][VPT], b1[RB][VPT];
-    auto load = [&](uint4 (&b)[RB][VPT], int j0) {
+#if MEGA_PAGES > 0
+    if constexpr (PAGED) {  // w, w2 then wd arrive in the page ring (pages.cuh)
+        unsigned k = mega_page_head;
+        if (!matvec_impl::run_paged<T, K, ROWS, NORM, true, false, false, false>(
+                smem, x, 0, x_s1, g, g_s0, eps, nullptr, 0, 0, {}, hs - row0, 0, 1, F, n_tile, wl, k))
+            return;
+        mega_sync();  // h complete in shared memory
+        float sum[VPT][VEC];
 #pragma unroll
-        for (int r = 0; r < RB; ++r)
+        for (int v = 0; v < VPT; ++v)
 #pragma unroll
-            for (int v = 0; v < VPT; ++v) {
-                const int vi = v * MEGA_THREADS + tid;
-                b[r][v] = j0 + r < rows && vi < NV ? ldw16(base + (long long)(j0 + r) * wd_s0 + vi * VEC)
-                                                   : make_uint4(0, 0, 0, 0);
-            }
-    };
-    load(b0, 0);
-    float sum[VPT][VEC];
+            for (int e = 0; e < VEC; ++e) sum[v][e] = 0.0f;
+        if (!page_axpy<T, T, N>(hs, rows, sum, k)) return;
 #pragma unroll
-    for (int v = 0; v < VPT; ++v)
+        for (int v = 0; v < VPT; ++v) {
+            const int vi = v * MEGA_THREADS + threadIdx.x;
+            if (vi >= NV) continue;
+            float4* p = reinterpret_cast<float4*>(acc + vi * VEC);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) sum[v][e] = 0.0f;
-    auto mac = [&](const uint4 (&b)[RB][VPT], int j0) {
-#pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            const float hj = j0 + r < rows ? to_f32(hs[j0 + r]) : 0.0f;
-#pragma unroll
-            for (int v = 0; v < VPT; ++v) {
-                float f[VEC];
-                unpack16<T>(b[r][v], f);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) sum[v][e] = fmaf(f[e], hj, sum[v][e]);
-            }
+            for (int e = 0; e < VEC; e += 4) atomicAdd(p + e / 4, make_float4(sum[v][e], sum[v][e + 1], sum[v][e + 2], sum[v][e + 3]));
         }
-    };
-    __syncthreads();  // h complete in shared memory
-#pragma unroll 1
-    for (int bi = 0; bi < NB; bi += 2) {  // b0 holds batch bi
-        if (bi + 1 < NB) load(b1, (bi + 1) * RB);
-        mac(b0, bi * RB);
-        if (bi + 2 < NB) load(b0, (bi + 2) * RB);
-        if (bi + 1 < NB) mac(b1, (bi + 1) * RB);
+        return;
     }
-#pragma unroll
-    for (int v = 0; v < VPT; ++v) {
-        const int vi = v * MEGA_THREADS + tid;
-        if (vi >= NV) continue;
-        float4* p = reinterpret_cast<float4*>(acc + vi * VEC);
-#pragma unroll
-        for (int e = 0; e < VEC; e += 4) atomicAdd(p + e / 4, make_float4(sum[v][e], sum[v][e + 1], sum[v][e + 2], sum[v][e + 3]));
+#endif
+    if constexpr (!PAGED) {
+        // phase 1: the gated matvec (it waits for x itself, after its first weight loads)
+        if (!matvec_impl::run_vec_regs<T, 1, K, ROWS, NORM, true, false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0,
+                                                                          nullptr, 0, 0, {}, hs - row0, 0, 1, F, n_tile, wl))
+            return;
+
+        // phase 2. Starting its loads from phase 1's last steps instead measured slower
+        // (perf-notes #32: register loads 1.22 ms vs 1.13; plus an L2 prefetch 1.25)
+        const int tid = threadIdx.x;
+        const T* base = wd + row0 * wd_s0;
+        uint4 b0[RB][VPT], b1[RB][VPT];
+        auto load = [&](uint4 (&b)[RB][VPT], int j0) {
+    #pragma unroll
+            for (int r = 0; r < RB; ++r)
+    #pragma unroll
+                for (int v = 0; v < VPT; ++v) {
+                    const int vi = v * MEGA_THREADS + tid;
+                    b[r][v] = j0 + r < rows && vi < NV ? ldw16(base + (long long)(j0 + r) * wd_s0 + vi * VEC)
+                                                       : make_uint4(0, 0, 0, 0);
+                }
+        };
+        load(b0, 0);
+        float sum[VPT][VEC];
+    #pragma unroll
+        for (int v = 0; v < VPT; ++v)
+    #pragma unroll
+            for (int e = 0; e < VEC; ++e) sum[v][e] = 0.0f;
+        auto mac = [&](const uint4 (&b)[RB][VPT], int j0) {
+    #pragma unroll
+            for (int r = 0; r < RB; ++r) {
+                const float hj = j0 + r < rows ? to_f32(hs[j0 + r]) : 0.0f;
+    #pragma unroll
+                for (int v = 0; v < VPT; ++v) {
+                    float f[VEC];
+                    unpack16<T>(b[r][v], f);
+    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) sum[v][e] = fmaf(f[e], hj, sum[v][e]);
+                }
+            }
+        };
+        mega_sync();  // h complete in shared memory
+    #pragma unroll 1
+        for (int bi = 0; bi < NB; bi += 2) {  // b0 holds batch bi
+            if (bi + 1 < NB) load(b1, (bi + 1) * RB);
+            mac(b0, bi * RB);
+            if (bi + 2 < NB) load(b0, (bi + 2) * RB);
+            if (bi + 1 < NB) mac(b1, (bi + 1) * RB);
+        }
+    #pragma unroll
+        for (int v = 0; v < VPT; ++v) {
+            const int vi = v * MEGA_THREADS + tid;
+            if (vi >= NV) continue;
+            float4* p = reinterpret_cast<float4*>(acc + vi * VEC);
+    #pragma unroll
+            for (int e = 0; e < VEC; e += 4) atomicAdd(p + e / 4, make_float4(sum[v][e], sum[v][e + 1], sum[v][e + 2], sum[v][e + 3]));
+        }
     }
 }
 

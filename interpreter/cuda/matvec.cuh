@@ -36,9 +36,12 @@
 // all below the top MEGA_SMEM_RESERVED bytes (never touched here: matvec_to_tile's output).
 // Tried and dropped (docs/perf-notes.md #7, #10): a per-thread cp.async ring and a TMA
 // bulk-copy ring into shared memory, both slower than loads into registers.
-// Assumes the interpreter separates instances by a __syncthreads (it must, to release).
+// With MEGA_PAGES > 0 the interpreter may pass PAGED: the weights come from the page ring
+// (pages.cuh, run_paged below) instead of loads into registers.
+// Assumes the interpreter separates instances by a mega_sync (it must, to release).
 #pragma once
 #include "common.cuh"
+#include "pages.cuh"
 
 #define MEGA_SMEM_RESERVED 4096  // the top of dynamic shared memory: epilogue tiles (matvec_heads)
 
@@ -100,6 +103,52 @@ template <int N> __device__ __forceinline__ void xs_store(float* p, const float*
 template <int N, class T> __device__ __forceinline__ void xs_store(T* p, const float* f) {
     *reinterpret_cast<uint4*>(p) = pack16<T>(f);
 }
+
+#if MEGA_PAGES > 0
+// part[warp * ldp + row] = this warp's share of dot(w[row], x) for the stream's rows [0, n)
+// (K columns, rows whole in pages); every (warp, row) pair a warp does not touch stays as it
+// was (the caller zeroes part). xs: x staged in shared memory (K values of XS). Thread t takes
+// the page's 16-byte vectors t, t + MEGA_THREADS, ...; K % (32 * VEC) == 0 keeps each warp's 32
+// vectors in one row, so a row's share is one warp sum, written once (no atomics: the result
+// does not depend on timing). False: the block is stopping.
+template <class T, class XS, int K>
+__device__ bool page_dots(const XS* xs, long long n, float* part, int ldp, unsigned& k) {
+    constexpr int VEC = VecN<T>::value, KV = K / VEC, RPP = MEGA_PAGE_BYTES / (K * (int)sizeof(T));
+    static_assert(KV % 32 == 0 && RPP >= 1, "page_dots: rows must be whole warps of vectors and fit a page");
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (long long r0 = 0; r0 < n; r0 += RPP, ++k) {
+        const uint4* page = reinterpret_cast<const uint4*>(mega_page_acquire(k));
+        if (!page) return false;
+        const int total = (int)min_i64(RPP, n - r0) * KV;
+        int cur = -1;
+        float acc = 0.0f;
+#pragma unroll 4
+        for (int i = tid; i < total; i += MEGA_THREADS) {
+            const int row = i / KV, col = i - row * KV;
+            if (row != cur) {  // warp-uniform
+                if (cur >= 0) {
+                    const float s = warp_sum(acc);
+                    if (lane == 0) part[warp * ldp + r0 + cur] = s;
+                }
+                cur = row;
+                acc = 0.0f;
+            }
+            float w[VEC], x[VEC];
+            unpack16<T>(page[i], w);
+            xs_load<VEC>(xs + col * VEC, x);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc = fmaf(w[e], x[e], acc);
+        }
+        if (cur >= 0) {
+            const float s = warp_sum(acc);
+            if (lane == 0) part[warp * ldp + r0 + cur] = s;
+        }
+        mega_page_release(k);
+    }
+    return true;
+}
+
+#endif
 
 // Stage x (normalised when NORM) into xs[M][K] and the residual tile into rt[M][ROWS].
 // All threads call it; ends with a block barrier.
@@ -214,7 +263,7 @@ __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x,
             }
         }
     }
-    __syncthreads();
+    mega_sync();
 }
 
 // The fused epilogue for output element (m, n) of tile-local row `local`.
@@ -416,6 +465,45 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
     return true;
 }
 
+#if MEGA_PAGES > 0
+// The paged body (MEGA_PAGES > 0, render.py: paged_streams): the loader warp has streamed this
+// instance's rows of w (then of w2) into the page ring, so the body waits for its inputs,
+// stages x, and reduces the pages from page k on (k: past them on return): no weight load is
+// issued here. M == 1.
+template <class T, int K, int ROWS, bool NORM, bool GLU, bool RES, bool XACC, bool RACC>
+__device__ __forceinline__ bool run_paged(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
+                                          long long g_s0, float eps, const T* r, long long r_s0, long long r_s1,
+                                          const Sums& sums, T* out, long long out_s0, long long out_s1, long long N,
+                                          long long n_tile, const MegaWaits& wl, unsigned& k) {
+    using P = Plan<T, 1, K, ROWS, GLU, NORM>;
+    using XS = typename P::XS;
+    constexpr int NW = GLU ? 2 : 1;
+    static_assert(P::HEAD + K * (int)sizeof(XS) + NW * MEGA_WARPS * ROWS * 4 <= P::BODY_SMEM,
+                  "matvec (paged): x and the partial sums do not fit in shared memory");
+    float* red = reinterpret_cast<float*>(smem);
+    float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
+    XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
+    float* part = reinterpret_cast<float*>(smem + P::HEAD + (K * (int)sizeof(XS) + 15) / 16 * 16);
+    const long long row0 = n_tile * ROWS, rows = min_i64(ROWS, N - row0);
+    for (int i = threadIdx.x; i < NW * MEGA_WARPS * ROWS; i += MEGA_THREADS) part[i] = 0.0f;
+    if (!mega_wait_all(wl)) return false;
+    stage<T, XS, 1, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
+    if (!page_dots<T, XS, K>(xs, rows, part, ROWS, k)) return false;
+    if (GLU && !page_dots<T, XS, K>(xs, rows, part + MEGA_WARPS * ROWS, ROWS, k)) return false;
+    mega_sync();
+    for (int i = threadIdx.x; i < rows; i += MEGA_THREADS) {
+        float d = 0.0f, d2 = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MEGA_WARPS; ++w) {
+            d += part[w * ROWS + i];
+            if (GLU) d2 += part[(MEGA_WARPS + w) * ROWS + i];
+        }
+        finish<T, ROWS, GLU, RES>(d, d2, rt, 0, i, row0 + i, out, out_s0, out_s1);
+    }
+    return true;
+}
+#endif
+
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES, bool XACC, bool RACC>
 __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                            long long g_s0, float eps, const T* w, long long w_s0, long long w_s1,
@@ -464,7 +552,8 @@ __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s
 
 // One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N]. Absent operands
 // (g, w2, r) are nullptr with zero strides. `wl`: the instance's barrier waits (n = 0: none).
-template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool HAS_XACC, bool HAS_RACC>
+template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool HAS_XACC, bool HAS_RACC,
+          bool PAGED = false>
 __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                     const T* g, long long g_s0, float eps,                    //
                                     const T* w, long long w_s0, long long w_s1,               //
@@ -477,16 +566,27 @@ __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long
     static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
     smem = shared_ptr(smem);
     const matvec_impl::Sums sums{xa, xa_s0, xa_s1, ra, ra_s0, ra_s1};
-    bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K);
-    if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
-    if constexpr (K % VecN<T>::value == 0) {
-        if (vec) {
-            matvec_impl::run_vec_regs<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
-                smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile, wl);
-            return;
-        }
+#if MEGA_PAGES > 0
+    if constexpr (PAGED) {  // w and w2 arrive in the page ring (M == 1)
+        static_assert(M == 1, "matvec: the paged body is for one x row");
+        unsigned k = mega_page_head;
+        matvec_impl::run_paged<T, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
+            smem, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile, wl, k);
+        return;
     }
-    matvec_impl::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
-        smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, sums, out, out_s0, out_s1, N,
-        n_tile, wl);
+#endif
+    if constexpr (!PAGED) {
+        bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K);
+        if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
+        if constexpr (K % VecN<T>::value == 0) {
+            if (vec) {
+                matvec_impl::run_vec_regs<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
+                    smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile, wl);
+                return;
+            }
+        }
+        matvec_impl::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
+            smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, sums, out, out_s0, out_s1, N,
+            n_tile, wl);
+    }
 }

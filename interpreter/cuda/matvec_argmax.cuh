@@ -5,14 +5,14 @@
 #include "common.cuh"
 #include "matvec_tile.cuh"
 
-template <class T, int K, int ROWS, bool HAS_NORM>
+template <class T, int K, int ROWS, bool HAS_NORM, bool PAGED = false>
 __device__ __noinline__ void matvec_argmax(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                            const T* g, long long g_s0, float eps,                    //
                                            const T* w, long long w_s0, long long w_s1,               //
                                            float* part, long long p_s1, long long N, long long n_tile) {
     __shared__ float warp_best[MEGA_THREADS / 32];
     __shared__ int warp_index[MEGA_THREADS / 32];
-    const T* tile = matvec_to_tile<T, K, ROWS, HAS_NORM>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, N, n_tile);
+    const T* tile = matvec_to_tile<T, K, ROWS, HAS_NORM, PAGED>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, N, n_tile);
     const long long n0 = n_tile * ROWS;
     const int nrows = (int)min_i64(ROWS, N - n0);
     float best = MEGA_NEG_INF;
@@ -27,12 +27,12 @@ __device__ __noinline__ void matvec_argmax(char* smem, const T* x, long long x_s
         if (ov > best || (ov == best && oi < index)) best = ov, index = oi;
     }
     if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best, warp_index[threadIdx.x >> 5] = index;
-    __syncthreads();
+    mega_sync();
     if (threadIdx.x == 0) {
         for (int i = 1; i < MEGA_THREADS / 32; ++i)
             if (warp_best[i] > best || (warp_best[i] == best && warp_index[i] < index)) best = warp_best[i], index = warp_index[i];
         part[n_tile * p_s1] = best;
         part[n_tile * p_s1 + 1] = (float)(n0 + index);
     }
-    __syncthreads();  // the tile is reused by the next instance
+    mega_sync();  // the tile is reused by the next instance
 }

@@ -11,12 +11,34 @@
 // E[0..] (arena offsets, pointer slots, counter bases), so the code does not grow with
 // the number of layers.
 //
+// With MEGA_PAGES > 0 the block also holds a loader warp (pages.cuh): it claims the instances
+// (up to MEGA_SLOTS ahead of the body threads), hands them over through a ring of instruction
+// slots, and streams each claimed instance's weight rows into the page ring. The body threads
+// take the slots in order. The claims stay in queue order, so the deadlock argument of
+// docs/design.md holds: the smallest unfinished claimed instance has all its producers done and
+// is next in its block's slots.
+//
 // Counters come in two parity sets: a launch uses set `parity` and zeroes the
 // other one (and its claim counter) for the next launch, so no host reset is needed.
 #define MEGA_MAX_WAITS /*@MAXWAITS@*/  // the most barrier waits of one queue entry
 #include "runtime.cuh"
 #include "common.cuh"
+#include "pages.cuh"
 /*@INCLUDES@*/
+
+#if MEGA_PAGES > 0
+#define MEGA_BLOCK_THREADS (MEGA_THREADS + 32)  // the body threads, then the loader warp
+#ifndef MEGA_SLOTS
+#define MEGA_SLOTS 4
+#endif
+struct MegaSlot {
+  long long g, local;  // g < 0: no more instances
+  int entry;
+  unsigned page0;      // the instance's first page
+};
+#else
+#define MEGA_BLOCK_THREADS MEGA_THREADS
+#endif
 
 #define MEGA_ENTRIES /*@ENTRIES@*/
 #define MEGA_COUNTERS /*@COUNTERS@*/
@@ -32,7 +54,7 @@ struct MegaArgs {
   void* ptr[/*@NPTRS@*/];
 };
 
-extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
+extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
   extern __shared__ __align__(16) char smem[];
   __shared__ long long prefix[MEGA_ENTRIES + 1];
   __shared__ int entry_case[MEGA_ENTRIES], entry_consts[MEGA_ENTRIES];
@@ -60,23 +82,77 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       next[k] = 0;
     if (blockIdx.x == 0 && threadIdx.x == 0) control[1 - parity] = 0;
   }
+#if MEGA_PAGES > 0
+  __shared__ MegaSlot slots[MEGA_SLOTS];
+  __shared__ __align__(8) unsigned long long slot_full[MEGA_SLOTS], slot_empty[MEGA_SLOTS];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < MEGA_PAGES; ++s) mega_mbar_init(&mega_page_full[s], 1), mega_mbar_init(&mega_page_empty[s], MEGA_WARPS);
+    for (int s = 0; s < MEGA_SLOTS; ++s) mega_mbar_init(&slot_full[s], 1), mega_mbar_init(&slot_empty[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+#endif
   __syncthreads();
   const long long total = prefix[MEGA_ENTRIES];
+  auto find_entry = [&](long long g) {  // entry e holds instances [prefix[e], prefix[e+1])
+    int lo = 0, hi = MEGA_ENTRIES - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  };
 
-  while (true) {
+#if MEGA_PAGES > 0
+  if (threadIdx.x >= MEGA_THREADS) {  // the loader warp: one thread claims and streams
+    if (threadIdx.x != MEGA_THREADS) return;
+    MegaLoader L{0};
+    for (unsigned n = 0;; ++n) {
+      const unsigned s = n % MEGA_SLOTS;
+      if (n >= MEGA_SLOTS && !mega_mbar_wait(&slot_empty[s], ((n / MEGA_SLOTS) - 1) & 1)) break;
+      const long long g = *(volatile unsigned long long*)&control[2] ? total : (long long)atomicAdd(&control[parity], 1ULL);
+      if (g >= total) {
+        slots[s].g = -1;
+        mega_mbar_arrive(&slot_full[s]);
+        break;
+      }
+      const int entry = find_entry(g);
+      const long long local = g - prefix[entry];
+      slots[s] = MegaSlot{g, local, entry, L.issued};
+      mega_mbar_arrive(&slot_full[s]);  // (release: the body threads see the slot)
+      const long long* E = args.table + 2 * MEGA_ENTRIES + entry_consts[entry];
+      (void)E;
+      bool ok = true;
+      switch (entry_case[entry]) {
+/*@LOADER_CASES@*/
+        default: break;
+      }
+      if (!ok) break;
+    }
+    mega_loader_drain(L);
+    return;
+  }
+#endif
+
+  for (unsigned n = 0;; ++n) {
+#if MEGA_PAGES > 0
+    const unsigned slot = n % MEGA_SLOTS;
+    if (!mega_mbar_wait(&slot_full[slot], (n / MEGA_SLOTS) & 1)) break;
+    const MegaSlot sl = slots[slot];
+    if (sl.g < 0) break;
+    const long long g = sl.g, local = sl.local;
+    const int entry = sl.entry;
+    if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; mega_page_head = sl.page0; }
+    mega_sync();
+#else
     if (threadIdx.x == 0)  // claim the next instance in queue order (or stop: another block failed)
       claimed = *(volatile unsigned long long*)&control[2] ? total : (long long)atomicAdd(&control[parity], 1ULL);
     __syncthreads();
     const long long g = claimed;
     if (g >= total) break;
-    int lo = 0, hi = MEGA_ENTRIES - 1;  // entry e holds instances [prefix[e], prefix[e+1])
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
-    }
-    const int entry = lo;
+    const int entry = find_entry(g);
     const long long local = g - prefix[entry];
     if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; }
+#endif
 #ifdef MEGA_TRACE
     unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
 #endif
@@ -91,7 +167,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
 /*@CASES@*/
       default: break;
     }
-    __syncthreads();
+    mega_sync();
+#if MEGA_PAGES > 0
+    if (threadIdx.x == 0) mega_mbar_arrive(&slot_empty[slot]);
+#endif
 #ifdef MEGA_TRACE
     if (threadIdx.x == 0) {
       unsigned smid;

@@ -94,7 +94,7 @@ __device__ __forceinline__ void mega_prefetch_l2(const void* p, long long bytes)
 
 __device__ bool mega_waits_met(const MegaWaits& w) {
     const bool met = threadIdx.x >= w.n || mega_ld_acquire(w.ctr[threadIdx.x]) >= w.expected[threadIdx.x];
-    return __syncthreads_and(met);
+    return mega_sync_and(met);
 }
 
 __device__ bool mega_wait_all(const MegaWaits& w) {
@@ -102,7 +102,7 @@ __device__ bool mega_wait_all(const MegaWaits& w) {
     if (threadIdx.x < w.n && !mega_wait(w.ctr[threadIdx.x], w.expected[threadIdx.x], mega_control_ptr, mega_cur_entry,
                                         mega_cur_instance, threadIdx.x))
         mega_abort_block = 1;
-    __syncthreads();
+    mega_sync();
 #ifdef MEGA_TRACE
     if (threadIdx.x == 0) mega_t_waited = mega_globaltimer();
 #endif

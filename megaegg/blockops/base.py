@@ -143,6 +143,13 @@ class BlockKind:
     # hand-off from the previous op. Else the interpreter waits before calling the body.
     waits_in_body: ClassVar[bool] = False
 
+    def paged_inputs(self, op: "BlockOp") -> tuple[int, ...]:
+        """The weight inputs whose rows this op's body can take from the page ring instead of
+        loading them (interpreter/cuda/pages.cuh), in the order the body reads them; () when it
+        cannot. The interpreter decides per op whether to page them (render.py: paged_streams)
+        and then sets ``params["paged"]`` for ``cuda_call``."""
+        return ()
+
     def build(self, inputs: Sequence["Operand"], output: "Operand", params: dict) -> Partition:
         raise NotImplementedError
 

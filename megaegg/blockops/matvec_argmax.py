@@ -12,7 +12,7 @@ from ..dims import as_dim, ceildiv
 from ..dtypes import f32
 from .base import NONE, BlockKind, Partition, Term, fields, register, term
 from .footprint import Full, Tile
-from .matvec import products, roles
+from .matvec import paged, products, roles
 
 
 @register
@@ -38,6 +38,9 @@ class MatVecArgmax(BlockKind):
         out[0, j, 0] = y[best]
         out[0, j, 1] = float(r0 + best)
 
+    def paged_inputs(self, op) -> tuple[int, ...]:
+        return (roles(op)["w"],)
+
     def cuda_call(self, op, ins, out) -> str:
         k, p = roles(op), op.params
         x, w = ins[k["x"]], ins[k["w"]]
@@ -45,7 +48,7 @@ class MatVecArgmax(BlockKind):
         kdim, n = op.inputs[k["w"]].shape[1].value, op.inputs[k["w"]].shape[0].value
         args = ["smem", x.ptr, x.strides[0], x.strides[1], *g, f"{float(p.get('eps', 0.0))!r}f",
                 w.ptr, w.strides[0], w.strides[1], out.ptr, out.strides[1], f"{n}LL", "c1"]
-        return f"matvec_argmax<{x.ctype}, {kdim}, {p['rows']}, {'true' if 'g' in k else 'false'}>({', '.join(args)})"
+        return f"matvec_argmax<{x.ctype}, {kdim}, {p['rows']}, {'true' if 'g' in k else 'false'}, {paged(op)}>({', '.join(args)})"
 
     def bytes_moved(self, op, env):
         w = op.inputs[roles(op)["w"]]
