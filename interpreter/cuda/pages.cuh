@@ -15,7 +15,7 @@
 // A page holds whole rows: floor(MEGA_PAGE_BYTES / row bytes) of them (a stream is one weight
 // operand's rows [first, first + n) of one instance).
 #pragma once
-#include "runtime.cuh"
+#include "common.cuh"
 
 #ifndef MEGA_PAGES
 #define MEGA_PAGES 0
@@ -28,6 +28,7 @@
 #endif
 
 #if MEGA_PAGES > 0
+#include "runtime.cuh"  // (only the interpreter defines MEGA_PAGES: body tests stub the runtime)
 
 __shared__ __align__(8) unsigned long long mega_page_full[MEGA_PAGES], mega_page_empty[MEGA_PAGES];
 __shared__ unsigned mega_page_head;  // the current instance's first page (set by the interpreter)
