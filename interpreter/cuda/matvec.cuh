@@ -116,6 +116,41 @@ __device__ bool page_dots(const XS* xs, long long n, float* part, int ldp, unsig
     constexpr int VEC = VecN<T>::value, KV = K / VEC, RPP = MEGA_PAGE_BYTES / (K * (int)sizeof(T));
     static_assert(KV % 32 == 0 && RPP >= 1, "page_dots: rows must be whole warps of vectors and fit a page");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if constexpr (KV % MEGA_THREADS == 0) {
+        // Thread t owns column vectors t + j * MEGA_THREADS of every row: its x in registers for
+        // the whole stream, and a page's RPP row sums are independent (reduced side by side).
+        constexpr int VPT = KV / MEGA_THREADS;
+        float x[VPT][VEC];
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) xs_load<VEC>(xs + (j * MEGA_THREADS + tid) * VEC, x[j]);
+        for (long long r0 = 0; r0 < n; r0 += RPP, ++k) {
+            const uint4* page = reinterpret_cast<const uint4*>(mega_page_acquire(k));
+            if (!page) return false;
+            const int rows = (int)min_i64(RPP, n - r0);
+            float acc[RPP];
+#pragma unroll
+            for (int r = 0; r < RPP; ++r) {
+                acc[r] = 0.0f;
+                if (r < rows) {
+#pragma unroll
+                    for (int j = 0; j < VPT; ++j) {
+                        float w[VEC];
+                        unpack16<T>(page[r * KV + j * MEGA_THREADS + tid], w);
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) acc[r] = fmaf(w[e], x[j][e], acc[r]);
+                    }
+                }
+            }
+            mega_page_release(k);  // (the sums are in registers)
+#pragma unroll
+            for (int r = 0; r < RPP; ++r) acc[r] = warp_sum(acc[r]);
+            if (lane == 0)
+#pragma unroll
+                for (int r = 0; r < RPP; ++r)
+                    if (r < rows) part[warp * ldp + r0 + r] = acc[r];
+        }
+        return true;
+    }
     for (long long r0 = 0; r0 < n; r0 += RPP, ++k) {
         const uint4* page = reinterpret_cast<const uint4*>(mega_page_acquire(k));
         if (!page) return false;
