@@ -21,10 +21,13 @@ from ..rewrite.program import Operand
 from .nvrtc import CUDA_DIR
 
 THREADS = 256
-SMEM_BYTES = 120 * 1024  # dynamic smem per block: >113 KB keeps one block per SM; more starves L1 (measured)
-# The weight page ring (cuda/pages.cuh): MEGA_PAGES pages of MEGA_PAGE_BYTES after the bodies'
-# MEGA_SMEM bytes, filled by a loader warp; MEGA_PAGES=0 turns it off (no loader warp).
-PAGES, PAGE_BYTES = 6, 16384
+# Dynamic shared memory of a block: the bodies' MEGA_SMEM bytes, then the weight page ring
+# (cuda/pages.cuh): MEGA_PAGES pages of MEGA_PAGE_BYTES filled by a loader warp (MEGA_PAGES=0:
+# no ring, no loader warp, every body loads its own weights). Over 113 KB in all keeps one block
+# per SM. 10 pages of 16 KB (160 KB of weights in flight or landed per SM) streamed best of
+# 6-10 x 16 KB and 4 x 32 KB (docs/perf-notes.md #48).
+SMEM_BYTES = 56 * 1024
+PAGES, PAGE_BYTES = 10, 16384
 DEFINES = {"MEGA_THREADS": THREADS, "MEGA_SMEM": SMEM_BYTES, "MEGA_PAGES": PAGES, "MEGA_PAGE_BYTES": PAGE_BYTES}
 
 
@@ -204,17 +207,19 @@ def _holes(text: str) -> tuple[str, list[str]]:
 
 @dataclass(frozen=True)
 class EntryTable:
-    """Per queue entry: which shared case runs it (``variant``) and where its own constants start in
-    ``consts`` (``offset``): the arena offsets, pointer slots and counter bases that differ between
-    entries whose code is otherwise the same (the layers of a model)."""
+    """Per queue entry: which shared case runs it (``variant``), where its own constants start in
+    ``consts`` (``offset``: the arena offsets, pointer slots and counter bases that differ between
+    entries whose code is otherwise the same, the layers of a model), and whether its weights come
+    through the page ring (``paged``: the loader may claim such an instance ahead)."""
 
     variant: tuple[int, ...]
     offset: tuple[int, ...]
+    paged: tuple[int, ...]
     consts: tuple[int, ...]
 
     def words(self) -> list[int]:
-        """The table as the kernel reads it: variants, then offsets, then constants (int64)."""
-        return [*self.variant, *self.offset, *self.consts]
+        """The table as the kernel reads it: variants, offsets, paged flags, then constants (int64)."""
+        return [*self.variant, *self.offset, *self.paged, *self.consts]
 
 
 @dataclass(frozen=True)
@@ -231,8 +236,10 @@ def shared_cases(q: WorkQueue, defs: dict[str, int]) -> tuple[list[str], list[st
     table; and the loader warp's ``case`` of each variant whose weights go through the page ring."""
     groups: dict[str, list[int]] = {}
     holes: list[list[str]] = []
+    paged = []
     for k, e in enumerate(q.entries):
         streams = paged_streams(q, e.op, defs)
+        paged.append(int(streams is not None))
         text = "\n".join(case_body(q, e, paged=streams is not None))
         if streams:
             text += _LOADER + "\n".join(loader_lines(q, e, streams))
@@ -256,7 +263,7 @@ def shared_cases(q: WorkQueue, defs: dict[str, int]) -> tuple[list[str], list[st
         cases.append(head + body + "\n      } break;")
         if loader:
             loader_cases.append(head + loader + "\n      } break;")
-    return cases, loader_cases, EntryTable(tuple(variant), tuple(offset), tuple(consts))
+    return cases, loader_cases, EntryTable(tuple(variant), tuple(offset), tuple(paged), tuple(consts))
 
 
 def render(q: WorkQueue, defs: dict[str, int] | None = None) -> Rendered:
