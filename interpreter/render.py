@@ -21,13 +21,13 @@ from ..rewrite.program import Operand
 from .nvrtc import CUDA_DIR
 
 THREADS = 256
-# Dynamic shared memory of a block: the bodies' MEGA_SMEM bytes, then the weight page ring
-# (cuda/pages.cuh): MEGA_PAGES pages of MEGA_PAGE_BYTES filled by a loader warp (MEGA_PAGES=0:
-# no ring, no loader warp, every body loads its own weights). Over 113 KB in all keeps one block
-# per SM. 10 pages of 16 KB (160 KB of weights in flight or landed per SM) streamed best of
-# 6-10 x 16 KB and 4 x 32 KB (docs/perf-notes.md #48).
-SMEM_BYTES = 56 * 1024
-PAGES, PAGE_BYTES = 10, 16384
+# Dynamic shared memory of a block: the bodies' MEGA_SMEM bytes (>113 KB keeps one block per SM;
+# more starves L1, measured), then the weight page ring (cuda/pages.cuh): MEGA_PAGES pages of
+# MEGA_PAGE_BYTES filled by a loader warp. The ring is off by default (MEGA_PAGES=0: no loader
+# warp, every body loads its own weights): measured so far it is slower (docs/perf-notes.md #48).
+# Its best configuration measured, to try it: MEGAEGG_DEFINES=MEGA_SMEM=57344,MEGA_PAGES=10.
+SMEM_BYTES = 120 * 1024
+PAGES, PAGE_BYTES = 0, 16384
 DEFINES = {"MEGA_THREADS": THREADS, "MEGA_SMEM": SMEM_BYTES, "MEGA_PAGES": PAGES, "MEGA_PAGE_BYTES": PAGE_BYTES}
 
 

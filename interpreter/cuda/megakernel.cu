@@ -58,8 +58,8 @@ struct MegaArgs {
 extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
   extern __shared__ __align__(16) char smem[];
   __shared__ long long prefix[MEGA_ENTRIES + 1];
-  __shared__ int entry_case[MEGA_ENTRIES], entry_consts[MEGA_ENTRIES];
-  __shared__ unsigned char entry_paged[MEGA_ENTRIES];
+  __shared__ int entry_case[MEGA_ENTRIES + 1], entry_consts[MEGA_ENTRIES + 1];  // (+1: a queue may be empty)
+  __shared__ unsigned char entry_paged[MEGA_ENTRIES + 1];
   __shared__ long long claimed;
 
   unsigned long long* control = args.control;
