@@ -44,6 +44,20 @@ __device__ bool page_axpy(const H* h, long long n, float (&sum)[cdiv(N / VecN<T>
 
 #endif
 
+// acc[0, :N] += this thread's column sums (thread t owns 16-byte column vectors t, t + MEGA_THREADS, ...).
+template <class T, int N>
+__device__ __forceinline__ void glu_down_add(float* acc, const float (&sum)[cdiv(N / VecN<T>::value, MEGA_THREADS)][VecN<T>::value]) {
+    constexpr int VEC = VecN<T>::value, NV = N / VEC, VPT = cdiv(NV, MEGA_THREADS);
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+        const int vi = v * MEGA_THREADS + threadIdx.x;
+        if (vi >= NV) continue;
+        float4* p = reinterpret_cast<float4*>(acc + vi * VEC);
+#pragma unroll
+        for (int e = 0; e < VEC; e += 4) atomicAdd(p + e / 4, make_float4(sum[v][e], sum[v][e + 1], sum[v][e + 2], sum[v][e + 3]));
+    }
+}
+
 template <class T, int K, int N, int ROWS, bool NORM, bool PAGED = false>
 __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, const T* g, long long g_s0, float eps,
                                       const T* w, long long w_s0, const T* w2, long long w2_s0, const T* wd,
@@ -73,14 +87,7 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
 #pragma unroll
             for (int e = 0; e < VEC; ++e) sum[v][e] = 0.0f;
         if (!page_axpy<T, T, N>(hs, rows, sum, k)) return;
-#pragma unroll
-        for (int v = 0; v < VPT; ++v) {
-            const int vi = v * MEGA_THREADS + threadIdx.x;
-            if (vi >= NV) continue;
-            float4* p = reinterpret_cast<float4*>(acc + vi * VEC);
-#pragma unroll
-            for (int e = 0; e < VEC; e += 4) atomicAdd(p + e / 4, make_float4(sum[v][e], sum[v][e + 1], sum[v][e + 2], sum[v][e + 3]));
-        }
+        glu_down_add<T, N>(acc, sum);
         return;
     }
 #endif
@@ -96,9 +103,9 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
         const T* base = wd + row0 * wd_s0;
         uint4 b0[RB][VPT], b1[RB][VPT];
         auto load = [&](uint4 (&b)[RB][VPT], int j0) {
-    #pragma unroll
+#pragma unroll
             for (int r = 0; r < RB; ++r)
-    #pragma unroll
+#pragma unroll
                 for (int v = 0; v < VPT; ++v) {
                     const int vi = v * MEGA_THREADS + tid;
                     b[r][v] = j0 + r < rows && vi < NV ? ldw16(base + (long long)(j0 + r) * wd_s0 + vi * VEC)
@@ -107,39 +114,32 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
         };
         load(b0, 0);
         float sum[VPT][VEC];
-    #pragma unroll
+#pragma unroll
         for (int v = 0; v < VPT; ++v)
-    #pragma unroll
+#pragma unroll
             for (int e = 0; e < VEC; ++e) sum[v][e] = 0.0f;
         auto mac = [&](const uint4 (&b)[RB][VPT], int j0) {
-    #pragma unroll
+#pragma unroll
             for (int r = 0; r < RB; ++r) {
                 const float hj = j0 + r < rows ? to_f32(hs[j0 + r]) : 0.0f;
-    #pragma unroll
+#pragma unroll
                 for (int v = 0; v < VPT; ++v) {
                     float f[VEC];
                     unpack16<T>(b[r][v], f);
-    #pragma unroll
+#pragma unroll
                     for (int e = 0; e < VEC; ++e) sum[v][e] = fmaf(f[e], hj, sum[v][e]);
                 }
             }
         };
         mega_sync();  // h complete in shared memory
-    #pragma unroll 1
+#pragma unroll 1
         for (int bi = 0; bi < NB; bi += 2) {  // b0 holds batch bi
             if (bi + 1 < NB) load(b1, (bi + 1) * RB);
             mac(b0, bi * RB);
             if (bi + 2 < NB) load(b0, (bi + 2) * RB);
             if (bi + 1 < NB) mac(b1, (bi + 1) * RB);
         }
-    #pragma unroll
-        for (int v = 0; v < VPT; ++v) {
-            const int vi = v * MEGA_THREADS + tid;
-            if (vi >= NV) continue;
-            float4* p = reinterpret_cast<float4*>(acc + vi * VEC);
-    #pragma unroll
-            for (int e = 0; e < VEC; e += 4) atomicAdd(p + e / 4, make_float4(sum[v][e], sum[v][e + 1], sum[v][e + 2], sum[v][e + 3]));
-        }
+        glu_down_add<T, N>(acc, sum);
     }
 }
 
