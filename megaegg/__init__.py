@@ -8,7 +8,7 @@ from .dims import Dim, ceildiv, dmax, dmin, sym
 from .dtypes import DType, bf16, f16, f32, i32
 from .graph import Graph, GraphError, ShapeError, Tensor
 from .ops import (
-    add, argmax, attention, cast, concat, embedding, expand, kv_append, linear, matmul, mul, permute,
+    add, argmax, attention, cast, concat, embedding, expand, kv_append, linear, matmul, moe_mlp, mul, permute,
     reshape, rms_norm, rope, rope_inv_freq, silu, slice, softmax, transpose,
 )
 from .reference import run_reference
@@ -17,6 +17,6 @@ from .compiler import Artifact, Kernel, compile
 __all__ = [
     "Dim", "ceildiv", "dmax", "dmin", "sym", "DType", "bf16", "f16", "f32", "i32", "Graph", "GraphError",
     "ShapeError", "Tensor", "add", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
-    "linear", "matmul", "mul", "permute", "reshape", "rms_norm", "rope", "rope_inv_freq", "silu", "slice",
+    "linear", "matmul", "moe_mlp", "mul", "permute", "reshape", "rms_norm", "rope", "rope_inv_freq", "silu", "slice",
     "softmax", "transpose", "run_reference", "compile", "Kernel", "Artifact",
 ]

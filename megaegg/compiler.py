@@ -22,7 +22,7 @@ from .dims import evaluate_shape, fmt_shape
 from .graph import Graph, GraphError
 from .rewrite import schedule
 from .rewrite.cost import CostModel
-from .rewrite.program import Operand
+from .rewrite.program import Operand, swap_last
 
 DEFAULT_MAX_DIM = 8192
 BACKENDS = ("cuda", "sim")
@@ -161,13 +161,13 @@ class Kernel:
         out, self.weights_by_buffer = {}, {}
         for b in want:
             t = weights[b.name]
-            shape = tuple(reversed(b.shape)) if b.transposed else b.shape  # the user's shape
+            shape = swap_last(b.shape) if b.transposed else b.shape  # the user's shape
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != evaluate_shape(shape, {}) or t.dtype != b.dtype.torch:
                 got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise GraphError(f"weight {b.name!r}: expected {b.dtype}{fmt_shape(shape)}, got {got}")
-            if b.transposed:  # a weight a block op reads transposed: stored as its transpose
-                stored = t.to(self.device).t().contiguous()
-                out.setdefault(b.name, stored.t())  # the user's layout, as a view: no second copy
+            if b.transposed:  # a weight a block op reads transposed: stored with its last two dims swapped
+                stored = t.to(self.device).transpose(-1, -2).contiguous()
+                out.setdefault(b.name, stored.transpose(-1, -2))  # the user's layout, as a view: no second copy
             else:
                 stored = out[b.name] = t.to(self.device).contiguous()
             self.weights_by_buffer[b.id] = stored

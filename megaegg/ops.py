@@ -18,7 +18,7 @@ from .graph import GraphError, ShapeError, Tensor, check_static_dims
 __all__ = [
     "matmul", "linear", "add", "mul", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
     "softmax", "attention", "kv_append", "argmax", "reshape", "transpose", "permute", "slice",
-    "expand", "concat", "cast",
+    "expand", "concat", "cast", "moe_mlp",
 ]
 
 
@@ -126,6 +126,43 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, name: str | None =
     if not eps > 0:
         raise GraphError(f"rms_norm: eps must be positive, got {eps}")
     return _new("rms_norm", (x, weight), x.shape, x.dtype, name, eps=float(eps))
+
+
+def moe_mlp(
+    x: Tensor, router_logits: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *, top_k: int,
+    normalize: bool, name: str | None = None,
+) -> Tensor:
+    """A mixture of gated-MLP experts, routed per row (Qwen3-MoE's sparse block).
+
+    ``x: [..., K]``, ``router_logits: [..., E]`` (the router's ``linear``), expert weights stacked
+    on a leading expert axis: ``w_gate``, ``w_up: [E, F, K]``, ``w_down: [E, K, F]``. Each row's
+    routing weights are the ``top_k`` largest of ``softmax(router_logits)`` (in f32; divided by
+    their sum when ``normalize``, the checkpoint's ``norm_topk_prob``; then rounded to x's dtype),
+    and the result is ``sum_j p_j * down_e(silu(gate_e(x)) * up_e(x))`` over the chosen experts
+    ``e`` (f32 sum, rounded once). Only the chosen experts' weights are read.
+    """
+    op = "moe_mlp"
+    _check_float(op, x, router_logits, w_gate, w_up, w_down)
+    _check_same_dtype(op, x, w_gate, w_up, w_down)
+    if any(w.ndim != 3 for w in (w_gate, w_up, w_down)) or x.ndim < 1 or router_logits.ndim != x.ndim:
+        raise ShapeError(f"{op}: expected x [..., K], router_logits [..., E] and expert weights [E, F, K], [E, F, K], "
+                         f"[E, K, F]; got {', '.join(_desc(t) for t in (x, router_logits, w_gate, w_up, w_down))}")
+    e, f, k = w_gate.shape
+    want = {"w_gate": (w_gate, (e, f, k)), "w_up": (w_up, (e, f, k)), "w_down": (w_down, (e, k, f))}
+    for label, (w, shape) in want.items():
+        if not all(same_dim(a, b) for a, b in zip(w.shape, shape)):
+            raise ShapeError(f"{op}: {label} {_desc(w)} does not match w_gate {_desc(w_gate)} "
+                             f"(expected {fmt_shape(shape)})")
+    if not same_dim(x.shape[-1], k):
+        raise ShapeError(f"{op}: x {_desc(x)} has {x.shape[-1]} features, the experts take {k}")
+    if not all(same_dim(a, b) for a, b in zip(router_logits.shape, (*x.shape[:-1], e))):
+        raise ShapeError(f"{op}: router_logits {_desc(router_logits)} must be [..., {e}] with x's rows {_desc(x)}")
+    if not all(d.is_const for w in (w_gate, w_up, w_down) for d in w.shape):
+        raise ShapeError(f"{op}: expert weights must have static shapes, got {_desc(w_gate)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e.value:
+        raise ShapeError(f"{op}: top_k must be an int in [1, {e.value}] (the number of experts), got {top_k!r}")
+    return _new(op, (x, router_logits, w_gate, w_up, w_down), x.shape, x.dtype, name,
+                top_k=top_k, normalize=bool(normalize))
 
 
 def softmax(x: Tensor, dim: int = -1, *, name: str | None = None) -> Tensor:

@@ -150,6 +150,37 @@ def _slice(node, args, env, device):
     return args[0].narrow(a["dim"], a["start"].eval(env), (a["stop"] - a["start"]).eval(env))
 
 
+def moe_routing(logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routing weights rounded to ``dtype``, expert ids) of each row of ``logits [R, E]``: the
+    ``top_k`` largest softmax probabilities (f32), largest first, divided by their sum when
+    ``normalize`` (Qwen3-MoE's router)."""
+    probs = logits.float().softmax(-1)
+    p, ids = probs.topk(top_k, dim=-1)
+    if normalize:
+        p = p / p.sum(-1, keepdim=True)
+    return p.to(dtype), ids
+
+
+def expert_mlp(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """``silu(x wg^T) * (x wu^T)`` of f32 rows ``x``, rounded to ``dt`` as the unfused ops round; f32."""
+    g = (x @ wg.float().T).to(dt).float()
+    u = (x @ wu.float().T).to(dt).float()
+    return (torch.nn.functional.silu(g).to(dt).float() * u).to(dt).float()
+
+
+def _moe_mlp(node, args, env, device):
+    x, logits, wg, wu, wd = args
+    dt = node.dtype.torch
+    rows = x.reshape(-1, x.shape[-1]).float()
+    p, ids = moe_routing(logits.reshape(-1, logits.shape[-1]), node.attrs["top_k"], node.attrs["normalize"], dt)
+    out = torch.zeros(rows.shape, dtype=torch.float32, device=device)
+    for r in range(rows.shape[0]):
+        for j, e in enumerate(ids[r].tolist()):
+            h = expert_mlp(rows[r : r + 1], wg[e], wu[e], dt)
+            out[r] += p[r, j].float() * (h @ wd[e].float().T)[0]
+    return _to(node, out.reshape(x.shape))
+
+
 _EVAL: dict[str, Callable] = {
     "constant": lambda n, a, e, d: n.attrs["value"].to(d),
     "matmul": lambda n, a, e, d: _to(n, _f(a[0]) @ _f(a[1])),
@@ -170,5 +201,6 @@ _EVAL: dict[str, Callable] = {
     "expand": lambda n, a, e, d: a[0].expand(tuple(s.eval(e) for s in n.attrs["shape"])),
     "concat": lambda n, a, e, d: torch.cat(a, n.attrs["dim"]),
     "cast": lambda n, a, e, d: a[0].to(n.dtype.torch),
+    "moe_mlp": _moe_mlp,
 }
 

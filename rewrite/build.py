@@ -15,7 +15,7 @@ from ..graph import LEAF_OPS, Graph, GraphError, Node
 from .encode import VIEW_OPS, base_node
 from .extract import Choice, order
 from .layout import layout_of, view_shape
-from .program import BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View
+from .program import BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View, swap_last
 
 
 def _graph_view(n: Node) -> View:
@@ -80,10 +80,10 @@ class ProgramBuilder:
         return Operand(self.sum_of[node], shape, f32)
 
     def transposed_weight(self, i: int) -> Operand:
-        """Weight node ``i`` ``[N, F]`` as a ``[F, N]`` buffer, transposed once when weights are bound."""
+        """Weight node ``i`` ``[..., N, F]`` as a ``[..., F, N]`` buffer, transposed once when weights are bound."""
         n = self.graph.nodes[i]
         if i not in self.transposed_of:
-            self.transposed_of[i] = self.new_buffer(n.name, "weight", tuple(reversed(n.shape)), n.dtype, transposed=True)
+            self.transposed_of[i] = self.new_buffer(n.name, "weight", swap_last(n.shape), n.dtype, transposed=True)
         buf = self.buffers[self.transposed_of[i]]
         return Operand(buf.id, buf.shape, buf.dtype)
 

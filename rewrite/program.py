@@ -22,7 +22,7 @@ BUFFER_KINDS = ("input", "weight", "constant", "state", "scratch", "accum", "out
 class Buffer:
     """Storage for one tensor. ``state`` buffers (KV caches) are inputs written in place;
     ``accum`` buffers are f32 sums that several instances add into, zero at every launch;
-    a ``transposed`` weight holds the transpose of the user's weight ``name``."""
+    a ``transposed`` weight holds the user's weight ``name`` with its last two dims swapped."""
 
     id: int
     name: str
@@ -34,6 +34,11 @@ class Buffer:
     def __str__(self) -> str:
         t = " transposed" if self.transposed else ""
         return f"b{self.id} {self.kind}{t} {self.name!r} {self.dtype}{fmt_shape(self.shape)}"
+
+
+def swap_last(shape: tuple) -> tuple:
+    """``shape`` with its last two dims swapped: a ``transposed`` buffer's shape <-> the user's."""
+    return (*shape[:-2], shape[-1], shape[-2])
 
 
 @dataclass(frozen=True)

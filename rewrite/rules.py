@@ -20,6 +20,7 @@ ELEMENTWISE_TILES = (1024, 8192)
 ROW_TILES = (1, 4)
 ATTENTION_CHUNKS = (64, 256)  # KV rows per split-KV instance
 ARGMAX_CHUNKS = (1024, 4096)
+MOE_ROWS = (8, 16, 32, 64, 128)  # rows of one expert's MLP per moe_glu_down instance
 
 # Graph ops with no rules of their own (``Op.other``): their single-node term and its tile field.
 OTHER_TERMS: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
@@ -57,6 +58,10 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
         *(union(node(i)).with_(Op.rope_rows(x=x, g=NONE, eps=0.0, rope=i, append=NONE, rows_per=t)) for t in ROW_TILES)
     )
     yield rule(eq(node(i)).to(Op.kv_append(cache=x, new=a))).then(union(node(i)).with_(Op.kv_append_row(node=i)))
+    yield rule(eq(node(i)).to(Op.moe_mlp(x=x, logits=a, w=w, w2=b, wd=s, node=i))).then(*(
+        union(node(i)).with_(Op.moe_rounded(x=x, g=NONE, eps=0.0, logits=a, w=w, w2=b, wd=s, node=i, rows=r))
+        for r in MOE_ROWS
+    ))
     yield rule(eq(node(i)).to(Op.argmax(x=x, node=i))).then(
         *(union(node(i)).with_(Op.argmax_chunks(node=i, chunk=t)) for t in ARGMAX_CHUNKS)
     )
@@ -105,6 +110,24 @@ def _fuse_mlp(x: i64, w: i64, w2: i64, g: i64, eps: f64, r: i64, a: i64, b: i64,
             ne(w2).to(i64(NONE)),
         ).then(
             union(acc(b)).with_(Op.glu_down(x=x, w=w, w2=w2, g=g, eps=eps, wd=wd, rows=rows)),
+            union(node(i)).with_(Op.acc_residual(r=r, acc=b)),
+        )
+
+
+@fusion.register
+def _fuse_moe(x: i64, h: i64, g: i64, eps: f64, r: i64, b: i64, lg: i64, w: i64, w2: i64, wd: i64, rows: i64, i: i64):
+    # RMSNorm prologue, as the dense MLP's: each instance normalises x itself.
+    yield rule(
+        eq(node(i)).to(Op.moe_rounded(x=h, g=NONE, eps=0.0, logits=lg, w=w, w2=w2, wd=wd, node=i, rows=rows)),
+        eq(node(h)).to(Op.rms_norm(x=x, g=g, eps=eps)),
+    ).then(union(node(i)).with_(Op.moe_rounded(x=x, g=g, eps=eps, logits=lg, w=w, w2=w2, wd=wd, node=i, rows=rows)))
+    # r + moe: its f32 sum is acc(b), rounded by the residual add (or folded into its readers, below).
+    for lhs in (Op.add(a=r, b=b, same_shape=1), Op.add(a=b, b=r, same_shape=1)):
+        yield rule(
+            eq(node(i)).to(lhs),
+            eq(node(b)).to(Op.moe_rounded(x=x, g=g, eps=eps, logits=lg, w=w, w2=w2, wd=wd, node=b, rows=rows)),
+        ).then(
+            union(acc(b)).with_(Op.moe_sum(x=x, g=g, eps=eps, logits=lg, w=w, w2=w2, wd=wd, node=b, rows=rows)),
             union(node(i)).with_(Op.acc_residual(r=r, acc=b)),
         )
 

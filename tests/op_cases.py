@@ -35,6 +35,20 @@ def qk_norm_rope_append(g, dt):
     g.output("y", me.attention(q, kc, vc, P + 1))
 
 
+def moe(g, dt, *, residual=True, normalize=True, top_k=2):
+    """A mixture of 5 experts (72 rows each: ragged tiles): the router's linear on the normed x,
+    then the experts, routed inside the kernel; with the residual add, the experts' sum is
+    rounded by it."""
+    x = g.input("x", [1, 128], dt)
+    h = me.rms_norm(x, g.weight("g", [128], dt), 1e-5)
+    logits = me.linear(h, g.weight("wr", [5, 128], dt))
+    y = me.moe_mlp(h, logits, g.weight("we_g", [5, 72, 128], dt), g.weight("we_u", [5, 72, 128], dt),
+                   g.weight("we_d", [5, 128, 72], dt), top_k=top_k, normalize=normalize)
+    g.output("y", x + y if residual else y)
+
+
+MOE_WEIGHTS = {"g": [128], "wr": [5, 128], "we_g": [5, 72, 128], "we_u": [5, 72, 128], "we_d": [5, 128, 72]}
+
 CASES = {
     "linear": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 256], dt), g.weight("w", [200, 256], dt))), {"x": [1, 256]}, {"w": [200, 256]}),
     "linear_odd_k": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 100], dt), g.weight("w", [72, 100], dt))), {"x": [1, 100]}, {"w": [72, 100]}),
@@ -47,6 +61,8 @@ CASES = {
     "gated_mlp_residual": lambda dt: (lambda g: _gated_mlp(g, dt), {"x": [1, 128]}, {"g": [128], "wg": [200, 128], "wu": [200, 128], "wd": [128, 200]}),
     "mlp_sum_readers": lambda dt: (lambda g: mlp_sum_readers(g, dt), {"x": [1, 128]}, {"g": [128], "wg": [200, 128], "wu": [200, 128], "wd": [128, 200], "g2": [128], "wq": [72, 128], "wo": [128, 72]}),
     "qk_norm_rope_append": lambda dt: (lambda g: qk_norm_rope_append(g, dt), {"q": [4, 64], "k": [2, 64], "v": [2, 64], "kc": [2, 16, 64], "vc": [2, 16, 64]}, {"gq": [64], "gk": [64]}),
+    "moe_residual": lambda dt: (lambda g: moe(g, dt), {"x": [1, 128]}, MOE_WEIGHTS),
+    "moe_alone_top3": lambda dt: (lambda g: moe(g, dt, residual=False, normalize=False, top_k=3), {"x": [1, 128]}, MOE_WEIGHTS),
     "concat_transpose": lambda dt: (lambda g: g.output("y", me.concat([g.input("a", [4, 8], dt), me.transpose(g.input("b", [6, 4], dt), 0, 1)], 1)), {"a": [4, 8], "b": [6, 4]}, {}),
 }
 

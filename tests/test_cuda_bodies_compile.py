@@ -253,6 +253,10 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
         ("glu_down_qwen3_8b", "glu_down", [Arg((1, 4096), T), Arg((4096,), T), Arg((12288, 4096), T),
                                            Arg((12288, 4096), T), Arg((12288, 4096), T)], Arg((1, 4096), f32),
          {"rows": 96, "roles": ("x", "g", "w", "w2", "wd"), "eps": 1e-6}),
+        ("moe_qwen3_30b", "moe_glu_down", [Arg((1, 2048), T), Arg((2048,), T), Arg((1, 128), T),
+                                           Arg((128, 768, 2048), T), Arg((128, 768, 2048), T),
+                                           Arg((128, 768, 2048), T)], Arg((1, 2048), f32),
+         {"rows": 32, "roles": ("x", "g", "logits", "w", "w2", "wd"), "eps": 1e-6, "top_k": 8, "normalize": True}),
         ("acc_residual", "acc_residual", [Arg((1, 2048), T), Arg((1, 2048), f32)], Arg((1, 2048), T), {"tile": 1024}),
         ("sum_norm_q", "matvec", [Arg((1, 2048), T), Arg((2048, 2048), T), Arg((2048,), T), Arg((1, 2048), f32)],
          Arg((1, 2048), T), {"rows": 24, "mrows": 1, "roles": ("x", "w", "g", "xa"), "eps": 1e-5}),
@@ -492,6 +496,12 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
         ("glu_down_wide_n", "glu_down", [Arg((1, 256), T), Arg((100, 256), T), Arg((100, 256), T),
                                          Arg((100, 4096), T)], Arg((1, 4096), f32),
          {"rows": 16, "roles": ("x", "w", "w2", "wd"), "eps": 0.0}, {}),
+        ("moe_norm", "moe_glu_down", [Arg((1, 256), T), Arg((256,), T), Arg((1, 5), T), Arg((5, 72, 256), T),
+                                      Arg((5, 72, 256), T), Arg((5, 72, 256), T)], Arg((1, 256), f32),
+         {"rows": 32, "roles": ("x", "g", "logits", "w", "w2", "wd"), "eps": 1e-5, "top_k": 3, "normalize": True}, {}),
+        ("moe_f32_logits", "moe_glu_down", [Arg((1, 128), T), Arg((1, 7), f32), Arg((7, 40, 128), T),
+                                            Arg((7, 40, 128), T), Arg((7, 40, 128), T)], Arg((1, 128), f32),
+         {"rows": 16, "roles": ("x", "logits", "w", "w2", "wd"), "eps": 0.0, "top_k": 2, "normalize": False}, {}),
         ("acc_residual", "acc_residual", [Arg((1, 3000), T), Arg((1, 3000), f32)], Arg((1, 3000), T), {"tile": 1024}, {}),
         ("mv_sum_norm", "matvec", [Arg((1, 1024), T), Arg((300, 1024), T), Arg((1024,), T), Arg((1, 1024), f32)],
          Arg((1, 300), T), {"rows": 24, "mrows": 1, "roles": ("x", "w", "g", "xa"), "eps": 1e-5}, {}),
@@ -549,7 +559,7 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
     ]
 
 
-ACCUMULATING = {"glu_down"}  # kinds whose instances add into their output
+ACCUMULATING = {"glu_down", "moe_glu_down"}  # kinds whose instances add into their output
 
 
 def _compare(label: str, got, want, dtype: dt.DType) -> float:

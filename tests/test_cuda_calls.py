@@ -18,14 +18,18 @@ def signature(fn: str, cuh: str) -> list[str]:
     return [re.findall(r"\w+", p)[-1] for p in params]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b"])
-def test_labelled_calls_match_the_body_signatures(preset):
+BODIES = (("matvec", "matvec.cuh"), ("glu_down", "glu_down.cuh"), ("moe_glu_down", "moe.cuh"))
+
+
+@pytest.mark.parametrize("preset,bodies", [("tiny", {"matvec", "glu_down"}), ("qwen3-0.6b", {"matvec", "glu_down"}),
+                                           ("qwen3-moe-tiny", {"matvec", "glu_down", "moe_glu_down"})])
+def test_labelled_calls_match_the_body_signatures(preset, bodies):
     graph, _ = build_decode_graph(ModelConfig.preset(preset), max_len=256, logits=False)
     source = build_artifact(graph, max_dims={"pos": 255}, compile_cuda=False).source
     checked = set()
-    for fn, cuh in (("matvec", "matvec.cuh"), ("glu_down", "glu_down.cuh")):
+    for fn, cuh in BODIES:
         for call in re.findall(rf"\b{fn}<[^>]*>\((/\*.*?)\);\n", source):
             labels = re.findall(r"/\*(\w+)\*/", call)
             assert labels == signature(fn, cuh), fn
             checked.add(fn)
-    assert checked == {"matvec", "glu_down"}
+    assert checked == bodies

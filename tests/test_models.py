@@ -212,6 +212,7 @@ PARAMS = {  # published parameter counts (tied heads counted once)
     "qwen3-0.6b": 596_049_920,
     "qwen3-1.7b": 1_720_574_976,
     "qwen3-8b": 8_190_735_360,
+    "qwen3-30b-a3b": 30_532_122_624,
 }
 
 
@@ -226,6 +227,6 @@ def test_presets_build(name):
     assert graph.symbols() == {"pos"} and set(graph.outputs) == {"logits", "next_token"}
     assert len(spec.caches) == 2 * cfg.layers
     assert ("lm_head.weight" in spec.weights) != cfg.tie_embeddings
-    assert ("model.layers.0.self_attn.q_norm.weight" in spec.weights) == (cfg.arch == "qwen3")
+    assert ("model.layers.0.self_attn.q_norm.weight" in spec.weights) == cfg.qk_norm
     if name in PARAMS:
         assert spec.weight_bytes == 2 * PARAMS[name]

@@ -13,7 +13,7 @@ from megaegg.compiler import build_artifact
 from megaegg.models import ModelConfig, build_decode_graph
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
-PRESETS = ["tiny", "qwen3-tiny"]
+PRESETS = ["tiny", "qwen3-tiny", "qwen3-moe-tiny"]
 
 
 def emitted(preset: str) -> dict[str, str]:

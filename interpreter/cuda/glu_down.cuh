@@ -5,7 +5,8 @@
 //            ([F, N]): the instance's share is ROWS contiguous rows. Thread t owns 16-byte
 //            column vectors t, t + MEGA_THREADS, ... of every row, so no reduction across
 //            threads: each thread streams its columns of 16 rows a batch (two batches in
-//            flight), then adds its f32 sums into acc with 16-byte vector atomics.
+//            flight), then adds its f32 sums (times `scale`: a routed expert's weight, moe.cuh)
+//            into acc with 16-byte vector atomics.
 // acc_residual: out = T(r + T(acc)), once every glu_down instance has added in.
 #pragma once
 #include "matvec.cuh"
@@ -44,9 +45,10 @@ __device__ bool page_axpy(const H* h, long long n, float (&sum)[cdiv(N / VecN<T>
 
 #endif
 
-// acc[0, :N] += this thread's column sums (thread t owns 16-byte column vectors t, t + MEGA_THREADS, ...).
+// acc[0, :N] += scale * this thread's column sums (thread t owns 16-byte column vectors t, t + MEGA_THREADS, ...).
 template <class T, int N>
-__device__ __forceinline__ void glu_down_add(float* acc, const float (&sum)[cdiv(N / VecN<T>::value, MEGA_THREADS)][VecN<T>::value]) {
+__device__ __forceinline__ void glu_down_add(float* acc, const float (&sum)[cdiv(N / VecN<T>::value, MEGA_THREADS)][VecN<T>::value],
+                                             float scale) {
     constexpr int VEC = VecN<T>::value, NV = N / VEC, VPT = cdiv(NV, MEGA_THREADS);
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
@@ -54,14 +56,16 @@ __device__ __forceinline__ void glu_down_add(float* acc, const float (&sum)[cdiv
         if (vi >= NV) continue;
         float4* p = reinterpret_cast<float4*>(acc + vi * VEC);
 #pragma unroll
-        for (int e = 0; e < VEC; e += 4) atomicAdd(p + e / 4, make_float4(sum[v][e], sum[v][e + 1], sum[v][e + 2], sum[v][e + 3]));
+        for (int e = 0; e < VEC; e += 4)
+            atomicAdd(p + e / 4, make_float4(scale * sum[v][e], scale * sum[v][e + 1], scale * sum[v][e + 2], scale * sum[v][e + 3]));
     }
 }
 
 template <class T, int K, int N, int ROWS, bool NORM, bool PAGED = false>
 __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, const T* g, long long g_s0, float eps,
                                       const T* w, long long w_s0, const T* w2, long long w2_s0, const T* wd,
-                                      long long wd_s0, float* acc, long long F, long long n_tile, const MegaWaits wl) {
+                                      long long wd_s0, float* acc, long long F, long long n_tile, const MegaWaits wl,
+                                      float scale) {
     constexpr int VEC = VecN<T>::value;
     static_assert(K % VEC == 0 && N % VEC == 0, "glu_down: weight rows must be whole 16-byte vectors");
     static_assert(ROWS * (int)sizeof(T) <= MEGA_SMEM_RESERVED, "glu_down: h tile does not fit the reserved smem");
@@ -87,7 +91,7 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
 #pragma unroll
             for (int e = 0; e < VEC; ++e) sum[v][e] = 0.0f;
         if (!page_axpy<T, T, N>(hs, rows, sum, k)) return;
-        glu_down_add<T, N>(acc, sum);
+        glu_down_add<T, N>(acc, sum, scale);
         return;
     }
 #endif
@@ -139,7 +143,7 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
             if (bi + 2 < NB) load(b0, (bi + 2) * RB);
             if (bi + 1 < NB) mac(b1, (bi + 1) * RB);
         }
-        glu_down_add<T, N>(acc, sum);
+        glu_down_add<T, N>(acc, sum, scale);
     }
 }
 

@@ -60,7 +60,7 @@ class GluDown(BlockKind):
         n = op.inputs[k["wd"]].shape[1].value
         args = [("smem", "smem"), ("x", x.ptr), ("x_s1", x.strides[1]), *g, ("eps", f"{float(p.get('eps', 0.0))!r}f"),
                 ("w", w.ptr), ("w_s0", w.strides[0]), ("w2", w2.ptr), ("w2_s0", w2.strides[0]), ("wd", wd.ptr),
-                ("wd_s0", wd.strides[0]), ("acc", out.ptr), ("F", f"{f}LL"), ("n_tile", "c1"), ("wl", "wl")]
+                ("wd_s0", wd.strides[0]), ("acc", out.ptr), ("F", f"{f}LL"), ("n_tile", "c1"), ("wl", "wl"), ("scale", "1.0f")]
         return c_call("glu_down", [x.ctype, kdim, n, p["rows"], "true" if "g" in k else "false", paged(op)], args)
 
     def bytes_moved(self, op, env):

@@ -22,7 +22,7 @@ from ..graph import GraphError
 from .config import ModelConfig
 from .decoder import build_decode_graph
 from .generate import Generator, check_token_ids, kernel_step
-from .presets import DEFAULT_PRESET, PRESETS, presets_of
+from .presets import DEFAULT_PRESET, FAMILY, PRESETS, presets_of
 from .weights import CheckpointError, eos_token_ids, load_checkpoint, random_weights, read_config
 
 DEFAULT_PROMPT_IDS = [1, 2, 3, 4]  # without --prompt / --prompt-ids
@@ -163,8 +163,9 @@ def model_config(arch: str, a: argparse.Namespace) -> tuple[ModelConfig, tuple[i
         cfg = ModelConfig.preset(a.preset)
         eos = () if a.ignore_eos else eos_token_ids(PRESETS[a.preset])
         where = f"preset {a.preset!r} is"
-    if cfg.arch != arch:
-        raise GraphError(f"this example runs {arch} models; {where} a {cfg.arch} model (use examples/{cfg.arch}.py)")
+    if FAMILY[cfg.arch] != arch:
+        raise GraphError(f"this example runs {arch} models; {where} a {cfg.arch} model "
+                         f"(use examples/{FAMILY[cfg.arch]}.py)")
     return cfg, eos
 
 

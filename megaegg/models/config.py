@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from ..dtypes import DType, bf16, f16, f32
 from ..graph import GraphError
 
-ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"bfloat16": bf16, "float16": f16, "float32": f32}
 
@@ -28,10 +28,21 @@ class UnsupportedConfig(GraphError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """A decoder-only transformer (Llama / Qwen3 family), sizes in elements."""
+class MoeConfig:
+    """The routed experts of a Qwen3-MoE model (``qwen3_moe``)."""
 
-    arch: str  # "llama" | "qwen3" (qwen3 adds per-head q/k RMSNorm)
+    experts: int  # num_experts (transformers 5: num_local_experts)
+    top_k: int  # num_experts_per_tok
+    intermediate: int  # moe_intermediate_size: one expert's MLP width
+    normalize: bool  # norm_topk_prob: the top-k weights divided by their sum
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the experts' (the others are dense)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (Llama / Qwen3 / Qwen3-MoE family), sizes in elements."""
+
+    arch: str  # "llama" | "qwen3" | "qwen3_moe" (qwen3 and qwen3_moe add per-head q/k RMSNorm)
     hidden: int
     intermediate: int
     layers: int
@@ -45,6 +56,12 @@ class ModelConfig:
     tie_embeddings: bool  # the LM head reads model.embed_tokens.weight
     max_positions: int
     dtype: DType
+    moe: MoeConfig | None = None  # qwen3_moe: the routed experts
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
+        return self.arch in ("qwen3", "qwen3_moe")
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
@@ -75,6 +92,8 @@ class ModelConfig:
         if head_dim % 2:
             _unsupported("head_dim", head_dim, "even")
         theta, scaling = _rope(cfg)
+        layers = _int(cfg, "num_hidden_layers")
+        moe = _moe(cfg, layers) if arch == "qwen3_moe" else None
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"  # transformers' default
         if dtype_name not in _DTYPES:
             _unsupported("torch_dtype", dtype_name, f"one of {', '.join(_DTYPES)}")
@@ -82,7 +101,7 @@ class ModelConfig:
             arch=arch,
             hidden=hidden,
             intermediate=_int(cfg, "intermediate_size"),
-            layers=_int(cfg, "num_hidden_layers"),
+            layers=layers,
             heads=heads,
             kv_heads=int(kv_heads),
             head_dim=int(head_dim),
@@ -93,6 +112,7 @@ class ModelConfig:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_positions=int(cfg.get("max_position_embeddings", 2048)),
             dtype=_DTYPES[dtype_name],
+            moe=moe,
         )
 
     @classmethod
@@ -122,6 +142,25 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
     params["rope_type"] = kind
     params.pop("type", None)
     return theta, params
+
+
+def _moe(cfg: Mapping[str, Any], layers: int) -> MoeConfig:
+    """The experts of a qwen3_moe config; which layers are sparse as transformers decides it."""
+    for field in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if cfg.get(field):  # (Qwen2-MoE style shared experts: not in Qwen3-MoE)
+            _unsupported(field, cfg[field], "absent (shared experts are not implemented)")
+    field = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    experts = _int(cfg, field)
+    top_k = _int(cfg, "num_experts_per_tok")
+    if top_k > experts:
+        _unsupported("num_experts_per_tok", top_k, f"at most {field}={experts}")
+    step = _int(cfg, "decoder_sparse_step") if "decoder_sparse_step" in cfg else 1
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        _unsupported("mlp_only_layers", dense, "a list of layer indices")
+    sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return MoeConfig(experts=experts, top_k=top_k, intermediate=_int(cfg, "moe_intermediate_size"),
+                     normalize=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse)
 
 
 def _int(cfg: Mapping[str, Any], field: str) -> int:

@@ -1,4 +1,4 @@
-"""One decode step of a Llama / Qwen3 model as a megaegg Graph.
+"""One decode step of a Llama / Qwen3 / Qwen3-MoE model as a megaegg Graph.
 
 Batch 1, one token at runtime position ``pos``: the token's K and V are appended to
 the per-layer caches in place and attention reads the first ``pos + 1`` rows. Weights
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..dims import sym
 from ..dtypes import DType, as_dtype, i32
 from ..graph import Graph, GraphError, Tensor
-from ..ops import argmax, attention, embedding, kv_append, linear, rms_norm, rope, rope_inv_freq, silu
+from ..ops import argmax, attention, embedding, kv_append, linear, moe_mlp, rms_norm, rope, rope_inv_freq, silu
 from .config import ModelConfig
 
 
@@ -27,7 +27,7 @@ class ModelSpec:
 
     config: ModelConfig
     max_len: int
-    weights: dict[str, tuple[int, ...]]  # Hugging Face state-dict name -> shape
+    weights: dict[str, tuple[int, ...]]  # Hugging Face state-dict name (or a stack of them, below) -> shape
     caches: dict[str, tuple[int, ...]]  # "k_cache.{l}" / "v_cache.{l}" -> [kv_heads, max_len, head_dim]
 
     @property
@@ -36,8 +36,30 @@ class ModelSpec:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (the memory floor's numerator, without KV)."""
+        """Bytes of all the weights (what binding them costs)."""
         return sum(_numel(s) for s in self.weights.values()) * self.dtype.itemsize
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes of weights one decode step reads (the memory floor's numerator, without KV): of
+        each stack of routed experts, only the ``top_k`` chosen ones."""
+        moe = self.config.moe
+        total = 0
+        for name, shape in self.weights.items():
+            n = _numel(shape)
+            total += n // shape[0] * moe.top_k if moe and name in self.stacks else n
+        return total * self.dtype.itemsize
+
+    @property
+    def stacks(self) -> dict[str, tuple[str, ...]]:
+        """Graph weights that stack per-expert checkpoint tensors on a leading axis: name -> the
+        tensors' names, in expert order (``load_checkpoint`` stacks them)."""
+        moe = self.config.moe
+        if moe is None:
+            return {}
+        return {expert_stack(layer, proj): tuple(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                                                  for e in range(moe.experts))
+                for layer in moe.sparse_layers for proj in EXPERT_PROJS}
 
     def new_caches(self, device="cpu", dtype=None) -> dict:
         """Fresh KV caches by input name (zeros: rows at or past ``pos`` are never read)."""
@@ -73,6 +95,14 @@ def build_decode_graph(cfg: ModelConfig, *, max_len: int, logits: bool = True) -
     return g, ModelSpec(config=cfg, max_len=max_len, weights=weights, caches=caches)
 
 
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_stack(layer: int, proj: str) -> str:
+    """The graph weight stacking layer ``layer``'s experts' ``proj`` weights ``[E, ...]``."""
+    return f"model.layers.{layer}.mlp.experts.{proj}.stacked"
+
+
 def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, *, pos, inv_freq: Tensor, max_len: int) -> Tensor:
     """One pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``x`` is [1, hidden]."""
     g, dt, eps = x.graph, cfg.dtype, cfg.rms_eps
@@ -86,7 +116,7 @@ def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, *, pos, inv_freq: Ten
     q = linear(h, w("self_attn.q_proj", H * D, E)).reshape(H, D)
     k = linear(h, w("self_attn.k_proj", Hkv * D, E)).reshape(Hkv, D)
     v = linear(h, w("self_attn.v_proj", Hkv * D, E)).reshape(Hkv, D)
-    if cfg.arch == "qwen3":  # per-head RMSNorm of q and k, before RoPE
+    if cfg.qk_norm:  # per-head RMSNorm of q and k, before RoPE
         q = rms_norm(q, w("self_attn.q_norm", D), eps)
         k = rms_norm(k, w("self_attn.k_norm", D), eps)
     q, k = rope(q, pos, inv_freq=inv_freq), rope(k, pos, inv_freq=inv_freq)
@@ -95,8 +125,14 @@ def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, *, pos, inv_freq: Ten
     o = attention(q, k_cache, v_cache, pos + 1).reshape(1, H * D)
     x = x + linear(o, w("self_attn.o_proj", E, H * D))
 
-    # MLP: down(silu(gate(h)) * up(h))
+    # MLP: down(silu(gate(h)) * up(h)); or the routed experts' (Qwen3-MoE's sparse layers)
     h = rms_norm(x, w("post_attention_layernorm", E), eps)
+    moe = cfg.moe
+    if moe is not None and layer in moe.sparse_layers:
+        n, f = moe.experts, moe.intermediate
+        stacks = [g.weight(expert_stack(layer, p), s, dt) for p, s in zip(EXPERT_PROJS, ((n, f, E), (n, f, E), (n, E, f)))]
+        logits = linear(h, w("mlp.gate", n, E))
+        return x + moe_mlp(h, logits, *stacks, top_k=moe.top_k, normalize=moe.normalize)
     gate = silu(linear(h, w("mlp.gate_proj", F, E)))
     up = linear(h, w("mlp.up_proj", F, E))
     return x + linear(gate * up, w("mlp.down_proj", E, F))

@@ -1,8 +1,8 @@
 """Named model configs in Hugging Face ``config.json`` form (read them with ``ModelConfig.from_hf``).
 
 The real models' published architecture hyperparameters (training-only fields such
-as ``initializer_range`` are left out), plus ``tiny`` and ``qwen3-tiny``, small
-Llama- and Qwen3-style models for demos and CI (no EOS token: random weights would
+as ``initializer_range`` are left out), plus ``tiny``, ``qwen3-tiny`` and ``qwen3-moe-tiny``,
+small Llama-, Qwen3- and Qwen3-MoE-style models for demos and CI (no EOS token: random weights would
 stop at it by chance).
 """
 
@@ -56,6 +56,15 @@ _QWEN3 = {
     "torch_dtype": "bfloat16",
     "bos_token_id": 151643,
     "eos_token_id": 151645,
+}
+
+_QWEN3_MOE = {  # Qwen3-MoE: Qwen3's attention, routed experts in every layer but mlp_only_layers
+    **_QWEN3,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
 }
 
 _TINY = {  # the shape of the small demo/CI models
@@ -119,11 +128,27 @@ PRESETS: dict[str, dict] = {
         "max_window_layers": 36,
         "tie_word_embeddings": False,
     },
+    "qwen3-moe-tiny": {**_QWEN3_MOE, **_TINY, "moe_intermediate_size": 128, "num_experts": 7, "num_experts_per_tok": 3,
+                       "mlp_only_layers": [0], "bos_token_id": None, "eos_token_id": None},
+    "qwen3-30b-a3b": {
+        **_QWEN3_MOE,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_window_layers": 48,
+        "tie_word_embeddings": False,
+    },
 }
 
 DEFAULT_PRESET = {"llama": "tiny", "qwen3": "qwen3-tiny"}  # what each example runs with --random-weights alone
+FAMILY = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3"}  # model_type -> the example that runs it
 
 
-def presets_of(arch: str) -> list[str]:
-    """The presets of one architecture (``model_type``), in PRESETS order."""
-    return [name for name, cfg in PRESETS.items() if cfg["model_type"] == arch]
+def presets_of(family: str) -> list[str]:
+    """The presets one example runs (``FAMILY``), in PRESETS order."""
+    return [name for name, cfg in PRESETS.items() if FAMILY[cfg["model_type"]] == family]

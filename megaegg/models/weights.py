@@ -98,29 +98,40 @@ def load_checkpoint(path, spec: ModelSpec, device="cpu", dtype=None, *, progress
     dtype = check_dtype(spec, dtype)
     _check_same_model(read_config(path), spec.config, path)
     files = _tensor_files(path)
-    missing = sorted(n for n in spec.weights if n not in files)
+    parts = _checkpoint_tensors(spec)  # checkpoint tensor -> its shape (a stack's: one expert's)
+    missing = sorted(n for n in parts if n not in files)
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     by_file: dict[str, list[str]] = defaultdict(list)
-    for name in spec.weights:
+    for name in parts:
         by_file[files[name]].append(name)
     for file, names in by_file.items():  # before reading any: a partial download fails at once
         if not (path / file).is_file():
             raise CheckpointError(f"{path / INDEX}: shard {file!r} (holding {names[0]!r}) not found in {path}")
     out: dict[str, torch.Tensor] = {}
+    stacked = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in spec.weights.items()
+               if name in spec.stacks}  # filled expert by expert: no second copy of the experts
+    where = {src: (name, e) for name, srcs in spec.stacks.items() for e, src in enumerate(srcs)}
     ticker = _Ticker(spec, progress)
     for i, (file, names) in enumerate(by_file.items()):
         with _safetensors(path / file, device) as f:
             for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != spec.weights[name]:
+                if shape != parts[name]:
                     raise CheckpointError(
-                        f"{path / file}: tensor {name!r} has shape {list(shape)}, expected {list(spec.weights[name])}"
+                        f"{path / file}: tensor {name!r} has shape {list(shape)}, expected {list(parts[name])}"
                     )
-                out[name] = f.get_tensor(name).to(dtype).contiguous()
-                ticker.tick(name, file)
+                if name in where:
+                    stack, e = where[name]
+                    stacked[stack][e] = f.get_tensor(name).to(dtype)
+                    if e == len(spec.stacks[stack]) - 1:
+                        ticker.tick(stack, file)
+                else:
+                    out[name] = f.get_tensor(name).to(dtype).contiguous()
+                    ticker.tick(name, file)
         if len(by_file) > 1:
             ticker.tick(None, f"shard {i + 1}/{len(by_file)} {file}", force=True)
+    out.update(stacked)
     return {name: out[name] for name in spec.weights}  # in the graph's order
 
 
@@ -189,6 +200,16 @@ def _tensor_files(path: Path) -> dict[str, str]:
             return {name: SINGLE for name in f.keys()}
     raise CheckpointError(f"{path}: neither {SINGLE} nor {INDEX} found")
 
+
+
+def _checkpoint_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors ``spec`` reads, with their shapes: a stacked graph weight's experts
+    are separate tensors (Hugging Face's ``mlp.experts.{e}.gate_proj.weight``)."""
+    out = {}
+    for name, shape in spec.weights.items():
+        for src in spec.stacks.get(name, (name,)):
+            out[src] = shape[1:] if name in spec.stacks else shape
+    return out
 
 
 def _check_same_model(found: ModelConfig, want: ModelConfig, path: Path) -> None:

@@ -1,0 +1,601 @@
+// The megakernel: a persistent interpreter over the symbolic work queue.
+//
+// Every block (one per SM) loops: claim the next instance (one atomic, queue
+// order), find its entry, wait for its input barriers (acquire), run the inlined
+// block-op body, signal its output barriers (release). Launch counts, offsets,
+// barrier indices and expected counts are expressions of the runtime dims in
+// args.dims, evaluated here, so a new position needs no rebuild.
+//
+// Entries whose code differs only in constants (the same op in every layer) share one
+// `case`; the entry table (args.table) gives each entry its case and its own constants
+// E[0..] (arena offsets, pointer slots, counter bases), so the code does not grow with
+// the number of layers.
+//
+// With MEGA_PAGES > 0 the block also holds a loader warp (pages.cuh): it claims the instances
+// (while the body threads are busy, only those whose weights it streams, up to MEGA_SLOTS
+// ahead), hands them over through a ring of instruction slots, and streams each claimed
+// instance's weight rows into the page ring. The body threads
+// take the slots in order. The claims stay in queue order, so the deadlock argument of
+// docs/design.md holds: the smallest unfinished claimed instance has all its producers done and
+// is next in its block's slots.
+//
+// Counters come in two parity sets: a launch uses set `parity` and zeroes the
+// other one (and its claim counter) for the next launch, so no host reset is needed.
+#define MEGA_MAX_WAITS 3  // the most barrier waits of one queue entry
+#include "runtime.cuh"
+#include "common.cuh"
+#include "pages.cuh"
+#include "argmax.cuh"
+#include "attention.cuh"
+#include "embedding.cuh"
+#include "glu_down.cuh"
+#include "kv_append.cuh"
+#include "matvec.cuh"
+#include "matvec_argmax.cuh"
+#include "moe.cuh"
+#include "rope.cuh"
+
+#if MEGA_PAGES > 0
+#define MEGA_BLOCK_THREADS (MEGA_THREADS + 32)  // the body threads, then the loader warp
+#ifndef MEGA_SLOTS
+#define MEGA_SLOTS 2
+#endif
+struct MegaSlot {
+  long long g, local;  // g < 0: no more instances
+  int entry;
+  unsigned page0;      // the instance's first page
+};
+#else
+#define MEGA_BLOCK_THREADS MEGA_THREADS
+#endif
+
+#define MEGA_ENTRIES 25
+#define MEGA_COUNTERS 576
+
+struct MegaArgs {
+  char* arena;
+  unsigned* counters;              // 2 * MEGA_COUNTERS
+  unsigned long long* control;     // see runtime.cuh
+  long long parity;
+  unsigned long long* trace;       // MEGA_TRACE builds: 4 words per instance
+  const long long* table;          // per entry: its case, where its constants start, paged; then the constants
+  long long dims[1];
+  void* ptr[32];
+};
+
+extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
+  extern __shared__ __align__(16) char smem[];
+  __shared__ long long prefix[MEGA_ENTRIES + 1];
+  __shared__ int entry_case[MEGA_ENTRIES + 1], entry_consts[MEGA_ENTRIES + 1];  // (+1: a queue may be empty)
+  __shared__ unsigned char entry_paged[MEGA_ENTRIES + 1];
+  __shared__ long long claimed;
+
+  unsigned long long* control = args.control;
+  const int parity = (int)args.parity;
+  unsigned* ctr = args.counters + (parity ? MEGA_COUNTERS : 0);
+  const long long D_pos = args.dims[0];
+
+  if (threadIdx.x == 0) {
+    mega_control_ptr = control;
+    mega_abort_block = 0;
+    prefix[0] = 0;
+    prefix[1] = prefix[0] + max_i64(0LL, 1LL);
+    prefix[2] = prefix[1] + max_i64(0LL, 32LL);
+    prefix[3] = prefix[2] + max_i64(0LL, 16LL);
+    prefix[4] = prefix[3] + max_i64(0LL, 16LL);
+    prefix[5] = prefix[4] + max_i64(0LL, 4LL);
+    prefix[6] = prefix[5] + max_i64(0LL, 2LL);
+    prefix[7] = prefix[6] + max_i64(0LL, 1LL);
+    prefix[8] = prefix[7] + max_i64(0LL, (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
+    prefix[9] = prefix[8] + max_i64(0LL, 2LL);
+    prefix[10] = prefix[9] + max_i64(0LL, 32LL);
+    prefix[11] = prefix[10] + max_i64(0LL, 64LL);
+    prefix[12] = prefix[11] + max_i64(0LL, 32LL);
+    prefix[13] = prefix[12] + max_i64(0LL, 16LL);
+    prefix[14] = prefix[13] + max_i64(0LL, 16LL);
+    prefix[15] = prefix[14] + max_i64(0LL, 4LL);
+    prefix[16] = prefix[15] + max_i64(0LL, 2LL);
+    prefix[17] = prefix[16] + max_i64(0LL, 1LL);
+    prefix[18] = prefix[17] + max_i64(0LL, (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
+    prefix[19] = prefix[18] + max_i64(0LL, 2LL);
+    prefix[20] = prefix[19] + max_i64(0LL, 32LL);
+    prefix[21] = prefix[20] + max_i64(0LL, 1LL);
+    prefix[22] = prefix[21] + max_i64(0LL, 48LL);
+    prefix[23] = prefix[22] + max_i64(0LL, 1LL);
+    prefix[24] = prefix[23] + max_i64(0LL, 128LL);
+    prefix[25] = prefix[24] + max_i64(0LL, 1LL);
+  }
+  for (int e = threadIdx.x; e < MEGA_ENTRIES; e += blockDim.x) {
+    entry_case[e] = (int)args.table[e];
+    entry_consts[e] = (int)args.table[MEGA_ENTRIES + e];
+    entry_paged[e] = (unsigned char)args.table[2 * MEGA_ENTRIES + e];
+  }
+  {  // zero the other parity's counters and claim counter for the next launch
+    unsigned* next = args.counters + (parity ? 0 : MEGA_COUNTERS);
+    for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < MEGA_COUNTERS;
+         k += (long long)gridDim.x * blockDim.x)
+      next[k] = 0;
+    if (blockIdx.x == 0 && threadIdx.x == 0) control[1 - parity] = 0;
+  }
+#if MEGA_PAGES > 0
+  __shared__ MegaSlot slots[MEGA_SLOTS];
+  __shared__ __align__(8) unsigned long long slot_full[MEGA_SLOTS], slot_empty[MEGA_SLOTS];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < MEGA_PAGES; ++s) mega_mbar_init(&mega_page_full[s], 1), mega_mbar_init(&mega_page_empty[s], MEGA_WARPS);
+    for (int s = 0; s < MEGA_SLOTS; ++s) mega_mbar_init(&slot_full[s], 1), mega_mbar_init(&slot_empty[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+#endif
+  __syncthreads();
+  const long long total = prefix[MEGA_ENTRIES];
+  auto find_entry = [&](long long g) {  // entry e holds instances [prefix[e], prefix[e+1])
+    int lo = 0, hi = MEGA_ENTRIES - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  };
+
+#if MEGA_PAGES > 0
+  if (threadIdx.x >= MEGA_THREADS) {  // the loader warp: one thread claims and streams
+    if (threadIdx.x != MEGA_THREADS) return;
+    MegaLoader L{0};
+    for (unsigned n = 0;; ++n) {
+      const unsigned s = n % MEGA_SLOTS;
+      if (n >= MEGA_SLOTS && !mega_mbar_wait(&slot_empty[s], ((n / MEGA_SLOTS) - 1) & 1)) break;
+      // Claim the next instance in queue order. While the body threads are busy, only an instance
+      // whose weights come through the pages is claimed (its loads start now); any other waits for
+      // them to be idle: parked behind a busy block, a chain instance (attention, RoPE) would wait
+      // for it when another block could run it at once (measured: claiming any instance ahead
+      // made llama-3.2-1b 12% slower).
+      long long g;
+      unsigned sleep = 32;
+      while (true) {
+        if (*(volatile unsigned long long*)&control[2]) { g = total; break; }
+        const bool idle = n == 0 || mega_mbar_test(&slot_empty[(n - 1) % MEGA_SLOTS], ((n - 1) / MEGA_SLOTS) & 1);
+        if (idle) { g = (long long)atomicAdd(&control[parity], 1ULL); break; }
+        if (*(volatile int*)&mega_abort_block) { g = total; break; }
+        const unsigned long long next = *(volatile unsigned long long*)&control[parity];
+        if ((long long)next < total && entry_paged[find_entry((long long)next)] &&
+            atomicCAS(&control[parity], next, next + 1) == next) { g = (long long)next; break; }
+        __nanosleep(sleep);
+        if (sleep < 256) sleep *= 2;
+      }
+      if (g >= total) {
+        slots[s].g = -1;
+        mega_mbar_arrive(&slot_full[s]);
+        break;
+      }
+      const int entry = find_entry(g);
+      const long long local = g - prefix[entry];
+      slots[s] = MegaSlot{g, local, entry, L.issued};
+      mega_mbar_arrive(&slot_full[s]);  // (release: the body threads see the slot)
+      const long long* E = args.table + 3 * MEGA_ENTRIES + entry_consts[entry];
+      (void)E;
+      bool ok = true;
+      switch (entry_case[entry]) {
+
+        default: break;
+      }
+      if (!ok) break;
+    }
+    mega_loader_drain(L);
+    return;
+  }
+#endif
+
+  for (unsigned n = 0;; ++n) {
+#if MEGA_PAGES > 0
+    const unsigned slot = n % MEGA_SLOTS;
+    if (!mega_mbar_wait(&slot_full[slot], (n / MEGA_SLOTS) & 1)) break;
+    const MegaSlot sl = slots[slot];
+    if (sl.g < 0) break;
+    const long long g = sl.g, local = sl.local;
+    const int entry = sl.entry;
+    if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; mega_page_head = sl.page0; }
+    mega_sync();
+#else
+    if (threadIdx.x == 0)  // claim the next instance in queue order (or stop: another block failed)
+      claimed = *(volatile unsigned long long*)&control[2] ? total : (long long)atomicAdd(&control[parity], 1ULL);
+    __syncthreads();
+    const long long g = claimed;
+    if (g >= total) break;
+    const int entry = find_entry(g);
+    const long long local = g - prefix[entry];
+    if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; }
+#endif
+#ifdef MEGA_TRACE
+    unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
+#endif
+    const long long* E = args.table + 3 * MEGA_ENTRIES + entry_consts[entry];  // this entry's constants
+    (void)E;
+    if (threadIdx.x == 32 && entry + 1 < MEGA_ENTRIES) {  // the next entry's constants into L1: its first
+      const long long* next = args.table + 3 * MEGA_ENTRIES + entry_consts[entry + 1];  // instance here finds them
+      asm volatile("prefetch.global.L1 [%0];" :: "l"(next));
+      asm volatile("prefetch.global.L1 [%0];" :: "l"(next + 15));
+    }
+    switch (entry_case[entry]) {
+      case 0: {  // embedding: op0 (1 entries)
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)args.ptr[0]);
+        int* const in1 = ((int*)args.ptr[1]);
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 0));
+        MEGA_TRACE_WAITED();
+        embedding_row<__nv_bfloat16, int>(in0, 256LL, 1LL, in1, 1LL, 1024LL, 256LL, out, 256LL, 1LL, c0);
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[0 + (0LL)], 1u);
+        }
+      } break;
+      case 1: {  // matvec: op1, op2 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
+        long long rem = local;
+        const long long c1 = rem % (e0); rem /= (e1);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 0));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e2]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[3]);
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e3));
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[e4] + c1 * 4096LL, (min_i64(e5 - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*wl*/ wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
+        }
+      } break;
+      case 2: {  // matvec: op3, op20 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9), e10 = __ldg(E + 10), e11 = __ldg(E + 11), e12 = __ldg(E + 12), e13 = __ldg(E + 13);
+        long long rem = local;
+        const long long c1 = rem % (e0); rem /= (e1);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e2));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e3]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e4]);
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e5));
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[e6] + c1 * 4096LL, (min_i64(e7 - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[e8 + (0LL)]; wl.expected[0] = (unsigned)(e9);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e10), /*out_s0*/ e11, /*out_s1*/ 1LL, /*N*/ e12, /*n_tile*/ c1, /*wl*/ wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[e13 + (0LL)], 1u);
+        }
+      } break;
+      case 3: {  // rope: op4, op14 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4);
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
+        float* const in1 = ((float*)args.ptr[6]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e1]);
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e2));
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[e3 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        rope_rows<__nv_bfloat16, 64, true>(in0, 64LL, 1LL, in1, nullptr, 0, D_pos, 1LL, in2, 1LL, 1e-06f, out, 64LL, 1LL, 4LL, 1, c0);
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[e4 + ((D__i0 / 2LL))], 1u);
+        }
+      } break;
+      case 4: {  // rope: op5, op15 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4);
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
+        float* const in1 = ((float*)args.ptr[6]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e1]);
+        __nv_bfloat16* const out = (((__nv_bfloat16*)args.ptr[e2]) + (D_pos * 64LL));
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[e3 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        rope_rows<__nv_bfloat16, 64, true>(in0, 64LL, 1LL, in1, nullptr, 0, D_pos, 1LL, in2, 1LL, 1e-06f, out, 65536LL, 1LL, 2LL, 1, c0);
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[e4 + (D__i0)], 1u);
+        }
+      } break;
+      case 5: {  // kv_append: op6, op16 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)args.ptr[e1]);
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[e2 + (0LL)]; wl.expected[0] = (unsigned)(16LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        kv_append<__nv_bfloat16>(in0, 64LL, 1LL, out, 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[e3 + (0LL)], 1u);
+        }
+      } break;
+      case 6: {  // attn_partial: op7, op17 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7);
+        long long rem = local;
+        const long long c1 = rem % (((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e1]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e2]);
+        float* const out = ((float*)(args.arena + e3));
+        MegaWaits wl; wl.n = 3;
+        wl.ctr[0] = &ctr[e4 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[e5 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[2] = &ctr[e6 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        attn_partial<__nv_bfloat16, 64, 2>(smem, in0, 64LL, 1LL, in1, 65536LL, 64LL, 1LL, in2, 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, out, 1056LL, 66LL, c0, c1);
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[e7 + (D__i0)], 1u);
+        }
+      } break;
+      case 7: {  // attn_merge: op8, op18 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        float* const in0 = ((float*)(args.arena + e0));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e1));
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[e2 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        attn_merge<__nv_bfloat16, 64>(in0, 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, out, 64LL, 1LL, c0);
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[e3 + (0LL)], 1u);
+        }
+      } break;
+      case 8: {  // matvec: op9 (1 entries)
+        long long rem = local;
+        const long long c1 = rem % (32LL); rem /= (32LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 2048));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[11]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)(args.arena + 0));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 19456));
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[11] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 2;
+        wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[16 + (0LL)], 1u);
+        }
+      } break;
+      case 9: {  // glu_down: op10 (1 entries)
+        long long rem = local;
+        const long long c1 = rem % (64LL); rem /= (64LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[12]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[13]);
+        __nv_bfloat16* const in3 = ((__nv_bfloat16*)args.ptr[14]);
+        __nv_bfloat16* const in4 = ((__nv_bfloat16*)args.ptr[15]);
+        float* const out = ((float*)(ctr + 64));
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[13] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[14] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[16 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
+        glu_down<__nv_bfloat16, 256, 256, 8, true, false>(/*smem*/ smem, /*x*/ in0, /*x_s1*/ 1LL, /*g*/ in1, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in2, /*w_s0*/ 256LL, /*w2*/ in3, /*w2_s0*/ 256LL, /*wd*/ in4, /*wd_s0*/ 256LL, /*acc*/ out, /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl, /*scale*/ 1.0f);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[17 + (0LL)], 1u);
+        }
+      } break;
+      case 10: {  // matvec: op11, op12 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
+        long long rem = local;
+        const long long c1 = rem % (e0); rem /= (e1);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e2]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[17]);
+        float* const in3 = ((float*)(ctr + 64));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e3));
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[e4] + c1 * 4096LL, (min_i64(e5 - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*wl*/ wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
+        }
+      } break;
+      case 11: {  // matvec: op13 (1 entries)
+        long long rem = local;
+        const long long c1 = rem % (16LL); rem /= (16LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[19]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[17]);
+        float* const in3 = ((float*)(ctr + 64));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 20736));
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[19] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[24 + (0LL)], 1u);
+        }
+      } break;
+      case 12: {  // matvec: op19 (1 entries)
+        long long rem = local;
+        const long long c1 = rem % (32LL); rem /= (32LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 21504));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[24]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)(args.arena + 19456));
+        float* const in3 = ((float*)(ctr + 64));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 38912));
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[24] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 2;
+        wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[17 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (in3 + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
+        if (mega_abort_block) break;
+        MEGA_TRACE_WAITS_PASSED();
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[33 + (0LL)], 1u);
+        }
+      } break;
+      case 13: {  // moe_glu_down: op21 (1 entries)
+        long long rem = local;
+        const long long c1 = rem % (16LL); rem /= (16LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 38912));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[26]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)(args.arena + 39424));
+        __nv_bfloat16* const in3 = ((__nv_bfloat16*)args.ptr[27]);
+        __nv_bfloat16* const in4 = ((__nv_bfloat16*)args.ptr[28]);
+        __nv_bfloat16* const in5 = ((__nv_bfloat16*)args.ptr[29]);
+        float* const out = ((float*)(ctr + 320));
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[34 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        moe_glu_down<__nv_bfloat16, __nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ in0, /*x_s1*/ 1LL, /*g*/ in1, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*logits*/ in2, /*logits_s1*/ 1LL, /*E*/ 7, /*top_k*/ 3, /*normalize*/ true, /*slot*/ c0, /*w*/ in3, /*w_se*/ 32768LL, /*w_s0*/ 256LL, /*w2*/ in4, /*w2_se*/ 32768LL, /*w2_s0*/ 256LL, /*wd*/ in5, /*wd_se*/ 32768LL, /*wd_s0*/ 256LL, /*acc*/ out, /*F*/ 128LL, /*n_tile*/ c1);
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[35 + (0LL)], 1u);
+        }
+      } break;
+      case 14: {  // acc_residual: op22 (1 entries)
+        long long rem = local;
+        const long long c1 = rem % (1LL); rem /= (1LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 38912));
+        float* const in1 = ((float*)(ctr + 320));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 39680));
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[35 + (0LL)]; wl.expected[0] = (unsigned)(48LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        acc_residual<__nv_bfloat16>(in0, 1LL, in1, out, 1LL, 256LL, 1024LL, c1);
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[36 + (0LL)], 1u);
+        }
+      } break;
+      case 15: {  // matvec_argmax: op23 (1 entries)
+        long long rem = local;
+        const long long c1 = rem % (128LL); rem /= (128LL);
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
+        __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 39680));
+        __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[30]);
+        __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[31]);
+        float* const out = ((float*)(args.arena + 40192));
+        if (threadIdx.x == 0) {
+          mega_prefetch_l2((const char*)args.ptr[30] + c1 * 4096LL, (min_i64(1024LL - c1 * 8, 8LL)) * 512LL);
+        }
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[36 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        matvec_argmax<__nv_bfloat16, 256, 8, true, false>(smem, in0, 256LL, 1LL, in2, 1LL, 1e-06f, in1, 256LL, 1LL, out, 2LL, 1024LL, c1);
+        mega_sync();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          mega_red_release(&ctr[37 + (0LL)], 1u);
+        }
+      } break;
+      case 16: {  // argmax_reduce: op24 (1 entries)
+        long long rem = local;
+        const long long c0 = rem;
+        const long long D__i0 = c0; (void)D__i0;
+        float* const in0 = ((float*)(args.arena + 40192));
+        int* const out = ((int*)(args.arena + 41216));
+        MegaWaits wl; wl.n = 1;
+        wl.ctr[0] = &ctr[37 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
+        if (!mega_wait_all(wl)) break;
+        MEGA_TRACE_WAITS_PASSED();
+        argmax_reduce(smem, in0, 256LL, 2LL, 128LL, out, 1LL, c0);
+      } break;
+      default: break;
+    }
+    mega_sync();
+#if MEGA_PAGES > 0
+    if (threadIdx.x == 0) mega_mbar_arrive(&slot_empty[slot]);
+#endif
+#ifdef MEGA_TRACE
+    if (threadIdx.x == 0) {
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      unsigned long long* rec = args.trace + 4 * g;
+      rec[0] = ((unsigned long long)entry << 40) | ((unsigned long long)smid << 32) | (unsigned long long)local;
+      rec[1] = t_claim;
+      rec[2] = t_waited ? t_waited : t_claim;
+      rec[3] = mega_globaltimer();
+    }
+#endif
+    if (mega_abort_block) break;
+  }
+}

@@ -1,0 +1,148 @@
+"""Qwen3-MoE: the graph op, its routing inside the kernel, configs and checkpoints (CPU: reference
+executor and simulator, against Hugging Face transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from op_cases import MOE_WEIGHTS, moe
+
+import megaegg as me
+from megaegg.interpreter.simulator import Schedule
+from megaegg.models import (
+    CheckpointError, Generator, ModelConfig, UnsupportedConfig, build_decode_graph, kernel_step, load_checkpoint,
+    read_config, reference_step,
+)
+from megaegg.reference import moe_routing
+
+transformers = pytest.importorskip("transformers")
+
+TINY_MOE = dict(
+    hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=97, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
+    rope_theta=1e6, max_position_embeddings=4096, tie_word_embeddings=False,
+)
+
+
+def hf_moe(seed: int, **config):
+    """A tiny random Qwen3-MoE (f32) whose weights all matter."""
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**TINY_MOE, **config}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.15 * torch.randn_like(p))
+    return model.float().eval()
+
+
+@pytest.mark.parametrize("config,executor,seed", [
+    # odd expert count, top-2, renormalised, a dense layer among sparse ones
+    (dict(num_experts=5, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1]), "reference", 20),
+    (dict(num_experts=5, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1]), "megakernel-sim", 21),
+    # every second layer sparse (decoder_sparse_step), top-3 of 7 not renormalised
+    (dict(num_experts=7, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2), "megakernel-sim", 22),
+])
+def test_greedy_matches_transformers(tmp_path, config, executor, seed):
+    model = hf_moe(seed, **config)
+    model.save_pretrained(tmp_path)
+    cfg = read_config(tmp_path)
+    assert cfg.arch == "qwen3_moe" and cfg.moe.experts == config["num_experts"]
+    step = config.get("decoder_sparse_step", 1)
+    assert cfg.moe.sparse_layers == tuple(i for i in range(3) if i not in config.get("mlp_only_layers", [])
+                                          and (i + 1) % step == 0)
+    max_len = 32
+    graph, spec = build_decode_graph(cfg, max_len=max_len)
+    weights = load_checkpoint(tmp_path, spec)  # the per-expert tensors stacked
+    if executor == "reference":
+        run = reference_step(graph, weights, spec.new_caches())
+    else:
+        run = kernel_step(me.compile(graph, weights, backend="sim", max_dims={"pos": max_len - 1}), spec.new_caches())
+    prompt = torch.randint(0, cfg.vocab, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = Generator(run, max_len=max_len).generate(prompt, max_new_tokens=12, keep_logits=True)
+    with torch.no_grad():
+        ids = torch.tensor([prompt + out.tokens])
+        want = model.generate(ids[:, : len(prompt)], max_new_tokens=12, do_sample=False)
+        hf_logits = model(ids[:, :-1]).logits[0]
+    assert want[0, len(prompt):].tolist() == out.tokens
+    ours = torch.cat(out.logits)
+    err = ((ours - hf_logits).abs().max() / hf_logits.abs().max()).item()
+    assert err < 1e-4, f"logits rel err {err:.2e}"
+    assert len(set(out.tokens)) > 1
+
+
+def test_only_the_chosen_experts_are_read():
+    """The unchosen experts' weights are NaN: the compiled kernel's result is still the reference's
+    (the simulator runs the kernel's instances, each reading its routed expert's rows only)."""
+    torch.manual_seed(3)
+    g = me.Graph("moe")
+    moe(g, me.f32)
+    weights = {n: torch.randn(s) * 0.3 for n, s in MOE_WEIGHTS.items()}
+    x = torch.randn(1, 128)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weights["g"]
+    _, chosen = moe_routing(h @ weights["wr"].T, 2, True, torch.float32)
+    poisoned = dict(weights)
+    for name in ("we_g", "we_u", "we_d"):
+        w = weights[name].clone()
+        w[[e for e in range(5) if e not in chosen[0].tolist()]] = float("nan")
+        poisoned[name] = w
+    want = me.run_reference(g, {"x": x}, weights)["y"]
+    k = me.compile(g, poisoned, backend="sim")
+    for sch in (Schedule(sms=1), Schedule(sms=6, seed=4, adversarial=True)):
+        got = k.simulate(sch, x=x.clone())["y"]
+        assert torch.isfinite(got).all()
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_moe_mlp_checks_its_operands():
+    g = me.Graph()
+    x, logits = g.input("x", [1, 64], me.f32), g.input("l", [1, 5], me.f32)
+    wg, wu = g.weight("wg", [5, 32, 64], me.f32), g.weight("wu", [5, 32, 64], me.f32)
+    wd = g.weight("wd", [5, 64, 32], me.f32)
+    with pytest.raises(me.ShapeError, match="top_k must be an int in \\[1, 5\\]"):
+        me.moe_mlp(x, logits, wg, wu, wd, top_k=6, normalize=True)
+    with pytest.raises(me.ShapeError, match="w_down .* does not match w_gate"):
+        me.moe_mlp(x, logits, wg, wu, g.weight("bad", [5, 32, 64], me.f32), top_k=2, normalize=True)
+    with pytest.raises(me.ShapeError, match="router_logits .* must be \\[..., 5\\]"):
+        me.moe_mlp(x, g.input("l4", [1, 4], me.f32), wg, wu, wd, top_k=2, normalize=True)
+
+
+BASE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize("override,field", [
+    ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({"num_experts": 0}, "num_experts"),
+    ({"moe_intermediate_size": None}, "moe_intermediate_size"),
+    ({"mlp_only_layers": "0"}, "mlp_only_layers"),
+])
+def test_config_errors_name_the_field(override, field):
+    with pytest.raises(UnsupportedConfig, match=f"'{field}'"):
+        ModelConfig.from_hf({**BASE, **override})
+
+
+def test_config_reads_transformers5_expert_count():
+    cfg = {k: v for k, v in BASE.items() if k != "num_experts"}
+    assert ModelConfig.from_hf({**cfg, "num_local_experts": 6}).moe.experts == 6
+
+
+def test_checkpoint_missing_expert_is_named(tmp_path):
+    hf_moe(5, num_experts=3, num_experts_per_tok=2).save_pretrained(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.2.mlp.experts.1.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _, spec = build_decode_graph(read_config(tmp_path), max_len=16)
+    with pytest.raises(CheckpointError, match="missing tensor\\(s\\) model.layers.2.mlp.experts.1.up_proj.weight"):
+        load_checkpoint(tmp_path, spec)
+
+
+def test_floor_counts_only_the_routed_experts():
+    cfg = ModelConfig.preset("qwen3-30b-a3b")
+    _, spec = build_decode_graph(cfg, max_len=64)
+    expert = 3 * cfg.hidden * cfg.moe.intermediate * 2  # bytes of one expert's three matrices
+    routed = len(cfg.moe.sparse_layers) * expert * (cfg.moe.experts - cfg.moe.top_k)
+    assert spec.weight_bytes - spec.step_bytes == routed
+    assert cfg.moe.sparse_layers == tuple(range(48))
