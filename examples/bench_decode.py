@@ -173,12 +173,13 @@ def measure_bandwidth(*, gib: float, reps: int, cuda: bool) -> dict:
 
 
 def floor(cfg: ModelConfig, spec, context: int, read_tbps: float) -> dict:
-    """The memory floor of one step at ``pos = context``: every weight once, plus ``context + 1`` KV rows."""
+    """The memory floor of one step at ``pos = context``: every weight once (of routed experts, the
+    ``top_k`` chosen ones: ``spec.step_bytes``), plus ``context + 1`` KV rows."""
     item = cfg.dtype.itemsize
     weights_all = spec.weight_bytes
     # an untied embedding table is gathered, not streamed: one row of it is read
     unread = 0 if cfg.tie_embeddings else (cfg.vocab - 1) * cfg.hidden * item
-    weights_read = weights_all - unread
+    weights_read = spec.step_bytes - unread
     kv = 2 * cfg.layers * cfg.kv_heads * (context + 1) * cfg.head_dim * item
     bw = read_tbps * 1e12
     return {"weight_bytes": weights_all, "weight_bytes_read": weights_read, "kv_bytes": kv,

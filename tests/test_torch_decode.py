@@ -28,6 +28,8 @@ CONFIGS = {
                                       "rope_theta": 500000.0, "rope_scaling": {
                                           "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
+    # Qwen3-MoE: routed experts in layer 1, a dense MLP in layer 0
+    "qwen3-moe-tiny": ModelConfig.preset("qwen3-moe-tiny"),
 }
 
 
@@ -129,6 +131,7 @@ def test_rejects_mismatched_inputs():
 PLAIN_CONFIGS = {f"{p}-{'tied' if tie else 'untied'}": dataclasses.replace(ModelConfig.preset(p), tie_embeddings=tie)
                  for p in ("tiny", "qwen3-tiny") for tie in (False, True)}
 PLAIN_CONFIGS["llama3-2l"] = CONFIGS["llama3-2l"]  # llama3 rope scaling, GQA 4:1
+PLAIN_CONFIGS["qwen3-moe-tiny"] = CONFIGS["qwen3-moe-tiny"]  # a plain loop over the chosen experts
 
 
 @pytest.mark.parametrize("gqa", [True, False], ids=["enable_gqa", "repeat_interleave"])

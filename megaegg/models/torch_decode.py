@@ -37,6 +37,7 @@ from torch import nn
 from ..graph import GraphError
 from ..ops import rope_inv_freq
 from .config import ModelConfig
+from .torch_moe import ExpertsMLP, is_sparse
 
 ATTENTION = ("sdpa", "exact")
 
@@ -76,14 +77,21 @@ class DecoderLayer(nn.Module):
 
         self.input_layernorm = frozen(w("input_layernorm"))
         self.post_attention_layernorm = frozen(w("post_attention_layernorm"))
+        self.sparse = is_sparse(cfg, layer)
         if fuse:  # one matvec for q/k/v and one for gate/up: fewer launches, identical rounding per element
             self.qkv_proj = frozen(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]))
-            self.gate_up_proj = frozen(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
         else:
             self.q_proj, self.k_proj, self.v_proj = (frozen(w(f"self_attn.{p}_proj")) for p in "qkv")
+        if self.sparse:  # the routed experts (Qwen3-MoE)
+            self.experts = ExpertsMLP(cfg, weights, layer, device)
+        elif fuse:
+            self.gate_up_proj = frozen(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
+        else:
             self.gate_proj, self.up_proj = frozen(w("mlp.gate_proj")), frozen(w("mlp.up_proj"))
-        self.o_proj, self.down_proj = frozen(w("self_attn.o_proj")), frozen(w("mlp.down_proj"))
-        if cfg.arch == "qwen3":
+        self.o_proj = frozen(w("self_attn.o_proj"))
+        if not self.sparse:
+            self.down_proj = frozen(w("mlp.down_proj"))
+        if cfg.qk_norm:
             self.q_norm, self.k_norm = frozen(w("self_attn.q_norm")), frozen(w("self_attn.k_norm"))
         dtype = self.o_proj.dtype
         self.register_buffer("k_cache", torch.zeros(Hkv, max_len, D, dtype=dtype, device=device), persistent=False)
@@ -98,7 +106,7 @@ class DecoderLayer(nn.Module):
         else:
             q, k, v = F.linear(h, self.q_proj), F.linear(h, self.k_proj), F.linear(h, self.v_proj)
         q, k, v = q.reshape(H, D), k.reshape(Hkv, D), v.reshape(Hkv, D)
-        if cfg.arch == "qwen3":  # per-head RMSNorm before RoPE
+        if cfg.qk_norm:  # per-head RMSNorm before RoPE
             q, k = rms_norm(q, self.q_norm, eps), rms_norm(k, self.k_norm, eps)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         self.k_cache.index_copy_(1, pos, k.unsqueeze(1))  # [Hkv, 1, D] at row pos
@@ -107,6 +115,8 @@ class DecoderLayer(nn.Module):
         x = x + F.linear(o, self.o_proj)
 
         h = rms_norm(x, self.post_attention_layernorm, eps)
+        if self.sparse:
+            return x + self.experts(h)
         if self.fuse:
             gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
         else:

@@ -47,6 +47,7 @@ from torch import nn
 
 from ..ops import rope_inv_freq
 from .config import ModelConfig
+from .torch_moe import ExpertsMLP, is_sparse
 from .torch_decode import StaticCacheDecoder, frozen
 
 ATTENTION = ("gqa", "grouped")
@@ -95,9 +96,13 @@ class PlainLayer(nn.Module):
         self.input_layernorm = frozen(w("input_layernorm"))
         self.post_attention_layernorm = frozen(w("post_attention_layernorm"))
         self.wqkv = frozen(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]))
-        self.w13 = frozen(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
-        self.wo, self.w2 = frozen(w("self_attn.o_proj")), frozen(w("mlp.down_proj"))
-        self.qk_norm = cfg.arch == "qwen3"
+        self.wo = frozen(w("self_attn.o_proj"))
+        if is_sparse(cfg, layer):
+            self.experts = ExpertsMLP(cfg, weights, layer, device)
+        else:
+            self.w13 = frozen(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
+            self.w2 = frozen(w("mlp.down_proj"))
+        self.qk_norm = cfg.qk_norm
         if self.qk_norm:
             self.q_norm, self.k_norm = frozen(w("self_attn.q_norm")), frozen(w("self_attn.k_norm"))
         dtype = self.wo.dtype
@@ -115,7 +120,10 @@ class PlainLayer(nn.Module):
         self.k_cache.index_copy_(1, pos, k.unsqueeze(1))  # [Hkv, 1, D] at row pos
         self.v_cache.index_copy_(1, pos, v.unsqueeze(1))
         x = x + F.linear(self._attend(q, mask).reshape(1, H * D), self.wo)
-        gate, up = F.linear(_rms_norm(x, self.post_attention_layernorm, eps), self.w13).chunk(2, dim=-1)
+        h = _rms_norm(x, self.post_attention_layernorm, eps)
+        if hasattr(self, "experts"):
+            return x + self.experts(h)
+        gate, up = F.linear(h, self.w13).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.w2)
 
     def _attend(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
