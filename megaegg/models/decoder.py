@@ -59,7 +59,7 @@ class ModelSpec:
             return {}
         return {expert_stack(layer, proj): tuple(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
                                                   for e in range(moe.experts))
-                for layer in moe.sparse_layers for proj in EXPERT_PROJS}
+                for layer in moe.sparse_layers if layer < self.config.layers for proj in EXPERT_PROJS}
 
     def new_caches(self, device="cpu", dtype=None) -> dict:
         """Fresh KV caches by input name (zeros: rows at or past ``pos`` are never read)."""

@@ -36,7 +36,7 @@ def test_layer_20_positions_one_compile(dtype, tol):
     assert k._runner.stats.launches == 20
 
 
-@pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b"])
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b", "qwen3-moe-tiny", "qwen3-30b-a3b"])
 def test_model_matches_reference(preset):
     cfg = ModelConfig.preset(preset)
     if preset != "tiny":
