@@ -85,13 +85,34 @@ def weight_prefetches(q: WorkQueue, op) -> list[str]:
 
 @dataclass(frozen=True)
 class Stream:
-    """Rows ``[first, first + rows)`` of a weight operand, streamed into the page ring."""
+    """Rows ``[c * tile, min(c * tile + tile, total))`` of a weight operand, ``c`` the instance's grid
+    coordinate ``axis``: what the loader streams into the page ring and the body reads. The same
+    geometry in C for the kernel (``first``, ``rows``) and in Python for the simulator (``row_range``)."""
 
     input: int
-    first: str  # C expressions of the instance's grid coordinates
-    rows: str
+    axis: int
+    tile: int
+    total: Dim  # the operand's rows
     row_stride: int  # elements
     row_elems: int
+    item: int  # bytes per element
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_elems * self.item
+
+    @property
+    def first(self) -> str:
+        return f"c{self.axis} * {self.tile}LL"
+
+    @property
+    def rows(self) -> str:
+        return f"min_i64({c_expr(self.total)} - {self.first}, {self.tile}LL)"
+
+    def row_range(self, env: dict[str, int]) -> range:
+        """The rows of the instance whose grid coordinates (``_i*``) and runtime dims are in ``env``."""
+        first = env[f"_i{self.axis}"] * self.tile
+        return range(first, max(first, min(first + self.tile, self.total.eval(env))))
 
 
 def paged_streams(q: WorkQueue, op, defs: dict[str, int]) -> list[Stream] | None:
@@ -117,10 +138,7 @@ def paged_streams(q: WorkQueue, op, defs: dict[str, int]) -> list[Stream] | None
         k_elems = o.shape[1].value
         if stride1 != 1 or (stride0 * item) % 16 or k_elems * item > page or (k_elems * item) % (32 * 16):
             return None  # (page_dots: each warp's 32 16-byte vectors in one row)
-        c = f"c{tile.axis}"
-        total = c_expr(o.shape[0])
-        streams.append(Stream(k, f"{c} * {tile.size}LL", f"min_i64({total} - {c} * {tile.size}LL, {tile.size}LL)",
-                              stride0, k_elems))
+        streams.append(Stream(k, tile.axis, tile.size, o.shape[0], stride0, k_elems, item))
     return streams
 
 
@@ -129,9 +147,8 @@ def loader_lines(q: WorkQueue, e: QueueEntry, streams: list[Stream]) -> list[str
     lines = grid_coordinates(e.op)
     for s in streams:
         o = operand_c(q, e.op.inputs[s.input])
-        item = e.op.inputs[s.input].dtype.itemsize
-        lines.append(f"        if (!mega_load_rows(L, {o.ptr} + ({s.first}) * {s.row_stride}LL, {s.row_stride * item}LL, "
-                     f"{s.row_elems * item}, {s.rows})) {{ ok = false; break; }}")
+        lines.append(f"        if (!mega_load_rows(L, {o.ptr} + ({s.first}) * {s.row_stride}LL, {s.row_stride * s.item}LL, "
+                     f"{s.row_bytes}, {s.rows})) {{ ok = false; break; }}")
     return lines
 
 

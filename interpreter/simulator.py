@@ -9,12 +9,16 @@ this launch (or come from outside it): a barrier that lets a consumer in early
 fails the run, naming the op, the instance and the buffer. An ``accum`` element
 (a sum several instances add into, zero at launch) is ready once every instance
 that adds into it has run.
+
+``Schedule.ring`` runs the weight page ring's protocol instead (``page_sim.py``): per SM a
+loader that claims instances and fills pages, and a body that computes from the pages.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +26,9 @@ from ..blockops import REGISTRY
 from ..blockops.footprint import footprint_slices, grid_coords
 from ..lowering.queue import WorkQueue
 from ..rewrite.program import Operand
+
+if TYPE_CHECKING:
+    from .page_sim import Ring
 
 
 class SimulationError(AssertionError):
@@ -33,6 +40,7 @@ class Schedule:
     sms: int = 8
     seed: int = 0
     adversarial: bool = False  # delay one op's instances as long as possible
+    ring: Ring | None = None  # the weight page ring (page_sim.py); None: every body loads its own weights
 
 
 def poison(t: torch.Tensor) -> None:
@@ -98,11 +106,17 @@ class Simulation:
         env = self.coords(k, i)
         return all(self.counters.get((w.barrier_set, w.index.eval(env)), 0) >= w.expected.eval(env) for w in e.waits)
 
-    def execute(self, k: int, i: int) -> None:
+    def where(self, k: int, i: int) -> str:
+        op = self.q.entries[k].op
+        return f"op{op.id} {op.kind} (entry {k}) instance {i}"
+
+    def execute(self, k: int, i: int, bases: dict[int, torch.Tensor] | None = None) -> None:
+        """Run instance ``i`` of entry ``k`` and signal. ``bases``: input index -> the flat tensor to
+        read that input from instead of its buffer (the page ring's copies of weight rows)."""
         e = self.q.entries[k]
         op = e.op
         env = self.coords(k, i)
-        where = f"op{op.id} {op.kind} (entry {k}) instance {i}"
+        where = self.where(k, i)
         for o, fp in zip(op.inputs, op.reads):
             if o.buffer not in self.tracked:  # weights, constants, inputs nothing writes
                 continue
@@ -114,7 +128,7 @@ class Simulation:
         pending = self.adders.get(op.output.buffer)
         if pending is None and bool(self.written[op.output.buffer][out_idx].any()):
             raise SimulationError(f"{where} writes elements another instance already wrote in this launch")
-        ins = [self.view(o, env) for o in op.inputs]
+        ins = [self.view(o, env, (bases or {}).get(j)) for j, o in enumerate(op.inputs)]
         REGISTRY[op.kind].cpu(op, env, ins, self.view(op.output, env))
         if pending is not None:  # an accum sum is ready when its last adder has run
             pending[out_idx] -= 1
@@ -128,6 +142,10 @@ class Simulation:
 
     # --- the scheduler ------------------------------------------------------------------
     def run(self, schedule: Schedule) -> None:
+        if schedule.ring is not None:
+            from .page_sim import run_with_ring
+
+            return run_with_ring(self, schedule)
         rng = random.Random(schedule.seed)
         victim = rng.randrange(len(self.q.entries)) if schedule.adversarial and self.q.entries else None
         held: list[tuple[int, int] | None] = [None] * schedule.sms
