@@ -48,9 +48,18 @@ def test_qwen3_example_runs_its_own_tiny_preset_by_default():
     assert len(json.loads(out.stdout.splitlines()[-1])["generated_ids"]) == 2
 
 
+def test_qwen3_example_runs_a_moe_preset():
+    out = run("examples/qwen3.py", "--random-weights", "--preset", "qwen3-moe-tiny", "--backend", "sim", "--max-len",
+              "32", "--prompt-ids", "3", "9", "--max-new-tokens", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.startswith("qwen3: 2 layers, hidden 256")
+    assert len(json.loads(out.stdout.splitlines()[-1])["generated_ids"]) == 3
+
+
 def test_help_offers_the_examples_own_presets_and_says_the_defaults():
     help_text = run("examples/qwen3.py", "--help").stdout
-    assert "{qwen3-tiny,qwen3-0.6b,qwen3-1.7b,qwen3-8b}" in help_text and "llama" not in help_text
+    assert "{qwen3-tiny,qwen3-0.6b,qwen3-1.7b,qwen3-8b,qwen3-moe-tiny,qwen3-30b-a3b}" in help_text
+    assert "llama" not in help_text
     for default in ("default: qwen3-tiny", "min(1024, the config's", "max_position_embeddings", "default: 1 2 3 4"):
         assert default in " ".join(help_text.split()), default
 
