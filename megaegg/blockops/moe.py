@@ -19,8 +19,8 @@ import math
 
 from ..dims import as_dim, ceildiv
 from ..reference import expert_mlp, moe_routing
-from .elementwise import elementwise_params
 from .base import NONE, BlockKind, Partition, Term, c_call, f32, fields, register, rms_normed, term
+from .elementwise import elementwise_params
 from .footprint import Full, Tile
 from .matvec import roles
 
@@ -94,7 +94,7 @@ def _fits(graph, args) -> bool:
     return kdim % vec == 0 and experts <= MAX_EXPERTS
 
 
-def _emit(b, value, args, node: int):
+def _emit(b, args, node: int):
     """The moe_glu_down op adding into the f32 sum of node ``node``; returns that sum."""
     n = b.graph.nodes[node]
     operands = {"x": args["x"], "g": args["g"], "logits": args["logits"], "w": args["w"], "w2": args["w2"]}
@@ -122,7 +122,7 @@ class MoeSumTerm(Term):
         return _fits(graph, args)
 
     def lower(self, b, value, args):
-        _emit(b, value, args, value.node)
+        _emit(b, args, value.node)
 
 
 @term
@@ -137,6 +137,6 @@ class MoeRoundedTerm(Term):
         return _fits(graph, args)
 
     def lower(self, b, value, args):
-        acc = _emit(b, value, args, value)
+        acc = _emit(b, args, value)
         out = b.rows(b.output(value))
         b.emit("elementwise", [value], [acc], out, elementwise_params("cast", out.shape, b.env_hint))

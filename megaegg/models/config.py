@@ -58,6 +58,10 @@ class ModelConfig:
     dtype: DType
     moe: MoeConfig | None = None  # qwen3_moe: the routed experts
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the routed experts' (Qwen3-MoE's sparse layers)."""
+        return self.moe is not None and layer in self.moe.sparse_layers
+
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm of q and k before RoPE (Qwen3)."""

@@ -12,6 +12,7 @@ carry Hugging Face's state-dict names, so a checkpoint binds by name.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..dims import sym
@@ -43,14 +44,13 @@ class ModelSpec:
     def step_bytes(self) -> int:
         """Bytes of weights one decode step reads (the memory floor's numerator, without KV): of
         each stack of routed experts, only the ``top_k`` chosen ones."""
-        moe = self.config.moe
-        total = 0
+        stacks, total = self.stacks, 0
         for name, shape in self.weights.items():
             n = _numel(shape)
-            total += n // shape[0] * moe.top_k if moe and name in self.stacks else n
+            total += n // shape[0] * self.config.moe.top_k if name in stacks else n
         return total * self.dtype.itemsize
 
-    @property
+    @functools.cached_property  # (a 30B MoE stacks 18432 checkpoint tensors: built once)
     def stacks(self) -> dict[str, tuple[str, ...]]:
         """Graph weights that stack per-expert checkpoint tensors on a leading axis: name -> the
         tensors' names, in expert order (``load_checkpoint`` stacks them)."""
@@ -127,8 +127,8 @@ def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, *, pos, inv_freq: Ten
 
     # MLP: down(silu(gate(h)) * up(h)); or the routed experts' (Qwen3-MoE's sparse layers)
     h = rms_norm(x, w("post_attention_layernorm", E), eps)
-    moe = cfg.moe
-    if moe is not None and layer in moe.sparse_layers:
+    if cfg.is_sparse(layer):
+        moe = cfg.moe
         n, f = moe.experts, moe.intermediate
         stacks = [g.weight(expert_stack(layer, p), s, dt) for p, s in zip(EXPERT_PROJS, ((n, f, E), (n, f, E), (n, E, f)))]
         logits = linear(h, w("mlp.gate", n, E))

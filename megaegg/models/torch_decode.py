@@ -37,7 +37,7 @@ from torch import nn
 from ..graph import GraphError
 from ..ops import rope_inv_freq
 from .config import ModelConfig
-from .torch_moe import ExpertsMLP, is_sparse
+from .torch_moe import ExpertsMLP
 
 ATTENTION = ("sdpa", "exact")
 
@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
 
         self.input_layernorm = frozen(w("input_layernorm"))
         self.post_attention_layernorm = frozen(w("post_attention_layernorm"))
-        self.sparse = is_sparse(cfg, layer)
+        self.sparse = cfg.is_sparse(layer)
         if fuse:  # one matvec for q/k/v and one for gate/up: fewer launches, identical rounding per element
             self.qkv_proj = frozen(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]))
         else:

@@ -38,7 +38,3 @@ class ExpertsMLP(nn.Module):
         up = torch.einsum("k,efk->ef", h, self.up[ids])
         y = torch.einsum("ef,ekf->ek", F.silu(gate) * up, self.down[ids])  # [top_k, hidden]
         return (y * p[:, None]).sum(0, keepdim=True)
-
-
-def is_sparse(cfg: ModelConfig, layer: int) -> bool:
-    return cfg.moe is not None and layer in cfg.moe.sparse_layers

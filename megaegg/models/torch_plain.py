@@ -47,7 +47,7 @@ from torch import nn
 
 from ..ops import rope_inv_freq
 from .config import ModelConfig
-from .torch_moe import ExpertsMLP, is_sparse
+from .torch_moe import ExpertsMLP
 from .torch_decode import StaticCacheDecoder, frozen
 
 ATTENTION = ("gqa", "grouped")
@@ -97,7 +97,8 @@ class PlainLayer(nn.Module):
         self.post_attention_layernorm = frozen(w("post_attention_layernorm"))
         self.wqkv = frozen(torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]))
         self.wo = frozen(w("self_attn.o_proj"))
-        if is_sparse(cfg, layer):
+        self.sparse = cfg.is_sparse(layer)
+        if self.sparse:
             self.experts = ExpertsMLP(cfg, weights, layer, device)
         else:
             self.w13 = frozen(torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
@@ -121,7 +122,7 @@ class PlainLayer(nn.Module):
         self.v_cache.index_copy_(1, pos, v.unsqueeze(1))
         x = x + F.linear(self._attend(q, mask).reshape(1, H * D), self.wo)
         h = _rms_norm(x, self.post_attention_layernorm, eps)
-        if hasattr(self, "experts"):
+        if self.sparse:
             return x + self.experts(h)
         gate, up = F.linear(h, self.w13).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.w2)
