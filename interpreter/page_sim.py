@@ -5,7 +5,8 @@ with ``MEGA_PAGES > 0`` (cuda/megakernel.cu):
 
 - its **loader** claims instances in queue order into a ring of ``slots`` instruction slots (at
   most ``slots`` claimed and unfinished; while the body is busy, only an instance whose weights
-  it streams), then fills that instance's pages in order: page ``k`` of the SM lives in ring
+  it streams), or with ``Schedule.static`` takes its SM's own next instance (``s, s + sms, ...``)
+  whenever a slot is free, then fills that instance's pages in order: page ``k`` of the SM lives in ring
   slot ``k % pages`` and is filled only after the body released page ``k - pages``. A fill is a
   copy that lands later, in any order. The loader never waits on an activation counter;
 - its **body** takes the slots in order, waits for the instance's barrier counters, reads its
@@ -166,6 +167,7 @@ class RingRun:
         self.sim, self.ring = sim, schedule.ring
         self.streams = [paged_streams(sim.q, e.op, self.ring.defines()) for e in sim.q.entries]
         self.sms = [SM(s, [None] * self.ring.pages) for s in range(schedule.sms)]
+        self.static = schedule.static  # SM s takes instances s, s + sms, ... (no claim counter)
         self.next = 0  # the claim counter: instances are claimed in queue order
         self.stats = RingStats()
         # weight buffer -> a poisoned copy the bodies read their pages into, and which elements it holds
@@ -182,6 +184,8 @@ class RingRun:
             return []
         if sm.stopped or sm.claims - sm.finished >= self.ring.slots:
             return []
+        if self.static:  # its own next instance, whenever a slot is free
+            return [Move(None, lambda: self.claim(sm, sm.finished == sm.claims))]
         idle = sm.finished == sm.claims
         # busy: only an instance whose weights go through the pages (its loads start now); any
         # other waits for an idle body, so it is never parked behind a busy one (megakernel.cu)
@@ -193,13 +197,15 @@ class RingRun:
         return self.streams[self.sim.instances[g][0]] is not None
 
     def claim(self, sm: SM, idle: bool) -> None:
+        if self.static:
+            g = sm.index + sm.claims * len(self.sms)
+        else:
+            g, self.next = self.next, self.next + 1
         sm.claims += 1
-        if self.next >= len(self.sim.instances):
+        if g >= len(self.sim.instances):
             sm.slots.append(Claim(stop=True))
             sm.stopped = True
             return
-        g = self.next
-        self.next += 1
         k, i = self.sim.instances[g]
         sm.slots.append(Claim(k, i, sm.issued))
         if not idle:

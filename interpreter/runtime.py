@@ -53,6 +53,9 @@ class CudaRunner:
         props = torch.cuda.get_device_properties(device)
         self.sms = props.multi_processor_count
         self.threads, self.smem = launch_shape(defines)  # launch what was compiled
+        # a static schedule needs every block resident at once (megakernel.cu): launch cooperatively,
+        # so the driver refuses instead of leaving a block to wait for one that never starts
+        self.cooperative = bool(defines.get("MEGA_STATIC"))
         if smem_bytes(device) < self.smem:
             raise RuntimeError(f"the megakernel needs {self.smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
         _drv(driver.cuFuncSetAttribute(
@@ -87,8 +90,11 @@ class CudaRunner:
         for buf, t in tensors.items():
             a[self.ptr_base + self.q.memory.pointer_slot[buf]] = t.data_ptr()
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        _drv(driver.cuLaunchKernel(self.func, self.sms, 1, 1, self.threads, 1, 1, self.smem, stream,
-                                   ctypes.addressof(self._param), 0), "cuLaunchKernel")
+        grid, params = (self.func, self.sms, 1, 1, self.threads, 1, 1, self.smem, stream), ctypes.addressof(self._param)
+        if self.cooperative:
+            _drv(driver.cuLaunchCooperativeKernel(*grid, params), "cuLaunchCooperativeKernel")
+        else:
+            _drv(driver.cuLaunchKernel(*grid, params, 0), "cuLaunchKernel")
         self.parity ^= 1
         self.stats.launches += 1
 

@@ -10,6 +10,8 @@ fails the run, naming the op, the instance and the buffer. An ``accum`` element
 (a sum several instances add into, zero at launch) is ready once every instance
 that adds into it has run.
 
+``Schedule.static`` deals the instances as the kernel's static order does (MEGA_STATIC): SM ``s``
+runs instances ``s, s + sms, ...`` of the queue, in that order, and nothing is claimed.
 ``Schedule.ring`` runs the weight page ring's protocol instead (``page_sim.py``): per SM a
 loader that claims instances and fills pages, and a body that computes from the pages.
 """
@@ -41,6 +43,7 @@ class Schedule:
     seed: int = 0
     adversarial: bool = False  # delay one op's instances as long as possible
     ring: Ring | None = None  # the weight page ring (page_sim.py); None: every body loads its own weights
+    static: bool = False  # SM s runs the instances g = s, s + sms, ... in order (MEGA_STATIC), none claimed
 
 
 def poison(t: torch.Tensor) -> None:
@@ -148,6 +151,8 @@ class Simulation:
             return run_with_ring(self, schedule)
         rng = random.Random(schedule.seed)
         victim = rng.randrange(len(self.q.entries)) if schedule.adversarial and self.q.entries else None
+        if schedule.static:
+            return self.run_static(schedule.sms, rng, victim)
         held: list[tuple[int, int] | None] = [None] * schedule.sms
         nxt = 0
         while nxt < len(self.instances) or any(h is not None for h in held):
@@ -165,3 +170,16 @@ class Simulation:
             else:
                 self.execute(*held[s])
                 held[s] = None
+
+    def run_static(self, sms: int, rng: random.Random, victim: int | None) -> None:
+        """SM ``s`` runs instances ``s, s + sms, ...`` in order; each moves once its next one's waits are met."""
+        todo = [list(reversed(self.instances[s::sms])) for s in range(sms)]
+        while any(todo):
+            movable = [t for t in todo if t and self.waits_met(*t[-1])]
+            if not movable:
+                k, i = min(t[-1] for t in todo if t)  # the first in queue order: its producers all ran
+                op = self.q.entries[k].op
+                raise SimulationError(f"deadlock: op{op.id} {op.kind} instance {i} waits forever (static order)")
+            preferred = [t for t in movable if t[-1][0] != victim]
+            t = rng.choice(preferred or movable)
+            self.execute(*t.pop())

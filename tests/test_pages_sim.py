@@ -97,6 +97,21 @@ def test_ring_matches_reference(models, name, ring, ring_stats):
         assert not any(s.claimed_ahead for s in ring_stats)
 
 
+@pytest.mark.parametrize("ring", [None, *RINGS, Ring(pages=3, page_bytes=1024, slots=6)],
+                         ids=lambda r: "no-ring" if r is None else f"{r.pages}x{r.page_bytes}B-{r.slots}slots")
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_static_order_matches_reference(models, name, ring, ring_stats):
+    """MEGA_STATIC: SM s runs instances s, s + sms, ...; with the ring its loader streams its own
+    next instances' pages as far ahead as its slots and pages allow."""
+    m = models[name]
+    ref = m.reference()
+    for sch in SCHEDULES:
+        sch = dataclasses.replace(sch, static=True, ring=ring)
+        assert_matches(m.run(sch), ref, f"under {sch}")
+    if ring is not None and ring.slots > 1:
+        assert sum(s.claimed_ahead for s in ring_stats) > 0  # loaders ran ahead of busy bodies
+
+
 def test_the_models_page_matvec_glu_down_and_matvec_argmax(models):
     ring = RINGS[0]
     assert models["llama-f32"].paged_kinds(ring) >= {"matvec", "glu_down"}
@@ -111,13 +126,14 @@ def test_the_models_page_matvec_glu_down_and_matvec_argmax(models):
     (Breakage(read_before_fill=True), "read before its fill landed"),
     (Breakage(loader_streams_reversed=True), "the loader streamed other rows than the body reads"),
 ], ids=["refill_before_release", "read_before_fill", "loader_streams_reversed"])
-def test_a_broken_protocol_fails(models, breakage, why):
+@pytest.mark.parametrize("static", [False, True], ids=["claimed", "static"])
+def test_a_broken_protocol_fails(models, breakage, why, static):
     m = models["llama-f32"]
     ring = Ring(pages=2, page_bytes=512, slots=2, breakage=breakage)
     pattern = rf"op\d+ (matvec|glu_down) \(entry \d+\) instance \d+ on SM \d+: page \d+ \(ring slot [01]\) should hold .*: {why}"
     with pytest.raises(SimulationError, match=pattern):
         for seed in range(10):
-            m.run(Schedule(sms=4, seed=seed, adversarial=seed % 2 == 1, ring=ring))
+            m.run(Schedule(sms=4, seed=seed, adversarial=seed % 2 == 1, ring=ring, static=static))
 
 
 def test_bodies_compute_from_the_page_copies(models, monkeypatch):
@@ -143,16 +159,17 @@ def test_pages_must_carry_every_row_the_op_reads(models, monkeypatch):
         m.run(Schedule(sms=4, ring=RINGS[1]))
 
 
-def test_a_dropped_wait_is_caught_with_the_ring_on(models):
+@pytest.mark.parametrize("ring, static", [(RINGS[0], False), (RINGS[0], True), (None, True)],
+                         ids=["ring-claimed", "ring-static", "static"])
+def test_a_dropped_wait_is_caught(models, ring, static):
     m = models["llama-f32"]
-    ring = RINGS[0]
     q = m.kernel.queue
-    entries = tuple(dataclasses.replace(e, waits=()) if paged_streams(q, e.op, ring.defines()) else e for e in q.entries)
+    entries = tuple(dataclasses.replace(e, waits=()) if paged_streams(q, e.op, RINGS[0].defines()) else e for e in q.entries)
     m.kernel.queue = dataclasses.replace(q, entries=entries)  # the paged ops no longer wait for their inputs
     try:
         with pytest.raises(SimulationError, match=r"op\d+ (matvec|glu_down) .* read unwritten elements"):
             for seed in range(10):
-                m.run(Schedule(sms=8, seed=seed, adversarial=True, ring=ring))
+                m.run(Schedule(sms=8, seed=seed, adversarial=True, ring=ring, static=static))
     finally:
         m.kernel.queue = q
 
@@ -168,6 +185,8 @@ def test_a_never_met_wait_is_a_deadlock_naming_the_op(models):
         stuck = rf"deadlock: .*op{e.op.id} {e.op.kind} \(entry {k}\) instance \d+ waits for its barrier counters"
         with pytest.raises(SimulationError, match=stuck):
             m.run(Schedule(sms=3, ring=RINGS[1]))
+        with pytest.raises(SimulationError, match=rf"deadlock: op{e.op.id} {e.op.kind} instance \d+ waits forever \(static"):
+            m.run(Schedule(sms=3, static=True))
     finally:
         m.kernel.queue = q
 

@@ -19,6 +19,13 @@
 // docs/design.md holds: the smallest unfinished claimed instance has all its producers done and
 // is next in its block's slots.
 //
+// With MEGA_STATIC the order is static instead of claimed: block b runs the instances g = b,
+// b + gridDim.x, b + 2 gridDim.x, ... (g numbers the queue's instances in order), a closed form of
+// the runtime dims, so the loader walks its block's own upcoming instances without a claim and
+// streams their weights as far ahead as pages allow. Liveness needs every block resident (a
+// cooperative launch, interpreter/runtime.py): the smallest unfinished instance has its producers
+// done, and every smaller instance of its block finished.
+//
 // Counters come in two parity sets: a launch uses set `parity` and zeroes the
 // other one (and its claim counter) for the next launch, so no host reset is needed.
 #define MEGA_MAX_WAITS /*@MAXWAITS@*/  // the most barrier waits of one queue entry
@@ -27,6 +34,9 @@
 #include "pages.cuh"
 /*@INCLUDES@*/
 
+#ifndef MEGA_STATIC
+#define MEGA_STATIC 0
+#endif
 #if MEGA_PAGES > 0
 #define MEGA_BLOCK_THREADS (MEGA_THREADS + 32)  // the body threads, then the loader warp
 #ifndef MEGA_SLOTS
@@ -112,6 +122,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
     for (unsigned n = 0;; ++n) {
       const unsigned s = n % MEGA_SLOTS;
       if (n >= MEGA_SLOTS && !mega_mbar_wait(&slot_empty[s], ((n / MEGA_SLOTS) - 1) & 1)) break;
+#if MEGA_STATIC
+      // This block's next instance in its static order (or stop: another block failed).
+      const long long g = *(volatile unsigned long long*)&control[2] ? total : blockIdx.x + (long long)n * gridDim.x;
+#else
       // Claim the next instance in queue order. While the body threads are busy, only an instance
       // whose weights come through the pages is claimed (its loads start now); any other waits for
       // them to be idle: parked behind a busy block, a chain instance (attention, RoPE) would wait
@@ -130,6 +144,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nanosleep(sleep);
         if (sleep < 256) sleep *= 2;
       }
+#endif
       if (g >= total) {
         slots[s].g = -1;
         mega_mbar_arrive(&slot_full[s]);
@@ -164,10 +179,14 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
     if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; mega_page_head = sl.page0; }
     mega_sync();
 #else
+#if MEGA_STATIC
+    const long long g = blockIdx.x + (long long)n * gridDim.x;  // (an abort elsewhere stops this block's waits)
+#else
     if (threadIdx.x == 0)  // claim the next instance in queue order (or stop: another block failed)
       claimed = *(volatile unsigned long long*)&control[2] ? total : (long long)atomicAdd(&control[parity], 1ULL);
     __syncthreads();
     const long long g = claimed;
+#endif
     if (g >= total) break;
     const int entry = find_entry(g);
     const long long local = g - prefix[entry];

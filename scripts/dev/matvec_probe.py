@@ -1,4 +1,10 @@
-"""Dev probe: one big matvec / one gated MLP inside the megakernel, as TB/s (is the body or the chain slow?)."""
+"""Dev probe: one big matvec / one gated MLP inside the megakernel, as TB/s (is the body or the chain slow?).
+
+    python3 scripts/dev/matvec_probe.py [N,K,GLU,NORM ...]   (e.g. 65536,2048,0,0; GLU/NORM 0 or 1)
+NO_TRACE=1 skips the traced launch (a second NVRTC compile)."""
+import os
+import sys
+
 import torch
 import megaegg as me
 
@@ -26,8 +32,13 @@ def run(n, k, glu, norm):
     kern._runner.check()
     t.sort(); ms = t[len(t)//2]
     nbytes = n * k * 2 * (2 if glu else 1)
-    tr = kern.trace(x=xin).summary()
-    print(f"n={n} k={k} glu={glu} norm={norm} ops={ops}: {ms*1000:.1f} us, {nbytes/ms/1e9:.2f} TB/s; trace wall {tr['wall_us']:.1f} us busy {tr['busy_pct']:.0f}% wait {tr['waiting_pct']:.0f}%")
+    line = f"n={n} k={k} glu={glu} norm={norm} ops={ops}: {ms*1000:.1f} us, {nbytes/ms/1e9:.2f} TB/s"
+    if not os.environ.get("NO_TRACE"):
+        tr = kern.trace(x=xin).summary()
+        line += f"; trace wall {tr['wall_us']:.1f} us busy {tr['busy_pct']:.0f}% wait {tr['waiting_pct']:.0f}%"
+    print(line, flush=True)
 
-for args in [(65536, 2048, False, False), (8192, 2048, True, True), (2048, 8192, False, False), (131072, 2048, True, True)]:
-    run(*args)
+configs = [tuple(int(v) for v in a.split(",")) for a in sys.argv[1:]] or [
+    (65536, 2048, 0, 0), (8192, 2048, 1, 1), (2048, 8192, 0, 0), (131072, 2048, 1, 1)]
+for n, k, glu, norm in configs:
+    run(n, k, bool(glu), bool(norm))

@@ -11,22 +11,26 @@ from megaegg.models import ModelConfig, build_decode_graph, random_weights
 
 pytestmark = pytest.mark.gpu
 RING = "MEGA_SMEM=57344,MEGA_PAGES=10"
+# the interpreters: the claimed ring, the static order with and without the ring (megakernel.cu)
+VARIANTS = {"ring": RING, "static-ring": f"MEGA_STATIC=1,{RING},MEGA_INFLIGHT=4,MEGA_SLOTS=8", "static": "MEGA_STATIC=1"}
 
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny", "llama-3.2-1b"])
-def test_paged_model_matches_reference(preset, monkeypatch):
-    monkeypatch.setenv("MEGAEGG_DEFINES", RING)
+def test_paged_model_matches_reference(preset, variant, monkeypatch):
+    monkeypatch.setenv("MEGAEGG_DEFINES", VARIANTS[variant])
     cfg = ModelConfig.preset(preset)
     if cfg.layers > 2:
         cfg = dataclasses.replace(cfg, layers=2)
     g, spec = build_decode_graph(cfg, max_len=64)
     W = random_weights(spec, seed=2, device="cuda")
     k = me.compile(g, W, backend="cuda", max_dims={"pos": 63})
-    assert k.artifact.defines["MEGA_PAGES"] == 10 and "mega_load_rows(" in k.artifact.source
+    paged = "MEGA_PAGES" in VARIANTS[variant]
+    assert (k.artifact.defines["MEGA_PAGES"] == 10 and "mega_load_rows(" in k.artifact.source) == paged
     caches, ref_caches = spec.new_caches("cuda"), spec.new_caches("cuda")
     for pos, tok in enumerate([5, 17, 99, 3, 42, 7]):
         t = torch.tensor([tok], dtype=torch.int32, device="cuda")
@@ -38,12 +42,13 @@ def test_paged_model_matches_reference(preset, monkeypatch):
             assert out["next_token"].item() == ref["next_token"].item()
 
 
-def test_paged_timeout_names_the_op(monkeypatch):
+@pytest.mark.parametrize("variant", ["ring", "static-ring"])
+def test_paged_timeout_names_the_op(variant, monkeypatch):
     from megaegg.compiler import Kernel, build_artifact
     from megaegg.interpreter.nvrtc import compile_cubin
     from megaegg.interpreter.render import defines, render
 
-    monkeypatch.setenv("MEGAEGG_DEFINES", RING)
+    monkeypatch.setenv("MEGAEGG_DEFINES", VARIANTS[variant])
     g, spec = build_decode_graph(ModelConfig.preset("tiny"), max_len=64)
     art = build_artifact(g, max_dims={"pos": 63}, compile_cuda=False)
     q, n = art.queue, len(art.queue.entries)

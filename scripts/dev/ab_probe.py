@@ -1,0 +1,116 @@
+"""Dev: a same-run, interleaved A/B of compile-time variants of one preset's decode step (GPU).
+
+    python3 scripts/dev/ab_probe.py PRESET NAME=DEFINES [NAME=DEFINES ...]
+    e.g. ab_probe.py llama-3.2-1b main= static=MEGA_STATIC=1 ring=MEGA_STATIC=1,MEGA_PAGES=10,MEGA_SMEM=57344
+
+Every variant is compiled and checked against the reference first; then the timing rounds
+interleave the variants (ROUNDS rounds of 20 launches each, default 7), so clock or thermal
+drift during the run hits all of them alike (the same code measured 1.043 and 1.116 ms on two
+H200 machines, and moved within one run). Prints the median over rounds of each round's median,
+the spread, and, from one traced launch each, the mean per-layer step of every op (the time from
+the previous entry's last instance to this entry's last instance, averaged over the layers).
+With $OUT set, the traces are saved there as ab_<preset>_<name>.npz.
+"""
+import os
+import sys
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+import megaegg as me
+from megaegg.models import ModelConfig, build_decode_graph, random_weights
+
+CTX = int(os.environ.get("CTX", 512))
+ROUNDS = int(os.environ.get("ROUNDS", 7))
+
+
+def layer_steps(trace) -> list[tuple[str, float, int]]:
+    """(op signature, mean step us, entries) in queue order of first appearance."""
+    t = trace.times_us()
+    done = {}
+    for k in np.unique(trace.entry):
+        done[int(k)] = t[trace.entry == k, 2].max()
+    steps, prev = defaultdict(list), 0.0
+    order = []
+    for k, e in enumerate(trace.queue.entries):
+        if k not in done:
+            continue
+        sig = f"{e.op.kind}/{e.op.params.get('rows', '')}/{e.launch}"
+        if sig not in steps:
+            order.append(sig)
+        steps[sig].append(done[k] - prev)
+        prev = done[k]
+    return [(s, float(np.mean(steps[s])), len(steps[s])) for s in order]
+
+
+def main() -> None:
+    preset, variants = sys.argv[1], dict(v.split("=", 1) for v in sys.argv[2:])
+    cfg = ModelConfig.preset(preset)
+    g, spec = build_decode_graph(cfg, max_len=1024)
+    W = random_weights(spec, seed=0, device="cuda")
+    caches = spec.new_caches("cuda")
+    for c in caches.values():
+        c.normal_()
+    tok = torch.tensor([7], dtype=torch.int32, device="cuda")
+    ref = me.run_reference(g, {"token": tok, **{n: c.clone() for n, c in caches.items()}}, W, {"pos": CTX})
+    kernels = {}
+    for name, defs in variants.items():
+        os.environ["MEGAEGG_DEFINES"] = defs
+        try:
+            k = me.compile(g, W, backend="cuda", max_dims={"pos": 1023}, dims_hint={"pos": CTX})
+            out = k(token=tok, pos=CTX, **{n: c.clone() for n, c in caches.items()})
+        except Exception as e:  # (a variant that does not fit this GPU: the others still run)
+            print(f"{name}: skipped: {str(e).splitlines()[0]}", flush=True)
+            continue
+        err = ((out["logits"].float() - ref["logits"].float()).norm() / ref["logits"].float().norm()).item()
+        print(f"{name}: rel err {err:.4f}, next token {out['next_token'].item()} (ref {ref['next_token'].item()})", flush=True)
+        kernels[name] = k
+    bufs = {b.id: caches[b.name] for b in g_buffers(kernels) if b.name in caches}
+    bufs.update({b.id: tok for b in g_buffers(kernels) if b.name == "token"})
+    rounds = defaultdict(list)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    for _ in range(ROUNDS):
+        for name, k in kernels.items():
+            for _ in range(3):
+                k._runner.launch([CTX], bufs)
+            times = []
+            for _ in range(20):
+                ev[0].record()
+                k._runner.launch([CTX], bufs)
+                ev[1].record()
+                torch.cuda.synchronize()
+                times.append(ev[0].elapsed_time(ev[1]))
+            rounds[name].append(float(np.median(times)))
+        for k in kernels.values():
+            k._runner.check()
+    base = None
+    print(f"\n{preset} ctx {CTX}, {ROUNDS} interleaved rounds (median of round medians, ms):")
+    for name in kernels:
+        r = np.array(rounds[name])
+        med = float(np.median(r))
+        base = base or med
+        print(f"  {name:<24} {med:.4f}  (rounds {r.min():.4f}-{r.max():.4f})  {100 * (med / base - 1):+.1f}%")
+    steps = {}
+    for name, k in kernels.items():
+        tr = k.trace(token=tok, pos=CTX, **caches)
+        steps[name] = layer_steps(tr)
+        if os.environ.get("OUT"):
+            np.savez(os.path.join(os.environ["OUT"], f"ab_{preset}_{name}.npz"), records=tr.records)
+    names = list(kernels)
+    print("\nmean step per op (us): " + " | ".join(names))
+    sigs = [s for s, _, n in steps[names[0]] if n > 1]
+    for s in sigs:
+        row = [dict((a, b) for a, b, _ in steps[n]).get(s, float("nan")) for n in names]
+        print(f"  {s[:44]:<44} " + " ".join(f"{v:7.2f}" for v in row))
+    for n in names:
+        total = sum(v for s, v, c in steps[n] if c > 1)
+        print(f"  {n}: a layer {total:.1f} us")
+
+
+def g_buffers(kernels):
+    return next(iter(kernels.values())).program.buffers
+
+
+if __name__ == "__main__":
+    main()
