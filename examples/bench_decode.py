@@ -3,6 +3,8 @@
     python examples/bench_decode.py --preset llama-3.2-1b --context 512 --json out.json
     python examples/bench_decode.py --preset qwen3-8b --max-autotune
     python examples/bench_decode.py --dry-run          # CPU smoke test: tiny preset, f32, sim backend
+    python examples/bench_decode.py --preset llama-3.2-1b --batch 1,4,16,64 --prefill 512,2048
+                                                       # batches and prefill instead (examples/bench_batch.py)
 
 What it does (docs/design.md, "Performance facts"):
 1. read bandwidth: a >= 4 GiB tensor summed (f32 and bf16 views, read only), CUDA-event
@@ -64,6 +66,7 @@ from typing import Callable
 
 import torch
 
+import bench_batch
 import megaegg as me
 from megaegg.models import PRESETS, ModelConfig, build_decode_graph, random_weights
 from megaegg.models.torch_decode import TorchDecoder
@@ -99,6 +102,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write all results as JSON to PATH")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test: tiny preset in f32, megakernel on the sim backend, CUDA-only parts skipped")
+    bench_batch.add_arguments(p)
     a = p.parse_args(argv)
     if a.dry_run:
         if a.preset not in (None, "tiny"):
@@ -568,6 +572,10 @@ def table(b: Bench, bw: dict, fl: dict | None) -> str:
 
 def main(argv=None) -> dict:
     a = parse(argv)
+    if a.batch or a.prefill:  # the batch bench instead: decode at several batch sizes, prompt prefill
+        a.batch, a.prefill = a.batch or [1, 4, 16, 64], a.prefill or [512, 2048]
+        a.iters, a.warmup = min(a.iters, 50), min(a.warmup, 5)
+        return bench_batch.main(a=a)
     if not a.dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run on the GPU machine, or use --dry-run for a CPU smoke test")
     torch.set_grad_enabled(False)

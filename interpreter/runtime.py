@@ -18,7 +18,7 @@ from ..lowering.queue import WorkQueue
 from .render import launch_shape
 
 CONTROL_WORDS = 8
-ERR_TIMEOUT, ERR_INDEX = 1, 2
+ERR_TIMEOUT, ERR_INDEX, ERR_LAYOUT = 1, 2, 3
 
 
 class MegakernelError(RuntimeError):
@@ -116,6 +116,9 @@ class CudaRunner:
                 f"(producer op{self.q.barriers.sets[w.barrier_set].producer}), counter {w.index}, expected {w.expected}")
         if code == ERR_INDEX:
             raise MegakernelError(f"index out of range in {what}, instance {inst}: value {detail}")
+        if code == ERR_LAYOUT:
+            raise MegakernelError(f"unsupported operand layout in {what}, instance {inst}: its body takes "
+                                  "contiguous, 16-byte aligned rows")
         raise MegakernelError(f"megakernel error code {code} in {what}, instance {inst}")
 
 

@@ -18,6 +18,8 @@ from .dims import Dim, DimLike, as_dim, fmt_shape
 from .dtypes import DType, as_dtype, bf16
 
 LEAF_OPS = ("input", "weight", "constant")
+# ops that write into their first input (a KV cache) in place: their value is that input, updated
+IN_PLACE_OPS = ("kv_append", "kv_store")
 
 
 class GraphError(ValueError):

@@ -17,8 +17,8 @@ from .graph import GraphError, ShapeError, Tensor, check_static_dims
 
 __all__ = [
     "matmul", "linear", "add", "mul", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
-    "softmax", "attention", "kv_append", "argmax", "reshape", "transpose", "permute", "slice",
-    "expand", "concat", "cast", "moe_mlp",
+    "softmax", "attention", "kv_append", "kv_store", "ragged_attention", "argmax", "reshape", "transpose", "permute", "slice",
+    "expand", "concat", "cast", "moe_mlp", "sample",
 ]
 
 
@@ -282,6 +282,96 @@ def attention(
         raise ShapeError(f"attention: q heads of {_desc(q)} must be a multiple of the KV heads of {_desc(k_cache)}")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d.value)
     return _new("attention", (q, k_cache, v_cache), q.shape, q.dtype, name, length=as_dim(length), scale=scale)
+
+
+def _check_slots_cache(op: str, cache: Tensor) -> None:
+    node = cache.node
+    while node.op == "kv_store":
+        node = cache.graph.nodes[node.inputs[0]]
+    if node.op != "input" or cache.ndim != 4 or not all(d.is_const for d in cache.shape):
+        raise ShapeError(f"{op}: cache {_desc(cache)} must be a graph input of static shape "
+                         "[slots, kv_heads, max_len, head_dim]")
+
+
+def _check_rows_index(op: str, what: str, t: Tensor, rows: Dim) -> None:
+    if t.dtype != i32 or t.ndim != 1 or not same_dim(t.shape[0], rows):
+        raise ShapeError(f"{op}: {what} {_desc(t)} must be i32[{rows}] (one per row)")
+
+
+def kv_store(cache: Tensor, new: Tensor, pos: Tensor, slot: Tensor, *, name: str | None = None) -> Tensor:
+    """Write row ``i`` of ``new: [N, Hkv, D]`` at position ``pos[i]`` of sequence slot ``slot[i]`` of
+    ``cache: [slots, Hkv, max_len, D]``, in place (a batch of sequences, or a prompt's tokens).
+
+    ``pos`` and ``slot`` are i32 ``[N]`` tensors read on the device; two rows must not write the
+    same (slot, position). An index outside the cache is a run-time error naming the op.
+    """
+    op = "kv_store"
+    _check_slots_cache(op, cache)
+    _check_same_dtype(op, cache, new)
+    _, hkv, _, d = cache.shape
+    if new.ndim != 3 or not same_dim(new.shape[1], hkv) or not same_dim(new.shape[2], d):
+        raise ShapeError(f"{op}: new rows {_desc(new)} must be [N, {hkv}, {d}] for cache {_desc(cache)}")
+    _check_rows_index(op, "pos", pos, new.shape[0])
+    _check_rows_index(op, "slot", slot, new.shape[0])
+    return _new(op, (cache, new, pos, slot), cache.shape, cache.dtype, name)
+
+
+def ragged_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, slot: Tensor, *, length: DimLike | None = None,
+    scale: float | None = None, name: str | None = None,
+) -> Tensor:
+    """Attention of ``N`` rows, each over its own sequence: row ``i`` (``q[i]: [Hq, D]``) attends
+    cache rows ``[0, pos[i]]`` of slot ``slot[i]`` (causal: a prompt's token sees itself and the
+    tokens before it, once :func:`kv_store` wrote them). Caches are ``[slots, Hkv, max_len, D]``;
+    grouped-query heads share a KV head as in :func:`attention`. Returns ``[N, Hq, D]``.
+
+    ``length``, a runtime dim (default ``max_len``), bounds every ``pos[i] + 1``: the kernel splits
+    only that many cache rows, so a step at short positions launches no empty work. A row past it
+    is an error.
+    """
+    op = "ragged_attention"
+    _check_float(op, q, k_cache, v_cache)
+    _check_same_dtype(op, q, k_cache, v_cache)
+    for c in (k_cache, v_cache):
+        _check_slots_cache(op, c)
+    if k_cache.shape != v_cache.shape:
+        raise ShapeError(f"{op}: k cache {_desc(k_cache)} and v cache {_desc(v_cache)} differ")
+    if q.ndim != 3:
+        raise ShapeError(f"{op}: q {_desc(q)} must be [N, heads, head_dim]")
+    _, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if not same_dim(d, k_cache.shape[3]):
+        raise ShapeError(f"{op}: head dim of q {_desc(q)} differs from cache {_desc(k_cache)}")
+    if not hq.is_const or hq.value % hkv.value:
+        raise ShapeError(f"{op}: q heads of {_desc(q)} must be a multiple of the KV heads of {_desc(k_cache)}")
+    _check_rows_index(op, "pos", pos, q.shape[0])
+    _check_rows_index(op, "slot", slot, q.shape[0])
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d.value)
+    length = as_dim(length) if length is not None else k_cache.shape[2]
+    return _new(op, (q, k_cache, v_cache, pos, slot), q.shape, q.dtype, name, scale=scale, length=length)
+
+
+def sample(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, counter: Tensor, *,
+    name: str | None = None,
+) -> Tensor:
+    """A token drawn from each row of ``logits: [R, V]`` (i32[R]), on the device.
+
+    Per row: ``temperature`` f32 (0: greedy, the argmax), ``top_k`` i32 (0: every token), ``top_p``
+    f32 (1: every token), and ``seed``, ``counter`` i32, whose hash is the row's random draw: the
+    same seed and counter give the same token. The rule is :mod:`megaegg.sampling`'s:
+    ``softmax(logits / temperature)`` restricted to the top-k, then the top-p, renormalised.
+    """
+    op = "sample"
+    _check_float(op, logits)
+    if logits.ndim != 2:
+        raise ShapeError(f"{op}: logits {_desc(logits)} must be [rows, vocab]")
+    rows = logits.shape[0]
+    for what, t, dt in (("temperature", temperature, f32), ("top_k", top_k, i32), ("top_p", top_p, f32),
+                        ("seed", seed, i32), ("counter", counter, i32)):
+        if t.dtype != dt or t.ndim != 1 or not same_dim(t.shape[0], rows):
+            raise ShapeError(f"{op}: {what} {_desc(t)} must be {dt}[{rows}] (one per row of {_desc(logits)})")
+    return _new(op, (logits, temperature, top_k, top_p, seed, counter), (rows,), i32, name)
 
 
 def argmax(x: Tensor, dim: int = -1, *, name: str | None = None) -> Tensor:

@@ -145,6 +145,52 @@ def _kv_append(node, args, env, device):
     return cache
 
 
+def _rows_index(node, name: str, t: torch.Tensor, hi: int) -> list[int]:
+    vals = t.tolist()
+    for i, v in enumerate(vals):
+        if not 0 <= v < hi:
+            raise GraphError(f"{node.op} {node.label}: {name}[{i}] = {v} outside [0, {hi - 1}]")
+    return vals
+
+
+def _kv_store(node, args, env, device):
+    cache, new, pos, slot = args
+    pos = _rows_index(node, "pos", pos, cache.shape[2])
+    slot = _rows_index(node, "slot", slot, cache.shape[0])
+    for i, (p, s) in enumerate(zip(pos, slot)):
+        cache[s, :, p, :] = new[i]
+    return cache
+
+
+def ragged_rows(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, slot: int, scale: float) -> torch.Tensor:
+    """One row of :func:`megaegg.ops.ragged_attention` in f32: ``q [Hq, D]`` over cache rows
+    ``[0, pos]`` of ``slot``."""
+    group = q.shape[0] // kc.shape[1]
+    k = kc[slot, :, : pos + 1].float().repeat_interleave(group, 0)  # [Hq, L, D]
+    v = vc[slot, :, : pos + 1].float().repeat_interleave(group, 0)
+    scores = torch.einsum("hd,hld->hl", q.float(), k) * scale
+    return torch.einsum("hl,hld->hd", scores.softmax(-1), v)
+
+
+def _ragged_attention(node, args, env, device):
+    q, kc, vc, pos, slot = args
+    pos = _rows_index(node, "pos", pos, min(kc.shape[2], node.attrs["length"].eval(env)))
+    slot = _rows_index(node, "slot", slot, kc.shape[0])
+    out = torch.empty(q.shape, dtype=torch.float32, device=device)
+    for i, (p, s) in enumerate(zip(pos, slot)):
+        out[i] = ragged_rows(q[i], kc, vc, p, s, node.attrs["scale"])
+    return _to(node, out)
+
+
+def _sample(node, args, env, device):
+    from .sampling import sample_row
+
+    logits, temperature, top_k, top_p, seed, counter = (a.cpu() for a in args)
+    out = [sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]), int(seed[i]), int(counter[i]))
+           for i in range(logits.shape[0])]
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
 def _slice(node, args, env, device):
     a = node.attrs
     return args[0].narrow(a["dim"], a["start"].eval(env), (a["stop"] - a["start"]).eval(env))
@@ -194,6 +240,9 @@ _EVAL: dict[str, Callable] = {
     "embedding": lambda n, a, e, d: a[0][a[1].long()],
     "attention": _attention,
     "kv_append": _kv_append,
+    "kv_store": _kv_store,
+    "ragged_attention": _ragged_attention,
+    "sample": _sample,
     "argmax": lambda n, a, e, d: _f(a[0]).argmax(n.attrs["dim"]).to(torch.int32),
     "reshape": lambda n, a, e, d: a[0].reshape(tuple(s.eval(e) for s in n.attrs["shape"])),
     "permute": lambda n, a, e, d: a[0].permute(n.attrs["dims"]),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..blockops import REGISTRY, TERMS, materialize
 from ..dims import Dim, as_dim
 from ..dtypes import f32
-from ..graph import LEAF_OPS, Graph, GraphError, Node
+from ..graph import IN_PLACE_OPS, LEAF_OPS, Graph, GraphError, Node
 from .encode import VIEW_OPS, base_node
 from .extract import Choice, order
 from .layout import layout_of, view_shape
@@ -44,8 +44,8 @@ class ProgramBuilder:
         self.sum_of: dict[int, int] = {}  # Sum node -> its accum buffer
         self.transposed_of: dict[int, int] = {}  # weight node -> its transposed copy's buffer
         self.ops: list[BlockOp] = []
-        # inputs that a kv_append updates in place
-        self.state = {base_node(graph, n.inputs[0]) for n in graph.nodes if n.op == "kv_append"}
+        # inputs that an in-place op (kv_append, kv_store) updates
+        self.state = {base_node(graph, n.inputs[0]) for n in graph.nodes if n.op in IN_PLACE_OPS}
 
     # --- buffers and operands ----------------------------------------------------------
     def new_buffer(self, name: str, kind: str, shape, dtype, *, transposed: bool = False) -> int:
@@ -61,7 +61,7 @@ class ProgramBuilder:
         """Buffer holding base node ``i`` (created on first use)."""
         if i not in self.buffer_of:
             n = self.graph.nodes[i]
-            if n.op == "kv_append":  # writes its cache in place
+            if n.op in IN_PLACE_OPS:  # writes its cache in place
                 self.buffer_of[i] = self.buffer(base_node(self.graph, n.inputs[0]))
             else:
                 kind = n.op if n.op in LEAF_OPS else "scratch"
@@ -204,6 +204,9 @@ def range_checks(graph: Graph) -> tuple[RangeCheck, ...]:
         elif n.op == "kv_append":
             rows = graph.nodes[n.inputs[0]].shape[1]
             check = RangeCheck(f"kv_append {n.label}: position", n.attrs["pos"], as_dim(0), rows - 1)
+        elif n.op == "ragged_attention":
+            rows = graph.nodes[n.inputs[1]].shape[2]
+            check = RangeCheck(f"ragged_attention {n.label}: length", n.attrs["length"], as_dim(1), rows)
         else:
             continue
         out.setdefault((check.value, check.lo, check.hi), check)

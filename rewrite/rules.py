@@ -27,6 +27,9 @@ OTHER_TERMS: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
     "rope": ("rope_ids", "rows_per", ROW_TILES),  # positions from a tensor
     "softmax": ("softmax_rows", "rows_per", ROW_TILES),
     "attention": ("attention_split", "chunk", ATTENTION_CHUNKS),
+    "ragged_attention": ("ragged_split", "chunk", ATTENTION_CHUNKS),
+    "kv_store": ("kv_store_heads", None, ()),
+    "sample": ("sample_rows", None, ()),
     "argmax": ("argmax_chunks", "chunk", ARGMAX_CHUNKS),
     "embedding": ("embedding_rows", None, ()),
     "concat": ("concat_tiles", "tile", ELEMENTWISE_TILES),

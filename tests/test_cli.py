@@ -34,10 +34,11 @@ def test_llama_example_json_on_the_simulator():
               "--prompt-ids", "5", "6", "--max-new-tokens", "3", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["prompt_ids"] == [5, 6] and len(result["generated_ids"]) == 3 and result["ms_per_token"] > 0
-    assert result["stopped_at_eos"] is False and result["text"] is None
+    assert result["prompt_ids"] == [[5, 6]] and len(result["generated_ids"][0]) == 3 and result["ms_per_token"] > 0
+    assert result["stopped_at_eos"] == [False] and result["text"] is None
+    assert result["launches"] == 3  # the prompt in one launch, then a launch a token
     # the ids were streamed to stdout before the JSON line
-    assert f"generated: {' '.join(map(str, result['generated_ids']))}" in out.stdout.splitlines()
+    assert f"generated: {' '.join(map(str, result['generated_ids'][0]))}" in out.stdout.splitlines()
 
 
 def test_qwen3_example_runs_its_own_tiny_preset_by_default():
@@ -45,7 +46,7 @@ def test_qwen3_example_runs_its_own_tiny_preset_by_default():
               "--json")
     assert out.returncode == 0, out.stderr
     assert out.stderr.startswith("qwen3: 2 layers, hidden 256") and "max_len 1024" in out.stderr
-    assert len(json.loads(out.stdout.splitlines()[-1])["generated_ids"]) == 2
+    assert len(json.loads(out.stdout.splitlines()[-1])["generated_ids"][0]) == 2
 
 
 def test_qwen3_example_runs_a_moe_preset():
@@ -53,7 +54,7 @@ def test_qwen3_example_runs_a_moe_preset():
               "32", "--prompt-ids", "3", "9", "--max-new-tokens", "3", "--json")
     assert out.returncode == 0, out.stderr
     assert out.stderr.startswith("qwen3: 2 layers, hidden 256")
-    assert len(json.loads(out.stdout.splitlines()[-1])["generated_ids"]) == 3
+    assert len(json.loads(out.stdout.splitlines()[-1])["generated_ids"][0]) == 3
 
 
 def test_help_offers_the_examples_own_presets_and_says_the_defaults():
@@ -93,11 +94,11 @@ def test_checkpoint_with_256_positions_runs_with_default_flags(ckpt):
     out = run("examples/llama.py", "--model", str(ckpt), "--backend", "sim", "--json")
     result = last_json(out)
     assert "max_len 256" in out.stderr  # min(1024, max_position_embeddings)
-    assert result["prompt_ids"] == [1, 2, 3, 4] and len(result["generated_ids"]) == 16  # no EOS in this config
-    assert f"generated: {' '.join(map(str, result['generated_ids']))}" in out.stdout.splitlines()  # no tokenizer
+    assert result["prompt_ids"] == [[1, 2, 3, 4]] and len(result["generated_ids"][0]) == 16  # no EOS in this config
+    assert f"generated: {' '.join(map(str, result['generated_ids'][0]))}" in out.stdout.splitlines()  # no tokenizer
     lines = out.stderr.splitlines()
     loaded = next(i for i, line in enumerate(lines) if "weights loaded" in line)
-    compiled = next(i for i, line in enumerate(lines) if "compiled:" in line)
+    compiled = next(i for i, line in enumerate(lines) if "compiled" in line)
     assert compiled > loaded + 1  # the compiler's log records (rewrite or cache hit) came through in between
 
 
@@ -123,12 +124,12 @@ def test_prompt_text_streams_and_stops_at_the_checkpoints_eos(ckpt_tok, tmp_path
     out = run("examples/llama.py", "--model", str(model), "--backend", "sim", "--max-len", "32",
               "--prompt", "w5 w9 w2", "--max-new-tokens", "6", "--json", *flags)
     result = last_json(out)
-    assert result["prompt_ids"] == [5, 9, 2]
+    assert result["prompt_ids"] == [[5, 9, 2]]
     stops = not flags
-    assert result["generated_ids"] == (want[: want.index(eos) + 1] if stops else want)
-    assert result["stopped_at_eos"] is stops and (f"stopped at EOS {eos}" in out.stdout) is stops
-    assert result["text"] == " ".join(f"w{t}" for t in result["generated_ids"])  # the tokenizer's text, streamed:
-    assert f"generated: {result['text']}" in out.stdout.splitlines()
+    assert result["generated_ids"] == [want[: want.index(eos) + 1] if stops else want]
+    assert result["stopped_at_eos"] == [stops] and (f"stopped at EOS {eos}" in out.stdout) is stops
+    assert result["text"] == [" ".join(f"w{t}" for t in result["generated_ids"][0])]  # the tokenizer's text, streamed:
+    assert f"generated: {result['text'][0]}" in out.stdout.splitlines()
 
 
 # --- every bad input: one "error:" line naming it, a non-zero status, no traceback ------------------------

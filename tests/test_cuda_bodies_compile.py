@@ -28,6 +28,7 @@ import pytest
 from megaegg import dtypes as dt
 from megaegg.blockops import REGISTRY, CudaOperand
 from megaegg.dims import Dim, as_dim, sym
+from megaegg.blockops.matvec import runtime_mrows
 from megaegg.interpreter.render import SMEM_BYTES, THREADS
 from megaegg.rewrite.program import BlockOp, Operand, View
 
@@ -206,8 +207,8 @@ def kernel_source(name: str, kind: str, inputs: list[Arg], output: Arg, params: 
     return (
         f"{head}) {{\n"
         f"    extern __shared__ __align__(16) char smem[];\n"
-        f"    const long long c0 = blockIdx.x, c1 = blockIdx.y;\n"
-        f"    (void)smem; (void)c0; (void)c1;\n"
+        f"    const long long c0 = blockIdx.x, c1 = blockIdx.y, c2 = blockIdx.z;\n"
+        f"    (void)smem; (void)c0; (void)c1; (void)c2;\n"
         f"    {waits}\n"
         f"    {call};\n"
         f"}}\n"
@@ -304,6 +305,27 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
     c["kv_append"] = [
         ("d64", "kv_append", [Arg((8, 64), T)], Arg((8, 1024, 64), T), {"pos": POS}),
     ]
+    # batches and prompts: several x rows per matvec instance (tensor cores for bf16 / f16), the KV rows
+    # of many sequences, attention over each row's own slot, sampling
+    mr = lambda k, norm: runtime_mrows(k, T, norm=norm)  # noqa: E731 - as the lowering picks it
+    length = as_dim(1024)
+    c["batch"] = [
+        ("rows_norm_glu", "matvec", [Arg((16, 2048), T), Arg((8192, 2048), T), Arg((8192, 2048), T), Arg((2048,), T)],
+         Arg((16, 8192), T), {"rows": 64, "mrows": mr(2048, True), "m_last": True, "roles": ("x", "w", "w2", "g"),
+                              "eps": 1e-5}),
+        ("rows_res_k8192", "matvec", [Arg((16, 8192), T), Arg((2048, 8192), T), Arg((16, 2048), T)], Arg((16, 2048), T),
+         {"rows": 16, "mrows": mr(8192, False), "m_last": True, "roles": ("x", "w", "r"), "eps": 0.0}),
+        ("rows_norm_qkv", "matvec", [Arg((16, 4096), T), Arg((1024, 4096), T), Arg((4096,), T)], Arg((16, 1024), T),
+         {"rows": 24, "mrows": mr(4096, True), "m_last": True, "roles": ("x", "w", "g"), "eps": 1e-6}),
+        ("kv_store", "kv_store", [Arg((6, 8, 64), T), Arg((6,), i32), Arg((6,), i32)], Arg((4, 8, 1024, 64), T), {}),
+        ("ragged_partial", "ragged_partial", [Arg((6, 32, 64), T), Arg((4, 8, 1024, 64), T), Arg((4, 8, 1024, 64), T),
+                                              Arg((6,), i32), Arg((6,), i32)], Arg((6, 32, 16, 66), f32),
+         {"chunk": 64, "group": 4, "scale": 0.125, "length": length}),
+        ("ragged_merge", "ragged_merge", [Arg((6, 32, 16, 66), f32), Arg((6,), i32)], Arg((6, 32, 64), T),
+         {"chunk": 64, "length": length, "max_len": 1024, "rows_per": 4}),
+        ("sample", "sample", [Arg((4, 128256), T), Arg((4,), f32), Arg((4,), i32), Arg((4,), f32), Arg((4,), i32),
+                              Arg((4,), i32)], Arg((4,), i32), {}),
+    ]
     ew = lambda fn, shape, tile=8192, axis=0: {"fn": fn, "axis": axis, "tile": tile}  # noqa: E731
     c["elementwise"] = [
         ("add", "elementwise", [Arg((1, 2048), T), Arg((1, 2048), T)], Arg((1, 2048), T), ew("add", (1, 2048), 1, 1)),
@@ -320,9 +342,10 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
     return c
 
 
-GROUPS = ["matvec", "attention", "rms_norm", "rope", "softmax", "argmax", "embedding", "kv_append", "elementwise"]
+GROUPS = ["matvec", "attention", "rms_norm", "rope", "softmax", "argmax", "embedding", "kv_append", "batch",
+          "elementwise"]
 DTYPES = {"bf16": dt.bf16, "f32": dt.f32, "f16": dt.f16}
-F16_GROUPS = {"matvec", "attention"}
+F16_GROUPS = {"matvec", "attention", "batch"}
 
 
 def group_source(group: str) -> tuple[str, list[str]]:
@@ -355,7 +378,8 @@ def test_cuda_bodies_compile(group):
         assert r is not None, f"no ptxas report for {name}"
         print(f"{name:40s} {r.registers:4d} regs  stack {r.stack:5d}  spill st/ld {r.spill_stores}/{r.spill_loads}")
     for name in names:
-        if group == "matvec":  # the bandwidth-bound hot path keeps everything in registers
+        # the bandwidth-bound hot paths keep everything in registers: one x row, and rows on tensor cores
+        if group == "matvec" or (group == "batch" and "_rows_" in name and not name.endswith("_f32")):
             assert res[name].spill_stores == 0 and res[name].spill_loads == 0, (name, res[name])
 
 

@@ -410,3 +410,36 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
             if (c * 32 + lane < D) out[h * out_s0 + (c * 32 + lane) * out_s1] = from_f32<T>(num[c] / den);
     }
 }
+
+// Ragged attention (blockops/ragged_attention.py): row c0 of q attends cache rows [0, pos[c0]] of
+// slot slot[c0]; the same bodies on the row's q, cache slot and partials. A position or slot
+// outside the cache reports MEGA_ERR_INDEX (detail: the value) and writes nothing.
+__device__ __forceinline__ bool ragged_row_ok(long long p, long long max_len, long long s, long long slots) {
+    if (p >= 0 && p < max_len && s >= 0 && s < slots) return true;
+    if (threadIdx.x == 0) mega_body_error(MEGA_ERR_INDEX, p < 0 || p >= max_len ? p : s);
+    return false;  // uniform: every thread read the same values
+}
+
+template <class T, int D, int G>
+__device__ __noinline__ void ragged_partial(char* smem, const T* q, long long q_s0, long long q_s1, long long q_s2,  //
+                                            const T* kc, long long k_s0, long long k_s1, long long k_s2, long long k_s3,
+                                            const T* vc, long long v_s0, long long v_s1, long long v_s2, long long v_s3,
+                                            const int* pos, long long pos_s0, const int* slot, long long slot_s0,
+                                            long long slots, long long max_len, long long chunk, float scale,
+                                            float* part, long long p_s0, long long p_s1, long long p_s2, long long c0,
+                                            long long c1, long long c2) {
+    const long long p = pos[c0 * pos_s0], s = slot[c0 * slot_s0];
+    if (!ragged_row_ok(p, max_len, s, slots)) return;
+    attn_partial<T, D, G>(smem, q + c0 * q_s0, q_s1, q_s2, kc + s * k_s0, k_s1, k_s2, k_s3, vc + s * v_s0, v_s1, v_s2,
+                          v_s3, p + 1, chunk, scale, part + c0 * p_s0, p_s1, p_s2, c1, c2);
+}
+
+template <class T, int D>
+__device__ __noinline__ void ragged_merge(const float* part, long long p_s0, long long p_s1, long long p_s2,
+                                          const int* pos, long long pos_s0, long long max_len, long long chunk,
+                                          long long Hq, int rows_per, T* out, long long out_s0, long long out_s1,
+                                          long long out_s2, long long c0, long long c1) {
+    const long long p = pos[c0 * pos_s0];
+    if (!ragged_row_ok(p, max_len, 0, 1)) return;
+    attn_merge<T, D>(part + c0 * p_s0, p_s1, p_s2, p + 1, chunk, Hq, rows_per, out + c0 * out_s0, out_s1, out_s2, c1);
+}

@@ -14,6 +14,9 @@
 static_assert(MEGA_THREADS % 32 == 0 && MEGA_THREADS <= 1024, "MEGA_THREADS: whole warps, at most 1024");
 
 #define MEGA_WARPS (MEGA_THREADS / 32)
+#ifndef MEGA_ERR_LAYOUT
+#define MEGA_ERR_LAYOUT 3  // a body met operand strides it does not take (runtime.py names the op)
+#endif
 
 // The barrier of the threads that run bodies: named barrier 1 over MEGA_THREADS threads, since
 // the block may also hold a loader warp that never runs a body (pages.cuh).

@@ -61,8 +61,9 @@ struct Plan {
     static constexpr int VEC = VecN<T>::value;
     static constexpr int KV = K / VEC;                        // 16-byte vectors per row
     static constexpr int RPW = cdiv(ROWS, MEGA_WARPS);        // rows per warp
-    static constexpr int NG = cdiv(RPW, 4);                   // row groups per warp
-    static constexpr int RB = cdiv(RPW, NG);                  // rows per group (<= 4)
+    static constexpr int RG = M >= 4 ? 2 : 4;                 // rows a group at most (M >= 4: M accumulators a row)
+    static constexpr int NG = cdiv(RPW, RG);                  // row groups per warp
+    static constexpr int RB = cdiv(RPW, NG);                  // rows per group (<= RG)
     static constexpr int NW = GLU ? 2 : 1;                    // weight matrices
     static constexpr int VPL = cmax(1, cdiv(KV, 32));         // vectors per lane per row
     // Pipelined (two register buffers of 16 loads a lane: the next step's loads are in flight
@@ -70,9 +71,11 @@ struct Plan {
     // norm prologue's block reduction or x of >= 16 KB, and the tile is <= 512 KB. Elsewhere
     // 32 loads a lane in flight streamed better (perf-notes #26: pipelining every tile gave
     // llama-3.2-1b -4%, qwen3-8b +1.5-2%, from its 256 KB O and its 768 KB-1.5 MB tiles).
+    // Several x rows (M >= 4: a batch, a prompt) make each weight vector M times the arithmetic and
+    // need M times the accumulators: one buffer of 16 loads a lane, so nothing spills.
     static constexpr long long TILE_BYTES = (long long)ROWS * K * NW * (long long)sizeof(T);
-    static constexpr bool PIPE = TILE_BYTES <= 512 * 1024 && (NORM || K * (int)sizeof(T) >= 16384);
-    static constexpr int LOADS = PIPE ? 16 : 32;              // 16-byte loads per lane per step (a buffer)
+    static constexpr bool PIPE = M < 4 && TILE_BYTES <= 512 * 1024 && (NORM || K * (int)sizeof(T) >= 16384);
+    static constexpr int LOADS = PIPE || M >= 4 ? 16 : 32;   // 16-byte loads per lane per step (a buffer)
     static constexpr int U0 = cmin(VPL, cmax(1, LOADS / (RB * NW)));
     static constexpr int STEPS = cdiv(VPL, U0);               // steps per row group
     static constexpr int U = cdiv(VPL, STEPS);                // vectors per lane per row per step
@@ -190,13 +193,13 @@ __device__ bool page_dots(const XS* xs, long long n, float* part, int ldp, unsig
 template <class T, class XS, int M, int K, int ROWS, bool NORM, bool RES, bool XACC, bool RACC>
 __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x, long long x_s0, long long x_s1,
                                       const T* g, long long g_s0, float eps, const T* r, long long r_s0,
-                                      long long r_s1, const Sums& sums, long long row0, long long N) {
+                                      long long r_s1, const Sums& sums, long long row0, long long N, int mv = M) {
     constexpr int VEC = VecN<T>::value, KV = K / VEC, NVX = cdiv(KV, MEGA_THREADS) > 0 ? cdiv(KV, MEGA_THREADS) : 1;  // K < VEC: vec is false, the array just needs a size
     const int tid = threadIdx.x;
     if (RES) {
         for (int j = tid; j < M * ROWS; j += MEGA_THREADS) {
             const long long n = row0 + j % ROWS;
-            if (n < N) {
+            if (n < N && j / ROWS < mv) {
                 rt[j] = ld_f32(r + (j / ROWS) * r_s0 + n * r_s1);
                 if (RACC) rt[j] = round_to<T>(rt[j] + round_to<T>(ld_cg(sums.r + (j / ROWS) * sums.r_s0 + n * sums.r_s1)));
             }
@@ -213,11 +216,13 @@ __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x,
             const int kv = i * MEGA_THREADS + tid;
             if (kv < KV) {
 #pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    xr[m][i] = ldcg16(x + m * x_s0 + kv * VEC);
+                for (int m = 0; m < M; ++m) {  // (rows past mv: zeros, never stored)
+                    xr[m][i] = m < mv ? ldcg16(x + m * x_s0 + kv * VEC) : make_uint4(0, 0, 0, 0);
                     if (XACC)
 #pragma unroll
-                        for (int a = 0; a < AV; ++a) ar[XACC ? m : 0][XACC ? i : 0][a] = ldcg16(sums.x + m * sums.x_s0 + kv * VEC + 4 * a);
+                        for (int a = 0; a < AV; ++a)
+                            ar[XACC ? m : 0][XACC ? i : 0][a] =
+                                m < mv ? ldcg16(sums.x + m * sums.x_s0 + kv * VEC + 4 * a) : make_uint4(0, 0, 0, 0);
                 }
                 if (NORM) gr[i] = ldcg16(g + kv * VEC);
             }
@@ -280,8 +285,8 @@ __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x,
         for (int m = 0; m < M; ++m) {
             ss[m] = 0.0f;
             for (int k = tid; k < K; k += MEGA_THREADS) {
-                float v = ld_f32(x + m * x_s0 + k * x_s1);
-                if (XACC) v = round_to<T>(v + round_to<T>(ld_cg(sums.x + m * sums.x_s0 + k * sums.x_s1)));
+                float v = m < mv ? ld_f32(x + m * x_s0 + k * x_s1) : 0.0f;
+                if (XACC && m < mv) v = round_to<T>(v + round_to<T>(ld_cg(sums.x + m * sums.x_s0 + k * sums.x_s1)));
                 ss[m] += v * v;
                 xs[m * K + k] = from_f32<XS>(v);  // exact: x is T
             }
@@ -401,7 +406,7 @@ __device__ __forceinline__ void mac_step(const uint4 (&wa)[P::RB][P::U], const u
 template <class P, class T, int M, int ROWS, bool GLU, bool RES>
 __device__ __forceinline__ void write_group(float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const float* rt,
                                             T* out, long long out_s0, long long out_s1, long long row0, long long N,
-                                            int gi, int warp, int lane) {
+                                            int gi, int warp, int lane, int mv = M) {
 #pragma unroll
     for (int rb = 0; rb < P::RB; ++rb) {
         const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
@@ -410,7 +415,7 @@ __device__ __forceinline__ void write_group(float (&acc)[P::RB][M], float (&acc2
         for (int m = 0; m < M; ++m) {
             const float d = warp_sum(acc[rb][m]);
             const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
-            if (lane == (rb * M + m) % 32 && local < ROWS && n < N)
+            if (lane == (rb * M + m) % 32 && local < ROWS && n < N && m < mv)
                 finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
         }
     }
@@ -422,11 +427,11 @@ template <class P, class T, class XS, int M, int K, int ROWS, bool GLU, bool RES
 __device__ __forceinline__ void step(const uint4 (&wa)[P::RB][P::U], const uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
                                      float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const XS* xs,
                                      const float* rt, T* out, long long out_s0, long long out_s1, long long row0,
-                                     long long N, int t, int warp, int lane) {
+                                     long long N, int t, int warp, int lane, int mv) {
     const int gi = t / P::STEPS, s = t % P::STEPS;
     if (s == 0) zero_acc<P, M, GLU>(acc, acc2);
     mac_step<P, T, XS, M, K, GLU>(wa, wb, acc, acc2, xs, s, lane);
-    if (s == P::STEPS - 1) write_group<P, T, M, ROWS, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, N, gi, warp, lane);
+    if (s == P::STEPS - 1) write_group<P, T, M, ROWS, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, N, gi, warp, lane, mv);
 }
 
 // False when the wait gave up (abort or timeout): nothing was written.
@@ -435,7 +440,7 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
                                         long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
                                         long long w2_s0, const T* r, long long r_s0, long long r_s1, const Sums& sums, T* out,
                                         long long out_s0, long long out_s1, long long N, long long n_tile,
-                                        const MegaWaits& wl) {
+                                        const MegaWaits& wl, int mv = M) {
     using P = Plan<T, M, K, ROWS, GLU, NORM>;
     using XS = typename P::XS;
     float* red = reinterpret_cast<float*>(smem);
@@ -456,16 +461,16 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         if (!mega_wait_all(wl)) return false;
         if (T_STEPS > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
             load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
-        stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
+        stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N, mv);
 #pragma unroll 1
         for (int t = 0; t < T_STEPS; t += 2) {
-            step<P, T, XS, M, K, ROWS, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t, warp, lane);
+            step<P, T, XS, M, K, ROWS, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t, warp, lane, mv);
             if (t + 2 < T_STEPS)
                 load_step<P, T, ROWS, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, N, (t + 2) / P::STEPS, (t + 2) % P::STEPS,
                                            warp, lane);
             if (t + 1 < T_STEPS) {
                 step<P, T, XS, M, K, ROWS, GLU, RES>(wa1, wb1, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t + 1, warp,
-                                                     lane);
+                                                     lane, mv);
                 if (t + 3 < T_STEPS)
                     load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, (t + 3) / P::STEPS,
                                                (t + 3) % P::STEPS, warp, lane);
@@ -483,7 +488,7 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         else
             load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
         if (!mega_wait_all(wl)) return false;
-        stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
+        stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N, mv);
 
 #pragma unroll 1
         for (int gi = 0; gi < P::NG; ++gi) {
@@ -494,7 +499,7 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
                 if (gi | s) load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, gi, s, warp, lane);
                 mac_step<P, T, XS, M, K, GLU>(wa, wb, acc, acc2, xs, s, lane);
             }
-            write_group<P, T, M, ROWS, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, N, gi, warp, lane);
+            write_group<P, T, M, ROWS, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, N, gi, warp, lane, mv);
         }
     }
     return true;
@@ -544,7 +549,7 @@ __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s
                                            long long g_s0, float eps, const T* w, long long w_s0, long long w_s1,
                                            const T* w2, long long w2_s0, long long w2_s1, const T* r, long long r_s0,
                                            long long r_s1, const Sums& sums, T* out, long long out_s0, long long out_s1, long long N,
-                                           long long n_tile, const MegaWaits& wl) {
+                                           long long n_tile, const MegaWaits& wl, int mv) {
     if (!mega_wait_all(wl)) return;
     using P = Plan<T, M, K, ROWS, GLU, NORM>;
     using XS = typename P::XS;
@@ -553,7 +558,7 @@ __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s
     XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long row0 = n_tile * ROWS;
-    stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
+    stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N, mv);
 #pragma unroll 1
     for (int local = warp; local < ROWS; local += MEGA_WARPS) {
         const long long n = row0 + local;
@@ -578,9 +583,182 @@ __device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s
         for (int m = 0; m < M; ++m) {
             const float d = warp_sum(acc[m]);
             const float d2 = GLU ? warp_sum(acc2[m]) : 0.0f;
-            if (lane == m % 32) finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
+            if (lane == m % 32 && m < mv) finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
         }
     }
+}
+
+// --- several x rows on tensor cores (M a multiple of 8: a batch, a prompt) -------------------
+// mma.sync m16n8k16 with the weights as A (16 rows x 16 k) and x as B (16 k x 8 rows), f32 accumulators.
+// The k order inside an mma is free as long as A and B agree, so each lane loads its operands in
+// 16-byte vectors straight from the natural layouts: lane (g = lane / 4, t = lane % 4) takes weight rows
+// g and g + 8 and x row g at columns [kb + 8t, kb + 8t + 8) of every 32-column block kb, which feed two
+// mmas (columns 8t..8t+3, then 8t+4..8t+7, as the slot pairs (2t, 2t+1) and (2t+8, 2t+9)). Warps take
+// 16-row groups of the tile and, where the tile has fewer groups than warps, k slices of it, summed
+// through shared memory. x comes from shared memory (staged, RMSNorm applied, when NORM) or straight
+// from global memory (L2: it is small and every warp reads it).
+template <class T> struct MmaKind;
+template <> struct MmaKind<__nv_bfloat16> { static constexpr bool ok = true; };
+template <> struct MmaKind<__half> { static constexpr bool ok = true; };
+template <> struct MmaKind<float> { static constexpr bool ok = false; };
+
+template <class T>
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+    if constexpr (SameType<T, __nv_bfloat16>::value)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <class T, int M, int K, int ROWS, bool NORM, bool GLU>
+struct MmaPlan {
+    static constexpr int NT = M / 8;                              // x tiles of 8 rows
+    static constexpr int RG = cdiv(ROWS, 16);                     // weight row groups of 16
+    static constexpr int KS = cmax(1, MEGA_WARPS / RG);           // k slices a group
+    static constexpr int WORK = RG * KS;                          // warps with a (group, slice)
+    static constexpr int KB = K / 32;                             // 32-column blocks
+    static constexpr int KPS = cdiv(KB, KS);                      // blocks a slice
+    static constexpr int U = GLU ? 4 : 8;                         // blocks in flight a step
+    static constexpr int XS = K + 8;                              // staged x row stride (padded: no bank conflicts)
+    static constexpr int XS_BYTES = NORM ? (M * XS * (int)sizeof(T) + 15) / 16 * 16 : 0;
+    static constexpr int PART = WORK * 16 * M * (GLU ? 2 : 1);    // f32 partial sums
+    static constexpr int BYTES = XS_BYTES + MEGA_WARPS * M * 4 + PART * 4;
+    static_assert(RG <= MEGA_WARPS && M % 8 == 0 && K % 32 == 0, "matvec (mma): 16-row groups, 8-row x tiles, 32-column blocks");
+    static_assert(BYTES <= MEGA_SMEM - MEGA_SMEM_RESERVED, "matvec (mma): staged x and partial sums do not fit in shared memory");
+};
+
+template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
+__device__ bool run_mma(char* smem, const T* x, long long x_s0, const T* g, float eps, const T* w, long long w_s0,
+                        const T* w2, long long w2_s0, const T* r, long long r_s0, long long r_s1, T* out, long long out_s0,
+                        long long out_s1, long long N, long long n_tile, const MegaWaits& wl, int mv) {
+    using P = MmaPlan<T, M, K, ROWS, NORM, GLU>;
+    constexpr int VEC = VecN<T>::value, KV = K / VEC;
+    T* xs = reinterpret_cast<T*>(smem);
+    float* red = reinterpret_cast<float*>(smem + P::XS_BYTES);
+    float* part = red + MEGA_WARPS * M;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t4 = lane & 3;
+    const long long row0 = n_tile * ROWS;
+    const bool active = warp < P::WORK;
+    const int rg = warp / P::KS, ks = warp % P::KS;
+    const int la = rg * 16 + gq, lb = la + 8;  // tile-local weight rows of this lane
+    const bool oka = active && la < ROWS && row0 + la < N, okb = active && lb < ROWS && row0 + lb < N;
+    const T* wa_p = w + (row0 + la) * w_s0 + t4 * 8;
+    const T* wb_p = w + (row0 + lb) * w_s0 + t4 * 8;
+    const T* va_p = GLU ? w2 + (row0 + la) * w2_s0 + t4 * 8 : nullptr;
+    const T* vb_p = GLU ? w2 + (row0 + lb) * w2_s0 + t4 * 8 : nullptr;
+    const int kb0 = ks * P::KPS, kb1 = cmin(P::KB, kb0 + P::KPS);
+    float acc[P::NT][4], acc2[GLU ? P::NT : 1][4];
+#pragma unroll
+    for (int n = 0; n < P::NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f, acc2[GLU ? n : 0][e] = 0.0f;
+    if (!mega_wait_all(wl)) return false;
+    if constexpr (NORM) {  // stage x[M, K] as T, normalised: x <- T(T(x * rinv) * g) (rows past mv: zeros)
+        float ss[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            ss[m] = 0.0f;
+            for (int kv = tid; kv < KV && m < mv; kv += MEGA_THREADS) {
+                float f[VEC];
+                unpack16<T>(ldcg16(x + m * x_s0 + kv * VEC), f);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) ss[m] += f[e] * f[e];
+            }
+        }
+        block_reduce_sum_n<M>(ss, red);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const float rinv = 1.0f / sqrtf(ss[m] / (float)K + eps);
+            for (int kv = tid; kv < KV; kv += MEGA_THREADS) {
+                float f[VEC], gf[VEC];
+                if (m < mv) {
+                    unpack16<T>(ldcg16(x + m * x_s0 + kv * VEC), f);
+                    unpack16<T>(ldcg16(g + kv * VEC), gf);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) f[e] = round_to<T>(round_to<T>(f[e] * rinv) * gf[e]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) f[e] = 0.0f;
+                }
+                *reinterpret_cast<uint4*>(xs + m * P::XS + kv * VEC) = pack16<T>(f);
+            }
+        }
+        mega_sync();
+    }
+    if (active) {
+#pragma unroll 1
+        for (int kb = kb0; kb < kb1; kb += P::U) {
+            uint4 wa[P::U], wb[P::U], va[GLU ? P::U : 1], vb[GLU ? P::U : 1], xv[P::U][P::NT];
+#pragma unroll
+            for (int u = 0; u < P::U; ++u) {  // every load of the step first: they are all in flight together
+                const int k = (kb + u) * 32;
+                const bool in = kb + u < kb1;
+                const uint4 z = make_uint4(0, 0, 0, 0);
+                wa[u] = in && oka ? ldw16(wa_p + k) : z;
+                wb[u] = in && okb ? ldw16(wb_p + k) : z;
+                if (GLU) {
+                    va[GLU ? u : 0] = in && oka ? ldw16(va_p + k) : z;
+                    vb[GLU ? u : 0] = in && okb ? ldw16(vb_p + k) : z;
+                }
+#pragma unroll
+                for (int n = 0; n < P::NT; ++n) {
+                    const int m = n * 8 + gq;
+                    if (NORM)
+                        xv[u][n] = in ? *reinterpret_cast<const uint4*>(xs + m * P::XS + k + t4 * 8) : z;
+                    else
+                        xv[u][n] = in && m < mv ? ldcg16(x + m * x_s0 + k + t4 * 8) : z;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < P::U; ++u) {
+#pragma unroll
+                for (int n = 0; n < P::NT; ++n) {
+                    mma16816<T>(acc[n], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv[u][n].x, xv[u][n].y);
+                    mma16816<T>(acc[n], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv[u][n].z, xv[u][n].w);
+                    if (GLU) {
+                        mma16816<T>(acc2[GLU ? n : 0], va[GLU ? u : 0].x, vb[GLU ? u : 0].x, va[GLU ? u : 0].y,
+                                    vb[GLU ? u : 0].y, xv[u][n].x, xv[u][n].y);
+                        mma16816<T>(acc2[GLU ? n : 0], va[GLU ? u : 0].z, vb[GLU ? u : 0].z, va[GLU ? u : 0].w,
+                                    vb[GLU ? u : 0].w, xv[u][n].z, xv[u][n].w);
+                    }
+                }
+            }
+        }
+        // accumulator (row g or g + 8 of the group, x rows n * 8 + 2t, + 1) -> part[warp][16][M]
+        float* mine = part + warp * 16 * M;
+#pragma unroll
+        for (int n = 0; n < P::NT; ++n) {
+            const int m = n * 8 + 2 * t4;
+            mine[gq * M + m] = acc[n][0], mine[gq * M + m + 1] = acc[n][1];
+            mine[(gq + 8) * M + m] = acc[n][2], mine[(gq + 8) * M + m + 1] = acc[n][3];
+            if (GLU) {
+                float* mine2 = part + (P::WORK + warp) * 16 * M;
+                mine2[gq * M + m] = acc2[GLU ? n : 0][0], mine2[gq * M + m + 1] = acc2[GLU ? n : 0][1];
+                mine2[(gq + 8) * M + m] = acc2[GLU ? n : 0][2], mine2[(gq + 8) * M + m + 1] = acc2[GLU ? n : 0][3];
+            }
+        }
+    }
+    mega_sync();
+    for (int i = tid; i < ROWS * M; i += MEGA_THREADS) {  // the k slices summed, the epilogue, the store
+        const int local = i / M, m = i % M;
+        const long long n = row0 + local;
+        if (m >= mv || n >= N) continue;
+        const int grp = local / 16, rr = local % 16;
+        float d = 0.0f, d2 = 0.0f;
+#pragma unroll
+        for (int s = 0; s < P::KS; ++s) {
+            d += part[((grp * P::KS + s) * 16 + rr) * M + m];
+            if (GLU) d2 += part[((P::WORK + grp * P::KS + s) * 16 + rr) * M + m];
+        }
+        float y = round_to<T>(d);
+        if (GLU) y = round_to<T>(round_to<T>(silu_f32(y)) * round_to<T>(d2));
+        if (RES) y = round_to<T>(ld_f32(r + m * r_s0 + n * r_s1) + y);
+        out[m * out_s0 + n * out_s1] = from_f32<T>(y);
+    }
+    return true;
 }
 
 }  // namespace matvec_impl
@@ -597,7 +775,7 @@ __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long
                                     const float* xa, long long xa_s0, long long xa_s1,        //
                                     const float* ra, long long ra_s0, long long ra_s1,        //
                                     T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
-                                    const MegaWaits wl) {
+                                    long long mvalid, const MegaWaits wl) {
     static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
     smem = shared_ptr(smem);
     const matvec_impl::Sums sums{xa, xa_s0, xa_s1, ra, ra_s0, ra_s1};
@@ -610,18 +788,32 @@ __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long
         return;
     }
 #endif
-    if constexpr (!PAGED) {
+    if constexpr (!PAGED && M % 8 == 0 && K % 32 == 0 && !HAS_XACC && !HAS_RACC && matvec_impl::MmaKind<T>::ok) {
+        // x rows in tiles of 8: tensor cores. The compiler's operands are contiguous rows; anything
+        // else is reported, not computed wrongly.
+        const bool rows_ok = vec_rows_ok(w, w_s0, w_s1, K) && (!HAS_GLU || vec_rows_ok(w2, w2_s0, w2_s1, K)) &&
+                             vec_rows_ok(x, x_s0, x_s1, K) && (!HAS_NORM || (g_s0 == 1 && aligned16(g)));
+        if (!rows_ok) {
+            if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
+            return;
+        }
+        matvec_impl::run_mma<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, x_s0, g, eps, w, w_s0, w2, w2_s0, r, r_s0,
+                                                                       r_s1, out, out_s0, out_s1, N, n_tile, wl, (int)mvalid);
+        return;
+    }
+    if constexpr (!PAGED && !(M % 8 == 0 && K % 32 == 0 && !HAS_XACC && !HAS_RACC && matvec_impl::MmaKind<T>::ok)) {
         bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K);
         if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
         if constexpr (K % VecN<T>::value == 0) {
             if (vec) {
                 matvec_impl::run_vec_regs<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
-                    smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile, wl);
+                    smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile, wl,
+                    (int)mvalid);
                 return;
             }
         }
         matvec_impl::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
             smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, sums, out, out_s0, out_s1, N,
-            n_tile, wl);
+            n_tile, wl, (int)mvalid);
     }
 }

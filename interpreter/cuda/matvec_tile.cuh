@@ -14,7 +14,7 @@ __device__ __forceinline__ T* matvec_to_tile(char* smem, const T* x, long long x
     // row n lands at tile[n - n_tile * ROWS]: a generic pointer into shared memory
     matvec<T, 1, K, ROWS, HAS_NORM, false, false, false, false, PAGED>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, nullptr, 0,
                                                                 0, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0,
-                                                                tile - n_tile * ROWS, 0, 1, N, n_tile,
+                                                                tile - n_tile * ROWS, 0, 1, N, n_tile, 1,
                                                                 MegaWaits{});
     mega_sync();
     return tile;

@@ -27,10 +27,10 @@ class Embedding(BlockKind):
 
     def cuda_call(self, op, ins, out):
         table, ids = ins
-        v, d = (x.value for x in op.inputs[0].shape)
-        args = [
+        d = op.inputs[0].shape[1].value
+        args = [  # (the table may be an activation of runtime rows: a gather of chosen rows)
             table.ptr, table.strides[0], table.strides[1],
-            ids.ptr, ids.strides[0], f"{v}LL", f"{d}LL",
+            ids.ptr, ids.strides[0], f"({table.shape[0]})", f"{d}LL",
             out.ptr, out.strides[0], out.strides[1],
             "c0",
         ]

@@ -1,7 +1,9 @@
 """matvec: ``out[M, N] = x[M, K] @ w[N, K]^T``; instance ``(i, j)`` computes rows
 ``[i*mrows, (i+1)*mrows)`` of x against ``rows`` rows ``[j*rows, ...)`` of ``w``.
-``mrows`` is M itself when M is a constant (decode: M = 1), else 1, so a runtime M
-(prefill) just adds instances.
+``mrows`` is M itself when M is a constant (decode: M = 1). A runtime M (a batch, a prompt)
+is tiled by ``mrows`` rows (16 on tensor cores for bf16 / f16, else as many as 32 KB of x allows, up
+to 8; the last tile is ragged, masked) with the weight tiles outermost (``m_last``: grid ``(N tiles, M tiles)``), so that the
+instances reading one weight tile run back to back and it streams from HBM about once.
 
 Fusion options (operand roles in ``params["roles"]``): ``g`` an RMSNorm prologue on
 ``x`` (weight ``g[K]``, ``eps``); ``w2`` a gated pair, ``out = silu(x w^T) * (x w2^T)``;
@@ -65,25 +67,27 @@ class MatVec(BlockKind):
 
     def build(self, inputs, output, params) -> Partition:
         rows, mrows = params["rows"], params["mrows"]
-        tile_mn = (Tile(0, mrows), Tile(1, rows))
+        ma, na = grid_axes(params)
+        tile_mn = (Tile(ma, mrows), Tile(na, rows))
         reads = []
         for role, o in zip(params["roles"], inputs):
             if role in ("w", "w2"):
-                reads.append((Tile(1, rows), Full()))
+                reads.append((Tile(na, rows), Full()))
             elif role in ("r", "ra"):
                 reads.append(tile_mn)
             elif role in ("x", "xa"):
-                reads.append((Tile(0, mrows), Full()))
+                reads.append((Tile(ma, mrows), Full()))
             else:  # g
                 reads.append((Full(),))
-        grid = (ceildiv(output.shape[0], mrows), ceildiv(inputs[1].shape[0], rows))
-        return Partition(grid=grid, reads=tuple(reads), writes=tile_mn)
+        grid = [ceildiv(output.shape[0], mrows), ceildiv(inputs[1].shape[0], rows)]
+        return Partition(grid=(grid[ma], grid[na]), reads=tuple(reads), writes=tile_mn)
 
     def cpu(self, op, env, ins, out):
         k = roles(op)
         dt = out.dtype
         rows, mrows = op.params["rows"], op.params["mrows"]
-        m0, r0 = env["_i0"] * mrows, env["_i1"] * rows
+        ma, na = grid_axes(op.params)
+        m0, r0 = env[f"_i{ma}"] * mrows, env[f"_i{na}"] * rows
         m1, r1 = m0 + mrows, min(r0 + rows, ins[k["w"]].shape[0])
         y = (gated if "w2" in k else products)(op, ins, slice(m0, m1), slice(r0, r1), dt).to(dt)
         if "r" in k:
@@ -99,8 +103,10 @@ class MatVec(BlockKind):
         p = op.params
         mrows = p["mrows"]
 
+        cm, cn = (f"c{a}" for a in grid_axes(p))
+
         def rows_of(o: CudaOperand) -> str:  # the operand advanced to this instance's first x row
-            return f"({o.ptr} + c0 * {mrows} * {o.strides[0]})"
+            return f"({o.ptr} + {cm} * {mrows} * {o.strides[0]})"
 
         def operand(role: str, n_strides: int) -> list[tuple[str, str]]:  # absent: nullptr, zero strides
             strides = [f"{role}_s{d}" for d in range(n_strides)]
@@ -116,12 +122,14 @@ class MatVec(BlockKind):
         args = [("smem", "smem"), *operand("x", 2), *operand("g", 1), ("eps", f"{float(p.get('eps', 0.0))!r}f"),
                 *operand("w", 2), *operand("w2", 2), *operand("r", 2), *operand("xa", 2), *operand("ra", 2),
                 ("out", rows_of(out)), ("out_s0", out.strides[0]), ("out_s1", out.strides[1]),
-                ("N", f"{n}LL"), ("n_tile", "c1"), ("wl", "wl")]
+                ("N", f"{n}LL"), ("n_tile", cn), ("mvalid", f"min_i64({mrows}LL, ({out.shape[0]}) - {cm} * {mrows})"),
+                ("wl", "wl")]
         return c_call("matvec", [ins[k["x"]].ctype, mrows, kdim, p["rows"], *flags, paged(op)], args)
 
     def bytes_moved(self, op, env):
         k = roles(op)
-        m_tiles, n_tiles = (g.eval(env) for g in op.grid)
+        ma, na = grid_axes(op.params)
+        m_tiles, n_tiles = op.grid[ma].eval(env), op.grid[na].eval(env)
         k_dim = op.inputs[k["w"]].shape[1].value
         n, m = op.output.shape[1].eval(env), op.output.shape[0].eval(env)
         item = op.output.dtype.itemsize
@@ -132,6 +140,32 @@ class MatVec(BlockKind):
 
 
 MAX_MATVEC_M = 16  # x rows one matvec instance handles (decode has 1)
+RUNTIME_M_BYTES = 32 * 1024  # x staged per instance, at most, when M is a runtime dim
+
+
+def grid_axes(params) -> tuple[int, int]:
+    """(M axis, N axis) of a matvec's grid: ``m_last`` puts the weight tiles outermost."""
+    return (1, 0) if params.get("m_last") else (0, 1)
+
+
+RUNTIME_MROWS = 8  # (16: the gated body spills 4 KB a thread and NVRTC takes minutes)
+MMA_MROWS = 16  # x rows per instance on tensor cores (matvec.cuh: run_mma, bf16 and f16)
+MMA_STAGE_BYTES = 80 * 1024  # x staged (RMSNorm prologue) for run_mma, at most
+
+
+def runtime_mrows(k_dim: int, dtype, *, norm: bool) -> int:
+    """x rows per instance for a runtime M: 16 on tensor cores (bf16 / f16, K a multiple of 32, a
+    normalised x staged within MMA_STAGE_BYTES); else a power of two up to RUNTIME_MROWS within
+    RUNTIME_M_BYTES (CUDA cores, x staged)."""
+    item = dtype.itemsize
+    if dtype.name in ("bf16", "f16") and k_dim % 32 == 0:
+        for m in (MMA_MROWS, 8):
+            if not norm or m * (k_dim + 8) * item <= MMA_STAGE_BYTES:
+                return m
+    m = RUNTIME_MROWS
+    while m > 1 and m * k_dim * item > RUNTIME_M_BYTES:
+        m //= 2
+    return m
 
 
 @term
@@ -174,7 +208,11 @@ def lower_matvec(b, value: int, operands: dict, args, *, transpose_w: bool) -> N
         inputs[1] = b.view(inputs[1], "permute", (1, 0))
     out = b.rows(b.output(value))
     m = out.shape[0]
-    mrows = m.value if m.is_const and m.value <= MAX_MATVEC_M else 1  # a runtime M adds instances
-    params = {"rows": args["rows"], "mrows": mrows, "roles": present + sums, "eps": args["eps"]}
+    params = {"rows": args["rows"], "roles": present + sums, "eps": args["eps"]}
+    if m.is_const and m.value <= MAX_MATVEC_M:
+        params["mrows"] = m.value
+    else:  # a batch or a prompt: tiles of x rows, the weight tiles outermost
+        x = inputs[present.index("x")]
+        params.update(mrows=runtime_mrows(x.shape[1].value, x.dtype, norm="g" in present), m_last=True)
     reads = {v for v in operands.values() if v != NONE} | {args[k] for k in sums}
     b.emit("matvec", b.absorbed(value, reads), inputs, out, params)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
 import sys
@@ -19,14 +20,17 @@ from pathlib import Path
 import torch
 
 from ..graph import GraphError
+from .batch import Batcher, Request, Sampling, kernel_batch_step, single_sequence_decode
 from .config import ModelConfig
-from .decoder import build_decode_graph
-from .generate import Generator, check_token_ids, kernel_step
+from .decoder import build_decode_graph, build_step_graph
+from .generate import Generation, Generator, check_token_ids, kernel_step
 from .presets import DEFAULT_PRESET, FAMILY, PRESETS, presets_of
 from .weights import CheckpointError, eos_token_ids, load_checkpoint, random_weights, read_config
 
 DEFAULT_PROMPT_IDS = [1, 2, 3, 4]  # without --prompt / --prompt-ids
 DEFAULT_MAX_LEN = 1024  # KV cache rows, capped by the model's max_position_embeddings
+MAX_SLOTS = 64  # sequences decoded together at most (more prompts wait for a free slot)
+MAX_STEP_TOKENS = 2048  # token rows of one launch at most (longer prompts prefill over several)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -59,6 +63,36 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def unit_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def parse(arch: str, argv=None) -> argparse.Namespace:
     p = OneLineParser(description=f"Greedy decoding of a {arch} model through one megakernel per step")
     src = p.add_mutually_exclusive_group()
@@ -70,6 +104,16 @@ def parse(arch: str, argv=None) -> argparse.Namespace:
     prompt.add_argument("--prompt", help="prompt text (needs a tokenizer in --model)")
     prompt.add_argument("--prompt-ids", type=int, nargs="+",
                         help=f"prompt token ids (default: {' '.join(map(str, DEFAULT_PROMPT_IDS))})")
+    prompt.add_argument("--prompt-ids-file", type=Path,
+                        help="a JSON list of prompts, each a list of token ids: run them as one batch")
+    prompt.add_argument("--prompt-file", type=Path,
+                        help="a text file of prompts, one a line (needs a tokenizer in --model): run them as one batch")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="sample at this temperature (default: %(default)s, greedy)")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (default: 0, all)")
+    p.add_argument("--top-p", type=unit_float, default=1.0,
+                   help="sample from the fewest tokens whose probability reaches p (default: %(default)s, all)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed: the same seed, the same tokens (default: 0)")
     p.add_argument("--max-new-tokens", type=positive_int, default=16, help="(default: %(default)s)")
     p.add_argument("--max-len", type=positive_int, default=None,
                    help=f"KV cache rows (default: min({DEFAULT_MAX_LEN}, the config's max_position_embeddings))")
@@ -98,11 +142,17 @@ def run(arch: str, a: argparse.Namespace) -> dict:
     device = "cuda" if backend == "cuda" else "cpu"
     cfg, eos = model_config(arch, a)
     max_len = cache_rows(a.max_len, cfg)
-    tokenizer = load_tokenizer(a) if a.prompt is not None else None  # a prompt is checked before the long steps
-    prompt = prompt_ids(a, tokenizer, cfg)
-    if len(prompt) + a.max_new_tokens - 1 > max_len:
-        raise GraphError(f"--max-new-tokens {a.max_new_tokens} after a {len(prompt)}-token prompt needs "
-                         f"{len(prompt) + a.max_new_tokens - 1} cache rows; --max-len is {max_len}")
+    sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed)
+    needs_tokenizer = a.prompt is not None or a.prompt_file is not None
+    tokenizer = load_tokenizer(a) if needs_tokenizer else None  # prompts are checked before the long steps
+    prompts = prompt_lists(a, tokenizer, cfg)
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + a.max_new_tokens - 1 > max_len:
+            which = f"prompt {i}" if len(prompts) > 1 else "a"
+            raise GraphError(f"--max-new-tokens {a.max_new_tokens} after {which} {len(prompt)}-token prompt needs "
+                             f"{len(prompt) + a.max_new_tokens - 1} cache rows; --max-len is {max_len}")
+    if cfg.moe is not None and not sampling.greedy:
+        raise GraphError("--temperature > 0: sampling is not supported for Qwen3-MoE models yet (greedy only)")
     if a.dtype:
         cfg = dataclasses.replace(cfg, dtype=me.dtypes.as_dtype(a.dtype))
     elif not a.model and backend == "sim":
@@ -110,35 +160,108 @@ def run(arch: str, a: argparse.Namespace) -> dict:
     print(f"{arch}: {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}, {cfg.dtype}, backend {backend}, "
           f"max_len {max_len}", file=sys.stderr)
     show_compiler_log()
-    t = progress("building graph")
-    graph, spec = build_decode_graph(cfg, max_len=max_len, logits=False)  # tokens only: LM head + argmax fuse
-    t = progress(f"graph: {len(graph.nodes)} nodes", t)
-    progress(f"weights: {spec.weight_bytes / 1e9:.2f} GB" + (f" from {a.model}" if a.model and not a.random_weights
-                                                              else ", random"))
-    weights = (load_checkpoint(a.model, spec, device=device, progress=note) if a.model and not a.random_weights
-               else random_weights(spec, seed=0, device=device, progress=note))
-    t = progress("weights loaded", t)
-    kernel = me.compile(graph, weights, backend=backend, max_dims={"pos": max_len - 1},
-                        dims_hint={"pos": min(512, max_len - 1)})
-    progress(f"compiled: {len(kernel.queue.entries)} queue entries ({compile_summary(kernel.artifact.timings)})", t)
-
-    if a.prompt is None and a.model:
+    if a.prompt is None and a.prompt_file is None and a.model:
         tokenizer = load_tokenizer(a)  # optional: to print text, not ids
-    gen = Generator(kernel_step(kernel, spec.new_caches(device=device)), max_len=max_len, device=device,
-                    vocab=cfg.vocab)
-    stream = Stream(tokenizer)
-    print("generated: ", end="", flush=True)
-    out = gen.generate(prompt, a.max_new_tokens, stop_tokens=() if a.ignore_eos else eos, on_token=stream)
-    stream.finish()
-    decode = out.step_seconds[len(prompt):] or out.step_seconds
-    ms = 1000 * sorted(decode)[len(decode) // 2]
-    stop = f", stopped at EOS {out.stop_token}" if out.stop_token is not None else ""
-    print(f"{ms:.3f} ms/token (median wall time per decode step, {backend}){stop}")
-    result = {"prompt_ids": prompt, "generated_ids": out.tokens, "ms_per_token": ms,
-              "stopped_at_eos": out.stop_token is not None, "text": stream.text() if tokenizer else None}
+    engine = (SequentialEngine if cfg.moe is not None else BatchEngine)(cfg, a, backend, device, max_len, len(prompts), sampling)
+    streams = [Stream(tokenizer) if len(prompts) == 1 else Stream(tokenizer, out=io.StringIO()) for _ in prompts]
+    print("generated: ", end="", flush=True) if len(prompts) == 1 else None
+    stop = () if a.ignore_eos else eos
+    outs = engine.generate([Request(p, a.max_new_tokens, stop, sampling, on_token=st) for p, st in zip(prompts, streams)])
+    for i, (st, out) in enumerate(zip(streams, outs)):
+        st.finish()
+        if len(prompts) > 1:
+            print(f"generated[{i}]: {st.out.getvalue().rstrip()}", flush=True)
+    ms = 1000 * engine.decode_seconds()
+    stopped = [o.stop_token is not None for o in outs]
+    eos_note = ", stopped at EOS " + " ".join(str(o.stop_token) for o in outs if o.stop_token is not None) if any(stopped) else ""
+    print(f"{ms:.3f} ms/step (median wall time per decode step, {backend}; {engine.launches} launches){eos_note}")
+    result = {"prompt_ids": prompts, "generated_ids": [o.tokens for o in outs], "launches": engine.launches,
+              "ms_per_token": ms, "stopped_at_eos": stopped, "text": [st.text() for st in streams] if tokenizer else None}
     if a.json:
         print(json.dumps(result))
     return result
+
+
+class BatchEngine:
+    """Every prompt through one step graph (:func:`build_step_graph`): a batch of prompts prefills in one
+    launch (as many as MAX_STEP_TOKENS rows allow) and decodes together, continuously batched; a lone greedy
+    sequence decodes through the batch-1 decode graph (its fused, faster kernel) on its cache slot."""
+
+    def __init__(self, cfg, a, backend, device, max_len, n_prompts, sampling) -> None:
+        import megaegg as me
+
+        self.slots = min(n_prompts, MAX_SLOTS)
+        t = progress(f"building graphs ({self.slots} sequence slots)")
+        graph, spec = build_step_graph(cfg, max_len=max_len, slots=self.slots, sampling=not sampling.greedy)
+        weights = load_weights(a, spec, device)
+        t = progress("weights loaded", t)
+        tokens = min(MAX_STEP_TOKENS, self.slots * max_len)
+        step_kernel = me.compile(graph, weights, backend=backend, max_dims={"n": tokens, "r": self.slots, "ctx": max_len},
+                                 dims_hint={"n": self.slots, "r": self.slots, "ctx": min(512, max_len)})
+        t = progress(f"compiled the step: {len(step_kernel.queue.entries)} queue entries "
+                     f"({compile_summary(step_kernel.artifact.timings)})", t)
+        self.caches = spec.new_caches(device=device)
+        step = kernel_batch_step(step_kernel, self.caches)
+        if n_prompts == 1 and sampling.greedy:
+            decode_graph, _ = build_decode_graph(cfg, max_len=max_len, logits=False)  # tokens only: LM head + argmax fuse
+            decode_kernel = me.compile(decode_graph, weights, backend=backend, max_dims={"pos": max_len - 1},
+                                       dims_hint={"pos": min(512, max_len - 1)})
+            progress(f"compiled the decode step: {len(decode_kernel.queue.entries)} queue entries "
+                     f"({compile_summary(decode_kernel.artifact.timings)})", t)
+            step = single_sequence_decode(step, decode_kernel, self.caches)
+        self.batcher = Batcher(step, slots=self.slots, max_len=max_len, max_tokens=tokens, device=device, vocab=cfg.vocab)
+
+    @property
+    def launches(self) -> int:
+        return self.batcher.launches
+
+    def generate(self, requests: list[Request]) -> list[Generation]:
+        return self.batcher.run(requests)
+
+    def decode_seconds(self) -> float:
+        s = self.batcher.step_seconds
+        decode = s[1:] or s  # (the first step prefills)
+        return sorted(decode)[len(decode) // 2]
+
+
+class SequentialEngine:
+    """Qwen3-MoE models: the batch-1 decode graph, one token a launch, one prompt after another (the
+    routed experts take one row per step so far)."""
+
+    def __init__(self, cfg, a, backend, device, max_len, n_prompts, sampling) -> None:
+        import megaegg as me
+
+        t = progress("building graph")
+        graph, spec = build_decode_graph(cfg, max_len=max_len, logits=False)  # tokens only: LM head + argmax fuse
+        weights = load_weights(a, spec, device)
+        t = progress("weights loaded", t)
+        kernel = me.compile(graph, weights, backend=backend, max_dims={"pos": max_len - 1},
+                            dims_hint={"pos": min(512, max_len - 1)})
+        progress(f"compiled: {len(kernel.queue.entries)} queue entries ({compile_summary(kernel.artifact.timings)})", t)
+        if n_prompts > 1:
+            note("Qwen3-MoE: the prompts run one after another, one token a launch")
+        self.gen = Generator(kernel_step(kernel, spec.new_caches(device=device)), max_len=max_len, device=device,
+                             vocab=cfg.vocab)
+        self.launches, self.seconds = 0, []
+
+    def generate(self, requests: list[Request]) -> list[Generation]:
+        outs = []
+        for r in requests:
+            out = self.gen.generate(list(r.prompt), r.max_new_tokens, stop_tokens=r.stop_tokens, on_token=r.on_token)
+            self.launches += len(out.step_seconds)
+            self.seconds += out.step_seconds[len(r.prompt):] or out.step_seconds
+            outs.append(out)
+        return outs
+
+    def decode_seconds(self) -> float:
+        return sorted(self.seconds)[len(self.seconds) // 2]
+
+
+def load_weights(a: argparse.Namespace, spec, device):
+    progress(f"weights: {spec.weight_bytes / 1e9:.2f} GB" + (f" from {a.model}" if a.model and not a.random_weights
+                                                              else ", random"))
+    return (load_checkpoint(a.model, spec, device=device, progress=note) if a.model and not a.random_weights
+            else random_weights(spec, seed=0, device=device, progress=note))
 
 
 def pick_backend(name: str | None) -> str:
@@ -178,13 +301,14 @@ def cache_rows(max_len: int | None, cfg: ModelConfig) -> int:
 
 
 def load_tokenizer(a: argparse.Namespace):
-    """The checkpoint's tokenizer, or None without one (then tokens print as ids); --prompt needs it."""
-    if a.prompt is not None and not a.model:
-        raise GraphError("--prompt needs --model DIR with a tokenizer; with --preset, give --prompt-ids")
+    """The checkpoint's tokenizer, or None without one (then tokens print as ids); text prompts need it."""
+    flag = "--prompt" if a.prompt is not None else "--prompt-file" if a.prompt_file is not None else None
+    if flag and not a.model:
+        raise GraphError(f"{flag} needs --model DIR with a tokenizer; with --preset, give --prompt-ids or --prompt-ids-file")
     if not a.model or not any((a.model / f).is_file() for f in TOKENIZER_FILES):
-        if a.prompt is not None:
-            raise CheckpointError(f"--prompt: {a.model} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
-                                  "give --prompt-ids")
+        if flag:
+            raise CheckpointError(f"{flag}: {a.model} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+                                  "give --prompt-ids or --prompt-ids-file")
         return None
     try:
         from transformers import AutoTokenizer
@@ -192,24 +316,57 @@ def load_tokenizer(a: argparse.Namespace):
         return AutoTokenizer.from_pretrained(a.model)
     except Exception as e:  # transformers raises many kinds; say which file and why
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        if a.prompt is None:  # only needed to print text: go on with ids
+        if not flag:  # only needed to print text: go on with ids
             note(f"no tokenizer from {a.model} ({reason}); printing token ids")
             return None
-        raise CheckpointError(f"--prompt: cannot load the tokenizer of {a.model} ({reason})") from e
+        raise CheckpointError(f"{flag}: cannot load the tokenizer of {a.model} ({reason})") from e
 
 
-def prompt_ids(a: argparse.Namespace, tokenizer, cfg: ModelConfig) -> list[int]:
+def prompt_lists(a: argparse.Namespace, tokenizer, cfg: ModelConfig) -> list[list[int]]:
+    """The prompts as token ids: one from --prompt / --prompt-ids (or the default), or a batch from a file."""
     if a.prompt is not None:
-        if not a.prompt:
-            raise GraphError("--prompt is empty: give some text, or --prompt-ids")
-        ids = list(tokenizer(a.prompt)["input_ids"])
-        if not ids:
-            raise GraphError(f"--prompt {a.prompt!r} tokenizes to no tokens: give some text, or --prompt-ids")
-        check_token_ids(ids, cfg.vocab, "--prompt:")
-        return ids
+        return [encode(tokenizer, a.prompt, "--prompt", cfg)]
+    if a.prompt_file is not None:
+        lines = [line for line in read_text(a.prompt_file, "--prompt-file").splitlines() if line.strip()]
+        if not lines:
+            raise GraphError(f"--prompt-file {a.prompt_file}: no prompts (one a line)")
+        return [encode(tokenizer, line, f"--prompt-file {a.prompt_file} line {i + 1}:", cfg) for i, line in enumerate(lines)]
+    if a.prompt_ids_file is not None:
+        text = read_text(a.prompt_ids_file, "--prompt-ids-file")
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise GraphError(f"--prompt-ids-file {a.prompt_ids_file}: not JSON ({e.msg}, line {e.lineno})") from None
+        if (not isinstance(prompts, list) or not prompts or
+                not all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                        for p in prompts)):
+            raise GraphError(f"--prompt-ids-file {a.prompt_ids_file}: expected a non-empty JSON list of prompts, "
+                             "each a non-empty list of token ids, e.g. [[1, 2, 3], [4, 5]]")
+        for i, p in enumerate(prompts):
+            check_token_ids(p, cfg.vocab, f"--prompt-ids-file {a.prompt_ids_file}: prompt {i}:")
+        return prompts
     ids = a.prompt_ids or list(DEFAULT_PROMPT_IDS)
     check_token_ids(ids, cfg.vocab, "--prompt-ids:")
+    return [ids]
+
+
+def encode(tokenizer, text: str, what: str, cfg: ModelConfig) -> list[int]:
+    if not text:
+        raise GraphError(f"{what} is empty: give some text, or --prompt-ids")
+    ids = list(tokenizer(text)["input_ids"])
+    if not ids:
+        raise GraphError(f"{what} {text!r} tokenizes to no tokens: give some text, or --prompt-ids")
+    check_token_ids(ids, cfg.vocab, what if what.endswith(":") else f"{what}:")
     return ids
+
+
+def read_text(path: Path, flag: str) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise GraphError(f"{flag} {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise GraphError(f"{flag} {path}: cannot be read ({type(e).__name__}: {e})") from None
 
 
 def compile_summary(timings: dict[str, float]) -> str:

@@ -1,24 +1,39 @@
-"""One decode step of a Llama / Qwen3 / Qwen3-MoE model as a megaegg Graph.
+"""A Llama / Qwen3 / Qwen3-MoE forward step as a megaegg Graph, in two forms.
 
-Batch 1, one token at runtime position ``pos``: the token's K and V are appended to
-the per-layer caches in place and attention reads the first ``pos + 1`` rows. Weights
-carry Hugging Face's state-dict names, so a checkpoint binds by name.
+:func:`build_decode_graph`: batch 1, one token at runtime position ``pos``: the token's K and V
+are appended to the per-layer caches in place and attention reads the first ``pos + 1`` rows.
 
->>> from megaegg.models import ModelConfig, build_decode_graph
+:func:`build_step_graph`: ``n`` tokens (a runtime dim), each of its own sequence slot and
+position: a batch of sequences decoding, prompts prefilling, or both, in one launch. Token ``i``
+writes its K and V at ``pos[i]`` of slot ``slot[i]`` and attends that slot's rows ``[0, pos[i]]``
+(a prompt's tokens see themselves and the tokens before them). Only the rows listed in ``out``
+(``r`` of them, a runtime dim: each sequence's last token) go through the LM head.
+
+Weights carry Hugging Face's state-dict names, so a checkpoint binds by name, and both forms
+share them.
+
+>>> from megaegg.models import ModelConfig, build_decode_graph, build_step_graph
 >>> g, spec = build_decode_graph(ModelConfig.preset("tiny"), max_len=128)
 >>> sorted(g.outputs), spec.caches["k_cache.0"], g.symbols()
 (['logits', 'next_token'], (2, 128, 64), {'pos'})
+>>> g, spec = build_step_graph(ModelConfig.preset("tiny"), max_len=128, slots=4)
+>>> sorted(g.outputs), spec.caches["k_cache.0"], sorted(g.symbols())
+(['logits', 'next_token'], (4, 2, 128, 64), ['ctx', 'n', 'r'])
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 from ..dims import sym
-from ..dtypes import DType, as_dtype, i32
+from ..dtypes import DType, as_dtype, f32, i32
 from ..graph import Graph, GraphError, Tensor
-from ..ops import argmax, attention, embedding, kv_append, linear, moe_mlp, rms_norm, rope, rope_inv_freq, silu
+from ..ops import (
+    argmax, attention, embedding, kv_append, kv_store, linear, moe_mlp, ragged_attention, rms_norm, rope, rope_inv_freq,
+    sample, silu,
+)
 from .config import ModelConfig
 
 
@@ -29,7 +44,9 @@ class ModelSpec:
     config: ModelConfig
     max_len: int
     weights: dict[str, tuple[int, ...]]  # Hugging Face state-dict name (or a stack of them, below) -> shape
-    caches: dict[str, tuple[int, ...]]  # "k_cache.{l}" / "v_cache.{l}" -> [kv_heads, max_len, head_dim]
+    # "k_cache.{l}" / "v_cache.{l}" -> [kv_heads, max_len, head_dim]; a step graph's: [slots, kv_heads, max_len, head_dim]
+    caches: dict[str, tuple[int, ...]]
+    slots: int = 0  # sequence slots of a step graph's caches (0: a decode graph's, one sequence)
 
     @property
     def dtype(self) -> DType:
@@ -75,24 +92,101 @@ def build_decode_graph(cfg: ModelConfig, *, max_len: int, logits: bool = True) -
     ``logits=False`` outputs only ``next_token``: the compiler may then fuse the LM head
     with the argmax partials and never store the logits.
     """
-    if not 0 < max_len <= cfg.max_positions:
-        raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings)")
+    _check_max_len(cfg, max_len)
     g = Graph(f"{cfg.arch}_decode")
     pos = sym("pos")
     inv_freq = g.constant("rope_inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     embed = g.weight("model.embed_tokens.weight", [cfg.vocab, cfg.hidden], cfg.dtype)
     x = embedding(embed, g.input("token", [1], i32))  # [1, hidden]
+    Hkv, D = cfg.kv_heads, cfg.head_dim
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q, k = (rope(t, pos, inv_freq=inv_freq) for t in head_norms(cfg, layer, q.reshape(cfg.heads, D), k.reshape(Hkv, D)))
+        k_cache = kv_append(g.input(f"k_cache.{layer}", [Hkv, max_len, D], cfg.dtype), k, pos)
+        v_cache = kv_append(g.input(f"v_cache.{layer}", [Hkv, max_len, D], cfg.dtype), v.reshape(Hkv, D), pos)
+        return attention(q, k_cache, v_cache, pos + 1).reshape(1, cfg.heads * D)
+
     for layer in range(cfg.layers):
-        x = decoder_layer(cfg, x, layer, pos=pos, inv_freq=inv_freq, max_len=max_len)
-    x = rms_norm(x, g.weight("model.norm.weight", [cfg.hidden], cfg.dtype), cfg.rms_eps)
-    lm_head = embed if cfg.tie_embeddings else g.weight("lm_head.weight", [cfg.vocab, cfg.hidden], cfg.dtype)
-    scores = linear(x, lm_head)  # [1, vocab]
+        x = decoder_layer(cfg, x, layer, attend)
+    scores = lm_head(cfg, x, embed)  # [1, vocab]
     if logits:
         g.output("logits", scores)
     g.output("next_token", argmax(scores))  # i32[1]
+    return g, _spec(g, cfg, max_len, slots=0)
+
+
+def build_step_graph(cfg: ModelConfig, *, max_len: int, slots: int, sampling: bool = False) -> tuple[Graph, ModelSpec]:
+    """The graph of one step over ``n`` tokens of up to ``slots`` sequences (see the module docstring).
+
+    Inputs: ``token``, ``pos``, ``slot`` i32[n]; ``out`` i32[r], the rows whose logits are wanted;
+    the caches ``k_cache.{l}`` / ``v_cache.{l}`` [slots, kv_heads, max_len, head_dim]; the runtime dim
+    ``ctx`` bounds every ``pos + 1`` (attention splits that many cache rows: pass ``max(pos) + 1``). Outputs:
+    ``logits`` [r, vocab] and ``next_token`` i32[r]: their argmax, or with ``sampling`` a token
+    drawn on the device (:func:`megaegg.ops.sample`) with the per-row inputs ``temperature``,
+    ``top_p`` (f32[r]), ``top_k``, ``seed`` and ``counter`` (i32[r]).
+    """
+    _check_max_len(cfg, max_len)
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise GraphError(f"slots must be an int >= 1, got {slots!r}")
+    g = Graph(f"{cfg.arch}_step")
+    n, r, ctx = sym("n"), sym("r"), sym("ctx")
+    inv_freq = g.constant("rope_inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    embed = g.weight("model.embed_tokens.weight", [cfg.vocab, cfg.hidden], cfg.dtype)
+    pos, slot = g.input("pos", [n], i32), g.input("slot", [n], i32)
+    x = embedding(embed, g.input("token", [n], i32))  # [n, hidden]
+    Hkv, D = cfg.kv_heads, cfg.head_dim
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q, k = head_norms(cfg, layer, q.reshape(n, cfg.heads, D), k.reshape(n, Hkv, D))
+        q, k = rope(q, pos, inv_freq=inv_freq), rope(k, pos, inv_freq=inv_freq)
+        shape = [slots, Hkv, max_len, D]
+        k_cache = kv_store(g.input(f"k_cache.{layer}", shape, cfg.dtype), k, pos, slot)
+        v_cache = kv_store(g.input(f"v_cache.{layer}", shape, cfg.dtype), v.reshape(n, Hkv, D), pos, slot)
+        return ragged_attention(q, k_cache, v_cache, pos, slot, length=ctx).reshape(n, cfg.heads * D)
+
+    for layer in range(cfg.layers):
+        x = decoder_layer(cfg, x, layer, attend)
+    scores = lm_head(cfg, embedding(x, g.input("out", [r], i32)), embed)  # [r, vocab]: the rows asked for
+    g.output("logits", scores)
+    if sampling:
+        knobs = [g.input(name, [r], dt) for name, dt in SAMPLING_INPUTS]
+        g.output("next_token", sample(scores, *knobs))  # i32[r]
+    else:
+        g.output("next_token", argmax(scores))  # i32[r]
+    return g, _spec(g, cfg, max_len, slots=slots)
+
+
+# the per-row sampling inputs of a step graph, in megaegg.ops.sample's order
+SAMPLING_INPUTS = (("temperature", f32), ("top_k", i32), ("top_p", f32), ("seed", i32), ("counter", i32))
+
+
+def _check_max_len(cfg: ModelConfig, max_len: int) -> None:
+    if not 0 < max_len <= cfg.max_positions:
+        raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings)")
+
+
+def _spec(g: Graph, cfg: ModelConfig, max_len: int, *, slots: int) -> ModelSpec:
     weights = {n.name: tuple(d.value for d in n.shape) for n in g.weights.values()}
-    caches = {n.name: tuple(int(d) for d in n.shape) for n in g.inputs.values() if n.name != "token"}
-    return g, ModelSpec(config=cfg, max_len=max_len, weights=weights, caches=caches)
+    caches = {n.name: tuple(int(d) for d in n.shape) for n in g.inputs.values() if n.name.endswith(tuple(
+        f"_cache.{layer}" for layer in range(cfg.layers)))}
+    return ModelSpec(config=cfg, max_len=max_len, weights=weights, caches=caches, slots=slots)
+
+
+def lm_head(cfg: ModelConfig, x: Tensor, embed: Tensor) -> Tensor:
+    """The final norm and the LM head (tied to the embeddings or not): ``x`` [rows, hidden] -> [rows, vocab]."""
+    g = x.graph
+    x = rms_norm(x, g.weight("model.norm.weight", [cfg.hidden], cfg.dtype), cfg.rms_eps)
+    head = embed if cfg.tie_embeddings else g.weight("lm_head.weight", [cfg.vocab, cfg.hidden], cfg.dtype)
+    return linear(x, head)
+
+
+def head_norms(cfg: ModelConfig, layer: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """qwen3's per-head RMSNorm of q and k (before RoPE); the identity for other models."""
+    if not cfg.qk_norm:
+        return q, k
+    g, D = q.graph, cfg.head_dim
+    norm = [g.weight(f"model.layers.{layer}.self_attn.{p}_norm.weight", [D], cfg.dtype) for p in "qk"]
+    return rms_norm(q, norm[0], cfg.rms_eps), rms_norm(k, norm[1], cfg.rms_eps)
 
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -103,27 +197,24 @@ def expert_stack(layer: int, proj: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{proj}.stacked"
 
 
-def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, *, pos, inv_freq: Tensor, max_len: int) -> Tensor:
-    """One pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``x`` is [1, hidden]."""
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, attend: Attend) -> Tensor:
+    """One pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``x`` is [rows, hidden].
+    ``attend(layer, q, k, v)`` takes the projections ([rows, heads * head_dim]) through the head
+    norms, RoPE, the cache write and attention, to [rows, heads * head_dim]."""
     g, dt, eps = x.graph, cfg.dtype, cfg.rms_eps
     H, Hkv, D, E, F = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.hidden, cfg.intermediate
 
     def w(name: str, *shape: int) -> Tensor:
         return g.weight(f"model.layers.{layer}.{name}.weight", shape, dt)
 
-    # attention: q [H, D], k/v [Hkv, D] for this token; GQA over the caches
     h = rms_norm(x, w("input_layernorm", E), eps)
-    q = linear(h, w("self_attn.q_proj", H * D, E)).reshape(H, D)
-    k = linear(h, w("self_attn.k_proj", Hkv * D, E)).reshape(Hkv, D)
-    v = linear(h, w("self_attn.v_proj", Hkv * D, E)).reshape(Hkv, D)
-    if cfg.qk_norm:  # per-head RMSNorm of q and k, before RoPE
-        q = rms_norm(q, w("self_attn.q_norm", D), eps)
-        k = rms_norm(k, w("self_attn.k_norm", D), eps)
-    q, k = rope(q, pos, inv_freq=inv_freq), rope(k, pos, inv_freq=inv_freq)
-    k_cache = kv_append(g.input(f"k_cache.{layer}", [Hkv, max_len, D], dt), k, pos)
-    v_cache = kv_append(g.input(f"v_cache.{layer}", [Hkv, max_len, D], dt), v, pos)
-    o = attention(q, k_cache, v_cache, pos + 1).reshape(1, H * D)
-    x = x + linear(o, w("self_attn.o_proj", E, H * D))
+    q = linear(h, w("self_attn.q_proj", H * D, E))
+    k = linear(h, w("self_attn.k_proj", Hkv * D, E))
+    v = linear(h, w("self_attn.v_proj", Hkv * D, E))
+    x = x + linear(attend(layer, q, k, v), w("self_attn.o_proj", E, H * D))
 
     # MLP: down(silu(gate(h)) * up(h)); or the routed experts' (Qwen3-MoE's sparse layers)
     h = rms_norm(x, w("post_attention_layernorm", E), eps)

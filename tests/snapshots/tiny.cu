@@ -241,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         int* const in1 = ((int*)args.ptr[1]);
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 0));
         MEGA_TRACE_WAITED();
-        embedding_row<__nv_bfloat16, int>(in0, 256LL, 1LL, in1, 1LL, 1024LL, 256LL, out, 256LL, 1LL, c0);
+        embedding_row<__nv_bfloat16, int>(in0, 256LL, 1LL, in1, 1LL, (1024LL), 256LL, out, 256LL, 1LL, c0);
         mega_sync();
         if (threadIdx.x == 0) {
           __threadfence();
@@ -263,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -286,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -407,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -459,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -483,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -508,7 +508,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[17 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (in3 + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (in3 + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();

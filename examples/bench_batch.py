@@ -1,0 +1,210 @@
+"""Batched decode and prompt prefill: the step graph's megakernel against torch.compile, in ONE run.
+
+    python examples/bench_decode.py --preset llama-3.2-1b --batch 1,4,16,64 --prefill 512,2048
+    python examples/bench_batch.py --preset llama-3.2-1b            (the same, these defaults)
+    python examples/bench_batch.py --dry-run                          (CPU smoke test: tiny, sim)
+
+Decode at batch B: B sequences (cache slots 0..B-1, random caches) each add one token at position
+``--context``, one launch for all: ms/step and tokens/s, the megakernel (``build_step_graph``,
+compiled once for every B) against ``torch.compile(mode="reduce-overhead")`` of
+:class:`~megaegg.models.torch_batch.PlainBatch`'s step at that B. The batch-1 row also times the
+megakernel of the batch-1 decode graph (what a lone sequence decodes with). Prefill of T tokens:
+one prompt into slot 0, time to its first token (the last row's logits and argmax), the megakernel
+in one launch against ``torch.compile`` of the peer's prefill (default mode, a trace per T). Logits
+are checked against the peer's in the same run. A table is printed last; ``--json PATH`` keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import torch
+
+import megaegg as me
+from megaegg.models import PRESETS, ModelConfig, build_decode_graph, build_step_graph, random_weights
+from megaegg.models.torch_batch import PlainBatch
+
+TOKEN = 1234
+
+
+def log(msg: str) -> None:
+    print(f"  {msg}", file=sys.stderr, flush=True)
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected ints >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int_list, default=None, help="decode batch sizes, e.g. 1,4,16,64")
+    p.add_argument("--prefill", type=int_list, default=None, help="prompt lengths to prefill, e.g. 512,2048")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b")
+    p.add_argument("--context", type=int, default=512, help="positions already cached for decode (default 512)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny preset in f32 on the simulator, no torch.compile")
+    add_arguments(p)
+    a = p.parse_args(argv)
+    a.batch = a.batch or [1, 4, 16, 64]
+    a.prefill = a.prefill or [512, 2048]
+    return a
+
+
+def timed(fn, iters: int, warmup: int, cuda: bool) -> float:
+    """Median ms of single calls (CUDA events, or wall time on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    ms = []
+    for _ in range(iters):
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            ms.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms.append(1e3 * (time.perf_counter() - t0))
+    return sorted(ms)[len(ms) // 2]
+
+
+def run(a: argparse.Namespace) -> dict:
+    cuda = not a.dry_run
+    device = "cuda" if cuda else "cpu"
+    cfg = ModelConfig.preset("tiny" if a.dry_run else a.preset)
+    if a.dry_run:
+        cfg = dataclasses.replace(cfg, dtype=me.f32)
+        a.batch, a.prefill, a.context, a.iters, a.warmup = [1, 3], [8], 8, 2, 0
+    torch.set_grad_enabled(False)
+    slots, longest = max(a.batch), max(a.prefill)
+    max_len = max(a.context + 1, longest)
+    graph, spec = build_step_graph(cfg, max_len=max_len, slots=slots)
+    weights = random_weights(spec, seed=0, device=device)
+    backend = "cuda" if cuda else "sim"
+    t0 = time.perf_counter()
+    kernel = me.compile(graph, weights, backend=backend, max_dims={"n": max(longest, slots), "r": slots, "ctx": max_len},
+                        dims_hint={"n": 16, "r": 16, "ctx": a.context + 1})
+    report = {"preset": "tiny (dry run)" if a.dry_run else a.preset, "context": a.context, "rows": [],
+              "step_compile_s": time.perf_counter() - t0}
+    log(f"step graph compiled in {report['step_compile_s']:.1f} s ({len(kernel.queue.entries)} queue entries)")
+    gen = torch.Generator(device=device).manual_seed(1)
+    caches = {n: (torch.randn(s, generator=gen, device=device) * 0.5).to(cfg.dtype.torch) for n, s in spec.caches.items()}
+    peer = PlainBatch(cfg, weights, max_len=max_len, slots=slots, device=device)
+    for name, c in caches.items():  # the peer starts from the same caches
+        layer, kind = int(name.split(".")[1]), name[0]
+        peer.layers[layer][kind].copy_(c)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+
+    def mega_step(ins: dict, dims: dict):
+        """The launch alone (as bench_decode times it), after one checked call for the logits."""
+        logits = kernel(**ins, **caches, **dims)["logits"]
+        if not cuda:
+            return logits, lambda: kernel(**ins, **caches, **dims)
+        tensors, d = kernel._split_args({**ins, **caches, **dims})
+        order = [d[s] for s in kernel.program.symbols]
+        return logits, lambda: kernel._runner.launch(order, tensors)
+
+    def compiled(fn, mode):
+        if not cuda:
+            return fn
+        for t in peer.caches():
+            torch._dynamo.mark_static_address(t)
+        return torch.compile(fn, mode=mode, fullgraph=True)
+
+    decode_one = None
+    if 1 in a.batch:  # a lone sequence decodes with the batch-1 decode graph
+        dg, dspec = build_decode_graph(cfg, max_len=max_len, logits=False)
+        decode_one = me.compile(dg, weights, backend=backend, max_dims={"pos": max_len - 1}, dims_hint={"pos": a.context})
+    for b in a.batch:
+        ins = {"token": i32([TOKEN % cfg.vocab] * b), "pos": i32([a.context] * b), "slot": i32(list(range(b))),
+               "out": i32(list(range(b)))}
+        row = {"kind": "decode", "batch": b}
+        got, step = mega_step(ins, {"n": b, "r": b, "ctx": a.context + 1})
+        row["megakernel_ms"] = timed(step, a.iters, a.warmup, cuda)
+        if b == 1 and decode_one is not None:
+            views = {n: c[0] for n, c in caches.items()}
+            if cuda:
+                tensors, d = decode_one._split_args({"token": ins["token"], "pos": a.context, **views})
+                one = lambda: decode_one._runner.launch([d[s] for s in decode_one.program.symbols], tensors)  # noqa: E731
+            else:
+                one = lambda: decode_one(token=ins["token"], pos=a.context, **views)  # noqa: E731
+            row["decode_graph_ms"] = timed(one, a.iters, a.warmup, cuda)
+        fn = compiled(peer.decode, "reduce-overhead")
+        pos = torch.full((b,), a.context, dtype=torch.int64, device=device)
+
+        def call():
+            if cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            return fn(ins["token"], pos)
+
+        want = call()[0].clone()
+        row["torch_compile_ms"] = timed(call, a.iters, a.warmup, cuda)
+        row["rel_err"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        report["rows"].append(row)
+        log(f"decode batch {b}: megakernel {row['megakernel_ms']:.3f} ms, torch.compile {row['torch_compile_ms']:.3f} ms")
+    for t in a.prefill:
+        toks = (torch.arange(t, device=device, dtype=torch.int32) * 7919) % cfg.vocab
+        ins = {"token": toks, "pos": i32(list(range(t))), "slot": i32([0] * t), "out": i32([t - 1])}
+        row = {"kind": "prefill", "tokens": t}
+        got, step = mega_step(ins, {"n": t, "r": 1, "ctx": t})
+        row["megakernel_ms"] = timed(step, max(3, a.iters // 5), 1, cuda)
+        fn = compiled(peer.prefill, "default")
+        want = fn(toks)[0].clone()
+        row["torch_compile_ms"] = timed(lambda: fn(toks), max(3, a.iters // 5), 1, cuda)
+        row["rel_err"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        report["rows"].append(row)
+        log(f"prefill {t}: megakernel {row['megakernel_ms']:.3f} ms, torch.compile {row['torch_compile_ms']:.3f} ms")
+    return report
+
+
+def table(report: dict) -> str:
+    lines = [f"{report['preset']}, decode at context {report['context']}; torch.compile = PlainBatch "
+             "(reduce-overhead for decode, default for prefill)",
+             "| step | megakernel ms | tokens/s | torch.compile ms | tokens/s | vs torch.compile | rel err |",
+             "|---|---|---|---|---|---|---|"]
+    one = next((r for r in report["rows"] if r["kind"] == "decode" and r["batch"] == 1), None)
+    for r in report["rows"]:
+        n = r["batch"] if r["kind"] == "decode" else r["tokens"]
+        what = f"decode batch {n}" if r["kind"] == "decode" else f"prefill {n} tokens"
+        lines.append(f"| {what} | {r['megakernel_ms']:.3f} | {1e3 * n / r['megakernel_ms']:.0f} | "
+                     f"{r['torch_compile_ms']:.3f} | {1e3 * n / r['torch_compile_ms']:.0f} | "
+                     f"{r['torch_compile_ms'] / r['megakernel_ms']:.2f}x | {r['rel_err']:.1e} |")
+    if one and "decode_graph_ms" in one:
+        lines.append(f"batch-1 decode graph (a lone sequence): {one['decode_graph_ms']:.3f} ms")
+        for r in report["rows"]:
+            if r["kind"] == "decode" and r["batch"] > 1:
+                lines.append(f"decode batch {r['batch']} step / batch-1 step: {r['megakernel_ms'] / one['decode_graph_ms']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None, a: argparse.Namespace | None = None) -> dict:
+    a = a or parse(argv)
+    if not a.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: run on the GPU machine, or use --dry-run for a CPU smoke test")
+    report = run(a)
+    print(table(report))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Serving several sequences at once: continuous batching over a step executor.
+
+A :class:`Batcher` keeps up to ``slots`` sequences in flight, each in its own KV-cache slot of a
+:func:`~megaegg.models.build_step_graph` step. Every :meth:`Batcher.step` is one launch: the
+prompts that joined are prefilled (all their tokens at once, in as many launches as
+``max_tokens``, the step's token budget, needs), and every other running sequence decodes one
+token. A sequence that finishes (``max_new_tokens`` or a stop token) frees its slot for the next
+request; nothing is recompiled when sequences join or leave.
+
+>>> import megaegg as me
+>>> from megaegg.models import ModelConfig, build_step_graph, random_weights
+>>> g, spec = build_step_graph(ModelConfig.preset("tiny"), max_len=32, slots=2)
+>>> b = Batcher(reference_batch_step(g, random_weights(spec, seed=0), spec.new_caches()), slots=2, max_len=32)
+>>> outs = b.run([Request([1, 2, 3], 4), Request([7, 8], 2), Request([5], 3)])
+>>> [len(o.tokens) for o in outs], b.launches
+([4, 2, 3], 5)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from ..graph import Graph, GraphError
+from ..reference import run_reference
+from .generate import Generation, check_token_ids
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a sequence picks its tokens: greedy (``temperature`` 0, the default), or a draw from
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens (0: all), then
+    to the fewest whose probability reaches ``top_p`` (1: all), reproducible by ``seed``."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise GraphError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise GraphError(f"top_k must be an int >= 0 (0: every token), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise GraphError(f"top_p must be in (0, 1] (1: every token), got {self.top_p}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**31 <= self.seed < 2**31:
+            raise GraphError(f"seed must be a 32-bit int, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to continue: ``max_new_tokens`` at most, ending early after a ``stop_tokens`` one."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    stop_tokens: Sequence[int] = ()
+    sampling: Sampling = Sampling()
+    on_token: Callable[[int], None] | None = None  # called with each new token as soon as it is known
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One launch's rows: token ``token[i]`` at position ``pos[i]`` of slot ``slot[i]``; ``out`` lists
+    the rows whose next token is wanted, and the per-output-row sampling settings."""
+
+    token: torch.Tensor  # i32[n]
+    pos: torch.Tensor  # i32[n]
+    slot: torch.Tensor  # i32[n]
+    out: torch.Tensor  # i32[r]
+    temperature: torch.Tensor  # f32[r]
+    top_k: torch.Tensor  # i32[r]
+    top_p: torch.Tensor  # f32[r]
+    seed: torch.Tensor  # i32[r]
+    counter: torch.Tensor  # i32[r]: the sequence's tokens drawn so far (each draw of a seed differs)
+    host_pos: tuple[int, ...] = ()  # pos and slot as host ints (no device round trip to read them)
+    host_slot: tuple[int, ...] = ()
+
+    def dims(self) -> dict[str, int]:
+        """The step graph's runtime dims: ``n`` rows, ``r`` outputs, ``ctx`` = the largest position + 1."""
+        return {"n": len(self.host_pos), "r": self.out.numel(), "ctx": max(self.host_pos) + 1}
+
+    def inputs(self, sampling: bool) -> dict[str, torch.Tensor]:
+        """The step graph's inputs (``sampling``: with its per-row sampling inputs)."""
+        names = ["token", "pos", "slot", "out"] + (["temperature", "top_k", "top_p", "seed", "counter"] if sampling else [])
+        return {n: getattr(self, n) for n in names}
+
+
+BatchStepFn = Callable[[StepRows], torch.Tensor]  # -> next tokens i32[r]
+
+
+@dataclass
+class _Running:
+    request: Request
+    index: int  # in the order of submission
+    slot: int
+    fed: int = 0  # tokens whose K and V are in the cache
+    generation: Generation = field(default=None)
+
+    @property
+    def pending(self) -> list[int]:
+        """Tokens still to feed: the rest of the prompt, or the last generated token."""
+        prompt = list(self.request.prompt)
+        if self.fed < len(prompt):
+            return prompt[self.fed:]
+        return [self.generation.tokens[-1]]
+
+
+class Batcher:
+    """Continuous batching of :class:`Request` s over a step function (see the module docstring).
+
+    ``max_tokens`` bounds the rows of one launch (the step graph's ``n``); ``vocab`` refuses
+    out-of-range prompt ids up front.
+    """
+
+    def __init__(self, step: BatchStepFn, *, slots: int, max_len: int, max_tokens: int | None = None,
+                 device="cpu", vocab: int | None = None) -> None:
+        self.step_fn, self.slots, self.max_len = step, slots, max_len
+        self.max_tokens = max_tokens or slots * max_len
+        if self.max_tokens < slots:
+            raise GraphError(f"max_tokens {self.max_tokens} must be at least the {slots} slots (one token each)")
+        self.device, self.vocab = torch.device(device), vocab
+        self.waiting: deque[_Running] = deque()
+        self.running: list[_Running] = []
+        self.free = list(range(slots))
+        self.done: list[_Running] = []
+        self.launches = 0
+        self.step_seconds: list[float] = []
+        self._count = 0
+
+    def submit(self, request: Request) -> int:
+        """Queue a request; returns its index (the order of :meth:`run`'s results)."""
+        prompt = [int(t) for t in request.prompt]
+        if not prompt:
+            raise GraphError("a request's prompt must hold at least one token")
+        if self.vocab is not None:
+            check_token_ids(prompt, self.vocab, "prompt")
+        n = request.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise GraphError(f"max_new_tokens must be an int >= 1, got {n!r}")
+        if len(prompt) + n - 1 > self.max_len:
+            raise GraphError(f"{len(prompt)} prompt + {n} new tokens need {len(prompt) + n - 1} cache rows, "
+                             f"the caches hold {self.max_len}")
+        run = _Running(request, self._count, slot=-1, generation=Generation(prompt=prompt, tokens=[]))
+        self._count += 1
+        self.waiting.append(run)
+        return run.index
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> None:
+        """One launch: admit waiting requests into free slots, then feed every running sequence
+        (decoding ones first, one token each; prompts with what is left of the token budget)."""
+        while self.waiting and self.free:
+            run = self.waiting.popleft()
+            run.slot = self.free.pop(0)
+            self.running.append(run)
+        decoding = [r for r in self.running if r.fed >= len(r.request.prompt)]
+        prefilling = [r for r in self.running if r.fed < len(r.request.prompt)]
+        rows: list[tuple[_Running, int, int]] = []  # (sequence, token, position)
+        fed: dict[int, int] = {}  # sequence index -> tokens fed this launch
+        outs: list[tuple[_Running, int]] = []  # (sequence, its row whose next token it gets)
+        budget = self.max_tokens
+        for run in decoding + prefilling:
+            take = run.pending[:budget]  # (decoding sequences always fit: max_tokens >= slots)
+            if not take:
+                break
+            rows += [(run, t, run.fed + j) for j, t in enumerate(take)]
+            fed[run.index] = len(take)
+            budget -= len(take)
+            if run.fed + len(take) >= len(run.request.prompt):
+                outs.append((run, len(rows) - 1))
+        t0 = time.perf_counter()
+        tokens = self.step_fn(self._rows(rows, outs))
+        new = [int(t) for t in tokens.reshape(-1).tolist()]  # (syncs with the device)
+        self.step_seconds.append(time.perf_counter() - t0)
+        self.launches += 1
+        for run in self.running:
+            run.fed += fed.get(run.index, 0)
+        for (run, _), tok in zip(outs, new):
+            self._emit(run, tok)
+
+    def _emit(self, run: _Running, tok: int) -> None:
+        gen, req = run.generation, run.request
+        gen.tokens.append(tok)
+        if req.on_token is not None:
+            req.on_token(tok)
+        if tok in req.stop_tokens:
+            gen.stop_token = tok
+        if gen.stop_token is not None or len(gen.tokens) >= req.max_new_tokens:
+            self.running.remove(run)
+            self.free.append(run.slot)
+            self.free.sort()
+            self.done.append(run)
+
+    def _rows(self, rows: list[tuple[_Running, int, int]], outs: list[tuple[_Running, int]]) -> StepRows:
+        def i32(v):
+            return torch.tensor(v, dtype=torch.int32, device=self.device)
+
+        def f32(v):
+            return torch.tensor(v, dtype=torch.float32, device=self.device)
+
+        s = [r.request.sampling for r, _ in outs]
+        return StepRows(
+            token=i32([t for _, t, _ in rows]), pos=i32([p for _, _, p in rows]), slot=i32([r.slot for r, _, _ in rows]),
+            out=i32([i for _, i in outs]), temperature=f32([x.temperature for x in s]), top_k=i32([x.top_k for x in s]),
+            top_p=f32([x.top_p for x in s]), seed=i32([x.seed for x in s]),
+            counter=i32([len(r.generation.tokens) for r, _ in outs]),
+            host_pos=tuple(p for _, _, p in rows), host_slot=tuple(r.slot for r, _, _ in rows))
+
+    def run(self, requests: Sequence[Request] = ()) -> list[Generation]:
+        """Submit ``requests``, step until every submitted request is done; their generations in submission order."""
+        for r in requests:
+            self.submit(r)
+        while self.busy():
+            self.step()
+        done = sorted(self.done, key=lambda r: r.index)
+        self.done = []
+        return [r.generation for r in done]
+
+
+def reference_batch_step(graph: Graph, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> BatchStepFn:
+    """A batch step over :func:`megaegg.run_reference` of a step graph; ``caches`` are updated in place."""
+    sampling = "temperature" in graph.inputs
+
+    def step(rows: StepRows) -> torch.Tensor:
+        return run_reference(graph, {**rows.inputs(sampling), **caches}, weights, rows.dims())["next_token"]
+
+    return step
+
+
+def kernel_batch_step(kernel, caches: Mapping[str, torch.Tensor], *, check: bool = True) -> BatchStepFn:
+    """A batch step over a compiled step graph (one launch per step); ``caches`` updated in place."""
+    sampling = "temperature" in {b.name for b in kernel.program.buffers}
+
+    def step(rows: StepRows) -> torch.Tensor:
+        out = kernel(**rows.inputs(sampling), **caches, **rows.dims(), check=check)
+        return out["next_token"]
+
+    return step
+
+
+def single_sequence_decode(step: BatchStepFn, decode_kernel, caches: Mapping[str, torch.Tensor]) -> BatchStepFn:
+    """``step``, except that a launch of one decoding row runs ``decode_kernel`` (a greedy batch-1 decode
+    graph, :func:`~megaegg.models.build_decode_graph`: its fused kernel is faster) on that row's cache slot."""
+
+    def run(rows: StepRows) -> torch.Tensor:
+        if len(rows.host_pos) != 1 or rows.out.numel() != 1:
+            return step(rows)
+        slot = rows.host_slot[0]
+        views = {name: c[slot] for name, c in caches.items()}  # [kv_heads, max_len, head_dim], in place
+        return decode_kernel(token=rows.token, pos=rows.host_pos[0], **views)["next_token"]
+
+    return run

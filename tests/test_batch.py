@@ -1,0 +1,175 @@
+"""Batches of sequences: the step graph (per-row positions and cache slots, prompts prefilled in one
+launch), continuous batching, and sampling on the device, on the CPU (reference and simulator)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from tiny_checkpoints import save_tiny
+
+import megaegg as me
+from megaegg.interpreter.simulator import Schedule, SimulationError
+from megaegg.models import ModelConfig, build_step_graph, load_checkpoint, random_weights, read_config
+from megaegg.models.batch import Batcher, Request, Sampling, kernel_batch_step, reference_batch_step
+from megaegg.sampling import draw_bits, sample_row
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[3, 17, 5], [9, 2, 44, 61, 7, 30, 8], [12], [50, 1, 6, 6, 90], [21, 22]]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_batch_on_the_simulator_matches_transformers_prompt_by_prompt(tmp_path, arch):
+    """Five prompts of 1 to 7 tokens through two cache slots, at most 6 token rows a launch: sequences
+    join as others finish, long prompts prefill over two launches, and each sequence's greedy tokens
+    are transformers' for its prompt alone."""
+    path = save_tiny(tmp_path / arch, arch, seed=3)
+    model = getattr(transformers, {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]).from_pretrained(path)
+    cfg = read_config(path)
+    graph, spec = build_step_graph(cfg, max_len=32, slots=2)
+    weights = load_checkpoint(path, spec)
+    kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 6, "r": 2, "ctx": 32})
+    kernel.schedule = Schedule(sms=5, seed=1, adversarial=True)
+    batcher = Batcher(kernel_batch_step(kernel, spec.new_caches()), slots=2, max_len=32, max_tokens=6)
+    outs = batcher.run([Request(p, 6) for p in PROMPTS])
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.tokens == hf_greedy(model, prompt, 6), prompt
+    assert batcher.launches < sum(len(p) + 5 for p in PROMPTS) / 2  # far fewer launches than tokens
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32)
+    graph, spec = build_step_graph(cfg, max_len=24, slots=3, sampling=True)
+    return cfg, graph, spec, random_weights(spec, seed=5)
+
+
+def test_sampling_is_reproducible_and_the_same_on_reference_and_simulator(tiny):
+    cfg, graph, spec, weights = tiny
+    kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 24, "r": 3, "ctx": 24})
+    s = Sampling(temperature=0.9, top_k=40, top_p=0.9, seed=11)
+    reqs = [Request(PROMPTS[0], 5, sampling=s), Request(PROMPTS[1], 4, sampling=dataclasses.replace(s, seed=12)),
+            Request(PROMPTS[3], 5)]
+
+    def run(step, requests=reqs):
+        return [o.tokens for o in Batcher(step, slots=3, max_len=24).run(requests)]
+
+    sim = run(kernel_batch_step(kernel, spec.new_caches()))
+    assert sim == run(kernel_batch_step(kernel, spec.new_caches()))  # the same seeds, the same tokens
+    assert sim == run(reference_batch_step(graph, weights, spec.new_caches()))
+    reseeded = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=r.sampling.seed + 100)) for r in reqs[:2]]
+    assert run(kernel_batch_step(kernel, spec.new_caches()), reseeded) != sim[:2]
+    greedy_graph, greedy_spec = build_step_graph(cfg, max_len=24, slots=3)  # argmax, no sampling inputs
+    greedy = run(reference_batch_step(greedy_graph, weights, greedy_spec.new_caches()), [reqs[2]])
+    assert greedy == [sim[2]]  # temperature 0 in a sampling graph is the argmax
+
+
+def chi2_limit(dof: int, z: float = 3.09) -> float:
+    """The chi-square quantile at 1 - 0.001 (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 12, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.9)])
+def test_sampled_tokens_follow_torchs_distribution(temperature, top_k, top_p):
+    """The sample op, compiled and run on the simulator over 3000 rows of one fixed logits vector (seeds
+    0..2999), against torch's softmax with Hugging Face's top-k then top-p filter: a chi-square test."""
+    v, rows = 48, 3000
+    logits = torch.randn(v, generator=torch.Generator().manual_seed(7)) * 1.5
+    g = me.Graph("sample")
+    r = me.sym("r")
+    knobs = [g.input(n, [r], dt) for n, dt in
+             (("temperature", me.f32), ("top_k", me.i32), ("top_p", me.f32), ("seed", me.i32), ("counter", me.i32))]
+    g.output("tok", me.sample(g.input("logits", [r, v], me.f32), *knobs))
+    kernel = me.compile(g, {}, backend="sim", max_dims={"r": rows})
+    full = lambda x, dt: torch.full((rows,), x, dtype=dt)  # noqa: E731
+    tok = kernel(logits=logits.expand(rows, v).contiguous(), temperature=full(temperature, torch.float32),
+                 top_k=full(top_k, torch.int32), top_p=full(top_p, torch.float32),
+                 seed=torch.arange(rows, dtype=torch.int32), counter=full(4, torch.int32), r=rows)["tok"]
+    # torch: HF's warpers (temperature, top-k, top-p), then softmax
+    z = logits / temperature
+    if top_k:
+        z = z.masked_fill(z < torch.topk(z, top_k).values[-1], -math.inf)
+    p = z.softmax(0)
+    s, idx = p.sort(descending=True)
+    drop = (s.cumsum(0) - s) >= top_p
+    p[idx[drop]] = 0
+    p /= p.sum()
+    counts = torch.bincount(tok.long(), minlength=v).float()
+    assert (counts[p == 0] == 0).all(), "a filtered-out token was drawn"
+    keep = p > 0
+    expected = rows * p[keep]
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    assert chi2 < chi2_limit(int(keep.sum()) - 1), (chi2, int(keep.sum()))
+
+
+def test_the_draw_is_a_fixed_hash_of_seed_and_counter():
+    assert [draw_bits(0, 0), draw_bits(1, 2), draw_bits(-1, 7)] == [draw_bits(0, 0), draw_bits(1, 2), draw_bits(-1, 7)]
+    bits = [draw_bits(5, c) for c in range(4000)]
+    assert all(0 <= b < 2**24 for b in bits) and abs(sum(bits) / len(bits) / 2**24 - 0.5) < 0.02
+    logits = torch.tensor([0.0, 5.0, 5.0, -1.0])
+    assert sample_row(logits, 0.0, 0, 1.0, 1, 1) == 1  # greedy: the first of the largest
+    assert {sample_row(logits, 1.0, 1, 1.0, s, 0) for s in range(50)} <= {1, 2}  # top_k 1 keeps ties of the k-th
+
+
+def test_kv_store_and_ragged_attention_on_adversarial_schedules():
+    """Rows of three sequences (one prefilling four tokens that attend each other) write their K and V and
+    attend their own slot's rows; a dropped wait lets attention read the cache before the write."""
+    n = me.sym("n")
+    g = me.Graph("ragged")
+    slots, hkv, length, d = 3, 2, 16, 64
+    q, k, v = (g.input(name, [n, h, d], me.f32) for name, h in (("q", 4), ("k", hkv), ("v", hkv)))
+    pos, slot = g.input("pos", [n], me.i32), g.input("slot", [n], me.i32)
+    kc = me.kv_store(g.input("kc", [slots, hkv, length, d], me.f32), k, pos, slot)
+    vc = me.kv_store(g.input("vc", [slots, hkv, length, d], me.f32), v, pos, slot)
+    g.output("o", me.ragged_attention(q, kc, vc, pos, slot))
+    kernel = me.compile(g, {}, backend="sim", max_dims={"n": 8})
+    gen = torch.Generator().manual_seed(2)
+    rows = 7
+    ins = {"q": torch.randn(rows, 4, d, generator=gen), "k": torch.randn(rows, hkv, d, generator=gen),
+           "v": torch.randn(rows, hkv, d, generator=gen), "pos": torch.tensor([0, 1, 2, 3, 9, 15, 0], dtype=torch.int32),
+           "slot": torch.tensor([1, 1, 1, 1, 0, 2, 0], dtype=torch.int32)}
+    caches = {"kc": torch.randn(slots, hkv, length, d, generator=gen), "vc": torch.randn(slots, hkv, length, d, generator=gen)}
+    fresh = lambda: {k: c.clone() for k, c in caches.items()}  # noqa: E731
+    ref = me.run_reference(g, {**ins, **fresh()}, {}, {"n": rows})
+    for seed in range(4):
+        out = kernel.simulate(Schedule(sms=4, seed=seed, adversarial=seed % 2 == 1), **ins, **fresh(), n=rows)
+        assert torch.allclose(out["o"], ref["o"], atol=1e-5, rtol=1e-5)
+    q0 = kernel.queue
+    kernel.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_partial"
+                                                         else e for e in q0.entries))
+    with pytest.raises(SimulationError, match=r"ragged_partial .* read unwritten elements of buffer 'kc'"):
+        for seed in range(8):
+            kernel.simulate(Schedule(sms=4, seed=seed, adversarial=True), **ins, **fresh(), n=rows)
+    kernel.queue = q0
+
+
+def test_a_position_outside_the_cache_is_an_error_naming_the_op(tiny):
+    _, graph, spec, weights = tiny
+    step = reference_batch_step(graph, weights, spec.new_caches())
+    batcher = Batcher(step, slots=3, max_len=24)
+    with pytest.raises(me.GraphError, match=r"3 prompt \+ 23 new tokens need 25 cache rows, the caches hold 24"):
+        batcher.submit(Request([1, 2, 3], 23))
+    rows = {"token": torch.tensor([1], dtype=torch.int32), "pos": torch.tensor([24], dtype=torch.int32),
+            "slot": torch.tensor([0], dtype=torch.int32), "out": torch.tensor([0], dtype=torch.int32)}
+    knobs = {"temperature": torch.zeros(1), "top_k": torch.zeros(1, dtype=torch.int32), "top_p": torch.ones(1),
+             "seed": torch.zeros(1, dtype=torch.int32), "counter": torch.zeros(1, dtype=torch.int32)}
+    with pytest.raises(me.GraphError, match=r"kv_store .*pos\[0\] = 24 outside \[0, 23\]"):
+        me.run_reference(graph, {**rows, **knobs, **spec.new_caches()}, weights, {"n": 1, "r": 1, "ctx": 24})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1.0}, "temperature must be >= 0"), ({"top_k": -2}, "top_k must be an int >= 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"), ({"seed": 2**40}, "seed must be a 32-bit int"),
+])
+def test_bad_sampling_settings(kwargs, message):
+    with pytest.raises(me.GraphError, match=message):
+        Sampling(**kwargs)
