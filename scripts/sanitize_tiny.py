@@ -1,12 +1,24 @@
-"""Run the tiny model's megakernel a few steps (for compute-sanitizer memcheck / racecheck)."""
+"""Run the tiny model's megakernels a few steps (for compute-sanitizer memcheck / racecheck / initcheck):
+the batch-1 decode graph, and the step graph prefilling two prompts and decoding them with sampling
+(KV rows by slot, ragged attention, tensor-core projections of several rows, the sampler)."""
 import torch
-import megaegg as me
-from megaegg.models import ModelConfig, build_decode_graph, random_weights
 
-graph, spec = build_decode_graph(ModelConfig.preset("tiny"), max_len=32)
+import megaegg as me
+from megaegg.models import ModelConfig, build_decode_graph, build_step_graph, random_weights
+from megaegg.models.batch import Batcher, Request, Sampling, kernel_batch_step
+
+cfg = ModelConfig.preset("tiny")
+graph, spec = build_decode_graph(cfg, max_len=32)
 kernel = me.compile(graph, random_weights(spec, device="cuda"), backend="cuda", max_dims={"pos": 31})
 caches = spec.new_caches("cuda")
 for pos in range(3):
     out = kernel(token=torch.tensor([pos + 1], dtype=torch.int32, device="cuda"), pos=pos, **caches)
 torch.cuda.synchronize()
 print("tiny steps ok", out["next_token"].item())
+
+graph, spec = build_step_graph(cfg, max_len=32, slots=2, sampling=True)
+kernel = me.compile(graph, random_weights(spec, device="cuda"), backend="cuda", max_dims={"n": 32, "r": 2, "ctx": 32})
+batcher = Batcher(kernel_batch_step(kernel, spec.new_caches("cuda")), slots=2, max_len=32, device="cuda")
+outs = batcher.run([Request([5, 6, 7, 8, 9], 3), Request([3], 3, sampling=Sampling(temperature=0.8, top_k=20, seed=1))])
+torch.cuda.synchronize()
+print("tiny batch ok", [o.tokens for o in outs], batcher.launches, "launches")
