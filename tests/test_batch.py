@@ -173,3 +173,17 @@ def test_a_position_outside_the_cache_is_an_error_naming_the_op(tiny):
 def test_bad_sampling_settings(kwargs, message):
     with pytest.raises(me.GraphError, match=message):
         Sampling(**kwargs)
+
+
+def test_a_prompt_longer_than_a_launch_prefills_over_several(tiny):
+    """One slot, four token rows a launch: a 7-token prompt takes two launches (the first with no output
+    row), then the next request waits for the slot; the simulator and the reference agree."""
+    cfg, _, _, weights = tiny
+    graph, spec = build_step_graph(cfg, max_len=24, slots=1)
+    kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 4, "r": 1, "ctx": 24})
+    reqs = [Request([1, 2, 3, 4, 5, 6, 7], 3), Request([5, 6], 2)]
+    runs = []
+    for step in (kernel_batch_step(kernel, spec.new_caches()), reference_batch_step(graph, weights, spec.new_caches())):
+        b = Batcher(step, slots=1, max_len=24, max_tokens=4)
+        runs.append(([o.tokens for o in b.run(reqs)], b.launches))
+    assert runs[0] == runs[1] and runs[0][1] == 2 + 2 + 1 + 1  # prefill 2 + decode 2, prefill 1 + decode 1

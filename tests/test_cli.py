@@ -268,3 +268,80 @@ def test_inspect_timings_table_names_every_stage():
     assert "7 identical blocks" in out.stdout
     for stage in ("graph", "rewrite", "  layers", "  alternatives", "  extract", "barriers+queue", "render", "total"):
         assert f"\n{stage} " in out.stdout, stage
+
+
+# --- batches of prompts, sampling ------------------------------------------------------------------
+def test_a_batch_of_prompts_from_a_file_runs_together(tmp_path):
+    """Three prompts through the step graph: one launch prefills them all, then a launch a token for
+    all three; each sequence's tokens are what the reference gives its prompt alone."""
+    import dataclasses
+
+    import megaegg as me
+    from megaegg.models import Generator, ModelConfig, build_decode_graph, random_weights, reference_step
+
+    prompts = [[5, 6], [1, 2, 3, 4, 5], [9]]
+    (tmp_path / "p.json").write_text(json.dumps(prompts))
+    out = run("examples/llama.py", "--random-weights", "--backend", "sim", "--max-len", "32",
+              "--prompt-ids-file", str(tmp_path / "p.json"), "--max-new-tokens", "3", "--json")
+    result = last_json(out)
+    assert result["prompt_ids"] == prompts and result["launches"] == 3
+    graph, spec = build_decode_graph(dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32), max_len=32)
+    weights = random_weights(spec, seed=0)  # the example's weights (the same names, shapes and seed)
+    want = [Generator(reference_step(graph, weights, spec.new_caches()), max_len=32).generate(p, 3).tokens
+            for p in prompts]
+    assert result["generated_ids"] == want
+    assert [line for line in out.stdout.splitlines() if line.startswith("generated[")] == [
+        f"generated[{i}]: {' '.join(map(str, t))}" for i, t in enumerate(want)]
+
+
+def test_sampling_flags_are_reproducible(tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps([[5, 6], [7]]))
+    args = ["examples/llama.py", "--random-weights", "--backend", "sim", "--max-len", "16", "--prompt-ids-file",
+            str(tmp_path / "p.json"), "--max-new-tokens", "4", "--temperature", "1.5", "--top-k", "200", "--json"]
+    first, again, other = (last_json(run(*args, "--seed", s))["generated_ids"] for s in ("3", "3", "4"))
+    assert first == again and first != other
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "--prompt-ids-file .*: no such file"),
+    ("[[1, 2], [3", "--prompt-ids-file .*: not JSON"),
+    ('[[1, 2], "3"]', "--prompt-ids-file .*: expected a non-empty JSON list of prompts"),
+    ("[]", "--prompt-ids-file .*: expected a non-empty JSON list of prompts"),
+    ("[[1], [5000]]", "--prompt-ids-file .*: prompt 1: token id 5000 .* is outside the vocabulary"),
+])
+def test_bad_prompt_files_are_one_line_errors(tmp_path, content, message):
+    import re
+
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    out = run("examples/llama.py", "--random-weights", "--backend", "sim", "--prompt-ids-file", str(path))
+    assert_one_line_error(out)
+    assert re.search(message, out.stderr.splitlines()[-1]), out.stderr
+
+
+def test_a_text_prompt_file_needs_a_tokenizer(tmp_path):
+    (tmp_path / "p.txt").write_text("hello\n")
+    out = run("examples/llama.py", "--random-weights", "--backend", "sim", "--prompt-file", str(tmp_path / "p.txt"))
+    assert_one_line_error(out, "--prompt-file needs --model DIR with a tokenizer")
+
+
+@pytest.mark.parametrize("flag, value, message", [("--temperature", "-1", "must be >= 0"),
+                                                  ("--top-p", "0", r"must be in \(0, 1\]"),
+                                                  ("--top-k", "-3", "must be >= 0")])
+def test_bad_sampling_flags(flag, value, message):
+    import re
+
+    out = run("examples/llama.py", "--random-weights", "--backend", "sim", flag, value)
+    assert_one_line_error(out)
+    assert re.search(message, out.stderr), out.stderr
+
+
+def test_text_prompts_from_a_file_with_the_checkpoints_tokenizer(ckpt_tok, tmp_path):
+    (tmp_path / "p.txt").write_text("w5 w9 w2\n\nw7\n")  # (blank lines are skipped)
+    out = run("examples/llama.py", "--model", str(ckpt_tok), "--backend", "sim", "--max-len", "32",
+              "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "4", "--ignore-eos", "--json")
+    result = last_json(out)
+    assert result["prompt_ids"] == [[5, 9, 2], [7]]
+    assert result["generated_ids"] == [greedy_tokens(ckpt_tok, p, 4) for p in ([5, 9, 2], [7])]
+    assert result["text"] == [" ".join(f"w{t}" for t in ids) for ids in result["generated_ids"]]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -101,9 +101,9 @@ BatchStepFn = Callable[[StepRows], torch.Tensor]  # -> next tokens i32[r]
 class _Running:
     request: Request
     index: int  # in the order of submission
-    slot: int
+    generation: Generation
+    slot: int = -1  # its cache slot, once admitted
     fed: int = 0  # tokens whose K and V are in the cache
-    generation: Generation = field(default=None)
 
     @property
     def pending(self) -> list[int]:
@@ -149,7 +149,7 @@ class Batcher:
         if len(prompt) + n - 1 > self.max_len:
             raise GraphError(f"{len(prompt)} prompt + {n} new tokens need {len(prompt) + n - 1} cache rows, "
                              f"the caches hold {self.max_len}")
-        run = _Running(request, self._count, slot=-1, generation=Generation(prompt=prompt, tokens=[]))
+        run = _Running(request, self._count, Generation(prompt=prompt, tokens=[]))
         self._count += 1
         self.waiting.append(run)
         return run.index

@@ -53,44 +53,26 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def number_arg(cast, bound: str, ok):
+    """An argparse type: ``cast(text)`` within ``bound`` (``ok(value)``), else one clear message."""
+    kind = "an int" if cast is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind} {bound}, got {text!r}") from None
+        if not ok(value):  # (NaN fails every bound)
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text if cast is float else value}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:  # (NaN too)
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def unit_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+positive_int = number_arg(int, ">= 1", lambda v: v >= 1)
+non_negative_int = number_arg(int, ">= 0", lambda v: v >= 0)
+non_negative_float = number_arg(float, ">= 0", lambda v: v >= 0)
+unit_float = number_arg(float, "in (0, 1]", lambda v: 0 < v <= 1)
 
 
 def parse(arch: str, argv=None) -> argparse.Namespace:
