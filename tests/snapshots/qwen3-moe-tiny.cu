@@ -211,18 +211,24 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
     if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; mega_page_head = sl.page0; }
     mega_sync();
 #else
+    // Which instance runs, in the shared error record too (bodies report errors from any thread). It is
+    // written before a barrier, so no thread still reads the previous instance's (racecheck).
 #if MEGA_STATIC
     const long long g = blockIdx.x + (long long)n * gridDim.x;  // (an abort elsewhere stops this block's waits)
+    if (g >= total) break;
+    if (threadIdx.x == 0) { mega_cur_entry = find_entry(g); mega_cur_instance = g - prefix[mega_cur_entry]; }
+    mega_sync();
 #else
-    if (threadIdx.x == 0)  // claim the next instance in queue order (or stop: another block failed)
+    if (threadIdx.x == 0) {  // claim the next instance in queue order (or stop: another block failed)
       claimed = *(volatile unsigned long long*)&control[2] ? total : (long long)atomicAdd(&control[parity], 1ULL);
+      if (claimed < total) { mega_cur_entry = find_entry(claimed); mega_cur_instance = claimed - prefix[mega_cur_entry]; }
+    }
     __syncthreads();
     const long long g = claimed;
-#endif
     if (g >= total) break;
+#endif
     const int entry = find_entry(g);
     const long long local = g - prefix[entry];
-    if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; }
 #endif
 #ifdef MEGA_TRACE
     unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
