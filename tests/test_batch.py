@@ -187,3 +187,8 @@ def test_a_prompt_longer_than_a_launch_prefills_over_several(tiny):
         b = Batcher(step, slots=1, max_len=24, max_tokens=4)
         runs.append(([o.tokens for o in b.run(reqs)], b.launches))
     assert runs[0] == runs[1] and runs[0][1] == 2 + 2 + 1 + 1  # prefill 2 + decode 2, prefill 1 + decode 1
+
+
+def test_a_moe_model_has_no_step_graph_yet():
+    with pytest.raises(me.GraphError, match=r"build_step_graph: the routed experts of a qwen3_moe model take one row"):
+        build_step_graph(ModelConfig.preset("qwen3-moe-tiny"), max_len=16, slots=2)

@@ -106,12 +106,14 @@ class _Running:
     fed: int = 0  # tokens whose K and V are in the cache
 
     @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.generation.prompt)
+
+    @property
     def pending(self) -> list[int]:
         """Tokens still to feed: the rest of the prompt, or the last generated token."""
-        prompt = list(self.request.prompt)
-        if self.fed < len(prompt):
-            return prompt[self.fed:]
-        return [self.generation.tokens[-1]]
+        prompt = self.generation.prompt
+        return prompt[self.fed:] if self.prefilling else [self.generation.tokens[-1]]
 
 
 class Batcher:
@@ -164,8 +166,8 @@ class Batcher:
             run = self.waiting.popleft()
             run.slot = self.free.pop(0)
             self.running.append(run)
-        decoding = [r for r in self.running if r.fed >= len(r.request.prompt)]
-        prefilling = [r for r in self.running if r.fed < len(r.request.prompt)]
+        decoding = [r for r in self.running if not r.prefilling]
+        prefilling = [r for r in self.running if r.prefilling]
         rows: list[tuple[_Running, int, int]] = []  # (sequence, token, position)
         fed: dict[int, int] = {}  # sequence index -> tokens fed this launch
         outs: list[tuple[_Running, int]] = []  # (sequence, its row whose next token it gets)
@@ -177,7 +179,7 @@ class Batcher:
             rows += [(run, t, run.fed + j) for j, t in enumerate(take)]
             fed[run.index] = len(take)
             budget -= len(take)
-            if run.fed + len(take) >= len(run.request.prompt):
+            if run.fed + len(take) >= len(run.generation.prompt):
                 outs.append((run, len(rows) - 1))
         t0 = time.perf_counter()
         tokens = self.step_fn(self._rows(rows, outs))

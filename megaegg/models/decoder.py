@@ -34,7 +34,7 @@ from ..ops import (
     argmax, attention, embedding, kv_append, kv_store, linear, moe_mlp, ragged_attention, rms_norm, rope, rope_inv_freq,
     sample, silu,
 )
-from .config import ModelConfig
+from .config import ModelConfig, UnsupportedConfig
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,9 @@ def build_step_graph(cfg: ModelConfig, *, max_len: int, slots: int, sampling: bo
     _check_max_len(cfg, max_len)
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise GraphError(f"slots must be an int >= 1, got {slots!r}")
+    if cfg.moe is not None:
+        raise UnsupportedConfig(f"build_step_graph: the routed experts of a {cfg.arch} model take one row a step so "
+                                "far; use build_decode_graph (batch 1)")
     g = Graph(f"{cfg.arch}_step")
     n, r, ctx = sym("n"), sym("r"), sym("ctx")
     inv_freq = g.constant("rope_inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
