@@ -146,7 +146,8 @@ def run(arch: str, a: argparse.Namespace) -> dict:
         tokenizer = load_tokenizer(a)  # optional: to print text, not ids
     engine = (SequentialEngine if cfg.moe is not None else BatchEngine)(cfg, a, backend, device, max_len, len(prompts), sampling)
     streams = [Stream(tokenizer) if len(prompts) == 1 else Stream(tokenizer, out=io.StringIO()) for _ in prompts]
-    print("generated: ", end="", flush=True) if len(prompts) == 1 else None
+    if len(prompts) == 1:  # streamed as it comes; a batch prints each prompt's tokens when done
+        print("generated: ", end="", flush=True)
     stop = () if a.ignore_eos else eos
     outs = engine.generate([Request(p, a.max_new_tokens, stop, sampling, on_token=st) for p, st in zip(prompts, streams)])
     for i, (st, out) in enumerate(zip(streams, outs)):
