@@ -227,16 +227,44 @@ class EntryTable:
     """Per queue entry: which shared case runs it (``variant``), where its own constants start in
     ``consts`` (``offset``: the arena offsets, pointer slots and counter bases that differ between
     entries whose code is otherwise the same, the layers of a model), and whether its weights come
-    through the page ring (``paged``: the loader may claim such an instance ahead)."""
+    through the page ring (``paged``: the loader may claim such an instance ahead).
+
+    ``prefix``: the first instance of every entry (and the total, last) as ``base + sum_j count[j] *
+    launch_j``, ``launch_j`` the j-th distinct runtime launch count (LaunchPrefix), so every block
+    computes it in parallel from data instead of running code that grows with the entries."""
 
     variant: tuple[int, ...]
     offset: tuple[int, ...]
     paged: tuple[int, ...]
+    prefix: "LaunchPrefix"
     consts: tuple[int, ...]
 
     def words(self) -> list[int]:
-        """The table as the kernel reads it: variants, offsets, paged flags, then constants (int64)."""
-        return [*self.variant, *self.offset, *self.paged, *self.consts]
+        """The table as the kernel reads it (int64): variants, offsets, paged flags, the prefix base
+        then its counts (ENTRIES + 1 words each), then the constants."""
+        counts = [c for row in self.prefix.counts for c in row]
+        return [*self.variant, *self.offset, *self.paged, *self.prefix.base, *counts, *self.consts]
+
+
+@dataclass(frozen=True)
+class LaunchPrefix:
+    """prefix[e] = base[e] + sum_j counts[j][e] * max(0, launches[j]) (``launches``: the distinct
+    launch counts that are not constants, as C expressions of the runtime dims)."""
+
+    launches: tuple[str, ...]
+    base: tuple[int, ...]
+    counts: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def of(q: WorkQueue) -> "LaunchPrefix":
+        exprs = [None if e.launch.is_const else c_expr(e.launch) for e in q.entries]
+        launches = list(dict.fromkeys(x for x in exprs if x is not None))
+        base, counts = [0], [[0] for _ in launches]
+        for e, x in zip(q.entries, exprs):
+            base.append(base[-1] + (max(0, e.launch.value) if x is None else 0))
+            for j, launch in enumerate(launches):
+                counts[j].append(counts[j][-1] + (x == launch))
+        return LaunchPrefix(tuple(launches), tuple(base), tuple(tuple(r) for r in counts))
 
 
 @dataclass(frozen=True)
@@ -280,7 +308,7 @@ def shared_cases(q: WorkQueue, defs: dict[str, int]) -> tuple[list[str], list[st
         cases.append(head + body + "\n      } break;")
         if loader:
             loader_cases.append(head + loader + "\n      } break;")
-    return cases, loader_cases, EntryTable(tuple(variant), tuple(offset), tuple(paged), tuple(consts))
+    return cases, loader_cases, EntryTable(tuple(variant), tuple(offset), tuple(paged), LaunchPrefix.of(q), tuple(consts))
 
 
 def render(q: WorkQueue, defs: dict[str, int] | None = None) -> Rendered:
@@ -299,9 +327,8 @@ def render(q: WorkQueue, defs: dict[str, int] | None = None) -> Rendered:
         "NPTRS": str(max(1, len(q.memory.pointer_slot))),
         "MAXWAITS": str(max([1, *(len(e.waits) for e in q.entries)])),
         "DIMS": " ".join(f"const long long {dimc(s)} = args.dims[{k}];" for k, s in enumerate(symbols)),
-        "PREFIX": "\n    ".join(
-            f"prefix[{k + 1}] = prefix[{k}] + max_i64(0LL, {c_expr(e.launch)});" for k, e in enumerate(q.entries)
-        ),
+        "LAUNCHES": str(max(1, len(table.prefix.launches))),
+        "LAUNCH_VALUES": ", ".join(f"max_i64(0LL, {x})" for x in table.prefix.launches) or "0LL",
         "CASES": "\n".join(cases),
         "LOADER_CASES": "\n".join(loader_cases),
     }

@@ -517,6 +517,9 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
         ("glu_down_norm", "glu_down", [Arg((1, 512), T), Arg((512,), T), Arg((300, 512), T), Arg((300, 512), T),
                                        Arg((300, 256), T)], Arg((1, 256), f32),
          {"rows": 32, "roles": ("x", "g", "w", "w2", "wd"), "eps": 1e-5}, {}),
+        ("glu_down_strided_x", "glu_down", [Arg((1, 256), T, strides=(512, 2)), Arg((256,), T), Arg((72, 256), T),
+                                            Arg((72, 256), T), Arg((72, 128), T)], Arg((1, 128), f32),
+         {"rows": 16, "roles": ("x", "g", "w", "w2", "wd"), "eps": 1e-5}, {}),  # (the generic gated body)
         ("glu_down_wide_n", "glu_down", [Arg((1, 256), T), Arg((100, 256), T), Arg((100, 256), T),
                                          Arg((100, 4096), T)], Arg((1, 4096), f32),
          {"rows": 16, "roles": ("x", "w", "w2", "wd"), "eps": 0.0}, {}),
@@ -541,6 +544,9 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
         ("attn_g8_strided_q", "attn_partial", [Arg((64, 128), T, strides=(1, 64)), Arg((8, 1024, 128), T),
                                                Arg((8, 1024, 128), T)], Arg((64, 4, 130), f32),
          {**attn, "chunk": 256, "group": 8}, {}),
+        ("attn_d64_strided_cache", "attn_partial", [Arg((32, 64), T), Arg((8, 300, 64), T, strides=(300 * 64, 1, 300)),
+                                                    Arg((8, 300, 64), T, strides=(300 * 64, 1, 300))],
+         Arg((32, 2, 66), f32), {**attn, "length": 300, "chunk": 256, "group": 4}, {}),  # (the generic body)
         ("merge_d64", "attn_merge", [Arg((32, 4, 66), f32)], Arg((32, 64), T), {**attn, "chunk": 256, "rows_per": 4},
          {0: _attn_part(64)}),
         ("merge_d128_many", "attn_merge", [Arg((16, 64, 130), f32)], Arg((16, 128), T),

@@ -12,7 +12,7 @@
 // pieces through a private ring of shared-memory stages filled by cp.async.cg (L2 only),
 // STAGES-1 steps ahead of the one it computes: ~100 KB in flight per SM, which registers
 // cannot hold next to q and the accumulators, and no block barrier until the final merge.
-// Otherwise K and V load element by element into registers, a step at a time.
+// Otherwise (any strides) a generic body, a row at a time (partial_generic).
 // Measured (H200, bf16, G=4, L=32768, persistent): D=128 1.7 TB/s at chunk 256, 2.0-2.1 at
 // chunk 1024; D=64 1.2 / 1.5. It is instruction-bound (ncu: 55% issue slots, 2 warps per
 // scheduler), not bandwidth-bound: the next step is fewer instructions per row (a
@@ -46,16 +46,6 @@ struct Plan {
     static_assert(WS_BYTES <= MEGA_SMEM, "attn_partial: warp states do not fit in shared memory");
 };
 
-// Load VEC elements of T at p (last-dim stride s2) into a 16-byte register vector.
-template <class T, bool VEC_OK>
-__device__ __forceinline__ uint4 load_row_vec(const T* p, long long s2) {
-    if (VEC_OK) return ldcg16(p);
-    float f[VecN<T>::value];
-#pragma unroll
-    for (int e = 0; e < VecN<T>::value; ++e) f[e] = ld_f32(p + e * s2);
-    return pack16<T>(f);  // exact: the values are T
-}
-
 __device__ __forceinline__ float ex2(float x) {  // 2^x, MUFU.EX2 (2 ulp; 2^-inf = 0)
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -75,8 +65,7 @@ struct Warp {
     float qf[G][VPR][VEC];
     float m_run[G], l_run[G], acc[G][VPR][VEC];  // m_run: log2 domain
 
-    template <bool VEC_OK>
-    __device__ __forceinline__ void init(const T* q, long long q_s0, long long q_s1, long long p1_, float scale,
+    __device__ __forceinline__ void init(const T* q, long long q_s0, long long p1_, float scale,
                                          long long c0) {
         const int lane = threadIdx.x & 31;
         p1 = p1_, scale2 = scale * LOG2E;
@@ -89,7 +78,7 @@ struct Warp {
             for (int v = 0; v < VPR; ++v) {
                 const int vi = v * LPR + sub;
                 if (vi < P::DV) {
-                    unpack16<T>(load_row_vec<T, VEC_OK>(q + (c0 * G + g) * q_s0 + vi * VEC * q_s1, q_s1), qf[g][v]);
+                    unpack16<T>(ldcg16(q + (c0 * G + g) * q_s0 + vi * VEC), qf[g][v]);
                 } else {
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) qf[g][v][e] = 0.0f;
@@ -234,7 +223,7 @@ __device__ __forceinline__ void partial_async(char* sm, const T* q, long long q_
     constexpr int VEC = P::VEC, VPR = P::VPR, LPR = P::LPR, NS = P::NS, S = P::STAGES;
     constexpr int PIECES = NS * VPR * 2;  // per lane and stage: [slot][vector][K, V]
     Warp<T, D, G> w;
-    w.template init<true>(q, q_s0, 1, p1, scale, c0);
+    w.init(q, q_s0, p1, scale, c0);
     // ring[stage][piece][thread]: 16-byte pieces, consecutive lanes adjacent (conflict-free)
     uint4* ring = reinterpret_cast<uint4*>(sm + P::WS_BYTES) + threadIdx.x;
     const long long stride = P::ROWS_PER_STEP;
@@ -289,16 +278,15 @@ __device__ __forceinline__ void partial_async(char* sm, const T* q, long long q_
     w.finish(reinterpret_cast<float*>(sm), part, p_s0, p_s1, c0, c1);
 }
 
-// Any strides: element loads straight into registers, one step at a time.
-template <class T, int D, int G, bool VEC_OK>
-__device__ __forceinline__ void partial_regs(char* sm, const T* q, long long q_s0, long long q_s1, const T* kh,
-                                             long long k_s1, long long k_s2, const T* vh, long long v_s1,
-                                             long long v_s2, long long p0, long long p1, float scale, float* part,
-                                             long long p_s0, long long p_s1, long long c0, long long c1) {
+// Vector loads straight into registers, one step at a time (no cp.async ring fits).
+template <class T, int D, int G>
+__device__ __forceinline__ void partial_regs(char* sm, const T* q, long long q_s0, const T* kh, long long k_s1,
+                                             const T* vh, long long v_s1, long long p0, long long p1, float scale,
+                                             float* part, long long p_s0, long long p_s1, long long c0, long long c1) {
     using P = Plan<T, D, G>;
     constexpr int VEC = P::VEC, VPR = P::VPR, LPR = P::LPR, NS = P::NS;
     Warp<T, D, G> w;
-    w.template init<VEC_OK>(q, q_s0, q_s1, p1, scale, c0);
+    w.init(q, q_s0, p1, scale, c0);
 #pragma unroll 1
     for (long long base = p0; base + (long long)w.warp * P::RPI < p1; base += P::ROWS_PER_STEP) {
         uint4 kr[NS][VPR], vr[NS][VPR];
@@ -309,13 +297,47 @@ __device__ __forceinline__ void partial_regs(char* sm, const T* q, long long q_s
             for (int v = 0; v < VPR; ++v) {
                 const int vi = v * LPR + w.sub;
                 const bool ok = r < p1 && vi < P::DV;
-                kr[j][v] = ok ? load_row_vec<T, VEC_OK>(kh + r * k_s1 + vi * VEC * k_s2, k_s2) : make_uint4(0, 0, 0, 0);
-                vr[j][v] = ok ? load_row_vec<T, VEC_OK>(vh + r * v_s1 + vi * VEC * v_s2, v_s2) : make_uint4(0, 0, 0, 0);
+                kr[j][v] = ok ? ldcg16(kh + r * k_s1 + vi * VEC) : make_uint4(0, 0, 0, 0);
+                vr[j][v] = ok ? ldcg16(vh + r * v_s1 + vi * VEC) : make_uint4(0, 0, 0, 0);
             }
         }
         w.compute(kr, vr, base);
     }
     w.finish(reinterpret_cast<float*>(sm), part, p_s0, p_s1, c0, c1);
+}
+
+// Any strides and alignments, one generic copy per element type (D and G runtime values): one
+// warp a query head, a row at a time. Correct and slow; the compiler's own caches and q never take
+// it, and keeping it out of the shape templates keeps each of them ~35 KB of SASS smaller.
+// Writes what Warp::finish writes: part[h, c1, :D] = sum_j 2^(s_j - m) v_j, [D] = m (natural
+// log domain), [D+1] = sum_j 2^(s_j - m), s_j the log2-domain scores.
+template <class T>
+__device__ __noinline__ void partial_generic(char* sm, int D, int G, const T* q, long long q_s0, long long q_s1,
+                                             const T* kh, long long k_s1, long long k_s2, const T* vh, long long v_s1,
+                                             long long v_s2, long long p0, long long p1, float scale, float* part,
+                                             long long p_s0, long long p_s1, long long c0, long long c1) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* acc = reinterpret_cast<float*>(sm) + warp * D;  // this warp's head's running output
+    const float scale2 = scale * LOG2E;
+#pragma unroll 1
+    for (int g = warp; g < G; g += MEGA_WARPS) {
+        const T* qh = q + (c0 * G + g) * q_s0;
+        float m = MEGA_NEG_INF, l = 0.0f;
+        for (int d = lane; d < D; d += 32) acc[d] = 0.0f;
+#pragma unroll 1
+        for (long long r = p0; r < p1; ++r) {
+            float s = 0.0f;
+            for (int d = lane; d < D; d += 32) s = fmaf(ld_f32(qh + d * q_s1), ld_f32(kh + r * k_s1 + d * k_s2), s);
+            s = warp_sum(s) * scale2;
+            const float m_new = fmaxf(m, s), alpha = ex2(m - m_new), p = ex2(s - m_new);  // (2^-inf = 0)
+            m = m_new;
+            l = l * alpha + p;
+            for (int d = lane; d < D; d += 32) acc[d] = acc[d] * alpha + p * ld_f32(vh + r * v_s1 + d * v_s2);
+        }
+        float* dst = part + (c0 * G + g) * p_s0 + c1 * p_s1;
+        for (int d = lane; d < D; d += 32) dst[d] = acc[d];
+        if (lane == 0) dst[D] = m * (1.0f / LOG2E), dst[D + 1] = l;
+    }
 }
 
 }  // namespace attn_impl
@@ -334,19 +356,15 @@ __device__ __noinline__ void attn_partial(char* smem, const T* q, long long q_s0
     const int bytes = (int)sizeof(T);
     const bool vec = q_s1 == 1 && k_s2 == 1 && v_s2 == 1 && aligned16(q) && aligned16(kh) && aligned16(vh) &&
                      ((q_s0 * bytes) & 15) == 0 && ((k_s1 * bytes) & 15) == 0 && ((v_s1 * bytes) & 15) == 0;
-    if constexpr (P::STAGES >= 2) {
-        if (vec) {
-            attn_impl::partial_async<T, D, G>(sm, q, q_s0, kh, k_s1, vh, v_s1, p0, p1, scale, part, p_s0, p_s1, c0,
-                                              c1);
-            return;
-        }
+    if (vec) {
+        if constexpr (P::STAGES >= 2)
+            attn_impl::partial_async<T, D, G>(sm, q, q_s0, kh, k_s1, vh, v_s1, p0, p1, scale, part, p_s0, p_s1, c0, c1);
+        else
+            attn_impl::partial_regs<T, D, G>(sm, q, q_s0, kh, k_s1, vh, v_s1, p0, p1, scale, part, p_s0, p_s1, c0, c1);
+    } else {
+        attn_impl::partial_generic<T>(sm, D, G, q, q_s0, q_s1, kh, k_s1, k_s2, vh, v_s1, v_s2, p0, p1, scale, part, p_s0,
+                                      p_s1, c0, c1);
     }
-    if (vec)
-        attn_impl::partial_regs<T, D, G, true>(sm, q, q_s0, q_s1, kh, k_s1, k_s2, vh, v_s1, v_s2, p0, p1, scale, part,
-                                               p_s0, p_s1, c0, c1);
-    else
-        attn_impl::partial_regs<T, D, G, false>(sm, q, q_s0, q_s1, kh, k_s1, k_s2, vh, v_s1, v_s2, p0, p1, scale,
-                                                part, p_s0, p_s1, c0, c1);
 }
 
 template <class T, int D>

@@ -81,7 +81,7 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
 #if MEGA_PAGES > 0
     if constexpr (PAGED) {  // w, w2 then wd arrive in the page ring (pages.cuh)
         unsigned k = mega_page_head;
-        if (!matvec_impl::run_paged<T, K, ROWS, NORM, true, false, false, false>(
+        if (!matvec_impl::run_paged<T, K, ROWS, NORM, true, false, false>(
                 smem, x, 0, x_s1, g, g_s0, eps, nullptr, 0, 0, {}, hs - row0, 0, 1, F, n_tile, wl, k))
             return;
         mega_sync();  // h complete in shared memory
@@ -96,10 +96,15 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
     }
 #endif
     if constexpr (!PAGED) {
-        // phase 1: the gated matvec (it waits for x itself, after its first weight loads)
-        if (!matvec_impl::run_vec_regs<T, 1, K, ROWS, NORM, true, false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0,
-                                                                          nullptr, 0, 0, {}, hs - row0, 0, 1, F, n_tile, wl))
-            return;
+        // phase 1: the gated matvec (it waits for x itself, after its first weight loads); an x
+        // it cannot read as vectors (never the compiler's) takes the generic body
+        const bool ok = matvec_impl::stage_vec_ok<T, 1, K, NORM, false>(x, 0, x_s1, g, g_s0, {})
+            ? matvec_impl::run_vec_regs<T, 1, K, ROWS, NORM, true, false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0,
+                                                                        nullptr, 0, 0, {}, hs - row0, 0, 1, F, n_tile, wl)
+            : matvec_impl::run_generic<T>(smem, 1, K, ROWS, matvec_impl::FL_GLU | (NORM ? matvec_impl::FL_NORM : 0u), x, 0,
+                                          x_s1, g, g_s0, eps, w, w_s0, 1, w2, w2_s0, 1, nullptr, 0, 0, {}, hs - row0, 0, 1,
+                                          F, n_tile, wl, 1);
+        if (!ok) return;
 
         // phase 2. Starting its loads from phase 1's last steps instead measured slower
         // (perf-notes #32: register loads 1.22 ms vs 1.13; plus an L2 prefetch 1.25)

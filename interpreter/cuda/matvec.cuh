@@ -5,8 +5,9 @@
 //   HAS_NORM  x <- T(T(x * rsqrt(mean(x^2) + eps)) * g)   (RMSNorm prologue)
 //   HAS_GLU   y <- T(T(silu(T(x w^T))) * T(x w2^T))       (gated pair)
 //   HAS_RES   y <- T(r + T(y))                            (residual epilogue)
-//   HAS_XACC  x <- T(x + T(xa)), HAS_RACC r <- T(r + T(ra)) (xa, ra: f32 glu_down sums, read
-//             as staged: the reader does acc_residual's work, perf-notes #34)
+//   SUMS      x <- T(x + T(xa)), r <- T(r + T(ra)) where xa / ra is given (f32 glu_down sums,
+//             read as staged: the reader does acc_residual's work, perf-notes #34). Whether
+//             they are given is a runtime choice: layer 0 (no sums) shares the other layers' code.
 //
 // Batch-1 decode is bound by streaming w, so the body is built around the weight loads:
 // - x (M rows, after the norm) is staged once per instance in shared memory, as float
@@ -19,7 +20,7 @@
 //   step's loads are in flight while a step computes and while x stages after the wait;
 // - the first step's weight loads are issued BEFORE x is staged, so the x round trip
 //   (and the norm's reductions) hide under the weight latency;
-// A scalar path (any K, any weight strides: `matmul` reads w through a permute view)
+// A generic path (run_generic: any K, any strides; `matmul` reads w through a permute view)
 // is correct but slow.
 //
 // Measured (H200, 1 GiB bf16, persistent one block per SM): 4.0-4.2 TB/s for ROWS >= 32,
@@ -48,7 +49,8 @@
 
 namespace matvec_impl {
 
-// The f32 sums added to x and r as they are read (HAS_XACC, HAS_RACC); unused: nullptr.
+// The f32 sums added to x and r as they are read (when the body takes SUMS: a runtime choice, so
+// the layers with and without them share one instantiation); absent: nullptr.
 struct Sums {
     const float* x;
     long long x_s0, x_s1;
@@ -188,29 +190,37 @@ __device__ bool page_dots(const XS* xs, long long n, float* part, int ldp, unsig
 
 #endif
 
-// Stage x (normalised when NORM) into xs[M][K] and the residual tile into rt[M][ROWS].
-// All threads call it; ends with a block barrier.
-template <class T, class XS, int M, int K, int ROWS, bool NORM, bool RES, bool XACC, bool RACC>
+// Whether stage() can read x (and g, and the x sums) as 16-byte vectors; else the caller takes
+// run_generic.
+template <class T, int M, int K, bool NORM, bool SUMS>
+__device__ __forceinline__ bool stage_vec_ok(const T* x, long long x_s0, long long x_s1, const T* g, long long g_s0,
+                                             const Sums& sums) {
+    return K % VecN<T>::value == 0 && (M == 1 ? (x_s1 == 1 && aligned16(x)) : vec_rows_ok(x, x_s0, x_s1, K)) &&
+           (!NORM || (g_s0 == 1 && aligned16(g))) &&
+           (!(SUMS && sums.x) || (sums.x_s1 == 1 && aligned16(sums.x) && (M == 1 || sums.x_s0 % 4 == 0)));
+}
+
+// Stage x (normalised when NORM) into xs[M][K] and the residual tile into rt[M][ROWS]; x as
+// stage_vec_ok checked. All threads call it; ends with a block barrier.
+template <class T, class XS, int M, int K, int ROWS, bool NORM, bool RES, bool SUMS>
 __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x, long long x_s0, long long x_s1,
                                       const T* g, long long g_s0, float eps, const T* r, long long r_s0,
                                       long long r_s1, const Sums& sums, long long row0, long long N, int mv = M) {
-    constexpr int VEC = VecN<T>::value, KV = K / VEC, NVX = cdiv(KV, MEGA_THREADS) > 0 ? cdiv(KV, MEGA_THREADS) : 1;  // K < VEC: vec is false, the array just needs a size
+    constexpr int VEC = VecN<T>::value, KV = K / VEC, NVX = cdiv(KV, MEGA_THREADS) > 0 ? cdiv(KV, MEGA_THREADS) : 1;  // (K < VEC: not run, the array needs a size)
     const int tid = threadIdx.x;
+    const bool xacc = SUMS && sums.x, racc = SUMS && sums.r;
     if (RES) {
         for (int j = tid; j < M * ROWS; j += MEGA_THREADS) {
             const long long n = row0 + j % ROWS;
             if (n < N && j / ROWS < mv) {
                 rt[j] = ld_f32(r + (j / ROWS) * r_s0 + n * r_s1);
-                if (RACC) rt[j] = round_to<T>(rt[j] + round_to<T>(ld_cg(sums.r + (j / ROWS) * sums.r_s0 + n * sums.r_s1)));
+                if (racc) rt[j] = round_to<T>(rt[j] + round_to<T>(ld_cg(sums.r + (j / ROWS) * sums.r_s0 + n * sums.r_s1)));
             }
         }
     }
-    const bool vec = K % VEC == 0 && (M == 1 ? (x_s1 == 1 && aligned16(x)) : vec_rows_ok(x, x_s0, x_s1, K)) &&
-                     (!NORM || (g_s0 == 1 && aligned16(g))) &&
-                     (!XACC || (sums.x_s1 == 1 && aligned16(sums.x) && (M == 1 || sums.x_s0 % 4 == 0)));
-    if (vec) {
-        constexpr int AV = XACC ? VEC / 4 : 1;  // 16-byte f32 vectors of the sum per x vector
-        uint4 xr[M][NVX], gr[NORM ? NVX : 1], ar[XACC ? M : 1][XACC ? NVX : 1][AV];
+    if constexpr (K % VEC == 0) {
+        constexpr int AV = SUMS ? VEC / 4 : 1;  // 16-byte f32 vectors of the sum per x vector
+        uint4 xr[M][NVX], gr[NORM ? NVX : 1], ar[SUMS ? M : 1][SUMS ? NVX : 1][AV];
 #pragma unroll
         for (int i = 0; i < NVX; ++i) {
             const int kv = i * MEGA_THREADS + tid;
@@ -218,16 +228,16 @@ __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x,
 #pragma unroll
                 for (int m = 0; m < M; ++m) {  // (rows past mv: zeros, never stored)
                     xr[m][i] = m < mv ? ldcg16(x + m * x_s0 + kv * VEC) : make_uint4(0, 0, 0, 0);
-                    if (XACC)
+                    if (xacc)
 #pragma unroll
                         for (int a = 0; a < AV; ++a)
-                            ar[XACC ? m : 0][XACC ? i : 0][a] =
+                            ar[SUMS ? m : 0][SUMS ? i : 0][a] =
                                 m < mv ? ldcg16(sums.x + m * sums.x_s0 + kv * VEC + 4 * a) : make_uint4(0, 0, 0, 0);
                 }
                 if (NORM) gr[i] = ldcg16(g + kv * VEC);
             }
         }
-        if (XACC) {  // x <- T(x + T(sum)), as acc_residual rounds
+        if (xacc) {  // x <- T(x + T(sum)), as acc_residual rounds
 #pragma unroll
             for (int i = 0; i < NVX; ++i) {
                 if (i * MEGA_THREADS + tid >= KV) continue;
@@ -236,7 +246,7 @@ __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x,
                     float f[VEC], a[VEC];
                     unpack16<T>(xr[m][i], f);
 #pragma unroll
-                    for (int v = 0; v < AV; ++v) unpack16<float>(ar[XACC ? m : 0][XACC ? i : 0][v], a + 4 * v);
+                    for (int v = 0; v < AV; ++v) unpack16<float>(ar[SUMS ? m : 0][SUMS ? i : 0][v], a + 4 * v);
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) f[e] = round_to<T>(f[e] + round_to<T>(a[e]));
                     xr[m][i] = pack16<T>(f);
@@ -277,29 +287,6 @@ __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x,
                     for (int e = 0; e < VEC; ++e) f[e] = round_to<T>(round_to<T>(f[e] * rinv[m]) * gf[e]);
                 }
                 xs_store<VEC>(xs + m * K + kv * VEC, f);
-            }
-        }
-    } else {
-        float ss[M];
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            ss[m] = 0.0f;
-            for (int k = tid; k < K; k += MEGA_THREADS) {
-                float v = m < mv ? ld_f32(x + m * x_s0 + k * x_s1) : 0.0f;
-                if (XACC && m < mv) v = round_to<T>(v + round_to<T>(ld_cg(sums.x + m * sums.x_s0 + k * sums.x_s1)));
-                ss[m] += v * v;
-                xs[m * K + k] = from_f32<XS>(v);  // exact: x is T
-            }
-        }
-        if (NORM) {
-            block_reduce_sum_n<M>(ss, red);
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const float rinv = 1.0f / sqrtf(ss[m] / (float)K + eps);
-                for (int k = tid; k < K; k += MEGA_THREADS) {  // the same thread's elements: no barrier
-                    const float v = round_to<T>(to_f32(xs[m * K + k]) * rinv);
-                    xs[m * K + k] = from_f32<XS>(round_to<T>(v * ld_f32(g + k * g_s0)));
-                }
             }
         }
     }
@@ -435,7 +422,7 @@ __device__ __forceinline__ void step(const uint4 (&wa)[P::RB][P::U], const uint4
 }
 
 // False when the wait gave up (abort or timeout): nothing was written.
-template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES, bool XACC = false, bool RACC = false>
+template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES, bool SUMS = false>
 __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                         long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
                                         long long w2_s0, const T* r, long long r_s0, long long r_s1, const Sums& sums, T* out,
@@ -461,7 +448,7 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         if (!mega_wait_all(wl)) return false;
         if (T_STEPS > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
             load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
-        stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N, mv);
+        stage<T, XS, M, K, ROWS, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N, mv);
 #pragma unroll 1
         for (int t = 0; t < T_STEPS; t += 2) {
             step<P, T, XS, M, K, ROWS, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t, warp, lane, mv);
@@ -488,7 +475,7 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         else
             load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
         if (!mega_wait_all(wl)) return false;
-        stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N, mv);
+        stage<T, XS, M, K, ROWS, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N, mv);
 
 #pragma unroll 1
         for (int gi = 0; gi < P::NG; ++gi) {
@@ -510,7 +497,7 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
 // instance's rows of w (then of w2) into the page ring, so the body waits for its inputs,
 // stages x, and reduces the pages from page k on (k: past them on return): no weight load is
 // issued here. M == 1.
-template <class T, int K, int ROWS, bool NORM, bool GLU, bool RES, bool XACC, bool RACC>
+template <class T, int K, int ROWS, bool NORM, bool GLU, bool RES, bool SUMS>
 __device__ __forceinline__ bool run_paged(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                           long long g_s0, float eps, const T* r, long long r_s0, long long r_s1,
                                           const Sums& sums, T* out, long long out_s0, long long out_s1, long long N,
@@ -527,7 +514,11 @@ __device__ __forceinline__ bool run_paged(char* smem, const T* x, long long x_s0
     const long long row0 = n_tile * ROWS, rows = min_i64(ROWS, N - row0);
     for (int i = threadIdx.x; i < NW * MEGA_WARPS * ROWS; i += MEGA_THREADS) part[i] = 0.0f;
     if (!mega_wait_all(wl)) return false;
-    stage<T, XS, 1, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
+    if (!stage_vec_ok<T, 1, K, NORM, SUMS>(x, x_s0, x_s1, g, g_s0, sums)) {  // (the compiler's x always is)
+        if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
+        return false;
+    }
+    stage<T, XS, 1, K, ROWS, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
     if (!page_dots<T, XS, K>(xs, rows, part, ROWS, k)) return false;
     if (GLU && !page_dots<T, XS, K>(xs, rows, part + MEGA_WARPS * ROWS, ROWS, k)) return false;
     mega_sync();
@@ -544,48 +535,65 @@ __device__ __forceinline__ bool run_paged(char* smem, const T* x, long long x_s0
 }
 #endif
 
-template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES, bool XACC, bool RACC>
-__device__ __forceinline__ void run_scalar(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
-                                           long long g_s0, float eps, const T* w, long long w_s0, long long w_s1,
-                                           const T* w2, long long w2_s0, long long w2_s1, const T* r, long long r_s0,
-                                           long long r_s1, const Sums& sums, T* out, long long out_s0, long long out_s1, long long N,
-                                           long long n_tile, const MegaWaits& wl, int mv) {
-    if (!mega_wait_all(wl)) return;
-    using P = Plan<T, M, K, ROWS, GLU, NORM>;
-    using XS = typename P::XS;
-    float* red = reinterpret_cast<float*>(smem);
-    float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
-    XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long row0 = n_tile * ROWS;
-    stage<T, XS, M, K, ROWS, NORM, RES, XACC, RACC>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N, mv);
+// Any strides and alignments, one generic copy per element type (shapes and fusions are runtime
+// values): correct and slow. The compiler's own operands never take it (it is here for views, e.g.
+// `matmul` through a permute); keeping it out of the shape templates keeps each of them
+// ~12 KB of SASS smaller. x is re-read (and re-normalised) per output row instead of staged, so
+// no shape limits it. `fl`: FL_* below.
+enum : unsigned { FL_NORM = 1, FL_GLU = 2, FL_RES = 4 };
+
+template <class T>
+__device__ __noinline__ bool run_generic(char* smem, int M, long long K, int ROWS, unsigned fl, const T* x, long long x_s0,
+                                         long long x_s1, const T* g, long long g_s0, float eps, const T* w, long long w_s0,
+                                         long long w_s1, const T* w2, long long w2_s0, long long w2_s1, const T* r,
+                                         long long r_s0, long long r_s1, const Sums& sums, T* out, long long out_s0,
+                                         long long out_s1, long long N, long long n_tile, const MegaWaits& wl, int mv) {
+    if (!mega_wait_all(wl)) return false;
+    float* red = reinterpret_cast<float*>(smem);        // [MEGA_WARPS]
+    float* rinv = red + MEGA_WARPS;                      // [M]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // x[m, k] as read: T(x + T(xa)) when the sums are given (as stage() rounds)
+    auto xv = [&](int m, long long k) {
+        float v = ld_f32(x + m * x_s0 + k * x_s1);
+        return sums.x ? round_to<T>(v + round_to<T>(ld_cg(sums.x + m * sums.x_s0 + k * sums.x_s1))) : v;
+    };
 #pragma unroll 1
-    for (int local = warp; local < ROWS; local += MEGA_WARPS) {
+    for (int m = 0; m < mv; ++m) {  // rinv[m] (1 without the norm)
+        float ss = 0.0f;
+        if (fl & FL_NORM)
+#pragma unroll 1
+            for (long long k = tid; k < K; k += MEGA_THREADS) ss += xv(m, k) * xv(m, k);
+        ss = block_reduce_sum(ss, red);
+        if (tid == 0) rinv[m] = fl & FL_NORM ? 1.0f / sqrtf(ss / (float)K + eps) : 1.0f;
+        mega_sync();
+    }
+    const long long row0 = n_tile * ROWS;
+#pragma unroll 1
+    for (int i = warp; i < ROWS * mv; i += MEGA_WARPS) {
+        const int local = i / mv, m = i % mv;
         const long long n = row0 + local;
         if (n >= N) break;
-        float acc[M], acc2[M];
-#pragma unroll
-        for (int m = 0; m < M; ++m) acc[m] = 0.0f, acc2[m] = 0.0f;
-        const T* wr = w + n * w_s0;
-        const T* wr2 = GLU ? w2 + n * w2_s0 : nullptr;
-#pragma unroll 4
-        for (int k = lane; k < K; k += 32) {
-            const float wv = ld_f32(wr + k * w_s1);
-            const float wv2 = GLU ? ld_f32(wr2 + k * w2_s1) : 0.0f;
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const float xv = to_f32(xs[m * K + k]);
-                acc[m] = fmaf(wv, xv, acc[m]);
-                if (GLU) acc2[m] = fmaf(wv2, xv, acc2[m]);
-            }
+        float d = 0.0f, d2 = 0.0f;
+#pragma unroll 1
+        for (long long k = lane; k < K; k += 32) {
+            float v = xv(m, k);
+            if (fl & FL_NORM) v = round_to<T>(round_to<T>(v * rinv[m]) * ld_f32(g + k * g_s0));
+            d = fmaf(ld_f32(w + n * w_s0 + k * w_s1), v, d);
+            if (fl & FL_GLU) d2 = fmaf(ld_f32(w2 + n * w2_s0 + k * w2_s1), v, d2);
         }
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const float d = warp_sum(acc[m]);
-            const float d2 = GLU ? warp_sum(acc2[m]) : 0.0f;
-            if (lane == m % 32 && m < mv) finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
+        d = warp_sum(d);
+        d2 = warp_sum(d2);
+        if (lane) continue;
+        float y = round_to<T>(d);
+        if (fl & FL_GLU) y = round_to<T>(round_to<T>(silu_f32(y)) * round_to<T>(d2));
+        if (fl & FL_RES) {
+            float rv = ld_f32(r + m * r_s0 + n * r_s1);
+            if (sums.r) rv = round_to<T>(rv + round_to<T>(ld_cg(sums.r + m * sums.r_s0 + n * sums.r_s1)));
+            y = round_to<T>(rv + y);
         }
+        out[m * out_s0 + n * out_s1] = from_f32<T>(y);
     }
+    return true;
 }
 
 // --- several x rows on tensor cores (M a multiple of 8: a batch, a prompt) -------------------
@@ -765,7 +773,7 @@ __device__ bool run_mma(char* smem, const T* x, long long x_s0, const T* g, floa
 
 // One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N]. Absent operands
 // (g, w2, r) are nullptr with zero strides. `wl`: the instance's barrier waits (n = 0: none).
-template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool HAS_XACC, bool HAS_RACC,
+template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS,
           bool PAGED = false>
 __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                     const T* g, long long g_s0, float eps,                    //
@@ -783,12 +791,12 @@ __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long
     if constexpr (PAGED) {  // w and w2 arrive in the page ring (M == 1)
         static_assert(M == 1, "matvec: the paged body is for one x row");
         unsigned k = mega_page_head;
-        matvec_impl::run_paged<T, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
+        matvec_impl::run_paged<T, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(
             smem, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile, wl, k);
         return;
     }
 #endif
-    if constexpr (!PAGED && M % 8 == 0 && K % 32 == 0 && !HAS_XACC && !HAS_RACC && matvec_impl::MmaKind<T>::ok) {
+    if constexpr (!PAGED && M % 8 == 0 && K % 32 == 0 && !SUMS && matvec_impl::MmaKind<T>::ok) {
         // x rows in tiles of 8: tensor cores. The compiler's operands are contiguous rows; anything
         // else is reported, not computed wrongly.
         const bool rows_ok = vec_rows_ok(w, w_s0, w_s1, K) && (!HAS_GLU || vec_rows_ok(w2, w2_s0, w2_s1, K)) &&
@@ -801,19 +809,22 @@ __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long
                                                                        r_s1, out, out_s0, out_s1, N, n_tile, wl, (int)mvalid);
         return;
     }
-    if constexpr (!PAGED && !(M % 8 == 0 && K % 32 == 0 && !HAS_XACC && !HAS_RACC && matvec_impl::MmaKind<T>::ok)) {
-        bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K);
+    if constexpr (!PAGED && !(M % 8 == 0 && K % 32 == 0 && !SUMS && matvec_impl::MmaKind<T>::ok)) {
+        bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K) &&
+                   matvec_impl::stage_vec_ok<T, M, K, HAS_NORM, SUMS>(x, x_s0, x_s1, g, g_s0, sums);
         if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
         if constexpr (K % VecN<T>::value == 0) {
             if (vec) {
-                matvec_impl::run_vec_regs<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
+                matvec_impl::run_vec_regs<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(
                     smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile, wl,
                     (int)mvalid);
                 return;
             }
         }
-        matvec_impl::run_scalar<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, HAS_XACC, HAS_RACC>(
-            smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, sums, out, out_s0, out_s1, N,
-            n_tile, wl, (int)mvalid);
+        matvec_impl::run_generic<T>(smem, M, K, ROWS,
+                                    (HAS_NORM ? matvec_impl::FL_NORM : 0u) | (HAS_GLU ? matvec_impl::FL_GLU : 0u) |
+                                        (HAS_RES ? matvec_impl::FL_RES : 0u),
+                                    x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, sums, out,
+                                    out_s0, out_s1, N, n_tile, wl, (int)mvalid);
     }
 }

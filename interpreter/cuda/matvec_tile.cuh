@@ -12,7 +12,7 @@ __device__ __forceinline__ T* matvec_to_tile(char* smem, const T* x, long long x
     static_assert(ROWS * sizeof(T) <= 4096, "matvec_to_tile: the rows must fit the reserved 4 KB");
     T* tile = reinterpret_cast<T*>(smem + MEGA_SMEM - 4096);
     // row n lands at tile[n - n_tile * ROWS]: a generic pointer into shared memory
-    matvec<T, 1, K, ROWS, HAS_NORM, false, false, false, false, PAGED>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, nullptr, 0,
+    matvec<T, 1, K, ROWS, HAS_NORM, false, false, true, PAGED>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, nullptr, 0,
                                                                 0, nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0,
                                                                 tile - n_tile * ROWS, 0, 1, N, n_tile, 1,
                                                                 MegaWaits{});

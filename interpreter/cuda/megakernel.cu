@@ -53,6 +53,8 @@ struct MegaSlot {
 
 #define MEGA_ENTRIES /*@ENTRIES@*/
 #define MEGA_COUNTERS /*@COUNTERS@*/
+#define MEGA_LAUNCHES /*@LAUNCHES@*/  // distinct launch counts that are runtime expressions
+#define MEGA_CONSTS_AT (3 * MEGA_ENTRIES + (1 + MEGA_LAUNCHES) * (MEGA_ENTRIES + 1))  // table: the constants
 
 struct MegaArgs {
   char* arena;
@@ -60,7 +62,7 @@ struct MegaArgs {
   unsigned long long* control;     // see runtime.cuh
   long long parity;
   unsigned long long* trace;       // MEGA_TRACE builds: 4 words per instance
-  const long long* table;          // per entry: its case, where its constants start, paged; then the constants
+  const long long* table;          // render.py: EntryTable.words
   long long dims[/*@NDIMS@*/];
   void* ptr[/*@NPTRS@*/];
 };
@@ -80,8 +82,16 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
   if (threadIdx.x == 0) {
     mega_control_ptr = control;
     mega_abort_block = 0;
-    prefix[0] = 0;
-    /*@PREFIX@*/
+  }
+  {  // the first instance of every entry, from the table (render.py: LaunchPrefix)
+    const long long launch[MEGA_LAUNCHES] = {/*@LAUNCH_VALUES@*/};
+    const long long* base = args.table + 3 * MEGA_ENTRIES;
+    for (int e = threadIdx.x; e <= MEGA_ENTRIES; e += blockDim.x) {
+      long long p = base[e];
+#pragma unroll
+      for (int j = 0; j < MEGA_LAUNCHES; ++j) p += base[(j + 1) * (MEGA_ENTRIES + 1) + e] * launch[j];
+      prefix[e] = p;
+    }
   }
   for (int e = threadIdx.x; e < MEGA_ENTRIES; e += blockDim.x) {
     entry_case[e] = (int)args.table[e];
@@ -154,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       const long long local = g - prefix[entry];
       slots[s] = MegaSlot{g, local, entry, L.issued};
       mega_mbar_arrive(&slot_full[s]);  // (release: the body threads see the slot)
-      const long long* E = args.table + 3 * MEGA_ENTRIES + entry_consts[entry];
+      const long long* E = args.table + MEGA_CONSTS_AT + entry_consts[entry];
       (void)E;
       bool ok = true;
       switch (entry_case[entry]) {
@@ -201,10 +211,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #ifdef MEGA_TRACE
     unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
 #endif
-    const long long* E = args.table + 3 * MEGA_ENTRIES + entry_consts[entry];  // this entry's constants
+    const long long* E = args.table + MEGA_CONSTS_AT + entry_consts[entry];  // this entry's constants
     (void)E;
     if (threadIdx.x == 32 && entry + 1 < MEGA_ENTRIES) {  // the next entry's constants into L1: its first
-      const long long* next = args.table + 3 * MEGA_ENTRIES + entry_consts[entry + 1];  // instance here finds them
+      const long long* next = args.table + MEGA_CONSTS_AT + entry_consts[entry + 1];  // instance here finds them
       asm volatile("prefetch.global.L1 [%0];" :: "l"(next));
       asm volatile("prefetch.global.L1 [%0];" :: "l"(next + 15));
     }

@@ -118,7 +118,10 @@ class MatVec(BlockKind):
 
         kdim = op.inputs[k["w"]].shape[1].value
         n = op.inputs[k["w"]].shape[0].value
-        flags = ["true" if role in k else "false" for role in ("g", "w2", "r", "xa", "ra")]
+        flags = ["true" if role in k else "false" for role in ("g", "w2", "r")]
+        # SUMS: whether xa / ra may be given (a runtime choice in the body). Always for one x row,
+        # so the layers with and without them share one instantiation (matvec.cuh)
+        flags.append("true" if mrows == 1 or "xa" in k or "ra" in k else "false")
         args = [("smem", "smem"), *operand("x", 2), *operand("g", 1), ("eps", f"{float(p.get('eps', 0.0))!r}f"),
                 *operand("w", 2), *operand("w2", 2), *operand("r", 2), *operand("xa", 2), *operand("ra", 2),
                 ("out", rows_of(out)), ("out_s0", out.strides[0]), ("out_s1", out.strides[1]),
