@@ -546,7 +546,7 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
          {**attn, "chunk": 256, "group": 8}, {}),
         ("attn_d64_strided_cache", "attn_partial", [Arg((32, 64), T), Arg((8, 300, 64), T, strides=(300 * 64, 1, 300)),
                                                     Arg((8, 300, 64), T, strides=(300 * 64, 1, 300))],
-         Arg((32, 2, 66), f32), {**attn, "length": 300, "chunk": 256, "group": 4}, {}),  # (the generic body)
+         Arg((32, 2, 66), f32), {**attn, "length": as_dim(300), "chunk": 256, "group": 4}, {}),  # (the generic body)
         ("merge_d64", "attn_merge", [Arg((32, 4, 66), f32)], Arg((32, 64), T), {**attn, "chunk": 256, "rows_per": 4},
          {0: _attn_part(64)}),
         ("merge_d128_many", "attn_merge", [Arg((16, 64, 130), f32)], Arg((16, 128), T),

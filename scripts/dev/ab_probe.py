@@ -3,6 +3,10 @@
     python3 scripts/dev/ab_probe.py PRESET NAME=DEFINES [NAME=DEFINES ...]
     e.g. ab_probe.py llama-3.2-1b main= static=MEGA_STATIC=1 ring=MEGA_STATIC=1,MEGA_PAGES=10,MEGA_SMEM=57344
 
+A variant NAME=@FILE runs a saved artifact instead, e.g. one built by another checkout (A/B of code,
+not defines): ``ab_probe.py --save PRESET FILE`` builds and saves this checkout's (no GPU needed;
+from an old commit's worktree, with PYTHONPATH pointing at it).
+
 Every variant is compiled and checked against the reference first; then the timing rounds
 interleave the variants (ROUNDS rounds of 20 launches each, default 7), so clock or thermal
 drift during the run hits all of them alike (the same code measured 1.043 and 1.116 ms on two
@@ -56,9 +60,12 @@ def main() -> None:
     ref = me.run_reference(g, {"token": tok, **{n: c.clone() for n, c in caches.items()}}, W, {"pos": CTX})
     kernels = {}
     for name, defs in variants.items():
-        os.environ["MEGAEGG_DEFINES"] = defs
+        os.environ["MEGAEGG_DEFINES"] = "" if defs.startswith("@") else defs
         try:
-            k = me.compile(g, W, backend="cuda", max_dims={"pos": 1023}, dims_hint={"pos": CTX})
+            if defs.startswith("@"):
+                k = me.Kernel(load_any_artifact(defs[1:]), W, backend="cuda")
+            else:
+                k = me.compile(g, W, backend="cuda", max_dims={"pos": 1023}, dims_hint={"pos": CTX})
             out = k(token=tok, pos=CTX, **{n: c.clone() for n, c in caches.items()})
         except Exception as e:  # (a variant that does not fit this GPU: the others still run)
             print(f"{name}: skipped: {str(e).splitlines()[0]}", flush=True)
@@ -93,11 +100,15 @@ def main() -> None:
         print(f"  {name:<24} {med:.4f}  (rounds {r.min():.4f}-{r.max():.4f})  {100 * (med / base - 1):+.1f}%")
     steps = {}
     for name, k in kernels.items():
+        if variants[name].startswith("@"):  # (a saved artifact: its source needs its own headers to trace)
+            continue
         tr = k.trace(token=tok, pos=CTX, **caches)
         steps[name] = layer_steps(tr)
         if os.environ.get("OUT"):
             np.savez(os.path.join(os.environ["OUT"], f"ab_{preset}_{name}.npz"), records=tr.records)
-    names = list(kernels)
+    names = list(steps)
+    if not names:
+        return
     print("\nmean step per op (us): " + " | ".join(names))
     sigs = [s for s, _, n in steps[names[0]] if n > 1]
     for s in sigs:
@@ -112,5 +123,34 @@ def g_buffers(kernels):
     return next(iter(kernels.values())).program.buffers
 
 
+def save(preset: str, path: str) -> None:
+    """Build and save PRESET's decode artifact (what main() compiles) with this checkout's code."""
+    from megaegg.compiler import build_artifact
+
+    g, _ = build_decode_graph(ModelConfig.preset(preset), max_len=1024)
+    build_artifact(g, max_dims={"pos": 1023}, dims_hint={"pos": CTX}, compile_cuda=True).save(path)
+
+
+def load_any_artifact(path: str):
+    """An artifact saved by any code version (Artifact.load refuses other versions: the queue
+    format is what must match, and the A/B's reference check catches a mismatch)."""
+    import json
+    import zipfile
+
+    from safetensors.torch import load as load_tensors
+
+    from megaegg.artifact import Artifact, decode
+
+    with zipfile.ZipFile(path) as z:
+        meta = json.loads(z.read("artifact.json"))
+        blob = z.read("constants.safetensors")
+        constants = {int(k): t for k, t in load_tensors(blob).items()} if blob else {}
+        return Artifact(queue=decode(meta["queue"]), source=z.read("kernel.cu").decode(), table=meta["table"],
+                        cubin=z.read("kernel.cubin"), constants=constants, defines=meta["defines"])
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--save":
+        save(*sys.argv[2:4])
+    else:
+        main()
