@@ -57,6 +57,8 @@ def operand_c(q: WorkQueue, o: Operand) -> CudaOperand:
         base = f"(({ctype}*)(args.arena + {mem.arena_offset[o.buffer]}))"
     elif o.buffer in mem.accum_word:  # in this launch's counter bank
         base = f"(({ctype}*)(ctr + {mem.accum_word[o.buffer]}))"
+    elif mem.peer is not None and o.buffer in mem.peer.offset:  # this rank's copy, this launch's half
+        base = f"(({ctype}*)(peer_half + {mem.peer.offset[o.buffer]}))"
     else:
         base = f"(({ctype}*)args.ptr[{mem.pointer_slot[o.buffer]}])"
     ptr = base if layout.offset.is_const and layout.offset.value == 0 else f"({base} + {c_expr(layout.offset)})"
@@ -181,10 +183,9 @@ def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
         lines.append("        if (threadIdx.x == 0) {")
         lines += [f"          {p}" for p in prefetch]
         lines.append("        }")
-    waits = [f"&ctr[{q.memory.counter_base[w.barrier_set]} + ({c_expr(w.index)})]" for w in e.waits]
-    expected = [f"(unsigned)({c_expr(w.expected)})" for w in e.waits]
+    waits, expected, sys = wait_list(q, e)
     if waits or kind.waits_in_body:  # the wait list (runtime.cuh: mega_wait_all)
-        lines.append(f"        MegaWaits wl; wl.n = {len(waits)};")
+        lines.append(f"        MegaWaits wl; wl.n = {len(waits)}; wl.sys = {sys}u;")
         lines += [f"        wl.ctr[{i}] = {c}; wl.expected[{i}] = {x};" for i, (c, x) in enumerate(zip(waits, expected))]
     call = f"        {kind.cuda_call(op, ins, out)};"
     traced = "        MEGA_TRACE_WAITS_PASSED();" if waits else "        MEGA_TRACE_WAITED();"
@@ -195,13 +196,38 @@ def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
             lines.append("        if (!mega_wait_all(wl)) break;")
         lines += [traced, call]
     if e.signals:
+        peer = q.memory.peer
         lines.append("        mega_sync();")
         lines.append("        if (threadIdx.x == 0) {")
-        lines.append("          __threadfence();")
+        # (system scope when other GPUs read what this instance wrote: its stores went over NVLink)
+        lines.append("          __threadfence_system();" if any(s.peer for s in e.signals) else "          __threadfence();")
         for s in e.signals:
-            lines.append(f"          mega_red_release(&ctr[{q.memory.counter_base[s.id]} + ({c_expr(s.signal)})], 1u);")
+            if s.peer:  # this rank's counter on every rank
+                at = f"({peer.counter_base[s.id]} + ({c_expr(s.signal)})) * {peer.ranks} + D_rank"
+                lines.append(f"          for (int r = 0; r < {peer.ranks}; ++r) mega_red_release_sys((unsigned*)args.peers[r] + {at}, 1u);")
+            else:
+                lines.append(f"          mega_red_release(&ctr[{q.memory.counter_base[s.id]} + ({c_expr(s.signal)})], 1u);")
         lines.append("        }")
     return lines
+
+
+def wait_list(q: WorkQueue, e: QueueEntry) -> tuple[list[str], list[str], int]:
+    """The counters an instance of ``e`` waits on, the counts it waits for, and the mask of those to
+    read at system scope. A wait on a peer family is one wait per source rank on this rank's peer
+    counters, which count across launches: ``seq`` (this launch's number, from 1) times the count."""
+    sets = {s.id: s for s in q.barriers.sets}
+    counters, expected, sys = [], [], 0
+    for w in e.waits:
+        if sets[w.barrier_set].peer:
+            peer = q.memory.peer
+            for r in range(peer.ranks):
+                sys |= 1 << len(counters)
+                counters.append(f"&pctr[({peer.counter_base[w.barrier_set]} + ({c_expr(w.index)})) * {peer.ranks} + {r}]")
+                expected.append(f"seq * (unsigned)({c_expr(w.expected)})")
+        else:
+            counters.append(f"&ctr[{q.memory.counter_base[w.barrier_set]} + ({c_expr(w.index)})]")
+            expected.append(f"(unsigned)({c_expr(w.expected)})")
+    return counters, expected, sys
 
 
 # Integer literals a case may take from the entry table: not inside a template argument list
@@ -311,6 +337,16 @@ def shared_cases(q: WorkQueue, defs: dict[str, int]) -> tuple[list[str], list[st
     return cases, loader_cases, EntryTable(tuple(variant), tuple(offset), tuple(paged), LaunchPrefix.of(q), tuple(consts))
 
 
+def peer_prologue(q: WorkQueue) -> str:
+    """A tensor-parallel kernel's view of its peer region: its counters, this launch's half of the buffers."""
+    peer = q.memory.peer
+    if peer is None:
+        return ""
+    return ("unsigned* const pctr = (unsigned*)args.peers[args.rank];  (void)pctr;\n"
+            f"  char* const peer_half = args.peers[args.rank] + {peer.data_at}LL + (args.seq & 1) * {peer.half_bytes}LL;  (void)peer_half;\n"
+            "  const unsigned seq = (unsigned)args.seq;  (void)seq;")
+
+
 def render(q: WorkQueue, defs: dict[str, int] | None = None) -> Rendered:
     """The kernel's source and entry table for the defines it will be compiled with (default:
     ``defines()``; they decide, for one, whether weights go through the page ring)."""
@@ -325,7 +361,8 @@ def render(q: WorkQueue, defs: dict[str, int] | None = None) -> Rendered:
         "COUNTERS": str(max(1, q.memory.counters)),
         "NDIMS": str(max(1, len(symbols))),
         "NPTRS": str(max(1, len(q.memory.pointer_slot))),
-        "MAXWAITS": str(max([1, *(len(e.waits) for e in q.entries)])),
+        "MAXWAITS": str(max([1, *(len(wait_list(q, e)[0]) for e in q.entries)])),
+        "PEER": peer_prologue(q),
         "DIMS": " ".join(f"const long long {dimc(s)} = args.dims[{k}];" for k, s in enumerate(symbols)),
         "LAUNCHES": str(max(1, len(table.prefix.launches))),
         "LAUNCH_VALUES": ", ".join(f"max_i64(0LL, {x})" for x in table.prefix.launches) or "0LL",

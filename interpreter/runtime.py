@@ -18,6 +18,7 @@ from ..lowering.queue import WorkQueue
 from .render import launch_shape
 
 CONTROL_WORDS = 8
+MAX_RANKS = 8  # megakernel.cu: MEGA_MAX_RANKS
 ERR_TIMEOUT, ERR_INDEX, ERR_LAYOUT = 1, 2, 3
 
 
@@ -68,24 +69,43 @@ class CudaRunner:
         self.parity = 0
         self.bound = bound  # weights and constants, kept alive here
         nd, np_ = max(1, len(queue.program.symbols)), max(1, len(mem.pointer_slot))
-        # MegaArgs: arena, counters, control, parity, trace, table, dims[nd], ptr[np]
+        # MegaArgs: arena, counters, control, parity, trace, table, rank, seq, peers[8], dims[nd], ptr[np]
         self.trace = torch.zeros(4 * max(1, trace_instances), dtype=torch.int64, device=device) if trace_instances else None
         self.table = torch.tensor(table, dtype=torch.int64, device=device)
-        self.args = np.zeros(6 + nd + np_, dtype=np.int64)
+        self.args = np.zeros(8 + MAX_RANKS + nd + np_, dtype=np.int64)
         self.args[0:3] = [self.arena.data_ptr(), self.counters.data_ptr(), self.control.data_ptr()]
         self.args[4] = self.trace.data_ptr() if self.trace is not None else 0
         self.args[5] = self.table.data_ptr()
-        self.dim_base, self.ptr_base = 6, 6 + nd
+        self.dim_base, self.ptr_base = 8 + MAX_RANKS, 8 + MAX_RANKS + nd
+        # a tensor-parallel program's peer region (lowering/queue.py: PeerPlan): on its own, rank 0
+        # of a group of one; megaegg/parallel.py points the peers at each other
+        self.peer_region = torch.zeros(mem.peer.region_bytes, dtype=torch.uint8, device=device) if mem.peer else None
+        self.seq = 0
+        if self.peer_region is not None:
+            self.set_peers(0, [self.peer_region.data_ptr()])
         for buf, t in bound.items():
             self.args[self.ptr_base + mem.pointer_slot[buf]] = t.data_ptr()
         self._param = (ctypes.c_void_p * 1)(self.args.ctypes.data)
         self.stats = LaunchStats()
+
+    def set_peers(self, rank: int, regions: list[int]) -> None:
+        """This rank's number and every rank's peer region (device addresses this GPU can reach)."""
+        self.args[6] = rank
+        self.args[8 : 8 + len(regions)] = regions
+
+    def reset_peers(self) -> None:
+        """Zero the peer counters and restart the launch numbers (every rank of the group at once)."""
+        if self.peer_region is not None:
+            self.peer_region.zero_()
+        self.seq = 0
 
     def launch(self, dims: list[int], tensors: dict[int, torch.Tensor]) -> None:
         from cuda.bindings import driver
 
         a = self.args
         a[3] = self.parity
+        self.seq += 1
+        a[7] = self.seq
         a[self.dim_base : self.dim_base + len(dims)] = dims
         for buf, t in tensors.items():
             a[self.ptr_base + self.q.memory.pointer_slot[buf]] = t.data_ptr()
@@ -106,20 +126,32 @@ class CudaRunner:
         self.counters.zero_()
         self.control.zero_()
         self.parity = 0
+        self.reset_peers()
         code, entry, inst, detail = rec[3], rec[4], rec[5], rec[6]
         op = self.q.entries[entry].op if 0 <= entry < len(self.q.entries) else None
         what = f"op{op.id} {op.kind} (graph nodes {list(op.sources)})" if op else f"entry {entry}"
         if code == ERR_TIMEOUT:
-            w = self.q.entries[entry].waits[detail]
+            w, rank = expanded_waits(self.q, entry)[detail]
+            src = f" of rank {rank}" if rank is not None else ""
             raise MegakernelError(
                 f"barrier wait timed out in {what}, instance {inst}: waiting on barrier set {w.barrier_set} "
-                f"(producer op{self.q.barriers.sets[w.barrier_set].producer}), counter {w.index}, expected {w.expected}")
+                f"(producer op{self.q.barriers.sets[w.barrier_set].producer}{src}), counter {w.index}, expected {w.expected}")
         if code == ERR_INDEX:
             raise MegakernelError(f"index out of range in {what}, instance {inst}: value {detail}")
         if code == ERR_LAYOUT:
             raise MegakernelError(f"unsupported operand layout in {what}, instance {inst}: its body takes "
                                   "contiguous, 16-byte aligned rows")
         raise MegakernelError(f"megakernel error code {code} in {what}, instance {inst}")
+
+
+def expanded_waits(q: WorkQueue, entry: int) -> list:
+    """(wait, source rank or None) in the order the kernel waits (render.py: wait_list): a wait on a
+    peer family is one wait per source rank."""
+    sets = {s.id: s for s in q.barriers.sets}
+    out = []
+    for w in q.entries[entry].waits:
+        out += [(w, r) for r in range(q.program.ranks)] if sets[w.barrier_set].peer else [(w, None)]
+    return out
 
 
 def smem_bytes(device: torch.device) -> int:

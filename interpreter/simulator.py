@@ -14,6 +14,12 @@ that adds into it has run.
 runs instances ``s, s + sms, ...`` of the queue, in that order, and nothing is claimed.
 ``Schedule.ring`` runs the weight page ring's protocol instead (``page_sim.py``): per SM a
 loader that claims instances and fills pages, and a body that computes from the pages.
+
+:func:`run_group` runs the ranks of a tensor-parallel group together, one Simulation a rank, each
+with its own SMs and claim order: an instance that writes a ``peer`` buffer writes its row into
+every rank's copy and signals every rank's counter of its source rank; a wait on a peer family
+waits for every source rank. The scheduler interleaves the ranks at random, or delays one rank
+(and one op) as long as anything else can move.
 """
 
 from __future__ import annotations
@@ -54,15 +60,18 @@ def poison(t: torch.Tensor) -> None:
 
 
 class Simulation:
-    def __init__(self, queue: WorkQueue, buffers: dict[int, torch.Tensor], env: dict[str, int]) -> None:
-        """``buffers`` maps every buffer id to a flat tensor; scratch ones are poisoned here."""
-        self.q, self.buf, self.env = queue, buffers, env
+    def __init__(self, queue: WorkQueue, buffers: dict[int, torch.Tensor], env: dict[str, int], rank: int = 0) -> None:
+        """``buffers`` maps every buffer id to a flat tensor; scratch and peer ones are poisoned here.
+        ``rank``: this device's rank in its tensor-parallel group (``run_group``)."""
+        self.q, self.buf, self.env, self.rank = queue, buffers, {**env, "rank": rank}, rank
+        self.group: list[Simulation] = [self]  # the ranks' simulations, by rank (run_group sets it)
         self._index: dict[int, torch.Tensor] = {}  # flat element ids per buffer, built once
         self.ready = {}
+        fresh = ("scratch", "peer")  # written during the launch: nothing in them is ready at first
         for b in queue.program.buffers:
-            if b.kind == "scratch":
+            if b.kind in fresh:
                 poison(buffers[b.id])
-            self.ready[b.id] = torch.full((buffers[b.id].numel(),), b.kind != "scratch")
+            self.ready[b.id] = torch.full((buffers[b.id].numel(),), b.kind not in fresh)
         self.written = {b: torch.zeros_like(r) for b, r in self.ready.items()}
         self.instances = []  # (entry index, local index) in queue order
         for k, e in enumerate(queue.entries):
@@ -76,11 +85,12 @@ class Simulation:
             if kind == "accum":
                 pending = self.adders.setdefault(op.output.buffer, torch.zeros_like(self.ready[op.output.buffer], dtype=torch.int64))
                 pending[idx] += 1
-            if kind != "scratch":
+            if kind not in fresh:
                 self.ready[op.output.buffer][idx] = False
-        self.counters: dict[tuple[int, int], int] = {}
+        self.counters: dict[tuple, int] = {}  # (set, index), or (set, index, source rank) of a peer set
+        self.peer_sets = {s.id for s in queue.barriers.sets if s.peer}
         # buffers written during the launch: only their reads need checking
-        self.tracked = {b.id for b in queue.program.buffers if b.kind == "scratch"}
+        self.tracked = {b.id for b in queue.program.buffers if b.kind in fresh}
         self.tracked |= {e.op.output.buffer for e in queue.entries}
 
     # --- addressing ------------------------------------------------------------------
@@ -88,6 +98,12 @@ class Simulation:
         op = self.q.entries[k].op
         grid = [g.eval(self.env) for g in op.grid] or [1]
         return {**self.env, **{f"_i{a}": c for a, c in enumerate(grid_coords(i, grid))}}
+
+    def count(self, set_id: int, index: int) -> int:
+        """Signals on counter ``index`` of a set so far; of a peer set, the fewest of any source rank."""
+        if set_id in self.peer_sets:
+            return min(self.counters.get((set_id, index, r), 0) for r in range(self.q.program.ranks))
+        return self.counters.get((set_id, index), 0)
 
     def view(self, o: Operand, env: dict[str, int], base: torch.Tensor | None = None) -> torch.Tensor:
         lay = self.q.layout(o)
@@ -107,7 +123,7 @@ class Simulation:
     def waits_met(self, k: int, i: int) -> bool:
         e = self.q.entries[k]
         env = self.coords(k, i)
-        return all(self.counters.get((w.barrier_set, w.index.eval(env)), 0) >= w.expected.eval(env) for w in e.waits)
+        return all(self.count(w.barrier_set, w.index.eval(env)) >= w.expected.eval(env) for w in e.waits)
 
     def where(self, k: int, i: int) -> str:
         op = self.q.entries[k].op
@@ -139,9 +155,22 @@ class Simulation:
         else:
             self.ready[op.output.buffer][out_idx] = True
         self.written[op.output.buffer][out_idx] = True
+        if self.q.program.buffers[op.output.buffer].kind == "peer":  # the same row of every rank's copy
+            for other in self.group:
+                if other is not self:
+                    if bool(other.written[op.output.buffer][out_idx].any()):
+                        raise SimulationError(f"rank {self.rank} {where} writes peer elements already written on rank {other.rank}")
+                    other.buf[op.output.buffer][out_idx] = self.buf[op.output.buffer][out_idx]
+                    other.ready[op.output.buffer][out_idx] = True
+                    other.written[op.output.buffer][out_idx] = True
         for s in e.signals:
-            key = (s.id, s.signal.eval(env))
-            self.counters[key] = self.counters.get(key, 0) + 1
+            if s.peer:  # this rank's counter on every rank
+                for other in self.group:
+                    key = (s.id, s.signal.eval(env), self.rank)
+                    other.counters[key] = other.counters.get(key, 0) + 1
+            else:
+                key = (s.id, s.signal.eval(env))
+                self.counters[key] = self.counters.get(key, 0) + 1
 
     # --- the scheduler ------------------------------------------------------------------
     def run(self, schedule: Schedule) -> None:
@@ -183,3 +212,42 @@ class Simulation:
             preferred = [t for t in movable if t[-1][0] != victim]
             t = rng.choice(preferred or movable)
             self.execute(*t.pop())
+
+
+def run_group(sims: list[Simulation], schedule: Schedule) -> None:
+    """Run the ranks of a tensor-parallel group (``sims[r]`` is rank ``r``'s) as one launch: each rank
+    claims its own instances in queue order on ``schedule.sms`` SMs; the next move is a random SM of
+    a random rank, or, adversarially, anything but one victim rank and one victim op while anything
+    else can move. Fails on an early read, a double write or a deadlock, naming the rank."""
+    if schedule.ring is not None or schedule.static:
+        raise ValueError("run_group: the page ring and the static order are modelled for one device only")
+    for s in sims:
+        s.group = sims
+    rng = random.Random(schedule.seed)
+    entries = len(sims[0].q.entries)
+    victim_op = rng.randrange(entries) if schedule.adversarial and entries else None
+    victim_rank = rng.randrange(len(sims)) if schedule.adversarial else None
+    held = [[None] * schedule.sms for _ in sims]
+    nxt = [0] * len(sims)
+
+    def pending(r: int) -> bool:
+        return nxt[r] < len(sims[r].instances) or any(h is not None for h in held[r])
+
+    while any(pending(r) for r in range(len(sims))):
+        movable = [(r, s) for r, sim in enumerate(sims) for s, h in enumerate(held[r])
+                   if (h is None and nxt[r] < len(sim.instances)) or (h is not None and sim.waits_met(*h))]
+        if not movable:
+            r, h = next((r, h) for r in range(len(sims)) for h in held[r] if h is not None)
+            op = sims[r].q.entries[h[0]].op
+            raise SimulationError(f"deadlock: rank {r} op{op.id} {op.kind} instance {h[1]} waits forever")
+        preferred = [(r, s) for r, s in movable if r != victim_rank and (held[r][s] is None or held[r][s][0] != victim_op)]
+        r, s = rng.choice(preferred or movable)
+        if held[r][s] is None:
+            held[r][s] = sims[r].instances[nxt[r]]
+            nxt[r] += 1
+        else:
+            try:
+                sims[r].execute(*held[r][s])
+            except SimulationError as e:
+                raise SimulationError(f"rank {r}: {e}") from None
+            held[r][s] = None

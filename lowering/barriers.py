@@ -96,15 +96,20 @@ class BarrierSet:
     """A family of ``count`` completion counters; producer instance adds 1 to ``[signal]``.
 
     ``signal`` is an expression of the producer's ``_i*`` and runtime dims, in ``[0, count)``.
+    A ``peer`` family counts writes into a ``peer`` buffer, which every rank of a tensor-parallel
+    group makes into every rank's copy: each rank holds ``count`` counters per SOURCE rank, a
+    producer instance adds 1 to ``[signal]`` of its own rank's row on every rank, and the counters
+    are never reset: they count across launches (docs/parallel.md).
     """
 
     id: int
     producer: int
     count: Dim
     signal: Dim
+    peer: bool = False
 
     def __str__(self) -> str:
-        return f"B{self.id} op{self.producer} signals [{self.signal}] of {self.count}"
+        return f"B{self.id} op{self.producer} signals [{self.signal}] of {self.count}" + (" on every rank" if self.peer else "")
 
 
 @dataclass(frozen=True)
@@ -177,18 +182,25 @@ def derive_barriers(program: BlockProgram) -> BarrierPlan:
             for producer in program.ops[:pos]:  # queue order: only earlier ops (liveness)
                 if producer.output.buffer != operand.buffer:
                     continue
-                pair = _derive_pair(producer, consumer, k, buf)
+                peer = buf.kind == "peer"
+                pair = _derive_pair(_as_rank0(producer) if peer else producer, consumer, k, buf)
                 if pair is not None:
-                    raw.append((producer, k, consumer, pair))
+                    raw.append((producer, k, consumer, pair, peer))
     # one batch through the simplifier, then dedupe counter families
-    exprs = [e for *_, p in raw for e in (p.count, p.signal, p.index, p.expected)]
+    exprs = [e for *_, p, _peer in raw for e in (p.count, p.signal, p.index, p.expected)]
     simple = dict(zip(exprs, _simplify_many(exprs)))
-    sets: dict[tuple[int, Dim, Dim], BarrierSet] = {}
+    sets: dict[tuple[int, Dim, Dim, bool], BarrierSet] = {}
     waits: dict[int, list[Wait]] = {op.id: [] for op in program.ops}
-    for producer, k, consumer, p in raw:
-        key = (producer.id, simple[p.count], simple[p.signal])
+    for producer, k, consumer, p, peer in raw:
+        key = (producer.id, simple[p.count], simple[p.signal], peer)
+        if peer and not (key[1].is_const and all(not (s.symbols() - _coords(s)) for s in (simple[p.expected],))):
+            # a peer counter is never reset: the host knows its count after n launches only if
+            # every launch adds the same number
+            raise ValueError(f"op{consumer.id} {consumer.kind}: waits on op{producer.id} {producer.kind} across ranks "
+                             f"with a count that depends on runtime dims ({simple[p.count]}, {simple[p.expected]}); "
+                             "a tensor-parallel all_reduce needs a static shape")
         if key not in sets:
-            sets[key] = BarrierSet(len(sets), producer.id, key[1], key[2])
+            sets[key] = BarrierSet(len(sets), producer.id, key[1], key[2], peer)
         w = Wait(consumer.id, k, sets[key].id, simple[p.index], simple[p.expected])
         if not any((x.barrier_set, x.index, x.expected) == (w.barrier_set, w.index, w.expected) for x in waits[consumer.id]):
             waits[consumer.id].append(w)
@@ -198,7 +210,7 @@ def derive_barriers(program: BlockProgram) -> BarrierPlan:
     used = sorted({w.barrier_set for ws in waits.values() for w in ws})
     renum = {old: new for new, old in enumerate(used)}
     by_id = {s.id: s for s in sets.values()}
-    kept = [BarrierSet(renum[i], by_id[i].producer, by_id[i].count, by_id[i].signal) for i in used]
+    kept = [dataclasses.replace(by_id[i], id=renum[i]) for i in used]
     waits = {op: [dataclasses.replace(w, barrier_set=renum[w.barrier_set]) for w in ws] for op, ws in waits.items() if ws}
     return BarrierPlan(kept, waits, launches)
 
@@ -218,6 +230,8 @@ def _drop_implied(program: BlockProgram, sets: list[BarrierSet], waits: dict[int
 
     def whole(w: Wait) -> int | None:  # the producer a wait covers entirely
         s = by_id[w.barrier_set]
+        if s.peer:  # (kept simple: a wait across ranks implies nothing and is never dropped)
+            return None
         n = launches[s.producer]
         if s.count.is_const and s.count.value == 1 and n.is_const and n.value >= 1 and w.expected == n:
             return s.producer
@@ -229,9 +243,22 @@ def _drop_implied(program: BlockProgram, sets: list[BarrierSet], waits: dict[int
         ws = waits.get(op.id, [])
         wholes = {p for w in ws if (p := whole(w)) is not None}
         implied = set().union(*(done_with[p] for p in wholes))
-        out[op.id] = [w for w in ws if by_id[w.barrier_set].producer not in implied]
+        out[op.id] = [w for w in ws if by_id[w.barrier_set].peer or by_id[w.barrier_set].producer not in implied]
         done_with[op.id] = wholes | implied
     return out
+
+
+def _as_rank0(producer: BlockOp) -> BlockOp:
+    """A peer buffer's producer as rank 0 runs it. Every source rank writes its own row of the peer
+    buffer in the same pattern, and a peer family counts each source apart, so the counts derived
+    for one source hold for each (the row itself is what the consumer's Full reads of every rank)."""
+    writes = tuple(At(a.index.subs({"rank": 0})) if isinstance(a, At) else a for a in producer.writes)
+    return dataclasses.replace(producer, writes=writes)
+
+
+def _coords(d: Dim) -> set[str]:
+    """The grid coordinates (``_i*``) among ``d``'s symbols."""
+    return {s for s in d.symbols() if _COORD.match(s)}
 
 
 def _launch_count(op: BlockOp) -> Dim:

@@ -41,6 +41,30 @@ class MemoryPlan:
     counter_base: dict[int, int]  # barrier set id -> first counter
     counters: int  # counters per parity (barrier counters, then accum buffers)
     accum_word: dict[int, int] = field(default_factory=dict)  # accum buffer id -> first word in the bank
+    peer: PeerPlan | None = None  # a tensor-parallel program's peer region
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """Each rank's peer region, which every rank of the group writes into: first the peer counters
+    (``ranks`` per counter of every peer barrier set: one per source rank, never reset), then the
+    peer buffers twice, the launch's half chosen by the parity of its sequence number (a rank one
+    launch ahead writes the other half: docs/parallel.md)."""
+
+    ranks: int
+    counter_base: dict[int, int]  # peer barrier set id -> its first counter (then `ranks` words a counter)
+    counters: int  # u32 words
+    offset: dict[int, int]  # peer buffer id -> byte offset in a half
+    half_bytes: int
+
+    @property
+    def data_at(self) -> int:
+        """Byte offset of the first half of the buffers."""
+        return -(-4 * self.counters // ARENA_ALIGN) * ARENA_ALIGN
+
+    @property
+    def region_bytes(self) -> int:
+        return self.data_at + 2 * self.half_bytes
 
 
 @dataclass(frozen=True)
@@ -108,7 +132,7 @@ def plan_memory(program: BlockProgram, barriers: BarrierPlan, max_dims: Mapping[
 
     arena, offset, slots = 0, {}, {}
     for b in program.buffers:
-        if b.kind == "accum":  # in the counter bank, below
+        if b.kind in ("accum", "peer"):  # in the counter bank, or the peer region, below
             continue
         if b.kind == "scratch":
             nbytes = b.dtype.itemsize * elements(b)
@@ -118,6 +142,8 @@ def plan_memory(program: BlockProgram, barriers: BarrierPlan, max_dims: Mapping[
             slots[b.id] = len(slots)
     base, counters = {}, 0
     for s in barriers.sets:
+        if s.peer:
+            continue
         base[s.id] = counters
         counters += max(1, upper_bound(s.count, max_dims))
     # accum buffers (f32 sums) live in the counter bank, which every launch zeroes for the
@@ -129,4 +155,20 @@ def plan_memory(program: BlockProgram, barriers: BarrierPlan, max_dims: Mapping[
             accum[b.id] = counters
             counters += elements(b)
     counters = -(-counters // ACCUM_ALIGN_WORDS) * ACCUM_ALIGN_WORDS  # the second bank stays aligned
-    return MemoryPlan(max(arena, ARENA_ALIGN), offset, slots, base, counters, accum)
+    return MemoryPlan(max(arena, ARENA_ALIGN), offset, slots, base, counters, accum, plan_peer(program, barriers))
+
+
+def plan_peer(program: BlockProgram, barriers: BarrierPlan) -> PeerPlan | None:
+    peers = [b for b in program.buffers if b.kind == "peer"]
+    if not peers:
+        return None
+    base, counters = {}, 0
+    for s in barriers.sets:
+        if s.peer:
+            base[s.id] = counters
+            counters += s.count.value * program.ranks
+    offset, half = {}, 0
+    for b in peers:
+        offset[b.id] = half
+        half += -(-b.dtype.itemsize * math.prod(d.value for d in b.shape) // ARENA_ALIGN) * ARENA_ALIGN
+    return PeerPlan(program.ranks, base, counters, offset, half)

@@ -215,6 +215,9 @@ class Kernel:
 
     # --- running ----------------------------------------------------------------------
     def __call__(self, *, check: bool = True, **kwargs) -> dict[str, torch.Tensor]:
+        if self.program.ranks > 1:
+            raise GraphError(f"the graph all-reduces over {self.program.ranks} ranks: run it with "
+                             "megaegg.parallel.ParallelKernel, one rank a GPU")
         tensors, dims = self._split_args(kwargs)
         if self.backend == "sim":
             return self._run_sim(tensors, dims)
@@ -239,6 +242,12 @@ class Kernel:
     def _run_sim(self, tensors, dims, schedule=None) -> dict[str, torch.Tensor]:
         from .interpreter.simulator import Schedule, Simulation
 
+        sim = Simulation(self.queue, self._sim_buffers(tensors, dims), dims)
+        sim.run(schedule or self.schedule or Schedule())
+        return {name: sim.view(o, dims).clone() for name, o in self.program.outputs.items()}
+
+    def _sim_buffers(self, tensors, dims) -> dict[int, torch.Tensor]:
+        """Every buffer as a flat tensor: the caller's, the bound ones, fresh ones for the rest."""
         flat = {}
         for b in self.program.buffers:
             if b.id in tensors:
@@ -251,9 +260,7 @@ class Kernel:
                     n *= d
                 alloc = torch.zeros if b.kind == "accum" else torch.empty  # accum: zeroed each launch, as on the GPU
                 flat[b.id] = alloc(n, dtype=b.dtype.torch)
-        sim = Simulation(self.queue, flat, dims)
-        sim.run(schedule or self.schedule or Schedule())
-        return {name: sim.view(o, dims).clone() for name, o in self.program.outputs.items()}
+        return flat
 
     def trace(self, **kwargs):
         """Run once with per-instance timestamps (a separately compiled traced kernel); returns a Trace."""

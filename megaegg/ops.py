@@ -18,7 +18,7 @@ from .graph import GraphError, ShapeError, Tensor, check_static_dims
 __all__ = [
     "matmul", "linear", "add", "mul", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
     "softmax", "attention", "kv_append", "kv_store", "ragged_attention", "argmax", "reshape", "transpose", "permute", "slice",
-    "expand", "concat", "cast", "moe_mlp", "sample",
+    "expand", "concat", "cast", "moe_mlp", "sample", "all_reduce",
 ]
 
 
@@ -163,6 +163,22 @@ def moe_mlp(
         raise ShapeError(f"{op}: top_k must be an int in [1, {e.value}] (the number of experts), got {top_k!r}")
     return _new(op, (x, router_logits, w_gate, w_up, w_down), x.shape, x.dtype, name,
                 top_k=top_k, normalize=bool(normalize))
+
+
+def all_reduce(x: Tensor, *, ranks: int, name: str | None = None) -> Tensor:
+    """The sum of ``x`` over the ``ranks`` GPUs of a tensor-parallel group (every rank runs the same
+    graph on its own shard of the weights and gets the same sum): a row-parallel projection's partial
+    results become the full one. Summed in f32, rounded to ``x``'s dtype once. ``x`` must have a
+    static shape (its tiles' counters are counted across launches, megaegg/parallel.py)."""
+    _check_float("all_reduce", x)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+        raise ShapeError(f"all_reduce: ranks must be an int in [1, {MAX_RANKS}], got {ranks!r}")
+    if not all(d.is_const for d in x.shape):
+        raise ShapeError(f"all_reduce: {_desc(x)} must have a static shape")
+    return _new("all_reduce", (x,), x.shape, x.dtype, name, ranks=ranks)
+
+
+MAX_RANKS = 8  # GPUs of one host
 
 
 def softmax(x: Tensor, dim: int = -1, *, name: str | None = None) -> Tensor:

@@ -78,20 +78,51 @@ def run_reference(
     >>> run_reference(g, {"x": torch.zeros(2, 3)})["y"].shape
     torch.Size([2, 3])
     """
+    if any(n.op == "all_reduce" and n.attrs["ranks"] > 1 for n in graph.nodes):
+        raise GraphError("the graph all-reduces over several ranks: run it with run_reference_ranks")
+    return run_reference_ranks(graph, [inputs or {}], [weights or {}], dims)[0]
+
+
+def run_reference_ranks(
+    graph: Graph,
+    inputs: list[Mapping[str, torch.Tensor]],
+    weights: list[Mapping[str, torch.Tensor]],
+    dims: Mapping[str, int] | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Run ``graph`` once per tensor-parallel rank, in lockstep: ``inputs[r]`` and ``weights[r]`` are
+    rank ``r``'s (its weight shards); an ``all_reduce`` gives every rank the f32 sum of the ranks'
+    values, rounded once. Returns each rank's outputs.
+
+    >>> import torch, megaegg as me
+    >>> g = me.Graph(); x = g.input("x", [1, 4], me.f32)
+    >>> _ = g.output("y", me.all_reduce(x, ranks=2))
+    >>> [o["y"].tolist() for o in run_reference_ranks(g, [{"x": torch.ones(1, 4)}, {"x": 2 * torch.ones(1, 4)}], [{}, {}])]
+    [[[3.0, 3.0, 3.0, 3.0]], [[3.0, 3.0, 3.0, 3.0]]]
+    """
     env = bind_dims(graph, dims or {})
-    values = collect_leaves(graph, inputs or {}, weights or {}, env)
-    device = next((v.device for v in values.values()), torch.device("cpu"))
+    if len(inputs) != len(weights) or not inputs:
+        raise GraphError(f"run_reference_ranks: one inputs and one weights dict per rank (got {len(inputs)} and {len(weights)})")
+    for n in graph.nodes:
+        if n.op == "all_reduce" and n.attrs["ranks"] != len(inputs):
+            raise GraphError(f"all_reduce {n.label} sums over {n.attrs['ranks']} ranks; {len(inputs)} were given")
+    values = [collect_leaves(graph, i, w, env) for i, w in zip(inputs, weights)]
+    devices = [next((t.device for t in v.values()), torch.device("cpu")) for v in values]
     live = graph.live_nodes()
     for node in graph.nodes:
-        if node.id in values or node.id not in live:
+        if node.id in values[0] or node.id not in live:
             continue
-        args = [values[i] for i in node.inputs]
-        try:
-            out = _EVAL[node.op](node, args, env, device)
-        except (RuntimeError, IndexError) as e:
-            raise GraphError(f"{node.op} {node.label} failed at run time: {e}") from e
-        values[node.id] = out
-    return {name: values[i] for name, i in graph.outputs.items()}
+        if node.op == "all_reduce":
+            total = sum(_f(v[node.inputs[0]]).to(devices[0]) for v in values)
+            for v, device in zip(values, devices):
+                v[node.id] = _to(node, total).to(device)
+            continue
+        for v, device in zip(values, devices):
+            args = [v[i] for i in node.inputs]
+            try:
+                v[node.id] = _EVAL[node.op](node, args, env, device)
+            except (RuntimeError, IndexError) as e:
+                raise GraphError(f"{node.op} {node.label} failed at run time: {e}") from e
+    return [{name: v[i] for name, i in graph.outputs.items()} for v in values]
 
 
 # --- op semantics -------------------------------------------------------------------
@@ -251,5 +282,6 @@ _EVAL: dict[str, Callable] = {
     "concat": lambda n, a, e, d: torch.cat(a, n.attrs["dim"]),
     "cast": lambda n, a, e, d: a[0].to(n.dtype.torch),
     "moe_mlp": _moe_mlp,
+    "all_reduce": lambda n, a, e, d: _to(n, _f(a[0])),  # (one rank: run_reference_ranks sums several)
 }
 

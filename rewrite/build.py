@@ -57,6 +57,11 @@ class ProgramBuilder:
         shape = tuple(as_dim(d) for d in shape)
         return Operand(self.new_buffer(name, "scratch", shape, dtype), shape, dtype)
 
+    def peer(self, name: str, shape, dtype) -> Operand:
+        """A new ``peer`` buffer: every rank of the tensor-parallel group holds one and writes its row into all."""
+        shape = tuple(as_dim(d) for d in shape)
+        return Operand(self.new_buffer(name, "peer", shape, dtype), shape, dtype)
+
     def buffer(self, i: int) -> int:
         """Buffer holding base node ``i`` (created on first use)."""
         if i not in self.buffer_of:
@@ -186,7 +191,11 @@ def build_program(graph: Graph, chosen: dict, env_hint: dict[str, int]) -> Block
     for v in sorted(chosen, key=order):
         b.lower(chosen[v])
     outputs = {name: b.operand(i) for name, i in graph.outputs.items()}
-    return BlockProgram(b.buffers, b.ops, outputs, tuple(sorted(graph.symbols())), range_checks(graph))
+    ranks = {n.attrs["ranks"] for n in graph.nodes if n.op == "all_reduce"}
+    if len(ranks) > 1:
+        raise GraphError(f"all_reduce ops of one graph sum over different numbers of ranks: {sorted(ranks)}")
+    return BlockProgram(b.buffers, b.ops, outputs, tuple(sorted(graph.symbols())), range_checks(graph),
+                        ranks=ranks.pop() if ranks else 1)
 
 
 def range_checks(graph: Graph) -> tuple[RangeCheck, ...]:

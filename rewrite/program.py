@@ -15,14 +15,15 @@ from ..blockops.footprint import Footprint, fmt_footprint
 from ..dims import Dim, fmt_shape
 from ..dtypes import DType
 
-BUFFER_KINDS = ("input", "weight", "constant", "state", "scratch", "accum", "output")
+BUFFER_KINDS = ("input", "weight", "constant", "state", "scratch", "accum", "output", "peer")
 
 
 @dataclass(frozen=True)
 class Buffer:
     """Storage for one tensor. ``state`` buffers (KV caches) are inputs written in place;
     ``accum`` buffers are f32 sums that several instances add into, zero at every launch;
-    a ``transposed`` weight holds the user's weight ``name`` with its last two dims swapped."""
+    ``peer`` buffers are written by every rank of a tensor-parallel group (an all-reduce's
+    receive rows: row ``r`` is rank ``r``'s), each rank holding its own; a ``transposed`` weight holds the user's weight ``name`` with its last two dims swapped."""
 
     id: int
     name: str
@@ -135,6 +136,7 @@ class BlockProgram:
     outputs: dict[str, Operand]
     symbols: tuple[str, ...] = ()
     checks: tuple[RangeCheck, ...] = ()
+    ranks: int = 1  # GPUs of the tensor-parallel group every rank's copy of the program runs on
 
     def __str__(self) -> str:
         lines = ["buffers:"] + [f"  {b}" for b in self.buffers]

@@ -21,6 +21,7 @@ ROW_TILES = (1, 4)
 ATTENTION_CHUNKS = (64, 256)  # KV rows per split-KV instance
 ARGMAX_CHUNKS = (1024, 4096)
 MOE_ROWS = (8, 16, 32, 64, 128)  # rows of one expert's MLP per moe_glu_down instance
+ALL_REDUCE_TILES = (1024, 4096)  # elements per all-reduce instance
 
 # Graph ops with no rules of their own (``Op.other``): their single-node term and its tile field.
 OTHER_TERMS: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
@@ -35,6 +36,7 @@ OTHER_TERMS: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
     "concat": ("concat_tiles", "tile", ELEMENTWISE_TILES),
     "cast": ("elementwise_tiles", "tile", ELEMENTWISE_TILES),
     "matmul": ("matmul_rows", "rows", MATVEC_ROWS),
+    "all_reduce": ("all_reduce_tiles", "tile", ALL_REDUCE_TILES),
 }
 
 

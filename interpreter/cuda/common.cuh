@@ -41,6 +41,7 @@ struct MegaWaits {
     const unsigned* ctr[MEGA_MAX_WAITS];
     unsigned expected[MEGA_MAX_WAITS];
     int n;  // 0: nothing to wait for
+    unsigned sys;  // bit i: ctr[i] is a peer counter, written by other GPUs (read at system scope)
 };
 // All threads: thread i < w.n waits for ctr[i] >= expected[i], then a block barrier.
 // False: the block must stop (abort or timeout, error recorded). Defined in runtime.cuh.

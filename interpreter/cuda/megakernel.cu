@@ -28,6 +28,11 @@
 //
 // Counters come in two parity sets: a launch uses set `parity` and zeroes the
 // other one (and its claim counter) for the next launch, so no host reset is needed.
+//
+// A tensor-parallel kernel (one per GPU, the same code) also has a peer region per rank, which
+// every rank writes into over NVLink: the peer counters, which count across launches (a wait
+// expects `seq` times its count), and the peer buffers, in two halves by the parity of `seq`
+// (docs/parallel.md).
 #define MEGA_MAX_WAITS /*@MAXWAITS@*/  // the most barrier waits of one queue entry
 #include "runtime.cuh"
 #include "common.cuh"
@@ -55,6 +60,7 @@ struct MegaSlot {
 #define MEGA_COUNTERS /*@COUNTERS@*/
 #define MEGA_LAUNCHES /*@LAUNCHES@*/  // distinct launch counts that are runtime expressions
 #define MEGA_CONSTS_AT (3 * MEGA_ENTRIES + (1 + MEGA_LAUNCHES) * (MEGA_ENTRIES + 1))  // table: the constants
+#define MEGA_MAX_RANKS 8  // GPUs of a tensor-parallel group (megaegg/ops.py: MAX_RANKS)
 
 struct MegaArgs {
   char* arena;
@@ -63,6 +69,8 @@ struct MegaArgs {
   long long parity;
   unsigned long long* trace;       // MEGA_TRACE builds: 4 words per instance
   const long long* table;          // render.py: EntryTable.words
+  long long rank, seq;             // tensor parallel: this GPU's rank; this launch's number (1, 2, ...)
+  char* peers[MEGA_MAX_RANKS];     // every rank's peer region (peer-to-peer addresses), by rank
   long long dims[/*@NDIMS@*/];
   void* ptr[/*@NPTRS@*/];
 };
@@ -77,6 +85,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
   unsigned long long* control = args.control;
   const int parity = (int)args.parity;
   unsigned* ctr = args.counters + (parity ? MEGA_COUNTERS : 0);
+  const long long D_rank = args.rank;
+  (void)D_rank;
+  /*@PEER@*/
   /*@DIMS@*/
 
   if (threadIdx.x == 0) {

@@ -36,6 +36,17 @@ __device__ __forceinline__ void mega_red_release(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// The same at system scope: peer counters, which other GPUs write and read (tensor parallel).
+__device__ __forceinline__ unsigned mega_ld_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void mega_red_release_sys(unsigned* p, unsigned v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // Which entry and instance this block is running, for error records from bodies; whether
 // the block must stop; when a body's own waits passed (traces).
 __shared__ int mega_abort_block;
@@ -59,13 +70,18 @@ __device__ void mega_body_error(int code, long long detail) {
   mega_record_error(mega_control_ptr, code, mega_cur_entry, mega_cur_instance, detail);
 }
 
-// Spin until *counter >= expected (acquire). False on abort or timeout (error recorded).
+// Spin until *counter >= expected (acquire; at system scope for a peer counter). False on abort or
+// timeout (error recorded).
+__device__ __forceinline__ unsigned mega_ld_counter(const unsigned* p, bool sys) {
+  return sys ? mega_ld_acquire_sys(p) : mega_ld_acquire(p);
+}
+
 __device__ bool mega_wait(const unsigned* counter, unsigned expected, unsigned long long* control, int entry,
-                          long long instance, int wait_id) {
-  if (mega_ld_acquire(counter) >= expected) return true;
+                          long long instance, int wait_id, bool sys = false) {
+  if (mega_ld_counter(counter, sys) >= expected) return true;
   const unsigned long long t0 = mega_globaltimer();
   unsigned sleep = 32;
-  while (mega_ld_acquire(counter) < expected) {
+  while (mega_ld_counter(counter, sys) < expected) {
     if (*(volatile unsigned long long*)&control[2]) return false;
     if (mega_globaltimer() - t0 > MEGA_TIMEOUT_NS) {
       mega_record_error(control, MEGA_ERR_TIMEOUT, entry, instance, wait_id);
@@ -93,14 +109,14 @@ __device__ __forceinline__ void mega_prefetch_l2(const void* p, long long bytes)
 }
 
 __device__ bool mega_waits_met(const MegaWaits& w) {
-    const bool met = threadIdx.x >= w.n || mega_ld_acquire(w.ctr[threadIdx.x]) >= w.expected[threadIdx.x];
+    const bool met = threadIdx.x >= w.n || mega_ld_counter(w.ctr[threadIdx.x], (w.sys >> threadIdx.x) & 1) >= w.expected[threadIdx.x];
     return mega_sync_and(met);
 }
 
 __device__ bool mega_wait_all(const MegaWaits& w) {
     if (w.n == 0) return true;
     if (threadIdx.x < w.n && !mega_wait(w.ctr[threadIdx.x], w.expected[threadIdx.x], mega_control_ptr, mega_cur_entry,
-                                        mega_cur_instance, threadIdx.x))
+                                        mega_cur_instance, threadIdx.x, (w.sys >> threadIdx.x) & 1))
         mega_abort_block = 1;
     mega_sync();
 #ifdef MEGA_TRACE

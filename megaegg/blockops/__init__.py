@@ -2,7 +2,7 @@
 ``REGISTRY`` and every term in ``TERMS``."""
 
 from . import (  # noqa: F401
-    argmax, attention, elementwise, embedding, glu_down, kv_append, kv_store, matvec, matvec_argmax, matvec_heads, moe,
+    all_reduce, argmax, attention, elementwise, embedding, glu_down, kv_append, kv_store, matvec, matvec_argmax, matvec_heads, moe,
     ragged_attention, rope, rownorm, sample, softmax,
 )
 from .base import REGISTRY, TERMS, BlockKind, CudaOperand, Partition, Term

@@ -31,7 +31,7 @@ from ..dims import sym
 from ..dtypes import DType, as_dtype, f32, i32
 from ..graph import Graph, GraphError, Tensor
 from ..ops import (
-    argmax, attention, embedding, kv_append, kv_store, linear, moe_mlp, ragged_attention, rms_norm, rope, rope_inv_freq,
+    MAX_RANKS, all_reduce, argmax, attention, embedding, kv_append, kv_store, linear, moe_mlp, ragged_attention, rms_norm, rope, rope_inv_freq,
     sample, silu,
 )
 from .config import ModelConfig, UnsupportedConfig
@@ -47,6 +47,7 @@ class ModelSpec:
     # "k_cache.{l}" / "v_cache.{l}" -> [kv_heads, max_len, head_dim]; a step graph's: [slots, kv_heads, max_len, head_dim]
     caches: dict[str, tuple[int, ...]]
     slots: int = 0  # sequence slots of a step graph's caches (0: a decode graph's, one sequence)
+    tp: int = 1  # tensor-parallel ranks: ``weights`` and ``caches`` are then one rank's shards (shard_weights)
 
     @property
     def dtype(self) -> DType:
@@ -86,33 +87,71 @@ class ModelSpec:
         return {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in self.caches.items()}
 
 
-def build_decode_graph(cfg: ModelConfig, *, max_len: int, logits: bool = True) -> tuple[Graph, ModelSpec]:
+def build_decode_graph(cfg: ModelConfig, *, max_len: int, logits: bool = True, tp: int = 1) -> tuple[Graph, ModelSpec]:
     """The graph of one decode step: ``token`` i32[1] at ``pos`` -> ``logits`` [1, vocab], ``next_token`` i32[1].
 
     ``logits=False`` outputs only ``next_token``: the compiler may then fuse the LM head
     with the argmax partials and never store the logits.
+
+    ``tp > 1``: one rank's graph of a tensor-parallel group of ``tp`` GPUs (every rank runs the same
+    graph on its own shards, :func:`shard_weights`; run it with ``megaegg.parallel.ParallelKernel``):
+    each rank holds ``heads / tp`` attention heads (and KV heads, and their cache) and
+    ``intermediate / tp`` MLP columns; the O and down projections are row-parallel, their partial
+    sums all-reduced. Embeddings, norms and the LM head are replicated.
     """
     _check_max_len(cfg, max_len)
-    g = Graph(f"{cfg.arch}_decode")
+    check_tp(cfg, tp)
+    g = Graph(f"{cfg.arch}_decode" + (f"_tp{tp}" if tp > 1 else ""))
     pos = sym("pos")
     inv_freq = g.constant("rope_inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     embed = g.weight("model.embed_tokens.weight", [cfg.vocab, cfg.hidden], cfg.dtype)
     x = embedding(embed, g.input("token", [1], i32))  # [1, hidden]
-    Hkv, D = cfg.kv_heads, cfg.head_dim
+    H, Hkv, D = cfg.heads // tp, cfg.kv_heads // tp, cfg.head_dim
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        q, k = (rope(t, pos, inv_freq=inv_freq) for t in head_norms(cfg, layer, q.reshape(cfg.heads, D), k.reshape(Hkv, D)))
+        q, k = (rope(t, pos, inv_freq=inv_freq) for t in head_norms(cfg, layer, q.reshape(H, D), k.reshape(Hkv, D)))
         k_cache = kv_append(g.input(f"k_cache.{layer}", [Hkv, max_len, D], cfg.dtype), k, pos)
         v_cache = kv_append(g.input(f"v_cache.{layer}", [Hkv, max_len, D], cfg.dtype), v.reshape(Hkv, D), pos)
-        return attention(q, k_cache, v_cache, pos + 1).reshape(1, cfg.heads * D)
+        return attention(q, k_cache, v_cache, pos + 1).reshape(1, H * D)
 
     for layer in range(cfg.layers):
-        x = decoder_layer(cfg, x, layer, attend)
+        x = decoder_layer(cfg, x, layer, attend, tp=tp)
     scores = lm_head(cfg, x, embed)  # [1, vocab]
     if logits:
         g.output("logits", scores)
     g.output("next_token", argmax(scores))  # i32[1]
-    return g, _spec(g, cfg, max_len, slots=0)
+    return g, _spec(g, cfg, max_len, slots=0, tp=tp)
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """``tp`` ranks must split the heads, the KV heads and the MLP evenly (an UnsupportedConfig names which not)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_RANKS:
+        raise GraphError(f"tp must be an int in [1, {MAX_RANKS}] (GPUs of one host), got {tp!r}")
+    if tp == 1:
+        return
+    if cfg.moe is not None:
+        raise UnsupportedConfig(f"tensor parallelism (tp={tp}) of the routed experts of a {cfg.arch} model is not supported")
+    for what, n in (("attention heads", cfg.heads), ("KV heads", cfg.kv_heads), ("MLP intermediate size", cfg.intermediate)):
+        if n % tp:
+            raise UnsupportedConfig(f"tp={tp} does not divide the {n} {what} of this model")
+
+
+def shard_weights(spec: ModelSpec, weights, rank: int) -> dict:
+    """Rank ``rank``'s shards of a full (one-GPU) weight dict for ``spec``, a tensor-parallel decode
+    graph's spec: each weight whose shard shape differs from the full one is cut along the dim that
+    differs (the heads' and MLP's rows, the O and down projections' columns); the rest is shared."""
+    if not 0 <= rank < spec.tp:
+        raise GraphError(f"rank {rank} outside [0, {spec.tp})")
+    out = {}
+    for name, shape in spec.weights.items():
+        if name not in weights:
+            raise GraphError(f"shard_weights: missing weight {name!r}")
+        full = weights[name]
+        cut = [d for d, (a, b) in enumerate(zip(full.shape, shape)) if a != b]
+        if len(cut) > 1 or full.ndim != len(shape) or (cut and full.shape[cut[0]] != shape[cut[0]] * spec.tp):
+            raise GraphError(f"shard_weights: weight {name!r} {list(full.shape)} is not a full weight of shard {list(shape)}")
+        out[name] = full.narrow(cut[0], rank * shape[cut[0]], shape[cut[0]]).contiguous() if cut else full
+    return out
 
 
 def build_step_graph(cfg: ModelConfig, *, max_len: int, slots: int, sampling: bool = False) -> tuple[Graph, ModelSpec]:
@@ -168,11 +207,11 @@ def _check_max_len(cfg: ModelConfig, max_len: int) -> None:
         raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings)")
 
 
-def _spec(g: Graph, cfg: ModelConfig, max_len: int, *, slots: int) -> ModelSpec:
+def _spec(g: Graph, cfg: ModelConfig, max_len: int, *, slots: int, tp: int = 1) -> ModelSpec:
     weights = {n.name: tuple(d.value for d in n.shape) for n in g.weights.values()}
     caches = {n.name: tuple(int(d) for d in n.shape) for n in g.inputs.values() if n.name.endswith(tuple(
         f"_cache.{layer}" for layer in range(cfg.layers)))}
-    return ModelSpec(config=cfg, max_len=max_len, weights=weights, caches=caches, slots=slots)
+    return ModelSpec(config=cfg, max_len=max_len, weights=weights, caches=caches, slots=slots, tp=tp)
 
 
 def lm_head(cfg: ModelConfig, x: Tensor, embed: Tensor) -> Tensor:
@@ -203,12 +242,16 @@ def expert_stack(layer: int, proj: str) -> str:
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
-def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, attend: Attend) -> Tensor:
+def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, attend: Attend, *, tp: int = 1) -> Tensor:
     """One pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``x`` is [rows, hidden].
     ``attend(layer, q, k, v)`` takes the projections ([rows, heads * head_dim]) through the head
-    norms, RoPE, the cache write and attention, to [rows, heads * head_dim]."""
+    norms, RoPE, the cache write and attention, to [rows, heads * head_dim]. ``tp > 1``: one rank's
+    share of the heads and MLP columns, the O and down projections' partial sums all-reduced."""
     g, dt, eps = x.graph, cfg.dtype, cfg.rms_eps
-    H, Hkv, D, E, F = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.hidden, cfg.intermediate
+    H, Hkv, D, E, F = cfg.heads // tp, cfg.kv_heads // tp, cfg.head_dim, cfg.hidden, cfg.intermediate // tp
+
+    def reduced(t: Tensor) -> Tensor:
+        return all_reduce(t, ranks=tp) if tp > 1 else t
 
     def w(name: str, *shape: int) -> Tensor:
         return g.weight(f"model.layers.{layer}.{name}.weight", shape, dt)
@@ -217,7 +260,7 @@ def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, attend: Attend) -> Te
     q = linear(h, w("self_attn.q_proj", H * D, E))
     k = linear(h, w("self_attn.k_proj", Hkv * D, E))
     v = linear(h, w("self_attn.v_proj", Hkv * D, E))
-    x = x + linear(attend(layer, q, k, v), w("self_attn.o_proj", E, H * D))
+    x = x + reduced(linear(attend(layer, q, k, v), w("self_attn.o_proj", E, H * D)))
 
     # MLP: down(silu(gate(h)) * up(h)); or the routed experts' (Qwen3-MoE's sparse layers)
     h = rms_norm(x, w("post_attention_layernorm", E), eps)
@@ -229,7 +272,7 @@ def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, attend: Attend) -> Te
         return x + moe_mlp(h, logits, *stacks, top_k=moe.top_k, normalize=moe.normalize)
     gate = silu(linear(h, w("mlp.gate_proj", F, E)))
     up = linear(h, w("mlp.up_proj", F, E))
-    return x + linear(gate * up, w("mlp.down_proj", E, F))
+    return x + reduced(linear(gate * up, w("mlp.down_proj", E, F)))
 
 
 def check_dtype(spec: ModelSpec, dtype=None):

@@ -1,0 +1,58 @@
+// all_reduce over the R GPUs of a tensor-parallel group (blockops/all_reduce.py).
+//
+// allreduce_send: elements [c0 * tile, +tile) of this rank's x go to row `rank` of the receive
+// buffer of EVERY rank: `recv` is this rank's copy, in its peer region; rank d's copy sits at the
+// same offset of d's region (peers[d]), reached peer-to-peer (the stores cross NVLink). The
+// interpreter then fences at system scope and signals every rank's counter.
+//
+// allreduce_sum: once every rank's tile arrived (the interpreter's waits, system scope), the f32
+// sum of the R rows in rank order, rounded once. The rows were written by other GPUs: read through
+// L2 (ld.global.cg), never a stale L1 line.
+#pragma once
+#include "common.cuh"
+
+template <class T, int R>
+__device__ __noinline__ void allreduce_send(const T* x, long long x_s0, T* recv, long long n, long long tile,
+                                            long long c0, char* const* peers, int rank) {
+    constexpr int VEC = VecN<T>::value;
+    const long long s = c0 * tile, e = min_i64(n, s + tile);
+    const long long at = (const char*)recv - peers[rank];  // recv's offset in every rank's region
+    const bool vec = x_s0 == 1 && aligned16(x + s) && aligned16(recv + rank * n + s) && (e - s) % VEC == 0;
+    for (int d = 0; d < R; ++d) {
+        T* dst = (T*)(peers[d] + at) + rank * n;
+        if (vec) {
+            for (long long i = s + threadIdx.x * VEC; i < e; i += MEGA_THREADS * VEC)
+                *reinterpret_cast<uint4*>(dst + i) = ldcg16(x + i);
+        } else {
+            for (long long i = s + threadIdx.x; i < e; i += MEGA_THREADS) dst[i] = ld_cg(x + i * x_s0);
+        }
+    }
+}
+
+template <class T, int R>
+__device__ __noinline__ void allreduce_sum(const T* recv, T* out, long long o_s0, long long n, long long tile,
+                                           long long c0) {
+    constexpr int VEC = VecN<T>::value;
+    const long long s = c0 * tile, e = min_i64(n, s + tile);
+    if (o_s0 == 1 && aligned16(recv + s) && aligned16(out + s) && (n * (long long)sizeof(T)) % 16 == 0 &&
+        (e - s) % VEC == 0) {
+        for (long long i = s + threadIdx.x * VEC; i < e; i += MEGA_THREADS * VEC) {
+            float acc[VEC], f[VEC];
+            load16_f32(recv + i, acc);
+#pragma unroll
+            for (int r = 1; r < R; ++r) {
+                load16_f32(recv + r * n + i, f);
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) acc[k] += f[k];
+            }
+            *reinterpret_cast<uint4*>(out + i) = pack16<T>(acc);
+        }
+    } else {
+        for (long long i = s + threadIdx.x; i < e; i += MEGA_THREADS) {
+            float acc = ld_f32(recv + i);
+#pragma unroll
+            for (int r = 1; r < R; ++r) acc += ld_f32(recv + r * n + i);
+            out[i * o_s0] = from_f32<T>(acc);
+        }
+    }
+}

@@ -1,0 +1,135 @@
+"""Tensor parallelism over the GPUs of one host: one graph, compiled once, one megakernel per GPU.
+
+Every rank runs the same kernel (``rank`` is a launch argument, not compiled in) on its own shard
+of the weights; ``all_reduce`` block ops move partial results between the GPUs inside the kernels,
+peer-to-peer over NVLink (docs/parallel.md: the protocol and why it is sound).
+
+>>> import torch, megaegg as me
+>>> from megaegg.parallel import ParallelKernel
+>>> g = me.Graph(); x = g.input("x", [1, 64], me.f32); w = g.weight("w", [32, 64], me.f32)
+>>> _ = g.output("y", me.all_reduce(me.linear(x, w), ranks=2))
+>>> shards = [{"w": torch.randn(32, 64)} for _ in range(2)]
+>>> k = ParallelKernel(me.compiler.build_artifact(g, compile_cuda=False), shards, backend="sim")
+>>> x0 = [torch.randn(1, 64) for _ in range(2)]
+>>> ours = k([{"x": x0[0]}, {"x": x0[1]}])
+>>> ref = me.run_reference_ranks(g, [{"x": x0[0]}, {"x": x0[1]}], shards)
+>>> bool(torch.allclose(ours[1]["y"], ref[1]["y"], atol=1e-5)), bool(torch.equal(ours[0]["y"], ours[1]["y"]))
+(True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping, Sequence
+
+import torch
+
+from .artifact import Artifact
+from .compiler import Kernel, resolve_backend
+from .graph import GraphError
+
+
+class ParallelKernel:
+    """A tensor-parallel graph bound to every rank's weight shard; ``kernel(inputs, **dims)`` runs all
+    ranks once (``inputs[r]``: rank ``r``'s inputs, on its GPU) and returns each rank's outputs."""
+
+    def __init__(self, artifact: Artifact, weights: Sequence[Mapping[str, torch.Tensor]], *,
+                 backend: str | None = None, devices: Sequence[torch.device | str | int] | None = None) -> None:
+        self.ranks = artifact.queue.program.ranks
+        if isinstance(weights, Mapping) or len(weights) != self.ranks:
+            raise GraphError(f"the graph all-reduces over {self.ranks} ranks: give one weights dict per rank "
+                             f"(got {'a dict' if isinstance(weights, Mapping) else len(weights)})")
+        self.backend = resolve_backend(backend)
+        self.schedule = None  # the simulator's schedule (interpreter/simulator.py: Schedule)
+        if self.backend == "cuda":
+            devices = [torch.device("cuda", r) for r in range(self.ranks)] if devices is None else \
+                [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
+            if len(devices) != self.ranks or len({d.index for d in devices}) != self.ranks:
+                raise GraphError(f"devices: {self.ranks} distinct GPUs wanted, got {list(map(str, devices))}")
+            if torch.cuda.device_count() < self.ranks:
+                raise GraphError(f"the graph all-reduces over {self.ranks} GPUs; this machine has {torch.cuda.device_count()}")
+            enable_peer_access([d.index for d in devices])
+        else:
+            devices = [torch.device("cpu")] * self.ranks
+        self.devices = devices
+        self.kernels = []
+        for w, d in zip(weights, devices):
+            with _on(d):
+                self.kernels.append(Kernel(artifact, w, backend=self.backend, device=d))
+        if self.backend == "cuda":
+            regions = [k._runner.peer_region.data_ptr() for k in self.kernels]
+            for r, k in enumerate(self.kernels):
+                k._runner.set_peers(r, regions)
+
+    def __call__(self, inputs: Sequence[Mapping[str, torch.Tensor]], *, check: bool = True,
+                 **dims: int) -> list[dict[str, torch.Tensor]]:
+        if isinstance(inputs, Mapping) or len(inputs) != self.ranks:
+            raise GraphError(f"inputs: one dict per rank wanted ({self.ranks})")
+        split = [k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)]
+        if self.backend == "sim":
+            return self._run_sim(split, self.schedule)
+        for k, d, (tensors, env) in zip(self.kernels, self.devices, split):  # every rank's kernel, then wait
+            with _on(d):
+                k._runner.launch([env[s] for s in k.program.symbols], tensors)
+        outs = []
+        for k, d, (tensors, env) in zip(self.kernels, self.devices, split):
+            with _on(d):
+                outs.append({name: k._read_cuda(o, env, tensors) for name, o in k.program.outputs.items()})
+        if check:
+            self.check()
+        return outs
+
+    def check(self) -> None:
+        """Wait for every rank; raise the first rank's error, after resetting every rank's peer counters."""
+        errors = []
+        for r, k in enumerate(self.kernels):
+            try:
+                k._runner.check()
+            except Exception as e:  # noqa: BLE001 - reported below, once every rank stopped
+                errors.append((r, e))
+        if errors:
+            for k in self.kernels:  # (the group restarts from launch 1 together)
+                k._runner.reset_peers()
+            r, e = errors[0]
+            raise type(e)(f"rank {r}: {e}") from e
+
+    def simulate(self, schedule, inputs: Sequence[Mapping[str, torch.Tensor]], **dims: int) -> list[dict]:
+        """Run every rank on the CPU simulator together (interpreter/simulator.py: run_group)."""
+        return self._run_sim([k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)], schedule)
+
+    def _run_sim(self, split, schedule) -> list[dict[str, torch.Tensor]]:
+        from .interpreter.simulator import Schedule, Simulation, run_group
+
+        sims = [Simulation(k.queue, k._sim_buffers(t, env), env, rank=r) for r, (k, (t, env)) in enumerate(zip(self.kernels, split))]
+        run_group(sims, schedule or self.schedule or Schedule())
+        return [{name: s.view(o, env).clone() for name, o in k.program.outputs.items()}
+                for s, k, (_, env) in zip(sims, self.kernels, split)]
+
+
+def _on(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def enable_peer_access(devices: list[int]) -> None:
+    """Let every GPU of ``devices`` load and store the others' memory directly (CUDA peer access)."""
+    from cuda.bindings import driver
+
+    from .interpreter.runtime import _drv
+
+    for i in devices:
+        for j in devices:
+            if i != j and not torch.cuda.can_device_access_peer(i, j):
+                raise GraphError(f"GPU {i} cannot access GPU {j}'s memory directly (no NVLink or PCIe peer path): "
+                                 "tensor parallelism needs peer access")
+    for i in devices:
+        with torch.cuda.device(i):
+            torch.empty(1, device=f"cuda:{i}")  # (torch creates the primary context lazily)
+            for j in devices:
+                if i == j:
+                    continue
+                torch.empty(1, device=f"cuda:{j}")
+                peer = _drv(driver.cuDevicePrimaryCtxRetain(_drv(driver.cuDeviceGet(j), "cuDeviceGet")),
+                            "cuDevicePrimaryCtxRetain")
+                (err,) = driver.cuCtxEnablePeerAccess(peer, 0)
+                if err not in (driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+                    _drv((err,), f"cuCtxEnablePeerAccess({i} -> {j})")
