@@ -208,11 +208,11 @@ def code_version() -> str:
 def _classes() -> dict[str, type]:
     from .blockops.footprint import At, Full, Span, Tile
     from .lowering.barriers import BarrierPlan, BarrierSet, Wait
-    from .lowering.queue import MemoryPlan, QueueEntry, WorkQueue
+    from .lowering.queue import MemoryPlan, PeerPlan, QueueEntry, WorkQueue
     from .rewrite.program import BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View
 
     return {c.__name__: c for c in (
-        At, Full, Span, Tile, BarrierPlan, BarrierSet, Wait, MemoryPlan, QueueEntry, WorkQueue,
+        At, Full, Span, Tile, BarrierPlan, BarrierSet, Wait, MemoryPlan, PeerPlan, QueueEntry, WorkQueue,
         BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View)}
 
 
