@@ -99,6 +99,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--no-reference-check", action="store_true", help="skip the check against megaegg.run_reference")
     p.add_argument("--bw-gib", type=float, default=4.0, help="size of the bandwidth test tensor (GiB, default 4)")
     p.add_argument("--bw-reps", type=int, default=10, help="timed repetitions of each bandwidth test")
+    p.add_argument("--tp", type=int, default=1,
+                   help="also time the model tensor parallel over this many GPUs (megaegg.parallel), one megakernel "
+                        "each; its %% of floor is of the ONE-GPU floor (PyTorch TP peers over NCCL: not yet)")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON to PATH")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test: tiny preset in f32, megakernel on the sim backend, CUDA-only parts skipped")
@@ -404,6 +407,39 @@ def torch_compile(family: str, mode: str) -> Callable[[Bench], dict]:
     return run
 
 
+def megakernel_tp(tp: int) -> Callable[[Bench], dict]:
+    """The decode step tensor parallel over ``tp`` GPUs (or simulated ones): every rank's shard of the
+    weights and caches, one megakernel a GPU; timed from the first GPU's stream (the all-reduces keep
+    the ranks in step, so rank 0's step spans the group's)."""
+    from megaegg.compiler import cached_artifact
+    from megaegg.models.decoder import shard_weights
+    from megaegg.parallel import ParallelKernel
+
+    def run(b: Bench) -> dict:
+        if b.cuda and torch.cuda.device_count() < tp:
+            raise RuntimeError(f"--tp {tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
+        graph, spec = build_decode_graph(b.cfg, max_len=b.context + 1, tp=tp)
+        devices = [f"cuda:{r}" if b.cuda else "cpu" for r in range(tp)]
+        shards = [{n: w.to(d) for n, w in shard_weights(spec, b.weights, r).items()} for r, d in enumerate(devices)]
+        art = cached_artifact(graph, max_dims={"pos": b.context}, dims_hint={"pos": b.context}, compile_cuda=b.cuda)
+        kernel = ParallelKernel(art, shards, backend="cuda" if b.cuda else "sim")
+        hk = spec.caches["k_cache.0"][0]
+        inputs = [{"token": b.token.to(d), **{n: c[r * hk:(r + 1) * hk].to(d).contiguous() for n, c in b.caches.items()}}
+                  for r, d in enumerate(devices)]
+        out = kernel(inputs, pos=b.context)[0]  # one checked step: correctness
+        info = {"queue_entries": len(art.queue.entries), "tp": tp}
+        if b.exact_logits is not None:
+            info["correctness"] = {**rel_errs(out["logits"], b.exact_logits),
+                                   **next_token_check(int(out["next_token"].reshape(-1)[0]), b.exact_next,
+                                                      out["logits"].float().cpu(), b.exact_logits)}
+        res = b.timed(lambda: kernel(inputs, pos=b.context, check=False)) if b.cuda else \
+            time_steps(lambda: kernel(inputs, pos=b.context), iters=min(2, b.args.iters), warmup=0, cuda=False)
+        kernel.check()
+        return {**res, **info}
+
+    return run
+
+
 def megakernel(b: Bench) -> dict:
     backend = "cuda" if b.cuda else "sim"
     kw = dict(backend=backend, max_dims={"pos": b.context}, dims_hint={"pos": b.context})
@@ -502,7 +538,7 @@ def peer_kind(name: str) -> str | None:
 def peers(results: dict) -> dict[str, float]:
     """ms of every timed PyTorch variant (all rows but the megakernel and the checks) that ran."""
     return {k: v["ms"] for k, v in results.items()
-            if v.get("status") == "ok" and "ms" in v and k not in CHECKS and k != "megakernel"}
+            if v.get("status") == "ok" and "ms" in v and k not in CHECKS and not k.startswith("megakernel")}
 
 
 def best_peer(results: dict) -> tuple[str, float] | None:
@@ -612,6 +648,8 @@ def main(argv=None) -> dict:
                 run_variant(b, name, torch_compile(family, mode))
         drop_decoder(b, family)  # its fused weights go before the next decoder's (or the megakernel's) arrive
     run_variant(b, "megakernel", megakernel)
+    if a.tp > 1:
+        run_variant(b, f"megakernel tp={a.tp}", megakernel_tp(a.tp))
     if not a.no_reference_check:
         run_variant(b, CHECKS[1], reference_check)
 

@@ -200,7 +200,10 @@ def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
         lines.append("        mega_sync();")
         lines.append("        if (threadIdx.x == 0) {")
         # (system scope when other GPUs read what this instance wrote: its stores went over NVLink)
-        lines.append("          __threadfence_system();" if any(s.peer for s in e.signals) else "          __threadfence();")
+        if any(s.peer for s in e.signals):  # (MEGA_PEER_FENCE=0: the red.release.sys alone orders the stores)
+            lines += ["#if MEGA_PEER_FENCE", "          __threadfence_system();", "#endif"]
+        else:
+            lines.append("          __threadfence();")
         for s in e.signals:
             if s.peer:  # this rank's counter on every rank
                 at = f"({peer.counter_base[s.id]} + ({c_expr(s.signal)})) * {peer.ranks} + D_rank"

@@ -52,15 +52,19 @@ class PeerPlan:
     launch ahead writes the other half: docs/parallel.md)."""
 
     ranks: int
-    counter_base: dict[int, int]  # peer barrier set id -> its first counter (then `ranks` words a counter)
-    counters: int  # u32 words
+    counter_base: dict[int, int]  # peer barrier set id -> its first counter
+    counters: int  # counters of all peer sets; counter k of source rank r is u32 word k * ranks + r
     offset: dict[int, int]  # peer buffer id -> byte offset in a half
     half_bytes: int
 
+    def word(self, counter: int, source: int) -> int:
+        """The u32 word of counter ``counter`` (of all peer sets) counting rank ``source``'s signals."""
+        return counter * self.ranks + source
+
     @property
     def data_at(self) -> int:
-        """Byte offset of the first half of the buffers."""
-        return -(-4 * self.counters // ARENA_ALIGN) * ARENA_ALIGN
+        """Byte offset of the first half of the buffers (after the counters' words)."""
+        return -(-4 * self.counters * self.ranks // ARENA_ALIGN) * ARENA_ALIGN
 
     @property
     def region_bytes(self) -> int:
@@ -166,7 +170,7 @@ def plan_peer(program: BlockProgram, barriers: BarrierPlan) -> PeerPlan | None:
     for s in barriers.sets:
         if s.peer:
             base[s.id] = counters
-            counters += s.count.value * program.ranks
+            counters += s.count.value
     offset, half = {}, 0
     for b in peers:
         offset[b.id] = half

@@ -42,6 +42,7 @@ ENCODERS: dict[str, Callable[[Graph, Node], dict | None]] = {
     "kv_append": lambda g, n: dict(cache=n.inputs[0], new=n.inputs[1]),
     "moe_mlp": lambda g, n: dict(x=n.inputs[0], logits=n.inputs[1], w=n.inputs[2], w2=n.inputs[3], wd=n.inputs[4],
                                  node=n.id),
+    "all_reduce": lambda g, n: dict(x=n.inputs[0], node=n.id),
     "argmax": lambda g, n: (dict(x=n.inputs[0], node=n.id)
                             if _is_row_vector(g.nodes[n.inputs[0]].shape) and n.attrs["dim"] == 1 else None),
 }

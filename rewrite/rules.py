@@ -36,7 +36,6 @@ OTHER_TERMS: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
     "concat": ("concat_tiles", "tile", ELEMENTWISE_TILES),
     "cast": ("elementwise_tiles", "tile", ELEMENTWISE_TILES),
     "matmul": ("matmul_rows", "rows", MATVEC_ROWS),
-    "all_reduce": ("all_reduce_tiles", "tile", ALL_REDUCE_TILES),
 }
 
 
@@ -69,6 +68,9 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
     ))
     yield rule(eq(node(i)).to(Op.argmax(x=x, node=i))).then(
         *(union(node(i)).with_(Op.argmax_chunks(node=i, chunk=t)) for t in ARGMAX_CHUNKS)
+    )
+    yield rule(eq(node(i)).to(Op.all_reduce(x=x, node=i))).then(
+        *(union(node(i)).with_(Op.all_reduce_tiles(x=x, xs=NONE, r=NONE, node=i, tile=t)) for t in ALL_REDUCE_TILES)
     )
     for op, (name, tile, tiles) in OTHER_TERMS.items():
         make = getattr(Op, name)
@@ -117,6 +119,28 @@ def _fuse_mlp(x: i64, w: i64, w2: i64, g: i64, eps: f64, r: i64, a: i64, b: i64,
             union(acc(b)).with_(Op.glu_down(x=x, w=w, w2=w2, g=g, eps=eps, wd=wd, rows=rows)),
             union(node(i)).with_(Op.acc_residual(r=r, acc=b)),
         )
+
+
+@fusion.register
+def _fuse_all_reduce(x: i64, w: i64, w2: i64, g: i64, eps: f64, r: i64, a: i64, b: i64, d: i64, wd: i64, rows: i64,
+                     rd: i64, t: i64, i: i64):
+    # Tensor parallel: all_reduce((gated MLP) @ wd^T) sends the glu_down's f32 sum, rounded as sent
+    # (no op rounds it first) ...
+    yield rule(
+        eq(node(b)).to(Op.all_reduce(x=d, node=b)),
+        eq(node(d)).to(matvec(a, wd, rows=rd)),
+        eq(node(a)).to(matvec(x, w, w2=w2, g=g, eps=eps, rows=rows)),
+        ne(w2).to(i64(NONE)),
+    ).then(
+        union(acc(d)).with_(Op.glu_down(x=x, w=w, w2=w2, g=g, eps=eps, wd=wd, rows=rows)),
+        *(union(node(b)).with_(Op.all_reduce_tiles(x=NONE, xs=d, r=NONE, node=b, tile=t)) for t in ALL_REDUCE_TILES),
+    )
+    # ... and r + all_reduce(...) adds the residual as it sums (one op, one hop fewer).
+    for lhs in (Op.add(a=r, b=b, same_shape=1), Op.add(a=b, b=r, same_shape=1)):
+        yield rule(
+            eq(node(i)).to(lhs),
+            eq(node(b)).to(Op.all_reduce_tiles(x=x, xs=d, r=i64(NONE), node=b, tile=t)),
+        ).then(union(node(i)).with_(Op.all_reduce_tiles(x=x, xs=d, r=r, node=b, tile=t)))
 
 
 @fusion.register

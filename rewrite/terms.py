@@ -38,6 +38,7 @@ GRAPH_TERMS = {
     "kv_append": fields("cache:ref new:ref"),
     "argmax": fields("x:ref node:node"),  # over the last dim of a [1, N] tensor
     "moe_mlp": fields("x:ref logits:ref w:ref w2:ref wd:ref node:node"),  # top_k, normalize: the node's attrs
+    "all_reduce": fields("x:ref node:node"),  # ranks: the node's attr
     "other": fields("op:str node:node"),  # any other graph op: lowered by a single-node term
 }
 _EGG_TYPES = {"ref": i64Like, "sum": i64Like, "node": i64Like, "int": i64Like, "float": f64Like, "str": StringLike}

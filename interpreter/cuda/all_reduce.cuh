@@ -11,39 +11,46 @@
 #pragma once
 #include "common.cuh"
 
-template <class T, int R>
-__device__ __noinline__ void allreduce_send(const T* x, long long x_s0, T* recv, long long n, long long tile,
+template <class X, class T, int R>
+__device__ __noinline__ void allreduce_send(const X* x, long long x_s0, T* recv, long long n, long long tile,
                                             long long c0, char* const* peers, int rank) {
     constexpr int VEC = VecN<T>::value;
     const long long s = c0 * tile, e = min_i64(n, s + tile);
     const long long at = (const char*)recv - peers[rank];  // recv's offset in every rank's region
-    const bool vec = x_s0 == 1 && aligned16(x + s) && aligned16(recv + rank * n + s) && (e - s) % VEC == 0;
+    const bool vec = sizeof(X) == sizeof(T) && x_s0 == 1 && aligned16(x + s) && aligned16(recv + rank * n + s) &&
+                     (e - s) % VEC == 0;
     for (int d = 0; d < R; ++d) {
         T* dst = (T*)(peers[d] + at) + rank * n;
         if (vec) {
             for (long long i = s + threadIdx.x * VEC; i < e; i += MEGA_THREADS * VEC)
                 *reinterpret_cast<uint4*>(dst + i) = ldcg16(x + i);
-        } else {
-            for (long long i = s + threadIdx.x; i < e; i += MEGA_THREADS) dst[i] = ld_cg(x + i * x_s0);
+        } else {  // (an f32 sum: rounded to T as it is sent)
+            for (long long i = s + threadIdx.x; i < e; i += MEGA_THREADS) dst[i] = from_f32<T>(ld_f32(x + i * x_s0));
         }
     }
 }
 
+// With a residual r (not nullptr): T(r + T(sum)), the residual add the reference rounds after the sum.
 template <class T, int R>
-__device__ __noinline__ void allreduce_sum(const T* recv, T* out, long long o_s0, long long n, long long tile,
-                                           long long c0) {
+__device__ __noinline__ void allreduce_sum(const T* recv, const T* r, long long r_s0, T* out, long long o_s0, long long n,
+                                           long long tile, long long c0) {
     constexpr int VEC = VecN<T>::value;
     const long long s = c0 * tile, e = min_i64(n, s + tile);
-    if (o_s0 == 1 && aligned16(recv + s) && aligned16(out + s) && (n * (long long)sizeof(T)) % 16 == 0 &&
-        (e - s) % VEC == 0) {
+    if (o_s0 == 1 && (r == nullptr || (r_s0 == 1 && aligned16(r + s))) && aligned16(recv + s) && aligned16(out + s) &&
+        (n * (long long)sizeof(T)) % 16 == 0 && (e - s) % VEC == 0) {
         for (long long i = s + threadIdx.x * VEC; i < e; i += MEGA_THREADS * VEC) {
             float acc[VEC], f[VEC];
             load16_f32(recv + i, acc);
 #pragma unroll
-            for (int r = 1; r < R; ++r) {
-                load16_f32(recv + r * n + i, f);
+            for (int k = 1; k < R; ++k) {
+                load16_f32(recv + k * n + i, f);
 #pragma unroll
-                for (int k = 0; k < VEC; ++k) acc[k] += f[k];
+                for (int j = 0; j < VEC; ++j) acc[j] += f[j];
+            }
+            if (r != nullptr) {
+                load16_f32(r + i, f);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) acc[j] = to_f32(from_f32<T>(acc[j])) + f[j];
             }
             *reinterpret_cast<uint4*>(out + i) = pack16<T>(acc);
         }
@@ -51,7 +58,8 @@ __device__ __noinline__ void allreduce_sum(const T* recv, T* out, long long o_s0
         for (long long i = s + threadIdx.x; i < e; i += MEGA_THREADS) {
             float acc = ld_f32(recv + i);
 #pragma unroll
-            for (int r = 1; r < R; ++r) acc += ld_f32(recv + r * n + i);
+            for (int k = 1; k < R; ++k) acc += ld_f32(recv + k * n + i);
+            if (r != nullptr) acc = to_f32(from_f32<T>(acc)) + ld_f32(r + i * r_s0);
             out[i * o_s0] = from_f32<T>(acc);
         }
     }

@@ -42,6 +42,9 @@
 #ifndef MEGA_STATIC
 #define MEGA_STATIC 0
 #endif
+#ifndef MEGA_PEER_FENCE
+#define MEGA_PEER_FENCE 1  // a system-scope fence before the peer signals (besides their release)
+#endif
 #if MEGA_PAGES > 0
 #define MEGA_BLOCK_THREADS (MEGA_THREADS + 32)  // the body threads, then the loader warp
 #ifndef MEGA_SLOTS

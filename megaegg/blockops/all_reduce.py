@@ -2,8 +2,10 @@
 
 ``allreduce_send``: instance ``c`` stores tile ``c`` of this rank's ``x`` into row ``rank`` of the
 ``peer`` buffer ``recv [ranks, n]`` of EVERY rank (its own too), peer-to-peer over NVLink, then
-signals a counter on every rank. ``allreduce_sum``: instance ``c`` waits until every rank's tile ``c``
-has arrived in its own ``recv`` and writes their f32 sum, in rank order, rounded once.
+signals a counter on every rank; ``x`` may be an f32 sum (a ``glu_down`` accumulator), rounded to
+the dtype as it is sent. ``allreduce_sum``: instance ``c`` waits until every rank's tile ``c`` has
+arrived in its own ``recv`` and writes their f32 sum, in rank order, rounded once; with a residual
+``r``, ``T(r + T(sum))`` (the residual add of a row-parallel projection, one hop fewer).
 
 The barrier derivation sees one rank's program: the send writes ``recv[rank, tile c]`` (``rank`` the
 runtime symbol of the rank running it), the sum reads ``recv[:, tile c]``; because ``recv`` is a
@@ -14,7 +16,7 @@ apart, and the sum waits for each source (docs/parallel.md: the protocol and why
 from __future__ import annotations
 
 from ..dims import ceildiv, sym
-from .base import BlockKind, Partition, Term, fields, register, term
+from .base import NONE, BlockKind, Partition, Term, fields, register, term
 from .footprint import At, Full, Tile
 
 RANK = sym("rank")  # the rank running an instance (the kernel's args.rank; the simulator's device)
@@ -40,7 +42,7 @@ class AllReduceSend(BlockKind):
     def cuda_call(self, op, ins, out):
         x, n = ins[0], op.inputs[0].shape[0].value
         args = [x.ptr, x.strides[0], out.ptr, f"{n}LL", f"{op.params['tile']}LL", "c0", "args.peers", "(int)D_rank"]
-        return f"allreduce_send<{x.ctype}, {op.params['ranks']}>({', '.join(args)})"
+        return f"allreduce_send<{x.ctype}, {out.ctype}, {op.params['ranks']}>({', '.join(args)})"
 
 
 @register
@@ -50,7 +52,8 @@ class AllReduceSum(BlockKind):
 
     def build(self, inputs, output, params) -> Partition:
         t = params["tile"]
-        return Partition(grid=(ceildiv(output.shape[0], t),), reads=((Full(), Tile(0, t)),), writes=(Tile(0, t),))
+        reads = ((Full(), Tile(0, t)),) + (((Tile(0, t),),) if len(inputs) > 1 else ())
+        return Partition(grid=(ceildiv(output.shape[0], t),), reads=reads, writes=(Tile(0, t),))
 
     def cpu(self, op, env, ins, out):
         t, s = op.params["tile"], env["_i0"] * op.params["tile"]
@@ -58,27 +61,34 @@ class AllReduceSum(BlockKind):
         total = part[0].clone()
         for r in range(1, part.shape[0]):  # rank order, as the CUDA body adds
             total += part[r]
+        if len(ins) > 1:  # the residual: r + T(sum)
+            total = total.to(out.dtype).float() + ins[1][s : s + t].float()
         out[s : s + t] = total.to(out.dtype)
 
     def cuda_call(self, op, ins, out):
         recv, n = ins[0], op.output.shape[0].value
-        args = [recv.ptr, out.ptr, out.strides[0], f"{n}LL", f"{op.params['tile']}LL", "c0"]
+        r = ins[1] if len(ins) > 1 else None
+        args = [recv.ptr, r.ptr if r else "nullptr", r.strides[0] if r else "0", out.ptr, out.strides[0], f"{n}LL",
+                f"{op.params['tile']}LL", "c0"]
         return f"allreduce_sum<{out.ctype}, {op.params['ranks']}>({', '.join(args)})"
 
 
 @term
 class AllReduceTilesTerm(Term):
-    """A tensor-parallel all-reduce: every rank sends its tiles to every rank, each sums what arrived."""
+    """A tensor-parallel all-reduce (graph node ``node``): every rank sends its tiles of ``x`` (or of
+    the f32 sum ``xs``, rounded as sent) to every rank, each sums what arrived (plus the residual
+    ``r`` when the term computes ``r + all_reduce(...)``)."""
 
     name = "all_reduce_tiles"
-    fields = fields("node:node tile:int")
+    fields = fields("x:ref xs:sum r:ref node:node tile:int")
 
     def lower(self, b, value, args):
-        n = b.graph.nodes[value]
-        x = b.flat(b.operand(n.inputs[0]))
+        n = b.graph.nodes[args["node"]]
+        x = b.flat(b.sum(args["xs"]) if args["xs"] != NONE else b.operand(args["x"]))
         out = b.flat(b.output(value))
         ranks, tile = n.attrs["ranks"], args["tile"]
-        recv = b.peer(f"ar_recv{value}", (ranks, x.shape[0]), x.dtype)
+        recv = b.peer(f"ar_recv{args['node']}", (ranks, x.shape[0]), n.dtype)
         params = {"tile": tile, "ranks": ranks}
-        b.emit("allreduce_send", [value], [x], recv, params)
-        b.emit("allreduce_sum", [value], [recv], out, params)
+        b.emit("allreduce_send", [args["node"]], [x], recv, params)
+        residual = [b.flat(b.operand(args["r"]))] if args["r"] != NONE else []
+        b.emit("allreduce_sum", [value], [recv, *residual], out, params)

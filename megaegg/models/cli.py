@@ -104,6 +104,8 @@ def parse(arch: str, argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda when a GPU is present")
     p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
                    help="default: the checkpoint's (bf16 for presets; f32 for presets on the simulator)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor parallel over this many GPUs, one megakernel each (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     return p.parse_args(argv)
 
@@ -144,7 +146,10 @@ def run(arch: str, a: argparse.Namespace) -> dict:
     show_compiler_log()
     if a.prompt is None and a.prompt_file is None and a.model:
         tokenizer = load_tokenizer(a)  # optional: to print text, not ids
-    engine = (SequentialEngine if cfg.moe is not None else BatchEngine)(cfg, a, backend, device, max_len, len(prompts), sampling)
+    if a.tp > 1 and (len(prompts) > 1 or not sampling.greedy):
+        raise GraphError(f"--tp {a.tp}: one prompt, greedy decoding (a batch or sampling runs on one GPU so far)")
+    engine_cls = ParallelEngine if a.tp > 1 else SequentialEngine if cfg.moe is not None else BatchEngine
+    engine = engine_cls(cfg, a, backend, device, max_len, len(prompts), sampling)
     streams = [Stream(tokenizer) if len(prompts) == 1 else Stream(tokenizer, out=io.StringIO()) for _ in prompts]
     if len(prompts) == 1:  # streamed as it comes; a batch prints each prompt's tokens when done
         print("generated: ", end="", flush=True)
@@ -238,6 +243,39 @@ class SequentialEngine:
 
     def decode_seconds(self) -> float:
         return sorted(self.seconds)[len(self.seconds) // 2]
+
+
+class ParallelEngine(SequentialEngine):
+    """``--tp N``: the batch-1 decode graph of one rank of N (megaegg/parallel.py), a megakernel on each
+    GPU, each with its shard of the weights and of the KV cache heads."""
+
+    def __init__(self, cfg, a, backend, device, max_len, n_prompts, sampling) -> None:
+        from ..compiler import cached_artifact
+        from ..parallel import ParallelKernel
+        from .decoder import shard_weights
+
+        if backend == "cuda" and torch.cuda.device_count() < a.tp:
+            raise GraphError(f"--tp {a.tp} needs {a.tp} GPUs; this machine has {torch.cuda.device_count()}")
+        t = progress(f"building graphs (tensor parallel over {a.tp} {'GPUs' if backend == 'cuda' else 'simulated GPUs'})")
+        _, full = build_decode_graph(cfg, max_len=max_len)
+        graph, spec = build_decode_graph(cfg, max_len=max_len, logits=False, tp=a.tp)
+        weights = load_weights(a, full, device)
+        devices = [f"cuda:{r}" if backend == "cuda" else "cpu" for r in range(a.tp)]
+        shards = [{n: w.to(d) for n, w in shard_weights(spec, weights, r).items()} for r, d in enumerate(devices)]
+        del weights
+        t = progress("weights loaded and sharded", t)
+        art = cached_artifact(graph, max_dims={"pos": max_len - 1}, dims_hint={"pos": min(512, max_len - 1)},
+                              compile_cuda=backend == "cuda")
+        kernel = ParallelKernel(art, shards, backend=backend)
+        progress(f"compiled: {len(art.queue.entries)} queue entries a rank ({compile_summary(art.timings)})", t)
+        caches = [spec.new_caches(device=d) for d in devices]
+
+        def step(token: torch.Tensor, pos: int):
+            outs = kernel([{"token": token.to(d), **c} for d, c in zip(devices, caches)], pos=pos)
+            return None, outs[0]["next_token"].to(device)
+
+        self.gen = Generator(step, max_len=max_len, device=device, vocab=cfg.vocab)
+        self.launches, self.seconds = 0, []
 
 
 def load_weights(a: argparse.Namespace, spec, device):

@@ -28,6 +28,11 @@
 //
 // Counters come in two parity sets: a launch uses set `parity` and zeroes the
 // other one (and its claim counter) for the next launch, so no host reset is needed.
+//
+// A tensor-parallel kernel (one per GPU, the same code) also has a peer region per rank, which
+// every rank writes into over NVLink: the peer counters, which count across launches (a wait
+// expects `seq` times its count), and the peer buffers, in two halves by the parity of `seq`
+// (docs/parallel.md).
 #define MEGA_MAX_WAITS 3  // the most barrier waits of one queue entry
 #include "runtime.cuh"
 #include "common.cuh"
@@ -44,6 +49,9 @@
 
 #ifndef MEGA_STATIC
 #define MEGA_STATIC 0
+#endif
+#ifndef MEGA_PEER_FENCE
+#define MEGA_PEER_FENCE 1  // a system-scope fence before the peer signals (besides their release)
 #endif
 #if MEGA_PAGES > 0
 #define MEGA_BLOCK_THREADS (MEGA_THREADS + 32)  // the body threads, then the loader warp
@@ -63,6 +71,7 @@ struct MegaSlot {
 #define MEGA_COUNTERS 576
 #define MEGA_LAUNCHES 1  // distinct launch counts that are runtime expressions
 #define MEGA_CONSTS_AT (3 * MEGA_ENTRIES + (1 + MEGA_LAUNCHES) * (MEGA_ENTRIES + 1))  // table: the constants
+#define MEGA_MAX_RANKS 8  // GPUs of a tensor-parallel group (megaegg/ops.py: MAX_RANKS)
 
 struct MegaArgs {
   char* arena;
@@ -71,6 +80,8 @@ struct MegaArgs {
   long long parity;
   unsigned long long* trace;       // MEGA_TRACE builds: 4 words per instance
   const long long* table;          // render.py: EntryTable.words
+  long long rank, seq;             // tensor parallel: this GPU's rank; this launch's number (1, 2, ...)
+  char* peers[MEGA_MAX_RANKS];     // every rank's peer region (peer-to-peer addresses), by rank
   long long dims[1];
   void* ptr[32];
 };
@@ -85,6 +96,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
   unsigned long long* control = args.control;
   const int parity = (int)args.parity;
   unsigned* ctr = args.counters + (parity ? MEGA_COUNTERS : 0);
+  const long long D_rank = args.rank;
+  (void)D_rank;
+  
   const long long D_pos = args.dims[0];
 
   if (threadIdx.x == 0) {
@@ -255,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[e4] + c1 * 4096LL, (min_i64(e5 - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
@@ -279,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[e6] + c1 * 4096LL, (min_i64(e7 - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[e8 + (0LL)]; wl.expected[0] = (unsigned)(e9);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e10), /*out_s0*/ e11, /*out_s1*/ 1LL, /*N*/ e12, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
@@ -299,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         float* const in1 = ((float*)args.ptr[6]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e1]);
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e2));
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[e3 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -319,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         float* const in1 = ((float*)args.ptr[6]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e1]);
         __nv_bfloat16* const out = (((__nv_bfloat16*)args.ptr[e2]) + (D_pos * 64LL));
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[e3 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -337,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         const long long D__i0 = c0; (void)D__i0;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
         __nv_bfloat16* const out = ((__nv_bfloat16*)args.ptr[e1]);
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[e2 + (0LL)]; wl.expected[0] = (unsigned)(16LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -358,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e1]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e2]);
         float* const out = ((float*)(args.arena + e3));
-        MegaWaits wl; wl.n = 3;
+        MegaWaits wl; wl.n = 3; wl.sys = 0u;
         wl.ctr[0] = &ctr[e4 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[e5 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
         wl.ctr[2] = &ctr[e6 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
@@ -378,7 +392,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         const long long D__i0 = c0; (void)D__i0;
         float* const in0 = ((float*)(args.arena + e0));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e1));
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[e2 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -401,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[11] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 2;
+        MegaWaits wl; wl.n = 2; wl.sys = 0u;
         wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
         matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
@@ -428,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_prefetch_l2((const char*)args.ptr[13] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
           mega_prefetch_l2((const char*)args.ptr[14] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[16 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
         glu_down<__nv_bfloat16, 256, 256, 8, true, false>(/*smem*/ smem, /*x*/ in0, /*x_s1*/ 1LL, /*g*/ in1, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in2, /*w_s0*/ 256LL, /*w2*/ in3, /*w2_s0*/ 256LL, /*wd*/ in4, /*wd_s0*/ 256LL, /*acc*/ out, /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl, /*scale*/ 1.0f);
         if (mega_abort_block) break;
@@ -453,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[e4] + c1 * 4096LL, (min_i64(e5 - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
@@ -477,7 +491,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[19] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
@@ -501,7 +515,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[24] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 2;
+        MegaWaits wl; wl.n = 2; wl.sys = 0u;
         wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[17 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (in3 + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
@@ -525,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in4 = ((__nv_bfloat16*)args.ptr[28]);
         __nv_bfloat16* const in5 = ((__nv_bfloat16*)args.ptr[29]);
         float* const out = ((float*)(ctr + 320));
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[34 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -544,7 +558,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 38912));
         float* const in1 = ((float*)(ctr + 320));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 39680));
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[35 + (0LL)]; wl.expected[0] = (unsigned)(48LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -567,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[30] + c1 * 4096LL, (min_i64(1024LL - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[36 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -584,7 +598,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         const long long D__i0 = c0; (void)D__i0;
         float* const in0 = ((float*)(args.arena + 40192));
         int* const out = ((int*)(args.arena + 41216));
-        MegaWaits wl; wl.n = 1;
+        MegaWaits wl; wl.n = 1; wl.sys = 0u;
         wl.ctr[0] = &ctr[37 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();

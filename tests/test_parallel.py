@@ -1,0 +1,117 @@
+"""Tensor parallelism on the CPU: the reference over ranks, the peer barrier families, and every rank's
+queue run together on the simulator (random and adversarial interleavings of the ranks), where a
+dropped cross-rank wait must fail."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import megaegg as me
+from megaegg.compiler import build_artifact
+from megaegg.graph import GraphError
+from megaegg.interpreter.render import render
+from megaegg.interpreter.simulator import Schedule, SimulationError
+from megaegg.models import ModelConfig, UnsupportedConfig, build_decode_graph, random_weights
+from megaegg.models.decoder import shard_weights
+from megaegg.parallel import ParallelKernel
+
+TP = 2
+
+
+def tiny(tp: int):
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32)
+    return cfg, build_decode_graph(cfg, max_len=32), build_decode_graph(cfg, max_len=32, tp=tp)
+
+
+def rank_inputs(caches, spec, tok):
+    hk = spec.caches["k_cache.0"][0]
+    return [{"token": tok, **{n: c[r * hk:(r + 1) * hk].clone() for n, c in caches.items()}} for r in range(spec.tp)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg, (g1, s1), (g, s) = tiny(TP)
+    W = random_weights(s1, seed=21)
+    caches = {n: torch.randn(shape, generator=torch.Generator().manual_seed(3)) for n, shape in s1.caches.items()}
+    return g1, s1, g, s, W, caches, build_artifact(g, compile_cuda=False, max_dims={"pos": 31})
+
+
+def test_reference_over_ranks_equals_one_gpu_model(model):
+    g1, s1, g, s, W, caches, _ = model
+    tok = torch.tensor([9], dtype=torch.int32)
+    one = me.run_reference(g1, {"token": tok, **{n: c.clone() for n, c in caches.items()}}, W, {"pos": 6})
+    ranks = me.run_reference_ranks(g, rank_inputs(caches, s, tok), [shard_weights(s, W, r) for r in range(TP)], {"pos": 6})
+    for out in ranks:
+        torch.testing.assert_close(out["logits"], one["logits"], atol=2e-5, rtol=1e-4)
+        assert torch.equal(out["next_token"], one["next_token"])
+
+
+@pytest.mark.parametrize("seed,adversarial", [(0, False), (1, False), (2, True), (3, True), (4, True)])
+def test_simulated_ranks_match_reference(model, seed, adversarial):
+    _, _, g, s, W, caches, art = model
+    shards = [shard_weights(s, W, r) for r in range(TP)]
+    kernel = ParallelKernel(art, shards, backend="sim")
+    tok = torch.tensor([4], dtype=torch.int32)
+    ours = kernel.simulate(Schedule(sms=3, seed=seed, adversarial=adversarial), rank_inputs(caches, s, tok), pos=11)
+    ref = me.run_reference_ranks(g, rank_inputs(caches, s, tok), shards, {"pos": 11})
+    for r in range(TP):
+        torch.testing.assert_close(ours[r]["logits"], ref[r]["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_peer_barriers_are_per_source_and_static(model):
+    art = model[-1]
+    q = art.queue
+    peer_sets = [s for s in q.barriers.sets if s.peer]
+    sends = [e.op.id for e in q.entries if e.op.kind == "allreduce_send"]
+    assert peer_sets and {s.producer for s in peer_sets} == set(sends)  # the sends, and only they, signal across ranks
+    plan = q.memory.peer
+    words = [plan.word(plan.counter_base[s.id] + k, r) for s in peer_sets for k in range(s.count.value) for r in range(TP)]
+    assert sorted(words) == list(range(plan.counters * TP))  # every (counter, source) its own word, none shared
+    assert 4 * len(words) <= plan.data_at  # the counters end before the buffers begin
+    sums = [e for e in q.entries if e.op.kind == "allreduce_sum"]
+    for e in sums:
+        (w,) = [w for w in e.waits if q.barriers.sets[w.barrier_set].peer]
+        assert w.expected.is_const  # counted across launches: the same count every launch
+    src = render(q).source
+    assert "mega_red_release_sys" in src and "seq * (unsigned)" in src
+
+
+def test_dropped_cross_rank_wait_fails(model):
+    _, _, g, s, W, caches, art = model
+    q = art.queue
+    peer = {b.id for b in q.barriers.sets if b.peer}
+    entries = tuple(dataclasses.replace(e, waits=tuple(w for w in e.waits if w.barrier_set not in peer))
+                    if e.op.kind == "allreduce_sum" else e for e in q.entries)
+    broken = dataclasses.replace(art, queue=dataclasses.replace(q, entries=entries))
+    kernel = ParallelKernel(broken, [shard_weights(s, W, r) for r in range(TP)], backend="sim")
+    tok = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(SimulationError, match="rank .*allreduce_sum.*early"):
+        for seed in range(6):  # (some interleaving lets a sum in before the other rank's send)
+            kernel.simulate(Schedule(sms=2, seed=seed, adversarial=True), rank_inputs(caches, s, tok), pos=3)
+
+
+def test_user_errors():
+    cfg = ModelConfig.preset("tiny")
+    with pytest.raises(UnsupportedConfig, match="tp=3 does not divide"):
+        build_decode_graph(cfg, max_len=32, tp=3)
+    with pytest.raises(GraphError, match="tp must be an int in"):
+        build_decode_graph(cfg, max_len=32, tp=0)
+    with pytest.raises(UnsupportedConfig, match="routed experts"):
+        build_decode_graph(ModelConfig.preset("qwen3-moe-tiny"), max_len=32, tp=2)
+    g = me.Graph()
+    x = g.input("x", [1, 8], me.f32)
+    with pytest.raises(me.ShapeError, match="ranks must be an int"):
+        me.all_reduce(x, ranks=9)
+    _ = g.output("y", me.all_reduce(x, ranks=2))
+    with pytest.raises(GraphError, match="run_reference_ranks"):
+        me.run_reference(g, {"x": torch.ones(1, 8)})
+    art = build_artifact(g, compile_cuda=False)
+    with pytest.raises(GraphError, match="one weights dict per rank"):
+        ParallelKernel(art, [{}], backend="sim")
+    with pytest.raises(GraphError, match="ParallelKernel"):
+        me.Kernel(art, {}, backend="sim")(x=torch.ones(1, 8))
+    _, (_, s1), (_, s) = tiny(2)
+    W = random_weights(s1, seed=1)
+    with pytest.raises(GraphError, match="missing weight"):
+        shard_weights(s, {k: v for k, v in W.items() if "q_proj" not in k}, 0)
