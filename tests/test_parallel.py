@@ -77,6 +77,17 @@ def test_peer_barriers_are_per_source_and_static(model):
     assert "mega_red_release_sys" in src and "seq * (unsigned)" in src
 
 
+def test_tp_kernel_compiles(model):
+    """The whole tensor-parallel kernel (peer waits, system-scope signals, the all-reduce bodies) through NVRTC."""
+    nvrtc = pytest.importorskip("megaegg.interpreter.nvrtc")
+    art = model[-1]
+    try:
+        out = nvrtc.compile_cubin(art.source, defines=art.defines)
+    except ImportError as e:  # (no NVRTC on this machine)
+        pytest.skip(str(e))
+    assert out.cubin
+
+
 def test_dropped_cross_rank_wait_fails(model):
     _, _, g, s, W, caches, art = model
     q = art.queue
