@@ -412,7 +412,7 @@ def megakernel_tp(tp: int) -> Callable[[Bench], dict]:
     weights and caches, one megakernel a GPU; timed from the first GPU's stream (the all-reduces keep
     the ranks in step, so rank 0's step spans the group's)."""
     from megaegg.compiler import cached_artifact
-    from megaegg.models.decoder import shard_weights
+    from megaegg.models.decoder import shard_caches, shard_weights
     from megaegg.parallel import ParallelKernel
 
     def run(b: Bench) -> dict:
@@ -423,8 +423,7 @@ def megakernel_tp(tp: int) -> Callable[[Bench], dict]:
         shards = [{n: w.to(d) for n, w in shard_weights(spec, b.weights, r).items()} for r, d in enumerate(devices)]
         art = cached_artifact(graph, max_dims={"pos": b.context}, dims_hint={"pos": b.context}, compile_cuda=b.cuda)
         kernel = ParallelKernel(art, shards, backend="cuda" if b.cuda else "sim")
-        hk = spec.caches["k_cache.0"][0]
-        inputs = [{"token": b.token.to(d), **{n: c[r * hk:(r + 1) * hk].to(d).contiguous() for n, c in b.caches.items()}}
+        inputs = [{"token": b.token.to(d), **{n: c.to(d) for n, c in shard_caches(spec, b.caches, r).items()}}
                   for r, d in enumerate(devices)]
         out = kernel(inputs, pos=b.context)[0]  # one checked step: correctness
         info = {"queue_entries": len(art.queue.entries), "tp": tp}

@@ -206,7 +206,7 @@ def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
             lines.append("          __threadfence();")
         for s in e.signals:
             if s.peer:  # this rank's counter on every rank
-                at = f"({peer.counter_base[s.id]} + ({c_expr(s.signal)})) * {peer.ranks} + D_rank"
+                at = peer_word(peer, s.id, s.signal, "D_rank")
                 lines.append(f"          for (int r = 0; r < {peer.ranks}; ++r) mega_red_release_sys((unsigned*)args.peers[r] + {at}, 1u);")
             else:
                 lines.append(f"          mega_red_release(&ctr[{q.memory.counter_base[s.id]} + ({c_expr(s.signal)})], 1u);")
@@ -214,19 +214,24 @@ def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
     return lines
 
 
+def peer_word(peer, set_id: int, index: Dim, source) -> str:
+    """C: the peer-region word of counter ``index`` of peer set ``set_id`` counting rank ``source``
+    (``PeerPlan.word``)."""
+    return f"({peer.counter_base[set_id]} + ({c_expr(index)})) * {peer.ranks} + {source}"
+
+
 def wait_list(q: WorkQueue, e: QueueEntry) -> tuple[list[str], list[str], int]:
-    """The counters an instance of ``e`` waits on, the counts it waits for, and the mask of those to
-    read at system scope. A wait on a peer family is one wait per source rank on this rank's peer
-    counters, which count across launches: ``seq`` (this launch's number, from 1) times the count."""
-    sets = {s.id: s for s in q.barriers.sets}
+    """The counters an instance of ``e`` spins on (``WorkQueue.spins``), the counts
+    it waits for, and the mask of those to read at system scope: a source rank's counter of a peer
+    family, which counts across launches, is waited for to ``seq`` (this launch's number, from 1)
+    times the count."""
     counters, expected, sys = [], [], 0
-    for w in e.waits:
-        if sets[w.barrier_set].peer:
+    for w, rank in q.spins(e):
+        if rank is not None:
             peer = q.memory.peer
-            for r in range(peer.ranks):
-                sys |= 1 << len(counters)
-                counters.append(f"&pctr[({peer.counter_base[w.barrier_set]} + ({c_expr(w.index)})) * {peer.ranks} + {r}]")
-                expected.append(f"seq * (unsigned)({c_expr(w.expected)})")
+            sys |= 1 << len(counters)
+            counters.append(f"&pctr[{peer_word(peer, w.barrier_set, w.index, rank)}]")
+            expected.append(f"seq * (unsigned)({c_expr(w.expected)})")
         else:
             counters.append(f"&ctr[{q.memory.counter_base[w.barrier_set]} + ({c_expr(w.index)})]")
             expected.append(f"(unsigned)({c_expr(w.expected)})")
@@ -364,7 +369,7 @@ def render(q: WorkQueue, defs: dict[str, int] | None = None) -> Rendered:
         "COUNTERS": str(max(1, q.memory.counters)),
         "NDIMS": str(max(1, len(symbols))),
         "NPTRS": str(max(1, len(q.memory.pointer_slot))),
-        "MAXWAITS": str(max([1, *(len(wait_list(q, e)[0]) for e in q.entries)])),
+        "MAXWAITS": str(max([1, *(len(q.spins(e)) for e in q.entries)])),
         "PEER": peer_prologue(q),
         "DIMS": " ".join(f"const long long {dimc(s)} = args.dims[{k}];" for k, s in enumerate(symbols)),
         "LAUNCHES": str(max(1, len(table.prefix.launches))),

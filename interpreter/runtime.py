@@ -131,7 +131,7 @@ class CudaRunner:
         op = self.q.entries[entry].op if 0 <= entry < len(self.q.entries) else None
         what = f"op{op.id} {op.kind} (graph nodes {list(op.sources)})" if op else f"entry {entry}"
         if code == ERR_TIMEOUT:
-            w, rank = expanded_waits(self.q, entry)[detail]
+            w, rank = self.q.spins(self.q.entries[entry])[detail]
             src = f" of rank {rank}" if rank is not None else ""
             raise MegakernelError(
                 f"barrier wait timed out in {what}, instance {inst}: waiting on barrier set {w.barrier_set} "
@@ -142,16 +142,6 @@ class CudaRunner:
             raise MegakernelError(f"unsupported operand layout in {what}, instance {inst}: its body takes "
                                   "contiguous, 16-byte aligned rows")
         raise MegakernelError(f"megakernel error code {code} in {what}, instance {inst}")
-
-
-def expanded_waits(q: WorkQueue, entry: int) -> list:
-    """(wait, source rank or None) in the order the kernel waits (render.py: wait_list): a wait on a
-    peer family is one wait per source rank."""
-    sets = {s.id: s for s in q.barriers.sets}
-    out = []
-    for w in q.entries[entry].waits:
-        out += [(w, r) for r in range(q.program.ranks)] if sets[w.barrier_set].peer else [(w, None)]
-    return out
 
 
 def smem_bytes(device: torch.device) -> int:

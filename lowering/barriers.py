@@ -193,7 +193,7 @@ def derive_barriers(program: BlockProgram) -> BarrierPlan:
     waits: dict[int, list[Wait]] = {op.id: [] for op in program.ops}
     for producer, k, consumer, p, peer in raw:
         key = (producer.id, simple[p.count], simple[p.signal], peer)
-        if peer and not (key[1].is_const and all(not (s.symbols() - _coords(s)) for s in (simple[p.expected],))):
+        if peer and not (key[1].is_const and simple[p.expected].symbols() <= _coords(simple[p.expected])):
             # a peer counter is never reset: the host knows its count after n launches only if
             # every launch adds the same number
             raise ValueError(f"op{consumer.id} {consumer.kind}: waits on op{producer.id} {producer.kind} across ranks "

@@ -85,6 +85,14 @@ class WorkQueue:
             raise AssertionError(f"operand {operand} has no strided layout")
         return layout
 
+    def spins(self, e: QueueEntry) -> list[tuple[Wait, int | None]]:
+        """The counters an instance of entry ``e`` spins on, in order: (wait, None) for a counter of
+        this rank; a wait on a peer family is one spin per source rank, (wait, rank)."""
+        out = []
+        for w in e.waits:
+            out += [(w, r) for r in range(self.program.ranks)] if self.barriers.sets[w.barrier_set].peer else [(w, None)]
+        return out
+
     def summary(self) -> dict[str, int]:
         return {
             "entries": len(self.entries),

@@ -13,7 +13,7 @@ from megaegg.graph import GraphError
 from megaegg.interpreter.render import render
 from megaegg.interpreter.simulator import Schedule, SimulationError
 from megaegg.models import ModelConfig, UnsupportedConfig, build_decode_graph, random_weights
-from megaegg.models.decoder import shard_weights
+from megaegg.models.decoder import shard_caches, shard_weights
 from megaegg.parallel import ParallelKernel
 
 TP = 2
@@ -25,8 +25,7 @@ def tiny(tp: int):
 
 
 def rank_inputs(caches, spec, tok):
-    hk = spec.caches["k_cache.0"][0]
-    return [{"token": tok, **{n: c[r * hk:(r + 1) * hk].clone() for n, c in caches.items()}} for r in range(spec.tp)]
+    return [{"token": tok, **shard_caches(spec, caches, r)} for r in range(spec.tp)]
 
 
 @pytest.fixture(scope="module")

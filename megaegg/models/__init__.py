@@ -7,13 +7,14 @@
 """
 
 from .config import ModelConfig, UnsupportedConfig
-from .decoder import ModelSpec, build_decode_graph, build_step_graph, decoder_layer
+from .decoder import ModelSpec, build_decode_graph, build_step_graph, decoder_layer, shard_caches, shard_weights
 from .generate import Generation, Generator, StepFn, check_token_ids, kernel_step, reference_step
 from .presets import PRESETS
 from .weights import CheckpointError, eos_token_ids, load_checkpoint, random_weights, read_config
 
 __all__ = [
-    "ModelConfig", "UnsupportedConfig", "ModelSpec", "build_decode_graph", "build_step_graph", "decoder_layer", "Generation",
+    "ModelConfig", "UnsupportedConfig", "ModelSpec", "build_decode_graph", "build_step_graph", "decoder_layer",
+    "shard_caches", "shard_weights", "Generation",
     "Generator", "StepFn", "check_token_ids", "kernel_step", "reference_step", "PRESETS", "CheckpointError",
     "eos_token_ids", "load_checkpoint", "random_weights", "read_config",
 ]

@@ -140,17 +140,26 @@ def shard_weights(spec: ModelSpec, weights, rank: int) -> dict:
     """Rank ``rank``'s shards of a full (one-GPU) weight dict for ``spec``, a tensor-parallel decode
     graph's spec: each weight whose shard shape differs from the full one is cut along the dim that
     differs (the heads' and MLP's rows, the O and down projections' columns); the rest is shared."""
+    return _shard(spec, spec.weights, weights, rank, "weight")
+
+
+def shard_caches(spec: ModelSpec, caches, rank: int) -> dict:
+    """Rank ``rank``'s share of full (one-GPU) KV caches: its KV heads, copied (the kernel writes them)."""
+    return {n: t.clone() for n, t in _shard(spec, spec.caches, caches, rank, "cache").items()}
+
+
+def _shard(spec: ModelSpec, shapes: dict, full: dict, rank: int, what: str) -> dict:
     if not 0 <= rank < spec.tp:
         raise GraphError(f"rank {rank} outside [0, {spec.tp})")
     out = {}
-    for name, shape in spec.weights.items():
-        if name not in weights:
-            raise GraphError(f"shard_weights: missing weight {name!r}")
-        full = weights[name]
-        cut = [d for d, (a, b) in enumerate(zip(full.shape, shape)) if a != b]
-        if len(cut) > 1 or full.ndim != len(shape) or (cut and full.shape[cut[0]] != shape[cut[0]] * spec.tp):
-            raise GraphError(f"shard_weights: weight {name!r} {list(full.shape)} is not a full weight of shard {list(shape)}")
-        out[name] = full.narrow(cut[0], rank * shape[cut[0]], shape[cut[0]]).contiguous() if cut else full
+    for name, shape in shapes.items():
+        if name not in full:
+            raise GraphError(f"shard_{what}s: missing {what} {name!r}")
+        t = full[name]
+        cut = [d for d, (a, b) in enumerate(zip(t.shape, shape)) if a != b]
+        if len(cut) > 1 or t.ndim != len(shape) or (cut and t.shape[cut[0]] != shape[cut[0]] * spec.tp):
+            raise GraphError(f"shard_{what}s: {what} {name!r} {list(t.shape)} is not a full {what} of shard {list(shape)}")
+        out[name] = t.narrow(cut[0], rank * shape[cut[0]], shape[cut[0]]).contiguous() if cut else t
     return out
 
 

@@ -18,7 +18,7 @@ import torch
 import megaegg as me
 from megaegg.compiler import cached_artifact
 from megaegg.models import ModelConfig, build_decode_graph, random_weights
-from megaegg.models.decoder import shard_weights
+from megaegg.models.decoder import shard_caches, shard_weights
 from megaegg.parallel import ParallelKernel
 
 TP = int(os.environ.get("TP", "2"))
@@ -55,10 +55,9 @@ def probe(preset: str) -> dict:
     k1 = me.Kernel(cached_artifact(g1, max_dims=MAX, dims_hint={"pos": CTX}), W, backend="cuda")
     shards = [{n: t.to(f"cuda:{r}") for n, t in shard_weights(s2, W, r).items()} for r in range(TP)]
     kt = ParallelKernel(cached_artifact(g2, max_dims=MAX, dims_hint={"pos": CTX}), shards, backend="cuda")
-    hk = s2.caches["k_cache.0"][0]
 
     def split(caches):
-        return [{n: c[r * hk:(r + 1) * hk].to(f"cuda:{r}").contiguous() for n, c in caches.items()} for r in range(TP)]
+        return [{n: c.to(f"cuda:{r}") for n, c in shard_caches(s2, caches, r).items()} for r in range(TP)]
 
     # greedy tokens from position 0, one GPU vs TP
     c1 = s1.new_caches("cuda:0")

@@ -9,7 +9,7 @@ import torch
 import megaegg as me
 from megaegg.compiler import build_artifact
 from megaegg.models import ModelConfig, build_decode_graph, random_weights
-from megaegg.models.decoder import shard_weights
+from megaegg.models.decoder import shard_caches, shard_weights
 from megaegg.parallel import ParallelKernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -18,8 +18,7 @@ TP = 2
 
 
 def split_caches(caches, spec, rank):
-    hk = spec.caches["k_cache.0"][0]
-    return {n: c[rank * hk:(rank + 1) * hk].to(f"cuda:{rank}").contiguous() for n, c in caches.items()}
+    return {n: c.to(f"cuda:{rank}") for n, c in shard_caches(spec, caches, rank).items()}
 
 
 @pytest.mark.parametrize("dtype", [me.f32, me.bf16])
