@@ -235,11 +235,16 @@ def setup(a: argparse.Namespace) -> Bench:
     max_len = a.context + 1  # the torch step reads all max_len rows: exactly the megakernel's context + 1
     graph, spec = build_decode_graph(cfg, max_len=max_len)
     weights = random_weights(spec, seed=0, device=device)
-    gen = torch.Generator(device=device).manual_seed(1)
-    caches = {n: torch.randn(s, generator=gen, device=device).to(cfg.dtype.torch) for n, s in spec.caches.items()}
+    caches = random_caches(spec, device)
     token = torch.tensor([TOKEN % cfg.vocab], dtype=torch.int32, device=device)
     pos = torch.tensor([a.context], dtype=torch.int64, device=device)
     return Bench(a, cfg, graph, spec, weights, caches, cuda, device, a.context, token, pos)
+
+
+def random_caches(spec, device) -> dict:
+    """The bench's KV caches (every run draws the same ones: the tensor-parallel workers too)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    return {n: torch.randn(s, generator=gen, device=device).to(spec.dtype.torch) for n, s in spec.caches.items()}
 
 
 def run_variant(b: Bench, name: str, fn: Callable[[Bench], dict]) -> None:
@@ -407,6 +412,122 @@ def torch_compile(family: str, mode: str) -> Callable[[Bench], dict]:
     return run
 
 
+TP_MODES = ("eager", "CUDA graph", "torch.compile", "torch.compile reduce-overhead")
+
+
+def torch_tp_peers(b: Bench, tp: int) -> None:
+    """The plain step tensor parallel over ``tp`` processes, one GPU each, all-reducing over NCCL
+    (gloo on the CPU), as eager, CUDA-graph replay and torch.compile rows ``plain tp=N ...``: the peers
+    of the ``megakernel tp=N`` row. Each rank draws the bench's weights and caches and keeps its shard."""
+    import torch.multiprocessing as mp
+
+    names = [f"{PLAIN} tp={tp} {mode}" for mode in TP_MODES]
+    if b.broken:
+        b.results.update({n: {"status": "skipped", "error": f"CUDA context unusable after: {b.broken}"} for n in names})
+        return
+    if b.cuda and torch.cuda.device_count() < tp:
+        b.results.update({n: {"status": "skipped", "error": f"needs {tp} GPUs"} for n in names})
+        return
+    log(f"{PLAIN} tp={tp}: {tp} worker processes ...")
+    out = tempfile.mktemp(prefix="megaegg-tp-", suffix=".pt")
+    a = b.args
+    try:
+        try:
+            mp.spawn(torch_tp_worker, args=(tp, a.preset, b.context, a.iters, a.warmup, b.cuda,
+                                            a.skip_compile_baseline, 29500 + os.getpid() % 1000, out), nprocs=tp)
+        except Exception as e:  # noqa: BLE001
+            if not os.path.exists(out):  # a worker failed before rank 0 saved the rows: every row says so
+                b.results.update({n: {"status": "failed", "error": f"{type(e).__name__}: {e}".strip()[:2000]} for n in names})
+                log(f"{PLAIN} tp={tp} FAILED: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+                return
+            log(f"{PLAIN} tp={tp}: a worker failed after the rows were saved (at teardown): {type(e).__name__}: {e}")
+        rows = torch.load(out)
+    finally:
+        if os.path.exists(out):
+            os.remove(out)
+    for name, mode in zip(names, TP_MODES):
+        row = rows[mode]
+        if "logits" in row:
+            row.update(vs_exact(b, row.pop("logits"), row.pop("next")))
+        b.results[name] = row
+
+
+def torch_tp_worker(rank: int, tp: int, preset: str, context: int, iters: int, warmup: int, cuda: bool,
+                    skip_compile: bool, port: int, out: str) -> None:
+    """One rank of ``torch_tp_peers`` (a spawned process); rank 0 saves every mode's row to ``out``."""
+    import torch.distributed as dist
+
+    from megaegg.models import shard_caches, shard_weights
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp)
+    try:
+        cfg = ModelConfig.preset(preset)
+        if not cuda:
+            cfg = dataclasses.replace(cfg, dtype=me.f32)
+        _, full = build_decode_graph(cfg, max_len=context + 1)
+        _, spec = build_decode_graph(cfg, max_len=context + 1, tp=tp)
+        shards = shard_weights(spec, random_weights(full, seed=0, device=device), rank)
+        caches = shard_caches(spec, random_caches(full, device), rank)
+        dec = PlainDecoder.tensor_parallel(cfg, shards, tp=tp, max_len=context + 1, device=device)
+        token = torch.tensor([TOKEN % cfg.vocab], dtype=torch.int32, device=device)
+        pos = torch.tensor([context], dtype=torch.int64, device=device)
+        rows = {}
+
+        def measure(mode: str, step: Callable, first: Callable | None = None) -> None:
+            dec.load_caches(caches)
+            logits, nxt = (first or step)()
+            row = {"logits": logits.float().cpu(), "next": nxt.reshape(-1)[:1].cpu()}
+            row.update(time_steps(step, iters=iters, warmup=warmup, cuda=cuda))
+            rows[mode] = {**row, "status": "ok"}
+
+        measure("eager", lambda: dec.step(token, pos))
+        if cuda:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    dec.step(token, pos)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                g_logits, g_next = dec.step(token, pos)
+
+            def replay():
+                graph.replay()
+                return g_logits, g_next
+
+            measure("CUDA graph", replay)
+        else:
+            rows["CUDA graph"] = {"status": "skipped", "error": "needs CUDA"}
+        for mode, compile_mode in (("torch.compile", "default"), ("torch.compile reduce-overhead", "reduce-overhead")):
+            if skip_compile or not cuda:
+                rows[mode] = {"status": "skipped", "error": "--skip-compile-baseline" if cuda else "needs CUDA"}
+                continue
+            torch._dynamo.reset()
+            for t in dec.caches.values():
+                torch._dynamo.mark_static_address(t)
+            step = torch.compile(dec, mode=compile_mode, fullgraph=True)
+
+            def call():
+                torch.compiler.cudagraph_mark_step_begin()
+                return step(token, pos)
+
+            t0 = time.perf_counter()
+            for _ in range(3):
+                call()
+            sync(cuda)
+            measure(mode, call)
+            rows[mode]["compile_s"] = time.perf_counter() - t0
+        if rank == 0:
+            torch.save(rows, out)
+    finally:
+        dist.destroy_process_group()
+
+
 def megakernel_tp(tp: int) -> Callable[[Bench], dict]:
     """The decode step tensor parallel over ``tp`` GPUs (or simulated ones): every rank's shard of the
     weights and caches, one megakernel a GPU; timed from the first GPU's stream (the all-reduces keep
@@ -537,13 +658,30 @@ def peer_kind(name: str) -> str | None:
 def peers(results: dict) -> dict[str, float]:
     """ms of every timed PyTorch variant (all rows but the megakernel and the checks) that ran."""
     return {k: v["ms"] for k, v in results.items()
-            if v.get("status") == "ok" and "ms" in v and k not in CHECKS and not k.startswith("megakernel")}
+            if v.get("status") == "ok" and "ms" in v and k not in CHECKS and not k.startswith("megakernel") and " tp=" not in k}
 
 
 def best_peer(results: dict) -> tuple[str, float] | None:
     """The fastest PyTorch peer (name, ms), or None if none ran."""
     ms = peers(results)
     return min(ms.items(), key=lambda kv: kv[1]) if ms else None
+
+
+def tp_summary(results: dict, tp: int) -> str | None:
+    """The tensor-parallel rows against their own peers (the PyTorch rows at the same tp) and against
+    the one-GPU megakernel; their '% of floor' and 'vs' columns are of the ONE-GPU floor and peers."""
+    ok = {k: v["ms"] for k, v in results.items() if v.get("status") == "ok" and "ms" in v}
+    mine = ok.get(f"megakernel tp={tp}")
+    if tp < 2 or mine is None:
+        return None
+    peers_tp = {k: v for k, v in ok.items() if k.startswith(f"{PLAIN} tp={tp} ")}
+    parts = [f"tensor parallel over {tp} GPUs: megakernel tp={tp} {mine:.4f} ms"]
+    if "megakernel" in ok:
+        parts.append(f"{ok['megakernel'] / mine:.2f}x the one-GPU megakernel")
+    if peers_tp:
+        name, ms = min(peers_tp.items(), key=lambda kv: kv[1])
+        parts.append(f"{ms / mine:.2f}x the best PyTorch tp={tp} peer ({name}, {ms:.4f} ms)")
+    return "; ".join(parts)
 
 
 def table(b: Bench, bw: dict, fl: dict | None) -> str:
@@ -597,6 +735,9 @@ def table(b: Bench, bw: dict, fl: dict | None) -> str:
     if top:
         head.append(f"best peer: {top[0]} ({top[1]:.4f} ms), the fastest PyTorch variant; "
                     f"'vs best peer' is its ms over the row's")
+    tp = tp_summary(R, b.args.tp)
+    if tp:
+        head.append(tp)
     named = [f"{col} against {best[kind]}" for kind, col in PEER_KINDS if best[kind]]
     if named:
         head.append("fastest of each kind: " + "; ".join(named))
@@ -646,6 +787,8 @@ def main(argv=None) -> dict:
                 name = f"{family} torch.compile" + ("" if mode == "default" else f" {mode}")
                 run_variant(b, name, torch_compile(family, mode))
         drop_decoder(b, family)  # its fused weights go before the next decoder's (or the megakernel's) arrive
+    if a.tp > 1:  # (torch first, as above)
+        torch_tp_peers(b, a.tp)
     run_variant(b, "megakernel", megakernel)
     if a.tp > 1:
         run_variant(b, f"megakernel tp={a.tp}", megakernel_tp(a.tp))
@@ -663,6 +806,7 @@ def main(argv=None) -> dict:
     })
     top = best_peer(b.results)
     report["best_peer"] = {"name": top[0], "ms": top[1]} if top else None
+    report["tensor_parallel"] = tp_summary(b.results, a.tp)
     for v in report["variants"].values():
         if fl and "ms" in v and v.get("status") == "ok":
             v["pct_of_floor"] = fl["ms"] / v["ms"] * 100

@@ -240,3 +240,25 @@ def test_bench_dry_run_has_plain_peers(tmp_path):
     rows = [line.split("|")[0].strip() for line in run.stdout.splitlines() if "|" in line]
     assert rows[rows.index("memory floor"):] == ["memory floor", "plain eager", "plain CUDA graph", "megakernel"]
     assert "plain eager vs exact: rel err max" in run.stdout
+
+
+def test_bench_dry_run_tensor_parallel(tmp_path):
+    """--tp 2 on the CPU: the plain step over 2 gloo processes and the megakernel over 2 simulated GPUs,
+    both checked against the exact step, and the summary line naming the TP peer."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).parent.parent / "examples" / "bench_decode.py"
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, str(bench), "--dry-run", "--tp", "2", "--iters", "1", "--warmup", "0",
+                          "--bw-reps", "1", "--skip-ref-rounding", "--no-reference-check", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    v = json.loads(out.read_text())["variants"]
+    assert v["plain tp=2 eager"]["status"] == "ok", v["plain tp=2 eager"]
+    assert v["plain tp=2 eager"]["vs_exact"]["next_token_equal"] and v["plain tp=2 eager"]["vs_exact"]["rel_err_max"] < 1e-4
+    assert v["megakernel tp=2"]["status"] == "ok" and v["megakernel tp=2"]["correctness"]["next_token_equal"]
+    assert v["plain tp=2 CUDA graph"]["status"] == "skipped"
+    assert "tensor parallel over 2 GPUs: megakernel tp=2" in run.stdout and "best PyTorch tp=2 peer (plain tp=2 eager" in run.stdout

@@ -84,9 +84,10 @@ class PlainLayer(nn.Module):
     """One pre-norm block with fused q/k/v and gate/up weights and its own static KV caches."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], layer: int, *, max_len: int,
-                 device, attention: str) -> None:
+                 device, attention: str, reduce=None) -> None:
         super().__init__()
         self.cfg, self.attention = cfg, attention
+        self.reduce = reduce or (lambda t: t)  # tensor parallel: the all-reduce of a row-parallel projection
         H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.sizes = [H * D, Hkv * D, Hkv * D]
 
@@ -120,12 +121,12 @@ class PlainLayer(nn.Module):
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         self.k_cache.index_copy_(1, pos, k.unsqueeze(1))  # [Hkv, 1, D] at row pos
         self.v_cache.index_copy_(1, pos, v.unsqueeze(1))
-        x = x + F.linear(self._attend(q, mask).reshape(1, H * D), self.wo)
+        x = x + self.reduce(F.linear(self._attend(q, mask).reshape(1, H * D), self.wo))
         h = _rms_norm(x, self.post_attention_layernorm, eps)
         if self.sparse:
             return x + self.experts(h)
         gate, up = F.linear(h, self.w13).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w2)
+        return x + self.reduce(F.linear(F.silu(gate) * up, self.w2))
 
     def _attend(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``q: [H, D]`` over the cache rows ``mask: [1, 1, 1, max_len]`` (additive) lets through -> ``[H, D]``."""
@@ -148,18 +149,20 @@ class PlainDecoder(StaticCacheDecoder):
     ``load_checkpoint`` return them), in ``cfg.dtype``. Holds a copy of the q/k/v and
     gate/up weights (concatenated); shares the others' storage when ``weights`` is
     already on ``device``. ``attention``: ``"gqa"`` (SDPA with ``enable_gqa``) or
-    ``"grouped"`` (SDPA on q viewed per KV head).
+    ``"grouped"`` (SDPA on q viewed per KV head). ``reduce``: applied to the O and down projections'
+    outputs (tensor parallel: their all-reduce, ``torch_tp.py``; default: none).
     """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, max_len: int, device="cuda",
-                 attention: str = "gqa") -> None:
+                 attention: str = "gqa", reduce=None) -> None:
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         super().__init__(cfg, weights, max_len=max_len, device=device)
         self.attention = attention
         self.embed_tokens = frozen(weights["model.embed_tokens.weight"].to(device))
         self.layers = nn.ModuleList(
-            PlainLayer(cfg, weights, i, max_len=max_len, device=device, attention=attention) for i in range(cfg.layers)
+            PlainLayer(cfg, weights, i, max_len=max_len, device=device, attention=attention, reduce=reduce)
+            for i in range(cfg.layers)
         )
         self.norm = frozen(weights["model.norm.weight"].to(device))
         self.lm_head = self.embed_tokens if cfg.tie_embeddings else frozen(weights["lm_head.weight"].to(device))
@@ -172,6 +175,27 @@ class PlainDecoder(StaticCacheDecoder):
         dtype = self.norm.dtype
         self.register_buffer("mask_open", torch.zeros((), dtype=dtype, device=device), persistent=False)
         self.register_buffer("mask_shut", torch.full((), float("-inf"), dtype=dtype, device=device), persistent=False)
+
+    @classmethod
+    def tensor_parallel(cls, cfg: ModelConfig, shards: Mapping[str, torch.Tensor], *, tp: int, max_len: int,
+                        device="cuda", attention: str = "gqa") -> "PlainDecoder":
+        """This process's rank of the step over ``tp`` processes (Megatron-style, as gpt-fast does it):
+        ``shards`` from :func:`~megaegg.models.shard_weights`, the O and down projections' outputs
+        summed over the default process group (``torch.distributed`` initialised, NCCL on GPUs) with
+        the functional all-reduce, which CUDA graphs and ``torch.compile`` take."""
+        import dataclasses
+
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        from .decoder import check_tp
+
+        check_tp(cfg, tp)
+        local = dataclasses.replace(cfg, heads=cfg.heads // tp, kv_heads=cfg.kv_heads // tp,
+                                    intermediate=cfg.intermediate // tp)
+        group = dist.group.WORLD
+        return cls(local, shards, max_len=max_len, device=device, attention=attention,
+                   reduce=lambda t: funcol.all_reduce(t, "sum", group))
 
     def forward(self, token: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``token`` int32[1], ``pos`` int64[1] (device tensors) -> logits [1, vocab], next_token int32[1]."""
