@@ -15,17 +15,20 @@ runs instances ``s, s + sms, ...`` of the queue, in that order, and nothing is c
 ``Schedule.ring`` runs the weight page ring's protocol instead (``page_sim.py``): per SM a
 loader that claims instances and fills pages, and a body that computes from the pages.
 
-:func:`run_group` runs the ranks of a tensor-parallel group together, one Simulation a rank, each
-with its own SMs and claim order: an instance that writes a ``peer`` buffer writes its row into
-every rank's copy and signals every rank's counter of its source rank; a wait on a peer family
-waits for every source rank. The scheduler interleaves the ranks at random, or delays one rank
-(and one op) as long as anything else can move.
+:func:`run_launches` runs the ranks of a tensor-parallel group together over several launches, one
+Simulation a rank and launch, each rank with its own SMs and claim order and its launches one after
+the other, as on its stream: an instance that writes a ``peer`` buffer writes its row into every
+rank's copy (the half of the launch's parity) and signals every rank's counter of its source rank;
+peer counters count across launches, and a wait on a peer family waits for every source rank to
+reach the launch number times its count. The scheduler interleaves the ranks at random, or delays
+one rank (and one op) as long as anything else can move, so the others run ahead into their next
+launches; a rank that writes into a half another rank's earlier launch still reads fails the run.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +55,15 @@ class Schedule:
     static: bool = False  # SM s runs the instances g = s, s + sms, ... in order (MEGA_STATIC), none claimed
 
 
+@dataclass
+class RankState:
+    """What a rank keeps across its launches: the peer counters of its region (never reset) and how
+    many launches it finished."""
+
+    counters: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (set, index, source rank)
+    done: int = 0
+
+
 def poison(t: torch.Tensor) -> None:
     if t.is_floating_point():
         t.fill_(float("nan"))
@@ -60,16 +72,21 @@ def poison(t: torch.Tensor) -> None:
 
 
 class Simulation:
-    def __init__(self, queue: WorkQueue, buffers: dict[int, torch.Tensor], env: dict[str, int], rank: int = 0) -> None:
-        """``buffers`` maps every buffer id to a flat tensor; scratch and peer ones are poisoned here.
-        ``rank``: this device's rank in its tensor-parallel group (``run_group``)."""
+    def __init__(self, queue: WorkQueue, buffers: dict[int, torch.Tensor], env: dict[str, int], rank: int = 0,
+                 seq: int = 1, state: RankState | None = None, halves: int = 2) -> None:
+        """``buffers`` maps every buffer id to a flat tensor; scratch ones are poisoned here (peer ones
+        by their owner: a half serves several launches). ``rank``: this device's rank in its
+        tensor-parallel group, ``seq`` the launch's number (from 1), ``state`` what the rank keeps
+        across launches, ``halves`` how many copies of the peer buffers a rank's region holds
+        (``run_launches``)."""
         self.q, self.buf, self.env, self.rank = queue, buffers, {**env, "rank": rank}, rank
-        self.group: list[Simulation] = [self]  # the ranks' simulations, by rank (run_group sets it)
+        self.seq, self.state, self.halves = seq, state or RankState(), halves
+        self.group: list[Simulation] = [self]  # this launch's simulations of every rank, by rank
         self._index: dict[int, torch.Tensor] = {}  # flat element ids per buffer, built once
         self.ready = {}
         fresh = ("scratch", "peer")  # written during the launch: nothing in them is ready at first
         for b in queue.program.buffers:
-            if b.kind in fresh:
+            if b.kind == "scratch":
                 poison(buffers[b.id])
             self.ready[b.id] = torch.full((buffers[b.id].numel(),), b.kind not in fresh)
         self.written = {b: torch.zeros_like(r) for b, r in self.ready.items()}
@@ -87,7 +104,7 @@ class Simulation:
                 pending[idx] += 1
             if kind not in fresh:
                 self.ready[op.output.buffer][idx] = False
-        self.counters: dict[tuple, int] = {}  # (set, index), or (set, index, source rank) of a peer set
+        self.counters: dict[tuple[int, int], int] = {}  # (set, index) -> signals this launch (peer sets: state)
         self.peer_sets = {s.id for s in queue.barriers.sets if s.peer}
         # buffers written during the launch: only their reads need checking
         self.tracked = {b.id for b in queue.program.buffers if b.kind in fresh}
@@ -99,11 +116,13 @@ class Simulation:
         grid = [g.eval(self.env) for g in op.grid] or [1]
         return {**self.env, **{f"_i{a}": c for a, c in enumerate(grid_coords(i, grid))}}
 
-    def count(self, set_id: int, index: int) -> int:
-        """Signals on counter ``index`` of a set so far; of a peer set, the fewest of any source rank."""
+    def met(self, set_id: int, index: int, expected: int) -> bool:
+        """Whether counter ``index`` of a set has ``expected`` signals of this launch; a peer set's
+        counter of every source rank, counting across launches, ``seq`` times that many."""
         if set_id in self.peer_sets:
-            return min(self.counters.get((set_id, index, r), 0) for r in range(self.q.program.ranks))
-        return self.counters.get((set_id, index), 0)
+            return all(self.state.counters.get((set_id, index, r), 0) >= self.seq * expected
+                       for r in range(self.q.program.ranks))
+        return self.counters.get((set_id, index), 0) >= expected
 
     def view(self, o: Operand, env: dict[str, int], base: torch.Tensor | None = None) -> torch.Tensor:
         lay = self.q.layout(o)
@@ -123,7 +142,7 @@ class Simulation:
     def waits_met(self, k: int, i: int) -> bool:
         e = self.q.entries[k]
         env = self.coords(k, i)
-        return all(self.count(w.barrier_set, w.index.eval(env)) >= w.expected.eval(env) for w in e.waits)
+        return all(self.met(w.barrier_set, w.index.eval(env), w.expected.eval(env)) for w in e.waits)
 
     def where(self, k: int, i: int) -> str:
         op = self.q.entries[k].op
@@ -158,6 +177,9 @@ class Simulation:
         if self.q.program.buffers[op.output.buffer].kind == "peer":  # the same row of every rank's copy
             for other in self.group:
                 if other is not self:
+                    if other.state.done < self.seq - self.halves:  # its launch that used this half still runs
+                        raise SimulationError(f"rank {self.rank} launch {self.seq} {where} writes rank {other.rank}'s "
+                                              f"peer buffer half, which its launch {self.seq - self.halves} still reads")
                     if bool(other.written[op.output.buffer][out_idx].any()):
                         raise SimulationError(f"rank {self.rank} {where} writes peer elements already written on rank {other.rank}")
                     other.buf[op.output.buffer][out_idx] = self.buf[op.output.buffer][out_idx]
@@ -167,7 +189,7 @@ class Simulation:
             if s.peer:  # this rank's counter on every rank
                 for other in self.group:
                     key = (s.id, s.signal.eval(env), self.rank)
-                    other.counters[key] = other.counters.get(key, 0) + 1
+                    other.state.counters[key] = other.state.counters.get(key, 0) + 1
             else:
                 key = (s.id, s.signal.eval(env))
                 self.counters[key] = self.counters.get(key, 0) + 1
@@ -215,39 +237,56 @@ class Simulation:
 
 
 def run_group(sims: list[Simulation], schedule: Schedule) -> None:
-    """Run the ranks of a tensor-parallel group (``sims[r]`` is rank ``r``'s) as one launch: each rank
-    claims its own instances in queue order on ``schedule.sms`` SMs; the next move is a random SM of
-    a random rank, or, adversarially, anything but one victim rank and one victim op while anything
-    else can move. Fails on an early read, a double write or a deadlock, naming the rank."""
+    """One launch of every rank of a tensor-parallel group (``sims[r]`` is rank ``r``'s)."""
+    run_launches([sims], schedule)
+
+
+def run_launches(launches: list[list[Simulation]], schedule: Schedule) -> None:
+    """Launches of a tensor-parallel group, ``launches[t][r]`` rank ``r``'s launch ``t`` (numbered
+    ``t + 1``, sharing the rank's ``state``): each rank claims its own instances in queue order on
+    ``schedule.sms`` SMs and starts its next launch once the last one finished; the next move is a
+    random SM of a random rank, or, adversarially, anything but one victim rank and one victim op
+    while anything else can move. Fails on an early read, a double write, a peer half overwritten
+    early or a deadlock, naming the rank."""
     if schedule.ring is not None or schedule.static:
-        raise ValueError("run_group: the page ring and the static order are modelled for one device only")
-    for s in sims:
-        s.group = sims
+        raise ValueError("run_launches: the page ring and the static order are modelled for one device only")
+    ranks = len(launches[0])
+    for group in launches:
+        for s in group:
+            s.group = group
     rng = random.Random(schedule.seed)
-    entries = len(sims[0].q.entries)
+    entries = len(launches[0][0].q.entries)
     victim_op = rng.randrange(entries) if schedule.adversarial and entries else None
-    victim_rank = rng.randrange(len(sims)) if schedule.adversarial else None
-    held = [[None] * schedule.sms for _ in sims]
-    nxt = [0] * len(sims)
+    victim_rank = rng.randrange(ranks) if schedule.adversarial else None
+    cur = [0] * ranks  # each rank's current launch
+    held = [[None] * schedule.sms for _ in range(ranks)]
+    nxt = [0] * ranks
 
-    def pending(r: int) -> bool:
-        return nxt[r] < len(sims[r].instances) or any(h is not None for h in held[r])
+    def sim(r: int) -> Simulation:
+        return launches[cur[r]][r]
 
-    while any(pending(r) for r in range(len(sims))):
-        movable = [(r, s) for r, sim in enumerate(sims) for s, h in enumerate(held[r])
-                   if (h is None and nxt[r] < len(sim.instances)) or (h is not None and sim.waits_met(*h))]
+    while any(c < len(launches) for c in cur):
+        for r in range(ranks):  # a launch whose instances all ran ends; the rank's next one starts
+            if cur[r] < len(launches) and nxt[r] == len(sim(r).instances) and all(h is None for h in held[r]):
+                sim(r).state.done += 1
+                cur[r], nxt[r] = cur[r] + 1, 0
+        active = [r for r in range(ranks) if cur[r] < len(launches)]
+        movable = [(r, s) for r in active for s, h in enumerate(held[r])
+                   if (h is None and nxt[r] < len(sim(r).instances)) or (h is not None and sim(r).waits_met(*h))]
+        if not active:
+            break
         if not movable:
-            r, h = next((r, h) for r in range(len(sims)) for h in held[r] if h is not None)
-            op = sims[r].q.entries[h[0]].op
-            raise SimulationError(f"deadlock: rank {r} op{op.id} {op.kind} instance {h[1]} waits forever")
+            r, h = next((r, h) for r in active for h in held[r] if h is not None)
+            op = sim(r).q.entries[h[0]].op
+            raise SimulationError(f"deadlock: rank {r} launch {cur[r] + 1} op{op.id} {op.kind} instance {h[1]} waits forever")
         preferred = [(r, s) for r, s in movable if r != victim_rank and (held[r][s] is None or held[r][s][0] != victim_op)]
         r, s = rng.choice(preferred or movable)
         if held[r][s] is None:
-            held[r][s] = sims[r].instances[nxt[r]]
+            held[r][s] = sim(r).instances[nxt[r]]
             nxt[r] += 1
         else:
             try:
-                sims[r].execute(*held[r][s])
+                sim(r).execute(*held[r][s])
             except SimulationError as e:
                 raise SimulationError(f"rank {r}: {e}") from None
             held[r][s] = None

@@ -20,6 +20,7 @@ peer-to-peer over NVLink (docs/parallel.md: the protocol and why it is sound).
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Mapping, Sequence
 
 import torch
@@ -67,7 +68,7 @@ class ParallelKernel:
             raise GraphError(f"inputs: one dict per rank wanted ({self.ranks})")
         split = [k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)]
         if self.backend == "sim":
-            return self._run_sim(split, self.schedule)
+            return self._run_sim([split], self.schedule)[0]
         for k, d, (tensors, env) in zip(self.kernels, self.devices, split):  # every rank's kernel, then wait
             with _on(d):
                 k._runner.launch([env[s] for s in k.program.symbols], tensors)
@@ -96,16 +97,39 @@ class ParallelKernel:
             raise type(e)(f"rank {r}: {e}") from e
 
     def simulate(self, schedule, inputs: Sequence[Mapping[str, torch.Tensor]], **dims: int) -> list[dict]:
-        """Run every rank on the CPU simulator together (interpreter/simulator.py: run_group)."""
-        return self._run_sim([k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)], schedule)
+        """Run every rank on the CPU simulator together (interpreter/simulator.py: run_launches)."""
+        return self._run_sim([[k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)]], schedule)[0]
 
-    def _run_sim(self, split, schedule) -> list[dict[str, torch.Tensor]]:
-        from .interpreter.simulator import Schedule, Simulation, run_group
+    def simulate_launches(self, schedule, steps: Sequence[tuple[Sequence[Mapping[str, torch.Tensor]], Mapping[str, int]]],
+                          *, halves: int = 2) -> list[list[dict]]:
+        """Several launches in a row on the simulator, ``steps[t] = (inputs of every rank, dims)``, each
+        rank starting its next launch as soon as its last one ended (others may still run theirs); the
+        peer counters carry over and the peer buffers alternate between ``halves`` copies, as on the
+        GPU (2; a test passes 1 to see an early overwrite caught). Every launch's outputs, per rank."""
+        split = [[k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)] for inputs, dims in steps]
+        return self._run_sim(split, schedule, halves)
 
-        sims = [Simulation(k.queue, k._sim_buffers(t, env), env, rank=r) for r, (k, (t, env)) in enumerate(zip(self.kernels, split))]
-        run_group(sims, schedule or self.schedule or Schedule())
-        return [{name: s.view(o, env).clone() for name, o in k.program.outputs.items()}
-                for s, k, (_, env) in zip(sims, self.kernels, split)]
+    def _run_sim(self, launches, schedule, halves: int = 2) -> list[list[dict[str, torch.Tensor]]]:
+        from .interpreter.simulator import RankState, Schedule, Simulation, poison, run_launches
+
+        peers = [b for b in self.kernels[0].program.buffers if b.kind == "peer"]
+        copies = []  # per rank: each peer buffer's halves (static shapes), kept across launches like the GPU's region
+        for _ in self.kernels:
+            copies.append({b.id: [torch.empty(math.prod(d.value for d in b.shape), dtype=b.dtype.torch)
+                                  for _ in range(halves)] for b in peers})
+            for t in (t for halves_of in copies[-1].values() for t in halves_of):
+                poison(t)
+        states = [RankState() for _ in self.kernels]
+        sims = []
+        for seq, split in enumerate(launches, start=1):
+            group = []
+            for r, (k, (tensors, env)) in enumerate(zip(self.kernels, split)):
+                flat = k._sim_buffers(tensors, env) | {b: c[(seq - 1) % halves] for b, c in copies[r].items()}
+                group.append(Simulation(k.queue, flat, env, rank=r, seq=seq, state=states[r], halves=halves))
+            sims.append(group)
+        run_launches(sims, schedule or self.schedule or Schedule())
+        return [[{name: s.view(o, env).clone() for name, o in k.program.outputs.items()}
+                 for s, k, (_, env) in zip(group, self.kernels, split)] for group, split in zip(sims, launches)]
 
 
 def _on(device: torch.device):

@@ -58,6 +58,39 @@ def test_simulated_ranks_match_reference(model, seed, adversarial):
         torch.testing.assert_close(ours[r]["logits"], ref[r]["logits"], atol=1e-5, rtol=1e-5)
 
 
+def test_simulated_launches_carry_peer_counters_and_halves(model):
+    """Three decode steps in a row: a delayed rank lets the others run into their next launches, whose
+    sends land in the other half; every launch matches the reference run step by step."""
+    _, _, g, s, W, caches, art = model
+    shards = [shard_weights(s, W, r) for r in range(TP)]
+    kernel = ParallelKernel(art, shards, backend="sim")
+    steps = [(4, 11), (9, 12), (2, 13)]  # (token, pos)
+    for seed, adversarial in ((0, False), (1, True), (2, True)):
+        ours_c, ref_c = rank_inputs(caches, s, None), rank_inputs(caches, s, None)
+        feeds = [([{**{n: c for n, c in ours_c[r].items() if n != "token"}, "token": torch.tensor([t], dtype=torch.int32)}
+                   for r in range(TP)], {"pos": p}) for t, p in steps]
+        outs = kernel.simulate_launches(Schedule(sms=2, seed=seed, adversarial=adversarial), feeds)
+        for (t, p), ours in zip(steps, outs):
+            ref = me.run_reference_ranks(g, [{**{n: c for n, c in ref_c[r].items() if n != "token"},
+                                              "token": torch.tensor([t], dtype=torch.int32)} for r in range(TP)],
+                                         shards, {"pos": p})
+            for r in range(TP):
+                torch.testing.assert_close(ours[r]["logits"], ref[r]["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_one_half_of_peer_buffers_is_caught(model):
+    """With one copy of the peer buffers instead of two, a rank running ahead into its next launch
+    writes where a slower rank's launch still reads: the simulator must catch it."""
+    _, _, g, s, W, caches, art = model
+    kernel = ParallelKernel(art, [shard_weights(s, W, r) for r in range(TP)], backend="sim")
+    c = rank_inputs(caches, s, None)
+    feeds = [([{**{n: x for n, x in c[r].items() if n != "token"}, "token": torch.tensor([3], dtype=torch.int32)}
+               for r in range(TP)], {"pos": p}) for p in (5, 6, 7)]
+    with pytest.raises(SimulationError, match="still reads"):
+        for seed in range(8):
+            kernel.simulate_launches(Schedule(sms=2, seed=seed, adversarial=True), feeds, halves=1)
+
+
 def test_peer_barriers_are_per_source_and_static(model):
     art = model[-1]
     q = art.queue
