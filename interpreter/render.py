@@ -185,7 +185,7 @@ def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
         lines.append("        }")
     waits, expected, sys = wait_list(q, e)
     if waits or kind.waits_in_body:  # the wait list (runtime.cuh: mega_wait_all)
-        lines.append(f"        MegaWaits wl; wl.n = {len(waits)}; wl.sys = {sys}u;")
+        lines.append(f"        MegaWaits wl; wl.n = {len(waits)};" + (f" wl.sys = {sys}u;" if q.memory.peer else ""))
         lines += [f"        wl.ctr[{i}] = {c}; wl.expected[{i}] = {x};" for i, (c, x) in enumerate(zip(waits, expected))]
     call = f"        {kind.cuda_call(op, ins, out)};"
     traced = "        MEGA_TRACE_WAITS_PASSED();" if waits else "        MEGA_TRACE_WAITED();"
@@ -371,6 +371,7 @@ def render(q: WorkQueue, defs: dict[str, int] | None = None) -> Rendered:
         "NPTRS": str(max(1, len(q.memory.pointer_slot))),
         "MAXWAITS": str(max([1, *(len(q.spins(e)) for e in q.entries)])),
         "PEER": peer_prologue(q),
+        "PEERS": str(int(q.memory.peer is not None)),
         "DIMS": " ".join(f"const long long {dimc(s)} = args.dims[{k}];" for k, s in enumerate(symbols)),
         "LAUNCHES": str(max(1, len(table.prefix.launches))),
         "LAUNCH_VALUES": ", ".join(f"max_i64(0LL, {x})" for x in table.prefix.launches) or "0LL",

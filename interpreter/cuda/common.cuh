@@ -34,6 +34,9 @@ __device__ __forceinline__ bool mega_sync_and(bool p) {
 // An instance's barrier waits. The interpreter passes them to mega_wait_all, or hands them
 // to a body that waits itself (BlockKind.waits_in_body) after issuing the loads that need
 // no input, so those loads overlap the hand-off.
+#ifndef MEGA_PEERS
+#define MEGA_PEERS 0
+#endif
 #ifndef MEGA_MAX_WAITS
 #define MEGA_MAX_WAITS 8  // (the interpreter defines it: the most waits of one queue entry)
 #endif
@@ -41,7 +44,9 @@ struct MegaWaits {
     const unsigned* ctr[MEGA_MAX_WAITS];
     unsigned expected[MEGA_MAX_WAITS];
     int n;  // 0: nothing to wait for
+#if MEGA_PEERS
     unsigned sys;  // bit i: ctr[i] is a peer counter, written by other GPUs (read at system scope)
+#endif
 };
 // All threads: thread i < w.n waits for ctr[i] >= expected[i], then a block barrier.
 // False: the block must stop (abort or timeout, error recorded). Defined in runtime.cuh.

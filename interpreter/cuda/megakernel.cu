@@ -34,6 +34,7 @@
 // expects `seq` times its count), and the peer buffers, in two halves by the parity of `seq`
 // (docs/parallel.md).
 #define MEGA_MAX_WAITS /*@MAXWAITS@*/  // the most barrier waits of one queue entry
+#define MEGA_PEERS /*@PEERS@*/  // 1: a tensor-parallel kernel (peer counters, waits at system scope)
 #include "runtime.cuh"
 #include "common.cuh"
 #include "pages.cuh"

@@ -73,7 +73,20 @@ __device__ void mega_body_error(int code, long long detail) {
 // Spin until *counter >= expected (acquire; at system scope for a peer counter). False on abort or
 // timeout (error recorded).
 __device__ __forceinline__ unsigned mega_ld_counter(const unsigned* p, bool sys) {
+#if MEGA_PEERS
   return sys ? mega_ld_acquire_sys(p) : mega_ld_acquire(p);
+#else
+  return (void)sys, mega_ld_acquire(p);  // (one GPU: every counter is this GPU's)
+#endif
+}
+
+// Whether wait i of w reads a peer counter (system scope).
+__device__ __forceinline__ bool mega_wait_sys(const MegaWaits& w, int i) {
+#if MEGA_PEERS
+  return (w.sys >> i) & 1;
+#else
+  return (void)w, (void)i, false;
+#endif
 }
 
 __device__ bool mega_wait(const unsigned* counter, unsigned expected, unsigned long long* control, int entry,
@@ -109,14 +122,14 @@ __device__ __forceinline__ void mega_prefetch_l2(const void* p, long long bytes)
 }
 
 __device__ bool mega_waits_met(const MegaWaits& w) {
-    const bool met = threadIdx.x >= w.n || mega_ld_counter(w.ctr[threadIdx.x], (w.sys >> threadIdx.x) & 1) >= w.expected[threadIdx.x];
+    const bool met = threadIdx.x >= w.n || mega_ld_counter(w.ctr[threadIdx.x], mega_wait_sys(w, threadIdx.x)) >= w.expected[threadIdx.x];
     return mega_sync_and(met);
 }
 
 __device__ bool mega_wait_all(const MegaWaits& w) {
     if (w.n == 0) return true;
     if (threadIdx.x < w.n && !mega_wait(w.ctr[threadIdx.x], w.expected[threadIdx.x], mega_control_ptr, mega_cur_entry,
-                                        mega_cur_instance, threadIdx.x, (w.sys >> threadIdx.x) & 1))
+                                        mega_cur_instance, threadIdx.x, mega_wait_sys(w, threadIdx.x)))
         mega_abort_block = 1;
     mega_sync();
 #ifdef MEGA_TRACE

@@ -34,6 +34,7 @@
 // expects `seq` times its count), and the peer buffers, in two halves by the parity of `seq`
 // (docs/parallel.md).
 #define MEGA_MAX_WAITS 3  // the most barrier waits of one queue entry
+#define MEGA_PEERS 0  // 1: a tensor-parallel kernel (peer counters, waits at system scope)
 #include "runtime.cuh"
 #include "common.cuh"
 #include "pages.cuh"
@@ -269,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[e4] + c1 * 4096LL, (min_i64(e5 - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
@@ -293,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[e6] + c1 * 4096LL, (min_i64(e7 - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[e8 + (0LL)]; wl.expected[0] = (unsigned)(e9);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e10), /*out_s0*/ e11, /*out_s1*/ 1LL, /*N*/ e12, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
@@ -313,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         float* const in1 = ((float*)args.ptr[6]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e1]);
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e2));
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[e3 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -333,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         float* const in1 = ((float*)args.ptr[6]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e1]);
         __nv_bfloat16* const out = (((__nv_bfloat16*)args.ptr[e2]) + (D_pos * 64LL));
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[e3 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -351,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         const long long D__i0 = c0; (void)D__i0;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
         __nv_bfloat16* const out = ((__nv_bfloat16*)args.ptr[e1]);
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[e2 + (0LL)]; wl.expected[0] = (unsigned)(16LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -372,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e1]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e2]);
         float* const out = ((float*)(args.arena + e3));
-        MegaWaits wl; wl.n = 3; wl.sys = 0u;
+        MegaWaits wl; wl.n = 3;
         wl.ctr[0] = &ctr[e4 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[e5 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
         wl.ctr[2] = &ctr[e6 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
@@ -392,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         const long long D__i0 = c0; (void)D__i0;
         float* const in0 = ((float*)(args.arena + e0));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e1));
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[e2 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -415,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[11] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 2; wl.sys = 0u;
+        MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
         matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
@@ -442,7 +443,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_prefetch_l2((const char*)args.ptr[13] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
           mega_prefetch_l2((const char*)args.ptr[14] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[16 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
         glu_down<__nv_bfloat16, 256, 256, 8, true, false>(/*smem*/ smem, /*x*/ in0, /*x_s1*/ 1LL, /*g*/ in1, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in2, /*w_s0*/ 256LL, /*w2*/ in3, /*w2_s0*/ 256LL, /*wd*/ in4, /*wd_s0*/ 256LL, /*acc*/ out, /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl, /*scale*/ 1.0f);
         if (mega_abort_block) break;
@@ -467,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[e4] + c1 * 4096LL, (min_i64(e5 - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
@@ -491,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[19] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
@@ -515,7 +516,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[24] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 2; wl.sys = 0u;
+        MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
         wl.ctr[1] = &ctr[17 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (in3 + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
@@ -539,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in4 = ((__nv_bfloat16*)args.ptr[28]);
         __nv_bfloat16* const in5 = ((__nv_bfloat16*)args.ptr[29]);
         float* const out = ((float*)(ctr + 320));
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[34 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -558,7 +559,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 38912));
         float* const in1 = ((float*)(ctr + 320));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 39680));
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[35 + (0LL)]; wl.expected[0] = (unsigned)(48LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -581,7 +582,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[30] + c1 * 4096LL, (min_i64(1024LL - c1 * 8, 8LL)) * 512LL);
         }
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[36 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -598,7 +599,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         const long long D__i0 = c0; (void)D__i0;
         float* const in0 = ((float*)(args.arena + 40192));
         int* const out = ((int*)(args.arena + 41216));
-        MegaWaits wl; wl.n = 1; wl.sys = 0u;
+        MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[37 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
