@@ -173,6 +173,12 @@ class Kernel:
             self.weights_by_buffer[b.id] = stored
         return out
 
+    def _one_rank(self) -> None:
+        """A kernel of several ranks runs only with its peers (alone, its waits on them would time out)."""
+        if self.program.ranks > 1:
+            raise GraphError(f"the graph all-reduces over {self.program.ranks} ranks: run it with "
+                             "megaegg.parallel.ParallelKernel, one rank a GPU")
+
     def _split_args(self, kwargs: dict) -> tuple[dict[int, torch.Tensor], dict[str, int]]:
         symbols = self.program.symbols
         dims = {k: v for k, v in kwargs.items() if k in symbols}
@@ -215,9 +221,7 @@ class Kernel:
 
     # --- running ----------------------------------------------------------------------
     def __call__(self, *, check: bool = True, **kwargs) -> dict[str, torch.Tensor]:
-        if self.program.ranks > 1:
-            raise GraphError(f"the graph all-reduces over {self.program.ranks} ranks: run it with "
-                             "megaegg.parallel.ParallelKernel, one rank a GPU")
+        self._one_rank()
         tensors, dims = self._split_args(kwargs)
         if self.backend == "sim":
             return self._run_sim(tensors, dims)
@@ -273,6 +277,7 @@ class Kernel:
 
         if self.backend != "cuda":
             raise GraphError("trace() needs the cuda backend")
+        self._one_rank()
         tensors, dims = self._split_args(kwargs)
         if getattr(self, "_traced", None) is None:
             traced = {**self.artifact.defines, "MEGA_TRACE": 1}
@@ -293,6 +298,7 @@ class Kernel:
 
     def simulate(self, schedule, **kwargs) -> dict[str, torch.Tensor]:
         """Run on the CPU simulator with a given schedule (random seed, SM count, adversarial)."""
+        self._one_rank()
         tensors, dims = self._split_args(kwargs)
         return self._run_sim(tensors, dims, schedule)
 

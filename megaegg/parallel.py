@@ -84,6 +84,8 @@ class ParallelKernel:
         """Wait for every rank; raise the first rank's error, after resetting every rank's peer counters."""
         if self.backend != "cuda":
             return
+        for d in self.devices:  # every rank stopped first: none may signal into a region reset below
+            torch.cuda.synchronize(d)
         errors = []
         for r, k in enumerate(self.kernels):
             try:

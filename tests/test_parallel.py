@@ -154,6 +154,8 @@ def test_user_errors():
         ParallelKernel(art, [{}], backend="sim")
     with pytest.raises(GraphError, match="ParallelKernel"):
         me.Kernel(art, {}, backend="sim")(x=torch.ones(1, 8))
+    with pytest.raises(GraphError, match="ParallelKernel"):
+        me.Kernel(art, {}, backend="sim").simulate(Schedule(), x=torch.ones(1, 8))
     _, (_, s1), (_, s) = tiny(2)
     W = random_weights(s1, seed=1)
     with pytest.raises(GraphError, match="missing weight"):
