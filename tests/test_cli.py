@@ -41,6 +41,16 @@ def test_llama_example_json_on_the_simulator():
     assert f"generated: {' '.join(map(str, result['generated_ids'][0]))}" in out.stdout.splitlines()
 
 
+def test_tensor_parallel_example_gives_the_one_gpu_tokens_on_the_simulator():
+    args = ("examples/llama.py", "--preset", "tiny", "--random-weights", "--backend", "sim", "--max-len", "32",
+            "--prompt-ids", "5", "6", "--max-new-tokens", "3", "--json")
+    one, two = run(*args), run(*args, "--tp", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert "tensor parallel over 2 simulated GPUs" in two.stderr
+    tokens = [json.loads(o.stdout.strip().splitlines()[-1])["generated_ids"] for o in (one, two)]
+    assert tokens[0] == tokens[1] and len(tokens[0][0]) == 3
+
+
 def test_qwen3_example_runs_its_own_tiny_preset_by_default():
     out = run("examples/qwen3.py", "--random-weights", "--backend", "sim", "--prompt-ids", "3", "--max-new-tokens", "2",
               "--json")
@@ -196,9 +206,12 @@ PRESET = ("examples/llama.py", "--random-weights", "--backend", "sim")
     ((*PRESET, "--prompt", "hello"), ["--prompt needs --model"]),
     (("examples/llama.py",), ["--model", "--random-weights"]),
     (("examples/qwen3.py", "--random-weights", "--preset", "tiny"), ["--preset", "'tiny'", "qwen3-tiny"]),
+    ((*PRESET, "--tp", "3"), ["tp=3 does not divide"]),
+    ((*PRESET, "--tp", "0"), ["--tp", ">= 1"]),
+    ((*PRESET, "--tp", "2", "--temperature", "0.5"), ["--tp 2", "greedy"]),
 ], ids=["id_above_vocab", "negative_id", "negative_new_tokens", "zero_new_tokens", "zero_max_len",
         "negative_max_len", "max_len_above_positions", "cache_too_short", "prompt_without_tokenizer",
-        "no_weights", "preset_of_other_arch"])
+        "no_weights", "preset_of_other_arch", "tp_not_dividing_heads", "tp_zero", "tp_sampling"])
 def test_bad_argument_is_one_line_error(args, needles):
     assert_one_line_error(run(*args), *needles)
 
