@@ -8,7 +8,7 @@ from .dims import Dim, ceildiv, dmax, dmin, sym
 from .dtypes import DType, bf16, f16, f32, i32
 from .graph import Graph, GraphError, ShapeError, Tensor
 from .ops import (
-    add, all_reduce, argmax, attention, cast, concat, embedding, expand, kv_append, kv_store, linear, matmul, moe_mlp, mul, permute,
+    add, all_gather, all_reduce, argmax, attention, cast, concat, embedding, expand, kv_append, kv_store, linear, matmul, moe_mlp, mul, permute,
     ragged_attention, reshape, rms_norm, rope, rope_inv_freq, sample, silu, slice, softmax, transpose,
 )
 from .reference import run_reference, run_reference_ranks
@@ -16,7 +16,7 @@ from .compiler import Artifact, Kernel, compile
 
 __all__ = [
     "Dim", "ceildiv", "dmax", "dmin", "sym", "DType", "bf16", "f16", "f32", "i32", "Graph", "GraphError",
-    "ShapeError", "Tensor", "add", "all_reduce", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
+    "ShapeError", "Tensor", "add", "all_gather", "all_reduce", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
     "kv_store", "linear", "matmul", "moe_mlp", "mul", "permute", "ragged_attention", "reshape", "rms_norm", "rope",
     "rope_inv_freq", "sample", "silu", "slice", "softmax", "transpose", "run_reference", "run_reference_ranks", "compile", "Kernel", "Artifact",
 ]

@@ -20,6 +20,8 @@ from .dtypes import DType, as_dtype, bf16
 LEAF_OPS = ("input", "weight", "constant")
 # ops that write into their first input (a KV cache) in place: their value is that input, updated
 IN_PLACE_OPS = ("kv_append", "kv_store")
+# ops across the ranks of a tensor-parallel group (attr ``ranks``)
+COLLECTIVES = ("all_reduce", "all_gather")
 
 
 class GraphError(ValueError):

@@ -18,7 +18,7 @@ from .graph import GraphError, ShapeError, Tensor, check_static_dims
 __all__ = [
     "matmul", "linear", "add", "mul", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
     "softmax", "attention", "kv_append", "kv_store", "ragged_attention", "argmax", "reshape", "transpose", "permute", "slice",
-    "expand", "concat", "cast", "moe_mlp", "sample", "all_reduce",
+    "expand", "concat", "cast", "moe_mlp", "sample", "all_reduce", "all_gather",
 ]
 
 
@@ -176,6 +176,20 @@ def all_reduce(x: Tensor, *, ranks: int, name: str | None = None) -> Tensor:
     if not all(d.is_const for d in x.shape):
         raise ShapeError(f"all_reduce: {_desc(x)} must have a static shape")
     return _new("all_reduce", (x,), x.shape, x.dtype, name, ranks=ranks)
+
+
+def all_gather(x: Tensor, *, ranks: int, name: str | None = None) -> Tensor:
+    """Every rank's ``x`` concatenated along the last dim, in rank order (every rank gets the whole):
+    a vocabulary-parallel LM head's logit slices become all the logits. ``x`` must have a static
+    shape of one row (``[n]`` or ``[1, ..., 1, n]``); the result is ``[..., ranks * n]``."""
+    _check_float("all_gather", x)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+        raise ShapeError(f"all_gather: ranks must be an int in [1, {MAX_RANKS}], got {ranks!r}")
+    if not all(d.is_const for d in x.shape):
+        raise ShapeError(f"all_gather: {_desc(x)} must have a static shape")
+    if any(d.value != 1 for d in x.shape[:-1]):
+        raise ShapeError(f"all_gather: {_desc(x)} must be one row ([n] or [1, n]); gathering several rows is not supported")
+    return _new("all_gather", (x,), (*x.shape[:-1], x.shape[-1] * ranks), x.dtype, name, ranks=ranks)
 
 
 MAX_RANKS = 8  # GPUs of one host

@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 import torch
 
 from .dims import evaluate_shape, fmt_shape
-from .graph import Graph, GraphError, Node
+from .graph import COLLECTIVES, Graph, GraphError, Node
 
 
 def bind_dims(graph: Graph, dims: Mapping[str, int]) -> dict[str, int]:
@@ -78,8 +78,8 @@ def run_reference(
     >>> run_reference(g, {"x": torch.zeros(2, 3)})["y"].shape
     torch.Size([2, 3])
     """
-    if any(n.op == "all_reduce" and n.attrs["ranks"] > 1 for n in graph.nodes):
-        raise GraphError("the graph all-reduces over several ranks: run it with run_reference_ranks")
+    if any(n.op in COLLECTIVES and n.attrs["ranks"] > 1 for n in graph.nodes):
+        raise GraphError("the graph has collectives over several ranks: run it with run_reference_ranks")
     return run_reference_ranks(graph, [inputs or {}], [weights or {}], dims)[0]
 
 
@@ -91,7 +91,8 @@ def run_reference_ranks(
 ) -> list[dict[str, torch.Tensor]]:
     """Run ``graph`` once per tensor-parallel rank, in lockstep: ``inputs[r]`` and ``weights[r]`` are
     rank ``r``'s (its weight shards); an ``all_reduce`` gives every rank the f32 sum of the ranks'
-    values, rounded once. Returns each rank's outputs.
+    values, rounded once, an ``all_gather`` their concatenation along the last dim, in rank order.
+    Returns each rank's outputs.
 
     >>> import torch, megaegg as me
     >>> g = me.Graph(); x = g.input("x", [1, 4], me.f32)
@@ -103,8 +104,8 @@ def run_reference_ranks(
     if len(inputs) != len(weights) or not inputs:
         raise GraphError(f"run_reference_ranks: one inputs and one weights dict per rank (got {len(inputs)} and {len(weights)})")
     for n in graph.nodes:
-        if n.op == "all_reduce" and n.attrs["ranks"] != len(inputs):
-            raise GraphError(f"all_reduce {n.label} sums over {n.attrs['ranks']} ranks; {len(inputs)} were given")
+        if n.op in COLLECTIVES and n.attrs["ranks"] != len(inputs):
+            raise GraphError(f"{n.op} {n.label} spans {n.attrs['ranks']} ranks; {len(inputs)} were given")
     values = [collect_leaves(graph, i, w, env) for i, w in zip(inputs, weights)]
     devices = [next((t.device for t in v.values()), torch.device("cpu")) for v in values]
     live = graph.live_nodes()
@@ -115,6 +116,11 @@ def run_reference_ranks(
             total = sum(_f(v[node.inputs[0]]).to(devices[0]) for v in values)
             for v, device in zip(values, devices):
                 v[node.id] = _to(node, total).to(device)
+            continue
+        if node.op == "all_gather":
+            whole = torch.cat([v[node.inputs[0]].to(devices[0]) for v in values], -1)
+            for v, device in zip(values, devices):
+                v[node.id] = whole.to(device)
             continue
         for v, device in zip(values, devices):
             args = [v[i] for i in node.inputs]
@@ -283,5 +289,6 @@ _EVAL: dict[str, Callable] = {
     "cast": lambda n, a, e, d: a[0].to(n.dtype.torch),
     "moe_mlp": _moe_mlp,
     "all_reduce": lambda n, a, e, d: _to(n, _f(a[0])),  # (one rank: run_reference_ranks sums several)
+    "all_gather": lambda n, a, e, d: a[0],  # (one rank: run_reference_ranks concatenates several)
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..blockops import REGISTRY, TERMS, materialize
 from ..dims import Dim, as_dim
 from ..dtypes import f32
-from ..graph import IN_PLACE_OPS, LEAF_OPS, Graph, GraphError, Node
+from ..graph import COLLECTIVES, IN_PLACE_OPS, LEAF_OPS, Graph, GraphError, Node
 from .encode import VIEW_OPS, base_node
 from .extract import Choice, order
 from .layout import layout_of, view_shape
@@ -191,9 +191,9 @@ def build_program(graph: Graph, chosen: dict, env_hint: dict[str, int]) -> Block
     for v in sorted(chosen, key=order):
         b.lower(chosen[v])
     outputs = {name: b.operand(i) for name, i in graph.outputs.items()}
-    ranks = {n.attrs["ranks"] for n in graph.nodes if n.op == "all_reduce"}
+    ranks = {n.attrs["ranks"] for n in graph.nodes if n.op in COLLECTIVES}
     if len(ranks) > 1:
-        raise GraphError(f"all_reduce ops of one graph sum over different numbers of ranks: {sorted(ranks)}")
+        raise GraphError(f"the collectives of one graph span different numbers of ranks: {sorted(ranks)}")
     return BlockProgram(b.buffers, b.ops, outputs, tuple(sorted(graph.symbols())), range_checks(graph),
                         ranks=ranks.pop() if ranks else 1)
 

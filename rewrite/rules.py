@@ -36,6 +36,7 @@ OTHER_TERMS: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
     "concat": ("concat_tiles", "tile", ELEMENTWISE_TILES),
     "cast": ("elementwise_tiles", "tile", ELEMENTWISE_TILES),
     "matmul": ("matmul_rows", "rows", MATVEC_ROWS),
+    "all_gather": ("all_gather_tiles", "tile", ALL_REDUCE_TILES),
 }
 
 

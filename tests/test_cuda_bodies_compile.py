@@ -371,7 +371,7 @@ def test_every_kind_has_a_body_file():
 
 # Bodies that address the other GPUs' peer regions through the kernel's arguments: compiled in a whole
 # tensor-parallel kernel (tests/test_parallel.py) and run on 2 GPUs (tests/gpu/test_parallel_gpu.py).
-PEER_KINDS = {"allreduce_send", "allreduce_sum"}
+PEER_KINDS = {"allreduce_send", "allreduce_sum", "allgather_copy"}
 
 
 @pytest.mark.parametrize("group", GROUPS)

@@ -101,7 +101,8 @@ def test_peer_barriers_are_per_source_and_static(model):
     words = [plan.word(plan.counter_base[s.id] + k, r) for s in peer_sets for k in range(s.count.value) for r in range(TP)]
     assert sorted(words) == list(range(plan.counters * TP))  # every (counter, source) its own word, none shared
     assert 4 * len(words) <= plan.data_at  # the counters end before the buffers begin
-    sums = [e for e in q.entries if e.op.kind == "allreduce_sum"]
+    sums = [e for e in q.entries if e.op.kind in ("allreduce_sum", "allgather_copy")]
+    assert {e.op.kind for e in sums} == {"allreduce_sum", "allgather_copy"}  # tiny's LM head is vocabulary-parallel
     for e in sums:
         (w,) = [w for w in e.waits if q.barriers.sets[w.barrier_set].peer]
         assert w.expected.is_const  # counted across launches: the same count every launch
@@ -120,16 +121,17 @@ def test_tp_kernel_compiles(model):
     assert out.cubin
 
 
-def test_dropped_cross_rank_wait_fails(model):
+@pytest.mark.parametrize("kind", ["allreduce_sum", "allgather_copy"])
+def test_dropped_cross_rank_wait_fails(model, kind):
     _, _, g, s, W, caches, art = model
     q = art.queue
     peer = {b.id for b in q.barriers.sets if b.peer}
     entries = tuple(dataclasses.replace(e, waits=tuple(w for w in e.waits if w.barrier_set not in peer))
-                    if e.op.kind == "allreduce_sum" else e for e in q.entries)
+                    if e.op.kind == kind else e for e in q.entries)
     broken = dataclasses.replace(art, queue=dataclasses.replace(q, entries=entries))
     kernel = ParallelKernel(broken, [shard_weights(s, W, r) for r in range(TP)], backend="sim")
     tok = torch.tensor([4], dtype=torch.int32)
-    with pytest.raises(SimulationError, match="rank .*allreduce_sum.*early"):
+    with pytest.raises(SimulationError, match=f"rank .*{kind}.*early"):
         for seed in range(6):  # (some interleaving lets a sum in before the other rank's send)
             kernel.simulate(Schedule(sms=2, seed=seed, adversarial=True), rank_inputs(caches, s, tok), pos=3)
 
@@ -146,6 +148,10 @@ def test_user_errors():
     x = g.input("x", [1, 8], me.f32)
     with pytest.raises(me.ShapeError, match="ranks must be an int"):
         me.all_reduce(x, ranks=9)
+    with pytest.raises(me.ShapeError, match="all_gather: .* must be one row"):
+        me.all_gather(g.input("rows", [2, 8], me.f32), ranks=2)
+    with pytest.raises(me.ShapeError, match="all_gather: .* must be a float tensor"):
+        me.all_gather(g.input("ids", [1, 8], me.i32), ranks=2)
     _ = g.output("y", me.all_reduce(x, ranks=2))
     with pytest.raises(GraphError, match="run_reference_ranks"):
         me.run_reference(g, {"x": torch.ones(1, 8)})
@@ -160,3 +166,30 @@ def test_user_errors():
     W = random_weights(s1, seed=1)
     with pytest.raises(GraphError, match="missing weight"):
         shard_weights(s, {k: v for k, v in W.items() if "q_proj" not in k}, 0)
+
+
+def test_all_gather_concatenates_in_rank_order():
+    g = me.Graph()
+    x = g.input("x", [1, 3], me.f32)
+    _ = g.output("y", me.all_gather(me.silu(x), ranks=2))
+    xs = [torch.randn(1, 3, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    want = torch.cat([torch.nn.functional.silu(t) for t in xs], -1)
+    for out in me.run_reference_ranks(g, [{"x": t} for t in xs], [{}, {}]):
+        torch.testing.assert_close(out["y"], want)
+    with pytest.raises(GraphError, match="run_reference_ranks"):
+        me.run_reference(g, {"x": xs[0]})
+    art = build_artifact(g, compile_cuda=False)
+    ours = ParallelKernel(art, [{}, {}], backend="sim").simulate(Schedule(sms=2, seed=5, adversarial=True),
+                                                                 [{"x": t} for t in xs])
+    for out in ours:
+        torch.testing.assert_close(out["y"], want)
+
+
+def test_lm_head_is_vocabulary_parallel_only_when_untied_and_divisible():
+    cfg = ModelConfig.preset("tiny")  # untied, vocab 1024
+    for c, tp, split in ((cfg, 2, True), (dataclasses.replace(cfg, tie_embeddings=True), 2, False),
+                         (dataclasses.replace(cfg, vocab=1023), 2, False)):
+        g, s = build_decode_graph(c, max_len=32, tp=tp)
+        assert any(n.op == "all_gather" for n in g.nodes) == split
+        rows = s.weights.get("lm_head.weight", s.weights["model.embed_tokens.weight"])[0]
+        assert rows == (c.vocab // tp if split else c.vocab)

@@ -30,6 +30,26 @@ __device__ __noinline__ void allreduce_send(const X* x, long long x_s0, T* recv,
     }
 }
 
+// all_gather's second half: once every rank's tile arrived, rank d's tile goes to out[d, tile]
+// (out: the gathered row seen as [R, n]).
+template <class T, int R>
+__device__ __noinline__ void allgather_copy(const T* recv, T* out, long long o_s0, long long o_s1, long long n,
+                                            long long tile, long long c0) {
+    constexpr int VEC = VecN<T>::value;
+    const long long s = c0 * tile, e = min_i64(n, s + tile);
+    const bool vec = o_s1 == 1 && (o_s0 * (long long)sizeof(T)) % 16 == 0 && (n * (long long)sizeof(T)) % 16 == 0 &&
+                     aligned16(recv + s) && aligned16(out + s) && (e - s) % VEC == 0;
+#pragma unroll
+    for (int d = 0; d < R; ++d) {
+        if (vec) {
+            for (long long i = s + threadIdx.x * VEC; i < e; i += MEGA_THREADS * VEC)
+                *reinterpret_cast<uint4*>(out + d * o_s0 + i) = ldcg16(recv + d * n + i);
+        } else {
+            for (long long i = s + threadIdx.x; i < e; i += MEGA_THREADS) out[d * o_s0 + i * o_s1] = ld_cg(recv + d * n + i);
+        }
+    }
+}
+
 // With a residual r (not nullptr): T(r + T(sum)), the residual add the reference rounds after the sum.
 template <class T, int R>
 __device__ __noinline__ void allreduce_sum(const T* recv, const T* r, long long r_s0, T* out, long long o_s0, long long n,

@@ -11,6 +11,11 @@ The barrier derivation sees one rank's program: the send writes ``recv[rank, til
 runtime symbol of the rank running it), the sum reads ``recv[:, tile c]``; because ``recv`` is a
 ``peer`` buffer, the counter family is a peer one: each rank counts every source rank's signals
 apart, and the sum waits for each source (docs/parallel.md: the protocol and why it is sound).
+
+all_gather is the same send, then ``allgather_copy``: instance ``c`` waits for tile ``c`` of every
+rank, as the sum does, and copies the ``ranks`` tiles to their places in the output (rank ``d``'s at
+``d * n``). Its consumers wait on that local op only: a consumer reading the gathered row straight
+from ``recv`` would read one source's row, which a peer family (derived for rank 0) cannot name.
 """
 
 from __future__ import annotations
@@ -73,6 +78,25 @@ class AllReduceSum(BlockKind):
         return f"allreduce_sum<{out.ctype}, {op.params['ranks']}>({', '.join(args)})"
 
 
+@register
+class AllGatherCopy(BlockKind):
+    name = "allgather_copy"
+    cuda_file = "all_reduce.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        t = params["tile"]
+        return Partition(grid=(ceildiv(inputs[0].shape[1], t),), reads=((Full(), Tile(0, t)),), writes=(Full(), Tile(0, t)))
+
+    def cpu(self, op, env, ins, out):
+        t, s = op.params["tile"], env["_i0"] * op.params["tile"]
+        out[:, s : s + t] = ins[0][:, s : s + t]
+
+    def cuda_call(self, op, ins, out):
+        recv, n = ins[0], op.inputs[0].shape[1].value
+        args = [recv.ptr, out.ptr, out.strides[0], out.strides[1], f"{n}LL", f"{op.params['tile']}LL", "c0"]
+        return f"allgather_copy<{out.ctype}, {op.params['ranks']}>({', '.join(args)})"
+
+
 @term
 class AllReduceTilesTerm(Term):
     """A tensor-parallel all-reduce (graph node ``node``): every rank sends its tiles of ``x`` (or of
@@ -92,3 +116,22 @@ class AllReduceTilesTerm(Term):
         b.emit("allreduce_send", [args["node"]], [x], recv, params)
         residual = [b.flat(b.operand(args["r"]))] if args["r"] != NONE else []
         b.emit("allreduce_sum", [value], [recv, *residual], out, params)
+
+
+@term
+class AllGatherTilesTerm(Term):
+    """A tensor-parallel all-gather (graph node ``node``, one row): every rank sends its tiles to every
+    rank, each copies what arrived into its output in rank order."""
+
+    name = "all_gather_tiles"
+    fields = fields("node:node tile:int")
+
+    def lower(self, b, value, args):
+        n = b.graph.nodes[value]
+        x = b.flat(b.operand(n.inputs[0]))
+        ranks, tile = n.attrs["ranks"], args["tile"]
+        recv = b.peer(f"ag_recv{value}", (ranks, x.shape[0]), n.dtype)
+        params = {"tile": tile, "ranks": ranks}
+        b.emit("allreduce_send", [value], [x], recv, params)
+        out = b.view(b.flat(b.output(value)), "reshape", (ranks, x.shape[0]))
+        b.emit("allgather_copy", [value], [recv], out, params)

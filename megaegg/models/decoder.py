@@ -31,7 +31,7 @@ from ..dims import sym
 from ..dtypes import DType, as_dtype, f32, i32
 from ..graph import Graph, GraphError, Tensor
 from ..ops import (
-    MAX_RANKS, all_reduce, argmax, attention, embedding, kv_append, kv_store, linear, moe_mlp, ragged_attention, rms_norm, rope, rope_inv_freq,
+    MAX_RANKS, all_gather, all_reduce, argmax, attention, embedding, kv_append, kv_store, linear, moe_mlp, ragged_attention, rms_norm, rope, rope_inv_freq,
     sample, silu,
 )
 from .config import ModelConfig, UnsupportedConfig
@@ -97,7 +97,8 @@ def build_decode_graph(cfg: ModelConfig, *, max_len: int, logits: bool = True, t
     graph on its own shards, :func:`shard_weights`; run it with ``megaegg.parallel.ParallelKernel``):
     each rank holds ``heads / tp`` attention heads (and KV heads, and their cache) and
     ``intermediate / tp`` MLP columns; the O and down projections are row-parallel, their partial
-    sums all-reduced. Embeddings, norms and the LM head are replicated.
+    sums all-reduced. An untied LM head whose vocabulary ``tp`` divides is vocabulary-parallel (each
+    rank ``vocab / tp`` rows, the logits all-gathered); embeddings, norms and a tied LM head are replicated.
     """
     _check_max_len(cfg, max_len)
     check_tp(cfg, tp)
@@ -116,7 +117,7 @@ def build_decode_graph(cfg: ModelConfig, *, max_len: int, logits: bool = True, t
 
     for layer in range(cfg.layers):
         x = decoder_layer(cfg, x, layer, attend, tp=tp)
-    scores = lm_head(cfg, x, embed)  # [1, vocab]
+    scores = lm_head(cfg, x, embed, tp=tp)  # [1, vocab]
     if logits:
         g.output("logits", scores)
     g.output("next_token", argmax(scores))  # i32[1]
@@ -223,12 +224,22 @@ def _spec(g: Graph, cfg: ModelConfig, max_len: int, *, slots: int, tp: int = 1) 
     return ModelSpec(config=cfg, max_len=max_len, weights=weights, caches=caches, slots=slots, tp=tp)
 
 
-def lm_head(cfg: ModelConfig, x: Tensor, embed: Tensor) -> Tensor:
-    """The final norm and the LM head (tied to the embeddings or not): ``x`` [rows, hidden] -> [rows, vocab]."""
+def lm_head(cfg: ModelConfig, x: Tensor, embed: Tensor, *, tp: int = 1) -> Tensor:
+    """The final norm and the LM head (tied to the embeddings or not): ``x`` [rows, hidden] -> [rows, vocab].
+    With :func:`vocab_parallel`, one rank's ``vocab / tp`` rows, the logits all-gathered."""
     g = x.graph
     x = rms_norm(x, g.weight("model.norm.weight", [cfg.hidden], cfg.dtype), cfg.rms_eps)
-    head = embed if cfg.tie_embeddings else g.weight("lm_head.weight", [cfg.vocab, cfg.hidden], cfg.dtype)
-    return linear(x, head)
+    if cfg.tie_embeddings:
+        return linear(x, embed)
+    split = tp if vocab_parallel(cfg, tp) else 1
+    scores = linear(x, g.weight("lm_head.weight", [cfg.vocab // split, cfg.hidden], cfg.dtype))
+    return all_gather(scores, ranks=split) if split > 1 else scores
+
+
+def vocab_parallel(cfg: ModelConfig, tp: int) -> bool:
+    """Whether a ``tp``-rank decode graph splits the LM head by vocabulary rows: an untied head whose
+    vocabulary ``tp`` divides (a tied one is the embedding table, which every rank needs whole)."""
+    return tp > 1 and not cfg.tie_embeddings and cfg.vocab % tp == 0
 
 
 def head_norms(cfg: ModelConfig, layer: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:

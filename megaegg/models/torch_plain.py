@@ -150,15 +150,17 @@ class PlainDecoder(StaticCacheDecoder):
     gate/up weights (concatenated); shares the others' storage when ``weights`` is
     already on ``device``. ``attention``: ``"gqa"`` (SDPA with ``enable_gqa``) or
     ``"grouped"`` (SDPA on q viewed per KV head). ``reduce``: applied to the O and down projections'
-    outputs (tensor parallel: their all-reduce, ``torch_tp.py``; default: none).
+    outputs, ``gather`` to the logits (tensor parallel: their all-reduce, and the all-gather of a
+    vocabulary-parallel LM head's logits, :meth:`tensor_parallel`; default: none).
     """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, max_len: int, device="cuda",
-                 attention: str = "gqa", reduce=None) -> None:
+                 attention: str = "gqa", reduce=None, gather=None) -> None:
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         super().__init__(cfg, weights, max_len=max_len, device=device)
         self.attention = attention
+        self.gather = gather or (lambda t: t)
         self.embed_tokens = frozen(weights["model.embed_tokens.weight"].to(device))
         self.layers = nn.ModuleList(
             PlainLayer(cfg, weights, i, max_len=max_len, device=device, attention=attention, reduce=reduce)
@@ -182,20 +184,22 @@ class PlainDecoder(StaticCacheDecoder):
         """This process's rank of the step over ``tp`` processes (Megatron-style, as gpt-fast does it):
         ``shards`` from :func:`~megaegg.models.shard_weights`, the O and down projections' outputs
         summed over the default process group (``torch.distributed`` initialised, NCCL on GPUs) with
-        the functional all-reduce, which CUDA graphs and ``torch.compile`` take."""
+        the functional all-reduce, which CUDA graphs and ``torch.compile`` take; a vocabulary-parallel
+        LM head's logits (:func:`~megaegg.models.decoder.vocab_parallel`) all-gathered the same way."""
         import dataclasses
 
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
 
-        from .decoder import check_tp
+        from .decoder import check_tp, vocab_parallel
 
         check_tp(cfg, tp)
         local = dataclasses.replace(cfg, heads=cfg.heads // tp, kv_heads=cfg.kv_heads // tp,
                                     intermediate=cfg.intermediate // tp)
         group = dist.group.WORLD
         return cls(local, shards, max_len=max_len, device=device, attention=attention,
-                   reduce=lambda t: funcol.all_reduce(t, "sum", group))
+                   reduce=lambda t: funcol.all_reduce(t, "sum", group),
+                   gather=(lambda t: funcol.wait_tensor(funcol.all_gather_tensor(t, 0, group)).reshape(1, -1)) if vocab_parallel(cfg, tp) else None)
 
     def forward(self, token: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``token`` int32[1], ``pos`` int64[1] (device tensors) -> logits [1, vocab], next_token int32[1]."""
@@ -205,5 +209,5 @@ class PlainDecoder(StaticCacheDecoder):
         mask = torch.where(self.positions <= pos, self.mask_open, self.mask_shut)[..., : self.max_len]
         for layer in self.layers:
             x = layer(x, pos, cos, sin, mask)
-        logits = F.linear(_rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head)
+        logits = self.gather(F.linear(_rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head))
         return logits, logits.argmax(-1).to(torch.int32)
