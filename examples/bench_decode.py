@@ -859,7 +859,8 @@ def main(argv=None) -> dict:
                                                   else ""))
     for k, s in report["torch_compile_s"].items():
         if s is not None:
-            print(f"{k}: compile {s:.1f} s (first call {b.results[k]['compile_first_call_s']:.1f} s)")
+            first = b.results[k].get("compile_first_call_s")  # (the TP workers time their first calls as one)
+            print(f"{k}: compile {s:.1f} s" + (f" (first call {first:.1f} s)" if first is not None else ""))
     print()
     print(table(b, bw, fl))
     return report
