@@ -193,7 +193,7 @@ def derive_barriers(program: BlockProgram) -> BarrierPlan:
     waits: dict[int, list[Wait]] = {op.id: [] for op in program.ops}
     for producer, k, consumer, p, peer in raw:
         key = (producer.id, simple[p.count], simple[p.signal], peer)
-        if peer and not (key[1].is_const and simple[p.expected].symbols() <= _coords(simple[p.expected])):
+        if peer and not (key[1].is_const and all(_COORD.match(x) for x in simple[p.expected].symbols())):
             # a peer counter is never reset: the host knows its count after n launches only if
             # every launch adds the same number
             raise ValueError(f"op{consumer.id} {consumer.kind}: waits on op{producer.id} {producer.kind} across ranks "
@@ -254,11 +254,6 @@ def _as_rank0(producer: BlockOp) -> BlockOp:
     for one source hold for each (the row itself is what the consumer's Full reads of every rank)."""
     writes = tuple(At(a.index.subs({"rank": 0})) if isinstance(a, At) else a for a in producer.writes)
     return dataclasses.replace(producer, writes=writes)
-
-
-def _coords(d: Dim) -> set[str]:
-    """The grid coordinates (``_i*``) among ``d``'s symbols."""
-    return {s for s in d.symbols() if _COORD.match(s)}
 
 
 def _launch_count(op: BlockOp) -> Dim:

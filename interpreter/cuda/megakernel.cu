@@ -46,7 +46,7 @@
 #ifndef MEGA_PEER_FENCE
 // 1: a system-scope fence before the peer signals, besides their release. Off: the signalling
 // thread's red.release.sys, after the block barrier, orders the block's peer stores (release is
-// cumulative over bar.sync; docs/parallel.md); measured 6% faster a TP=2 step (perf-notes #54).
+// cumulative over bar.sync; docs/parallel.md); a TP=2 step measured 3% faster (perf-notes #54).
 #define MEGA_PEER_FENCE 0
 #endif
 #if MEGA_PAGES > 0

@@ -2,10 +2,13 @@
 
     python3 scripts/dev/tp_probe.py --build PRESET [PRESET ...]   # artifacts into $MEGAEGG_CACHE (no GPU)
     python3 scripts/dev/tp_probe.py PRESET [PRESET ...]           # on a machine of >= TP GPUs
+    python3 scripts/dev/tp_probe.py --save PRESET FILE            # this checkout's TP artifact, saved
 
 TP (default 2) from $TP. $TP_VARIANTS: TP kernels to compare in the same run, "NAME=DEFINES ..."
-(DEFINES as MEGAEGG_DEFINES takes them; default "tp=", the defaults); --build builds them all.
-Timing: context 512 (random caches), $ROUNDS (default 5) interleaved rounds of 50 launches after 10
+(DEFINES as MEGAEGG_DEFINES takes them; default "tp=", the defaults; "@FILE" a saved artifact,
+e.g. another checkout's for an A/B of code, saved by --save run on that checkout's code; "{preset}"
+in it is the preset's name); --build builds them all.
+$MAX_LEN: the graphs' cache length (default 1024). Timing: context 512 (random caches), $ROUNDS (default 5) interleaved rounds of 50 launches after 10
 of the one-GPU kernel and each variant, wall clock over all ranks, the median over rounds.
 Correctness: 12 greedy steps from position 0 per variant, tokens and logits against the one-GPU run.
 """
@@ -28,10 +31,16 @@ from megaegg.parallel import ParallelKernel
 TP = int(os.environ.get("TP", "2"))
 VARIANTS = dict(v.split("=", 1) for v in os.environ.get("TP_VARIANTS", "tp=").split())
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
-CTX, MAX = 512, {"pos": 1023}
+CTX = 512
+MAX_LEN = int(os.environ.get("MAX_LEN", "1024"))  # (the bench's graphs: CTX + 1)
+MAX = {"pos": MAX_LEN - 1}
 
 
 def artifact(graph, defines: str):
+    if defines.startswith("@"):
+        from ab_probe import load_any_artifact  # (scripts/dev)
+
+        return load_any_artifact(defines[1:])
     os.environ["MEGAEGG_DEFINES"] = defines  # (read when the artifact is keyed and compiled)
     try:
         return cached_artifact(graph, max_dims=MAX, dims_hint={"pos": CTX})
@@ -41,12 +50,12 @@ def artifact(graph, defines: str):
 
 def graphs(preset: str):
     cfg = ModelConfig.preset(preset)
-    return cfg, build_decode_graph(cfg, max_len=1024), build_decode_graph(cfg, max_len=1024, tp=TP)
+    return cfg, build_decode_graph(cfg, max_len=MAX_LEN), build_decode_graph(cfg, max_len=MAX_LEN, tp=TP)
 
 
 def build(preset: str) -> None:
     _, (g1, _), (g2, _) = graphs(preset)
-    for g, defines in [(g1, "")] + [(g2, d) for d in VARIANTS.values()]:
+    for g, defines in [(g1, "")] + [(g2, d) for d in VARIANTS.values() if not d.startswith("@")]:
         t = time.perf_counter()
         artifact(g, defines)
         print(f"{preset} {g.name} [{defines}]: built in {time.perf_counter() - t:.1f} s", flush=True)
@@ -68,7 +77,8 @@ def probe(preset: str) -> list[dict]:
     W = random_weights(s1, seed=0, device="cuda:0")
     k1 = me.Kernel(artifact(g1, ""), W, backend="cuda")
     shards = [{n: t.to(f"cuda:{r}") for n, t in shard_weights(s2, W, r).items()} for r in range(TP)]
-    kts = {name: ParallelKernel(artifact(g2, d), shards, backend="cuda") for name, d in VARIANTS.items()}
+    kts = {name: ParallelKernel(artifact(g2, d.replace("{preset}", preset)), shards, backend="cuda")
+           for name, d in VARIANTS.items()}
 
     def split(caches):
         return [{n: c.to(f"cuda:{r}") for n, c in shard_caches(s2, caches, r).items()} for r in range(TP)]
@@ -135,7 +145,10 @@ def probe(preset: str) -> list[dict]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--build":
+    if sys.argv[1] == "--save":
+        _, _, (g2, _) = graphs(sys.argv[2])
+        cached_artifact(g2, max_dims=MAX, dims_hint={"pos": CTX}).save(sys.argv[3])
+    elif sys.argv[1] == "--build":
         for p in sys.argv[2:]:
             build(p)
     else:
