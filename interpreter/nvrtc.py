@@ -6,13 +6,19 @@ kernel, flag or toolkit never reuses a stale cubin.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 CUDA_DIR = Path(__file__).parent / "cuda"
+# NVRTC 13.5's megakernels ran 4-8% faster than 13.0's on an H100 (docs/perf-notes.md #57); an older
+# one still works, with a warning (a torch build may pin its own nvidia-cuda-nvrtc)
+FAST_NVRTC = (13, 5)
+log = logging.getLogger(__name__)
 
 
 class CompileError(RuntimeError):
@@ -50,6 +56,14 @@ def nvrtc_version() -> tuple[int, int]:
     return tuple(_check(nvrtc.nvrtcVersion(), "nvrtcVersion"))
 
 
+@functools.cache
+def _warn_if_slow_nvrtc() -> None:
+    v = nvrtc_version()
+    if v < FAST_NVRTC:
+        log.warning("NVRTC %d.%d builds megakernels 4-8%% slower than %d.%d: pip install -U 'nvidia-cuda-nvrtc>=%d.%d'",
+                    *v, *FAST_NVRTC, *FAST_NVRTC)
+
+
 def include_dirs() -> list[str]:
     from cuda.pathfinder import find_nvidia_header_directory
 
@@ -71,6 +85,7 @@ def compile_cubin(source: str, *, arch: str = "sm_90a", defines: dict[str, int] 
     path = cubin_dir() / f"{key}.cubin"
     if use_cache and path.exists():
         return CompiledCubin(path.read_bytes(), "", 0.0, True)
+    _warn_if_slow_nvrtc()
     t0 = time.perf_counter()
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"megakernel.cu", 0, [], []), "nvrtcCreateProgram")
     try:

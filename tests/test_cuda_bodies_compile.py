@@ -672,3 +672,18 @@ def test_cuda_bodies_report_bad_indices():
     mod.launch("bad_kv", (1, 1), [torch.ones(2 * 64, dtype=torch.bfloat16).cuda(), cache, 16])
     torch.cuda.synchronize()
     assert not cache.any()
+
+
+def test_an_older_nvrtc_is_named_in_a_warning(monkeypatch, caplog):
+    import logging
+
+    import megaegg.interpreter.nvrtc as nv
+
+    for version, warned in (((13, 0), True), (nv.FAST_NVRTC, False)):
+        monkeypatch.setattr(nv, "nvrtc_version", lambda v=version: v)
+        nv._warn_if_slow_nvrtc.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=nv.__name__):
+            nv._warn_if_slow_nvrtc()
+        assert ("NVRTC 13.0 builds megakernels" in caplog.text) == warned
+    nv._warn_if_slow_nvrtc.cache_clear()
