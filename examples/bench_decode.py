@@ -351,21 +351,28 @@ def torch_exact(b: Bench) -> dict:
     return {}
 
 
+def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` warmed up on a side stream (lazy inits, cuBLAS handles: off the capture), then captured
+    once in a CUDA graph: the graph and the outputs its replays write."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def cuda_graph(family: str) -> Callable[[Bench], dict]:
     def run(b: Bench) -> dict:
         if not b.cuda:
             return {"status": "skipped", "error": "needs CUDA"}
         dec = eager_decoder(b, family)
         dec.load_caches(b.caches)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (lazy inits, cuBLAS handles) off the capture
-            for _ in range(3):
-                dec.step(b.token, b.pos)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits, nxt = dec.step(b.token, b.pos)
+        graph, (logits, nxt) = capture(lambda: dec.step(b.token, b.pos))
         graph.replay()
         torch.cuda.synchronize()
         check = {"vs_eager": rel_errs(logits, b.eager_logits[family]), **vs_exact(b, logits, nxt)}
@@ -494,22 +501,9 @@ def torch_tp_worker(rank: int, tp: int, preset: str, context: int, iters: int, w
                 log(f"{PLAIN} tp={tp} {mode}: {row['ms']:.4f} ms/step")
                 torch.save(rows, out)
 
-        def captured(fn: Callable) -> Callable:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                g_out = fn()
-
-            def replay():
-                graph.replay()
-                return g_out
-
-            return replay
+        def captured(fn: Callable) -> Callable:  # a replay returning the captured outputs, as the step does
+            graph, out = capture(fn)
+            return lambda: (graph.replay(), out)[1]
 
         measure("eager", lambda: dec.step(token, pos))
         if cuda:

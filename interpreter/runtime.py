@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from ..lowering.queue import WorkQueue
+from ..ops import MAX_RANKS  # (megakernel.cu: MEGA_MAX_RANKS, the size of MegaArgs.peers)
 from .render import launch_shape
 
 CONTROL_WORDS = 8
-MAX_RANKS = 8  # megakernel.cu: MEGA_MAX_RANKS
 ERR_TIMEOUT, ERR_INDEX, ERR_LAYOUT = 1, 2, 3
 
 

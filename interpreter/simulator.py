@@ -236,11 +236,6 @@ class Simulation:
             self.execute(*t.pop())
 
 
-def run_group(sims: list[Simulation], schedule: Schedule) -> None:
-    """One launch of every rank of a tensor-parallel group (``sims[r]`` is rank ``r``'s)."""
-    run_launches([sims], schedule)
-
-
 def run_launches(launches: list[list[Simulation]], schedule: Schedule) -> None:
     """Launches of a tensor-parallel group, ``launches[t][r]`` rank ``r``'s launch ``t`` (numbered
     ``t + 1``, sharing the rank's ``state``): each rank claims its own instances in queue order on

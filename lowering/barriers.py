@@ -198,7 +198,7 @@ def derive_barriers(program: BlockProgram) -> BarrierPlan:
             # every launch adds the same number
             raise ValueError(f"op{consumer.id} {consumer.kind}: waits on op{producer.id} {producer.kind} across ranks "
                              f"with a count that depends on runtime dims ({simple[p.count]}, {simple[p.expected]}); "
-                             "a tensor-parallel all_reduce needs a static shape")
+                             "a tensor-parallel collective needs a static shape")
         if key not in sets:
             sets[key] = BarrierSet(len(sets), producer.id, key[1], key[2], peer)
         w = Wait(consumer.id, k, sets[key].id, simple[p.index], simple[p.expected])

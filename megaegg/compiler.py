@@ -176,7 +176,7 @@ class Kernel:
     def _one_rank(self) -> None:
         """A kernel of several ranks runs only with its peers (alone, its waits on them would time out)."""
         if self.program.ranks > 1:
-            raise GraphError(f"the graph all-reduces over {self.program.ranks} ranks: run it with "
+            raise GraphError(f"the graph spans {self.program.ranks} ranks (all_reduce, all_gather): run it with "
                              "megaegg.parallel.ParallelKernel, one rank a GPU")
 
     def _split_args(self, kwargs: dict) -> tuple[dict[int, torch.Tensor], dict[str, int]]:

@@ -38,7 +38,7 @@ class ParallelKernel:
                  backend: str | None = None, devices: Sequence[torch.device | str | int] | None = None) -> None:
         self.ranks = artifact.queue.program.ranks
         if isinstance(weights, Mapping) or len(weights) != self.ranks:
-            raise GraphError(f"the graph all-reduces over {self.ranks} ranks: give one weights dict per rank "
+            raise GraphError(f"the graph spans {self.ranks} ranks (all_reduce, all_gather): give one weights dict per rank "
                              f"(got {'a dict' if isinstance(weights, Mapping) else len(weights)})")
         self.backend = resolve_backend(backend)
         self.schedule = None  # the simulator's schedule (interpreter/simulator.py: Schedule)
@@ -48,7 +48,7 @@ class ParallelKernel:
             if len(devices) != self.ranks or len({d.index for d in devices}) != self.ranks:
                 raise GraphError(f"devices: {self.ranks} distinct GPUs wanted, got {list(map(str, devices))}")
             if torch.cuda.device_count() < self.ranks:
-                raise GraphError(f"the graph all-reduces over {self.ranks} GPUs; this machine has {torch.cuda.device_count()}")
+                raise GraphError(f"the graph spans {self.ranks} GPUs; this machine has {torch.cuda.device_count()}")
             enable_peer_access([d.index for d in devices])
         else:
             devices = [torch.device("cpu")] * self.ranks
@@ -100,7 +100,7 @@ class ParallelKernel:
 
     def simulate(self, schedule, inputs: Sequence[Mapping[str, torch.Tensor]], **dims: int) -> list[dict]:
         """Run every rank on the CPU simulator together (interpreter/simulator.py: run_launches)."""
-        return self._run_sim([[k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)]], schedule)[0]
+        return self.simulate_launches(schedule, [(inputs, dims)])[0]
 
     def simulate_launches(self, schedule, steps: Sequence[tuple[Sequence[Mapping[str, torch.Tensor]], Mapping[str, int]]],
                           *, halves: int = 2) -> list[list[dict]]:
