@@ -156,9 +156,11 @@ def loader_lines(q: WorkQueue, e: QueueEntry, streams: list[Stream]) -> list[str
 
 def grid_coordinates(op) -> list[str]:
     """c0, c1, ...: the instance's grid coordinates, row-major from its local index."""
-    lines = ["        long long rem = local;"]
+    # 32-bit division: an entry's instance count is far below 2^32, and a 64-bit one is a call (~4 KB of SASS)
+    lines = ["        unsigned rem = (unsigned)local;"]
     for axis in range(len(op.grid) - 1, 0, -1):
-        lines.append(f"        const long long c{axis} = rem % ({c_expr(op.grid[axis])}); rem /= ({c_expr(op.grid[axis])});")
+        ext = f"(unsigned)({c_expr(op.grid[axis])})"
+        lines.append(f"        const long long c{axis} = rem % {ext}; rem /= {ext};")
     lines.append("        const long long c0 = rem;")
     lines.append("        " + " ".join(f"const long long D__i{a} = c{a}; (void)D__i{a};" for a in range(max(1, len(op.grid)))))
     return lines

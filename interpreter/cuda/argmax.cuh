@@ -30,6 +30,7 @@ __device__ __forceinline__ void block_best(float& bv, long long& bi, char* red) 
     mega_sync();
     bv = lane < MEGA_WARPS ? rv[lane] : MEGA_NEG_INF;
     bi = lane < MEGA_WARPS ? ri[lane] : 0x7fffffffffffffffll;
+    __syncwarp();  // (converged after the lane-0 store: one copy of the shuffles)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float v = __shfl_xor_sync(MEGA_FULL_MASK, bv, o);
@@ -40,32 +41,38 @@ __device__ __forceinline__ void block_best(float& bv, long long& bi, char* red) 
 
 }  // namespace argmax_impl
 
+// Each thread visits its columns in increasing order, so within a thread a strictly larger value is
+// the only way to win (ties keep the earlier, lower index); indices are int offsets from the chunk's
+// first column (a chunk is far below 2^31 columns), made absolute for the block-wide comparison.
 template <class T>
 __device__ __noinline__ void argmax_partial(char* smem, const T* x, long long x_s0, long long x_s1, long long M,
                                                long long N, long long chunk, float* part, long long p_s0,
                                                long long p_s1, long long c0) {
     constexpr int VEC = VecN<T>::value;
-    const long long k0 = c0 * chunk, k1 = min_i64(k0 + chunk, N);
+    const long long k0 = c0 * chunk;
+    const int n = (int)(min_i64(k0 + chunk, N) - k0);
     for (long long m = 0; m < M; ++m) {
-        const T* xr = x + m * x_s0;
+        const T* xr = x + m * x_s0 + k0 * x_s1;
         float bv = MEGA_NEG_INF;
-        long long bi = 0x7fffffffffffffffll;
-        if (x_s1 == 1 && aligned16(xr + k0) && (k1 - k0) % VEC == 0) {
-            #pragma unroll 4
-            for (long long k = k0 + (long long)threadIdx.x * VEC; k < k1; k += (long long)MEGA_THREADS * VEC) {
+        int bo = 0x7fffffff;
+        if (x_s1 == 1 && aligned16(xr) && n % VEC == 0) {
+#pragma unroll 4
+            for (int k = threadIdx.x * VEC; k < n; k += MEGA_THREADS * VEC) {
                 float f[VEC];
                 load16_f32(xr + k, f);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e)
-                    if (argmax_impl::better(f[e], k + e, bv, bi)) bv = f[e], bi = k + e;
+                    if (f[e] > bv) bv = f[e], bo = k + e;
             }
         } else {
 #pragma unroll 4
-            for (long long k = k0 + threadIdx.x; k < k1; k += MEGA_THREADS) {
+            for (int k = threadIdx.x; k < n; k += MEGA_THREADS) {
                 const float v = ld_f32(xr + k * x_s1);
-                if (argmax_impl::better(v, k, bv, bi)) bv = v, bi = k;
+                if (v > bv) bv = v, bo = k;
             }
         }
+        long long bi = bo == 0x7fffffff ? 0x7fffffffffffffffll : k0 + bo;
+        __syncwarp();  // the compiler then knows the warp converged: one copy of the shuffles, not two
         argmax_impl::block_best(bv, bi, shared_ptr(smem));
         if (threadIdx.x == 0) {
             part[m * p_s0 + c0 * p_s1] = bv;

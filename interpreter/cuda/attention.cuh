@@ -228,7 +228,11 @@ __device__ __forceinline__ void partial_async(char* sm, const T* q, long long q_
     uint4* ring = reinterpret_cast<uint4*>(sm + P::WS_BYTES) + threadIdx.x;
     const long long stride = P::ROWS_PER_STEP;
     const long long first = p0 + w.slot_row(0);  // this lane's row in slot 0 of step 0
-    const long long n_steps = first - w.rsub < p1 ? (p1 - (first - w.rsub) + stride - 1) / stride : 0;
+    // The block's step count, the same in every lane (a warp whose rows end sooner runs masked
+    // steps: zero-filled copies, no global reads): with a per-lane count the compiler cannot
+    // prove the warp converged at compute()'s shuffles and emits a second, collective copy of
+    // each (~10 KB of SASS).
+    const long long n_steps = p1 > p0 ? (p1 - p0 + stride - 1) / stride : 0;
     // lane pointers into K and V at step 0 (row `first`, or the head's row 0 when past the end)
     const T* kl = kh + w.sub * VEC;
     const T* vl = vh + w.sub * VEC;
@@ -288,7 +292,7 @@ __device__ __forceinline__ void partial_regs(char* sm, const T* q, long long q_s
     Warp<T, D, G> w;
     w.init(q, q_s0, p1, scale, c0);
 #pragma unroll 1
-    for (long long base = p0; base + (long long)w.warp * P::RPI < p1; base += P::ROWS_PER_STEP) {
+    for (long long base = p0; base < p1; base += P::ROWS_PER_STEP) {  // (uniform: see partial_async)
         uint4 kr[NS][VPR], vr[NS][VPR];
 #pragma unroll
         for (int j = 0; j < NS; ++j) {

@@ -58,6 +58,7 @@ __device__ bool mega_waits_met(const MegaWaits& w);
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int divisor_at_most(int n, int cap) { return n % cap == 0 || cap == 1 ? cap : divisor_at_most(n, cap - 1); }
 template <bool B, class A, class C> struct Cond { using type = A; };
 template <class A, class C> struct Cond<false, A, C> { using type = C; };
 template <class A, class B> struct SameType { static constexpr bool value = false; };

@@ -71,8 +71,8 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
     static_assert(ROWS * (int)sizeof(T) <= MEGA_SMEM_RESERVED, "glu_down: h tile does not fit the reserved smem");
     constexpr int NV = N / VEC;                        // 16-byte vectors per wd row
     constexpr int VPT = cdiv(NV, MEGA_THREADS);        // vectors per thread per row
-    constexpr int RB = cmax(1, 16 / VPT);              // rows per batch: 16 loads a thread
-    constexpr int NB = cdiv(ROWS, RB);                 // batches
+    constexpr int RB = divisor_at_most(ROWS, cmax(1, 16 / VPT));  // rows per batch: up to 16 loads a thread,
+    constexpr int NB = ROWS / RB;                      // whole batches (a ragged one re-read rows, below)
     smem = shared_ptr(smem);
     T* hs = reinterpret_cast<T*>(smem + MEGA_SMEM - MEGA_SMEM_RESERVED);  // the top: matvec leaves it alone
     const long long row0 = n_tile * ROWS;
@@ -111,14 +111,15 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
         const int tid = threadIdx.x;
         const T* base = wd + row0 * wd_s0;
         uint4 b0[RB][VPT], b1[RB][VPT];
+        // rows past a ragged last tile (F % ROWS) re-read its last row (h is 0 there): no zeroing
         auto load = [&](uint4 (&b)[RB][VPT], int j0) {
 #pragma unroll
             for (int r = 0; r < RB; ++r)
 #pragma unroll
                 for (int v = 0; v < VPT; ++v) {
                     const int vi = v * MEGA_THREADS + tid;
-                    b[r][v] = j0 + r < rows && vi < NV ? ldw16(base + (long long)(j0 + r) * wd_s0 + vi * VEC)
-                                                       : make_uint4(0, 0, 0, 0);
+                    const long long j = min(j0 + r, rows - 1);
+                    b[r][v] = NV % MEGA_THREADS == 0 || vi < NV ? ldw16(base + j * wd_s0 + vi * VEC) : make_uint4(0, 0, 0, 0);
                 }
         };
         load(b0, 0);

@@ -304,21 +304,25 @@ __device__ __forceinline__ void finish(float dot, float dot2, const float* rt, i
 }
 
 // Issue the 16-byte weight loads of step s of row group gi into wa (and wb), row slots [RB0, RB1).
+// A slot past the tile or past N loads the tile's last row again (cached, finite; write_group
+// drops its sums) instead of zeros: no select of zeros, no predicate (perf-notes #58; a predicated
+// load that keeps the registers' old values measured larger). The tile heights the cost model
+// picks fill their slots, so only an op's ragged last tile re-reads a row.
 template <class P, class T, int ROWS, bool GLU, int RB0 = 0, int RB1 = P::RB>
 __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
                                           const T* w, long long w_s0, const T* w2, long long w2_s0, long long row0,
                                           long long N, int gi, int s, int warp, int lane) {
+    constexpr bool WHOLE = P::KV % (32 * P::U * P::STEPS) == 0;  // every step's vectors lie in the row
+    const long long last = min_i64(row0 + ROWS, N) - 1;
 #pragma unroll
     for (int rb = RB0; rb < RB1; ++rb) {
-        const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
-        const long long n = row0 + local;
-        const bool ok = local < ROWS && n < N;
+        const long long n = min_i64(row0 + (gi * P::RB + rb) * MEGA_WARPS + warp, last);
         const T* wr = w + n * w_s0;
         const T* wr2 = GLU ? w2 + n * w2_s0 : nullptr;
 #pragma unroll
         for (int u = 0; u < P::U; ++u) {
             const int kv = (s * P::U + u) * 32 + lane;
-            const bool in = ok && kv < P::KV;
+            const bool in = WHOLE || kv < P::KV;
             wa[rb][u] = in ? ldw16(wr + kv * P::VEC) : make_uint4(0, 0, 0, 0);
             if (GLU) wb[GLU ? rb : 0][GLU ? u : 0] = in ? ldw16(wr2 + kv * P::VEC) : make_uint4(0, 0, 0, 0);
         }

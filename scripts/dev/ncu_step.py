@@ -4,7 +4,8 @@
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio" \\
       python3 scripts/dev/ncu_step.py llama-3.2-1b
 
-(the stall breakdown in docs/perf-notes.md, "What would close the gap")
+(the stall breakdown in docs/perf-notes.md, "What would close the gap"). A second argument @FILE
+runs an artifact saved by `ab_probe.py --save` (another checkout's code) instead of compiling.
 """
 import sys
 
@@ -17,7 +18,12 @@ preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.2-1b"
 ctx = 512
 g, spec = build_decode_graph(ModelConfig.preset(preset), max_len=1024)
 w = random_weights(spec, seed=0, device="cuda")
-k = me.compile(g, w, backend="cuda", max_dims={"pos": 1023}, dims_hint={"pos": ctx})
+if len(sys.argv) > 2 and sys.argv[2].startswith("@"):
+    from ab_probe import load_any_artifact
+
+    k = me.Kernel(load_any_artifact(sys.argv[2][1:]), w, backend="cuda")
+else:
+    k = me.compile(g, w, backend="cuda", max_dims={"pos": 1023}, dims_hint={"pos": ctx})
 caches = spec.new_caches("cuda")
 for c in caches.values():
     c.normal_()

@@ -246,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
     }
     switch (entry_case[entry]) {
       case 0: {  // embedding: op0 (1 entries)
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)args.ptr[0]);
@@ -262,8 +262,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 1: {  // matvec: op1, op2 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
-        long long rem = local;
-        const long long c1 = rem % (e0); rem /= (e1);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(e0); rem /= (unsigned)(e1);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 0));
@@ -286,8 +286,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 2: {  // matvec: op3, op20 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9), e10 = __ldg(E + 10), e11 = __ldg(E + 11), e12 = __ldg(E + 12), e13 = __ldg(E + 13);
-        long long rem = local;
-        const long long c1 = rem % (e0); rem /= (e1);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(e0); rem /= (unsigned)(e1);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e2));
@@ -310,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 3: {  // rope: op4, op14 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4);
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
@@ -330,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 4: {  // rope: op5, op15 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4);
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
@@ -350,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 5: {  // kv_append: op6, op16 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
@@ -368,8 +368,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 6: {  // attn_partial: op7, op17 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7);
-        long long rem = local;
-        const long long c1 = rem % (((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
@@ -391,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 7: {  // attn_merge: op8, op18 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         float* const in0 = ((float*)(args.arena + e0));
@@ -408,8 +408,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 8: {  // matvec: op9 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (32LL); rem /= (32LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(32LL); rem /= (unsigned)(32LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 2048));
@@ -432,8 +432,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 9: {  // glu_down: op10 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (64LL); rem /= (64LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(64LL); rem /= (unsigned)(64LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
@@ -459,8 +459,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 10: {  // matvec: op11, op12 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
-        long long rem = local;
-        const long long c1 = rem % (e0); rem /= (e1);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(e0); rem /= (unsigned)(e1);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
@@ -483,8 +483,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 11: {  // matvec: op13 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (16LL); rem /= (16LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(16LL); rem /= (unsigned)(16LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
@@ -507,8 +507,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 12: {  // matvec: op19 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (32LL); rem /= (32LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(32LL); rem /= (unsigned)(32LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 21504));
@@ -532,8 +532,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 13: {  // moe_glu_down: op21 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (16LL); rem /= (16LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(16LL); rem /= (unsigned)(16LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 38912));
@@ -555,8 +555,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 14: {  // acc_residual: op22 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (1LL); rem /= (1LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(1LL); rem /= (unsigned)(1LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 38912));
@@ -574,8 +574,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 15: {  // matvec_argmax: op23 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (128LL); rem /= (128LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(128LL); rem /= (unsigned)(128LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 39680));
@@ -597,7 +597,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 16: {  // argmax_reduce: op24 (1 entries)
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         float* const in0 = ((float*)(args.arena + 40192));

@@ -245,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
     }
     switch (entry_case[entry]) {
       case 0: {  // embedding: op0 (1 entries)
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)args.ptr[0]);
@@ -261,8 +261,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 1: {  // matvec: op1, op2 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
-        long long rem = local;
-        const long long c1 = rem % (e0); rem /= (e1);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(e0); rem /= (unsigned)(e1);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 0));
@@ -284,8 +284,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 2: {  // matvec: op3 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (16LL); rem /= (16LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(16LL); rem /= (unsigned)(16LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 0));
@@ -308,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 3: {  // rope: op4, op14 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4);
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
@@ -328,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 4: {  // rope: op5, op15 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4);
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
@@ -348,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 5: {  // kv_append: op6, op16 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
@@ -366,8 +366,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 6: {  // attn_partial: op7, op17 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7);
-        long long rem = local;
-        const long long c1 = rem % (((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
@@ -389,7 +389,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 7: {  // attn_merge: op8, op18 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         float* const in0 = ((float*)(args.arena + e0));
@@ -406,8 +406,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 8: {  // matvec: op9 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (32LL); rem /= (32LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(32LL); rem /= (unsigned)(32LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 2048));
@@ -431,8 +431,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 9: {  // glu_down: op10, op20 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
-        long long rem = local;
-        const long long c1 = rem % (64LL); rem /= (64LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(64LL); rem /= (unsigned)(64LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
@@ -458,8 +458,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       } break;
       case 10: {  // matvec: op11, op12 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
-        long long rem = local;
-        const long long c1 = rem % (e0); rem /= (e1);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(e0); rem /= (unsigned)(e1);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
@@ -482,8 +482,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 11: {  // matvec: op13 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (16LL); rem /= (16LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(16LL); rem /= (unsigned)(16LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
@@ -506,8 +506,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 12: {  // matvec: op19 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (32LL); rem /= (32LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(32LL); rem /= (unsigned)(32LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 21504));
@@ -531,8 +531,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 13: {  // acc_residual: op21 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (1LL); rem /= (1LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(1LL); rem /= (unsigned)(1LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 38912));
@@ -550,8 +550,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 14: {  // matvec_argmax: op22 (1 entries)
-        long long rem = local;
-        const long long c1 = rem % (128LL); rem /= (128LL);
+        unsigned rem = (unsigned)local;
+        const long long c1 = rem % (unsigned)(128LL); rem /= (unsigned)(128LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 39424));
@@ -573,7 +573,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         }
       } break;
       case 15: {  // argmax_reduce: op23 (1 entries)
-        long long rem = local;
+        unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         float* const in0 = ((float*)(args.arena + 39936));
