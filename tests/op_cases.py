@@ -5,12 +5,13 @@ import megaegg as me
 P = me.sym("pos")
 
 
-def _gated_mlp(g, dt):
-    """x + down(silu(gate(norm(x))) * up(norm(x))): the glu_down + acc_residual fusion, ragged tiles."""
+def _gated_mlp(g, dt, f=200):
+    """x + down(silu(gate(norm(x))) * up(norm(x))): the glu_down + acc_residual fusion; f = 203 leaves
+    a ragged last tile (its weight slots past the tile re-read the last row, matvec.cuh: load_step)."""
     x = g.input("x", [1, 128], dt)
     h = me.rms_norm(x, g.weight("g", [128], dt), 1e-5)
-    a = me.silu(me.linear(h, g.weight("wg", [200, 128], dt))) * me.linear(h, g.weight("wu", [200, 128], dt))
-    g.output("y", x + me.linear(a, g.weight("wd", [128, 200], dt)))
+    a = me.silu(me.linear(h, g.weight("wg", [f, 128], dt))) * me.linear(h, g.weight("wu", [f, 128], dt))
+    g.output("y", x + me.linear(a, g.weight("wd", [128, f], dt)))
 
 
 def mlp_sum_readers(g, dt, sum_output=False):
@@ -51,6 +52,7 @@ MOE_WEIGHTS = {"g": [128], "wr": [5, 128], "we_g": [5, 72, 128], "we_u": [5, 72,
 
 CASES = {
     "linear": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 256], dt), g.weight("w", [200, 256], dt))), {"x": [1, 256]}, {"w": [200, 256]}),
+    "linear_ragged_tile": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 256], dt), g.weight("w", [203, 256], dt))), {"x": [1, 256]}, {"w": [203, 256]}),
     "linear_odd_k": lambda dt: (lambda g: g.output("y", me.linear(g.input("x", [1, 100], dt), g.weight("w", [72, 100], dt))), {"x": [1, 100]}, {"w": [72, 100]}),
     "matmul": lambda dt: (lambda g: g.output("y", g.input("a", [3, 64], dt) @ g.weight("b", [64, 40], dt)), {"a": [3, 64]}, {"b": [64, 40]}),
     "rms_norm": lambda dt: (lambda g: g.output("y", me.rms_norm(g.input("x", [5, 128], dt), g.weight("w", [128], dt), 1e-5)), {"x": [5, 128]}, {"w": [128]}),
@@ -59,6 +61,7 @@ CASES = {
     "softmax": lambda dt: (lambda g: g.output("y", me.softmax(g.input("x", [3, 777], dt))), {"x": [3, 777]}, {}),
     "argmax": lambda dt: (lambda g: g.output("y", me.argmax(g.input("x", [1, 10000], dt))), {"x": [1, 10000]}, {}),
     "gated_mlp_residual": lambda dt: (lambda g: _gated_mlp(g, dt), {"x": [1, 128]}, {"g": [128], "wg": [200, 128], "wu": [200, 128], "wd": [128, 200]}),
+    "gated_mlp_ragged_tile": lambda dt: (lambda g: _gated_mlp(g, dt, f=203), {"x": [1, 128]}, {"g": [128], "wg": [203, 128], "wu": [203, 128], "wd": [128, 203]}),
     "mlp_sum_readers": lambda dt: (lambda g: mlp_sum_readers(g, dt), {"x": [1, 128]}, {"g": [128], "wg": [200, 128], "wu": [200, 128], "wd": [128, 200], "g2": [128], "wq": [72, 128], "wo": [128, 72]}),
     "qk_norm_rope_append": lambda dt: (lambda g: qk_norm_rope_append(g, dt), {"q": [4, 64], "k": [2, 64], "v": [2, 64], "kc": [2, 16, 64], "vc": [2, 16, 64]}, {"gq": [64], "gk": [64]}),
     "moe_residual": lambda dt: (lambda g: moe(g, dt), {"x": [1, 128]}, MOE_WEIGHTS),
