@@ -89,9 +89,9 @@ __device__ __forceinline__ bool mega_wait_sys(const MegaWaits& w, int i) {
 #endif
 }
 
-__device__ bool mega_wait(const unsigned* counter, unsigned expected, unsigned long long* control, int entry,
-                          long long instance, int wait_id, bool sys = false) {
-  if (mega_ld_counter(counter, sys) >= expected) return true;
+// The spin after a first look that failed: one copy, called (the first look stays inline).
+__device__ __noinline__ bool mega_wait_spin(const unsigned* counter, unsigned expected, unsigned long long* control,
+                                            int entry, long long instance, int wait_id, bool sys) {
   const unsigned long long t0 = mega_globaltimer();
   unsigned sleep = 32;
   while (mega_ld_counter(counter, sys) < expected) {
@@ -104,6 +104,11 @@ __device__ bool mega_wait(const unsigned* counter, unsigned expected, unsigned l
     if (sleep < 256) sleep *= 2;
   }
   return true;
+}
+
+__device__ __forceinline__ bool mega_wait(const unsigned* counter, unsigned expected, unsigned long long* control,
+                                          int entry, long long instance, int wait_id, bool sys = false) {
+  return mega_ld_counter(counter, sys) >= expected || mega_wait_spin(counter, expected, control, entry, instance, wait_id, sys);
 }
 
 // Start streaming [p, p + bytes) from HBM into L2 without waiting (sm_90 bulk prefetch).
