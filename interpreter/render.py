@@ -204,8 +204,8 @@ def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
         # (system scope when other GPUs read what this instance wrote: its stores went over NVLink)
         if any(s.peer for s in e.signals):  # (MEGA_PEER_FENCE=0: the red.release.sys alone orders the stores)
             lines += ["#if MEGA_PEER_FENCE", "          __threadfence_system();", "#endif"]
-        else:
-            lines.append("          __threadfence();")
+        else:  # (MEGA_SIGNAL_FENCE=0, the default: the red.release alone orders them; perf-notes #60)
+            lines += ["#if MEGA_SIGNAL_FENCE", "          __threadfence();", "#endif"]
         for s in e.signals:
             if s.peer:  # this rank's counter on every rank
                 at = peer_word(peer, s.id, s.signal, "D_rank")

@@ -49,6 +49,12 @@
 // cumulative over bar.sync; docs/parallel.md); a TP=2 step measured 3% faster (perf-notes #54).
 #define MEGA_PEER_FENCE 0
 #endif
+#ifndef MEGA_SIGNAL_FENCE
+// 1: a gpu-scope fence.sc before an instance's counter signals, besides their red.release. Off: the
+// release alone orders the block's stores, as for the peer signals (docs/barriers.md); a decode step
+// measured 1.3-7% faster without it on an H100 (perf-notes #60).
+#define MEGA_SIGNAL_FENCE 0
+#endif
 #if MEGA_PAGES > 0
 #define MEGA_BLOCK_THREADS (MEGA_THREADS + 32)  // the body threads, then the loader warp
 #ifndef MEGA_SLOTS

@@ -56,6 +56,12 @@
 // cumulative over bar.sync; docs/parallel.md); a TP=2 step measured 3% faster (perf-notes #54).
 #define MEGA_PEER_FENCE 0
 #endif
+#ifndef MEGA_SIGNAL_FENCE
+// 1: a gpu-scope fence.sc before an instance's counter signals, besides their red.release. Off: the
+// release alone orders the block's stores, as for the peer signals (docs/barriers.md); a decode step
+// measured 1.3-7% faster without it on an H100 (perf-notes #60).
+#define MEGA_SIGNAL_FENCE 0
+#endif
 #if MEGA_PAGES > 0
 #define MEGA_BLOCK_THREADS (MEGA_THREADS + 32)  // the body threads, then the loader warp
 #ifndef MEGA_SLOTS
@@ -255,7 +261,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         embedding_row<__nv_bfloat16, int>(in0, 256LL, 1LL, in1, 1LL, (1024LL), 256LL, out, 256LL, 1LL, c0);
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[0 + (0LL)], 1u);
         }
       } break;
@@ -279,7 +287,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
         }
       } break;
@@ -302,7 +312,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[7 + (0LL)], 1u);
         }
       } break;
@@ -322,7 +334,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         rope_rows<__nv_bfloat16, 64, true>(in0, 64LL, 1LL, in1, nullptr, 0, D_pos, 1LL, in2, 1LL, 1e-06f, out, 64LL, 1LL, 4LL, 1, c0);
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[e4 + ((D__i0 / 2LL))], 1u);
         }
       } break;
@@ -342,7 +356,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         rope_rows<__nv_bfloat16, 64, true>(in0, 64LL, 1LL, in1, nullptr, 0, D_pos, 1LL, in2, 1LL, 1e-06f, out, 65536LL, 1LL, 2LL, 1, c0);
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[e4 + (D__i0)], 1u);
         }
       } break;
@@ -360,7 +376,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         kv_append<__nv_bfloat16>(in0, 64LL, 1LL, out, 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[e3 + (0LL)], 1u);
         }
       } break;
@@ -383,7 +401,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         attn_partial<__nv_bfloat16, 64, 2>(smem, in0, 64LL, 1LL, in1, 65536LL, 64LL, 1LL, in2, 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, out, 1056LL, 66LL, c0, c1);
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[e7 + (D__i0)], 1u);
         }
       } break;
@@ -401,7 +421,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         attn_merge<__nv_bfloat16, 64>(in0, 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, out, 64LL, 1LL, c0);
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[e3 + (0LL)], 1u);
         }
       } break;
@@ -425,7 +447,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[16 + (0LL)], 1u);
         }
       } break;
@@ -452,7 +476,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[e9 + (0LL)], 1u);
         }
       } break;
@@ -477,7 +503,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
         }
       } break;
@@ -501,7 +529,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[24 + (0LL)], 1u);
         }
       } break;
@@ -526,7 +556,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[33 + (0LL)], 1u);
         }
       } break;
@@ -545,7 +577,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         acc_residual<__nv_bfloat16>(in0, 1LL, in1, out, 1LL, 256LL, 1024LL, c1);
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[35 + (0LL)], 1u);
         }
       } break;
@@ -568,7 +602,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         matvec_argmax<__nv_bfloat16, 256, 8, true, false>(smem, in0, 256LL, 1LL, in2, 1LL, 1e-06f, in1, 256LL, 1LL, out, 2LL, 1024LL, c1);
         mega_sync();
         if (threadIdx.x == 0) {
+#if MEGA_SIGNAL_FENCE
           __threadfence();
+#endif
           mega_red_release(&ctr[36 + (0LL)], 1u);
         }
       } break;
