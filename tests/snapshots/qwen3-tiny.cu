@@ -229,7 +229,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
     mega_sync();
 #else
     if (threadIdx.x == 0) {  // claim the next instance in queue order (or stop: another block failed)
-      claimed = *(volatile unsigned long long*)&control[2] ? total : (long long)atomicAdd(&control[parity], 1ULL);
+      // the claim and the abort check are both in flight, not one after the other (perf-notes #62; a
+      // claim past an abort runs nothing, and the next launch starts from the other parity's counter)
+      const long long c = (long long)atomicAdd(&control[parity], 1ULL);
+      claimed = *(volatile unsigned long long*)&control[2] ? total : c;
       if (claimed < total) { mega_cur_entry = find_entry(claimed); mega_cur_instance = claimed - prefix[mega_cur_entry]; }
     }
     __syncthreads();
