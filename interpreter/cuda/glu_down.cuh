@@ -71,8 +71,10 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
     static_assert(ROWS * (int)sizeof(T) <= MEGA_SMEM_RESERVED, "glu_down: h tile does not fit the reserved smem");
     constexpr int NV = N / VEC;                        // 16-byte vectors per wd row
     constexpr int VPT = cdiv(NV, MEGA_THREADS);        // vectors per thread per row
-    constexpr int RB = divisor_at_most(ROWS, cmax(1, 16 / VPT));  // rows per batch: up to 16 loads a thread,
-    constexpr int NB = ROWS / RB;                      // whole batches (a ragged one re-read rows, below)
+    // rows per batch: up to 16 loads a thread, and a divisor of ROWS, so that no batch is half empty
+    // (qwen3-0.6b's 24-row tile ran a second batch of 8 rows in 16 slots: perf-notes #58)
+    constexpr int RB = divisor_at_most(ROWS, cmax(1, 16 / VPT));
+    constexpr int NB = ROWS / RB;                      // batches
     smem = shared_ptr(smem);
     T* hs = reinterpret_cast<T*>(smem + MEGA_SMEM - MEGA_SMEM_RESERVED);  // the top: matvec leaves it alone
     const long long row0 = n_tile * ROWS;
