@@ -70,8 +70,7 @@ __device__ void mega_body_error(int code, long long detail) {
   mega_record_error(mega_control_ptr, code, mega_cur_entry, mega_cur_instance, detail);
 }
 
-// Spin until *counter >= expected (acquire; at system scope for a peer counter). False on abort or
-// timeout (error recorded).
+// A counter's value, acquired: at system scope for a peer counter (written by other GPUs).
 __device__ __forceinline__ unsigned mega_ld_counter(const unsigned* p, bool sys) {
 #if MEGA_PEERS
   return sys ? mega_ld_acquire_sys(p) : mega_ld_acquire(p);
@@ -112,6 +111,8 @@ __device__ __noinline__ bool mega_wait_spin(const unsigned* counter, unsigned ex
   return true;
 }
 
+// Spin until *counter >= expected (acquire; at system scope for a peer counter). False on abort or
+// timeout (error recorded).
 __device__ __forceinline__ bool mega_wait(const unsigned* counter, unsigned expected, unsigned long long* control,
                                           int entry, long long instance, int wait_id, bool sys = false) {
   return mega_ld_counter(counter, sys) >= expected || mega_wait_spin(counter, expected, control, entry, instance, wait_id, sys);
