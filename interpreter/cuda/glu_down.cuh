@@ -101,8 +101,9 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
         // phase 1: the gated matvec (it waits for x itself, after its first weight loads); an x
         // it cannot read as vectors (never the compiler's) takes the generic body
         const bool ok = matvec_impl::stage_vec_ok<T, 1, K, NORM, false>(x, 0, x_s1, g, g_s0, {})
-            ? matvec_impl::run_vec_regs<T, 1, K, ROWS, NORM, true, false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0,
-                                                                        nullptr, 0, 0, {}, hs - row0, 0, 1, F, n_tile, wl)
+            ? matvec_impl::run_vec_regs<typename matvec_impl::PlanFor<T, 1, K, ROWS, true, NORM>::type, T, 1, K, NORM, true,
+                                        false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, nullptr, 0, 0, {},
+                                               hs - row0, 0, 1, F, n_tile, ROWS, wl)
             : matvec_impl::run_generic<T>(smem, 1, K, ROWS, matvec_impl::FL_GLU | (NORM ? matvec_impl::FL_NORM : 0u), x, 0,
                                           x_s1, g, g_s0, eps, w, w_s0, 1, w2, w2_s0, 1, nullptr, 0, 0, {}, hs - row0, 0, 1,
                                           F, n_tile, wl, 1);

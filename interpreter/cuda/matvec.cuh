@@ -58,16 +58,39 @@ struct Sums {
     long long r_s0, r_s1;
 };
 
-template <class T, int M, int K, int ROWS, bool GLU, bool NORM>
+// The code shape of the register body (run_vec_regs): everything that changes its instructions.
+// The tile height is a runtime value, so tiles of different heights with the same shape share one
+// body (PlanFor picks the shape).
+template <class T, int M, int K, int RB_, bool PIPE_, bool XS_F32, bool GLU>
 struct Plan {
     static constexpr int VEC = VecN<T>::value;
     static constexpr int KV = K / VEC;                        // 16-byte vectors per row
+    static constexpr int RB = RB_;                            // row slots a group
+    static constexpr int NW = GLU ? 2 : 1;                    // weight matrices
+    static constexpr int VPL = cmax(1, cdiv(KV, 32));         // vectors per lane per row
+    static constexpr bool PIPE = PIPE_;
+    static constexpr int LOADS = PIPE || M >= 4 ? 16 : 32;   // 16-byte loads per lane per step (a buffer)
+    static constexpr int U0 = cmin(VPL, cmax(1, LOADS / (RB * NW)));
+    static constexpr int STEPS = cdiv(VPL, U0);               // steps per row group
+    static constexpr int U = cdiv(VPL, STEPS);                // vectors per lane per row per step
+    static constexpr int RED_BYTES = (MEGA_WARPS * M * 4 + 15) / 16 * 16;
+    using XS = typename Cond<XS_F32, float, T>::type;         // staged x element type
+    static constexpr int XS_BYTES = (M * K * (int)sizeof(XS) + 15) / 16 * 16;
+    // shared memory: [red: MEGA_WARPS*M f32][xs: M*K of XS][rt: M*rows f32 residual tile]
+    __device__ static float* red(char* smem) { return reinterpret_cast<float*>(smem); }
+    __device__ static XS* xs(char* smem) { return reinterpret_cast<XS*>(smem + RED_BYTES); }
+    __device__ static float* rt(char* smem) { return reinterpret_cast<float*>(smem + RED_BYTES + XS_BYTES); }
+};
+
+// The Plan a tile of ROWS rows takes: each warp owns rows warp, warp + 8, ... of the tile (Rows),
+// in the fewest groups of at most RG row slots, spread evenly. Tiles whose shapes agree (e.g. 32
+// and 128 rows of the same K and fusions) run one body.
+template <class T, int M, int K, int ROWS, bool GLU, bool NORM>
+struct PlanFor {
     static constexpr int RPW = cdiv(ROWS, MEGA_WARPS);        // rows per warp
     static constexpr int RG = M >= 4 ? 2 : 4;                 // rows a group at most (M >= 4: M accumulators a row)
     static constexpr int NG = cdiv(RPW, RG);                  // row groups per warp
     static constexpr int RB = cdiv(RPW, NG);                  // rows per group (<= RG)
-    static constexpr int NW = GLU ? 2 : 1;                    // weight matrices
-    static constexpr int VPL = cmax(1, cdiv(KV, 32));         // vectors per lane per row
     // Pipelined (two register buffers of 16 loads a lane: the next step's loads are in flight
     // while a step computes and while x stages after the wait) where staging x is long, a
     // norm prologue's block reduction or x of >= 16 KB, and the tile is <= 512 KB. Elsewhere
@@ -75,19 +98,14 @@ struct Plan {
     // llama-3.2-1b -4%, qwen3-8b +1.5-2%, from its 256 KB O and its 768 KB-1.5 MB tiles).
     // Several x rows (M >= 4: a batch, a prompt) make each weight vector M times the arithmetic and
     // need M times the accumulators: one buffer of 16 loads a lane, so nothing spills.
-    static constexpr long long TILE_BYTES = (long long)ROWS * K * NW * (long long)sizeof(T);
+    static constexpr long long TILE_BYTES = (long long)ROWS * K * (GLU ? 2 : 1) * (long long)sizeof(T);
     static constexpr bool PIPE = M < 4 && TILE_BYTES <= 512 * 1024 && (NORM || K * (int)sizeof(T) >= 16384);
-    static constexpr int LOADS = PIPE || M >= 4 ? 16 : 32;   // 16-byte loads per lane per step (a buffer)
-    static constexpr int U0 = cmin(VPL, cmax(1, LOADS / (RB * NW)));
-    static constexpr int STEPS = cdiv(VPL, U0);               // steps per row group
-    static constexpr int U = cdiv(VPL, STEPS);                // vectors per lane per row per step
     static constexpr int BODY_SMEM = MEGA_SMEM - MEGA_SMEM_RESERVED;  // the top stays untouched
-    static constexpr int RED_BYTES = MEGA_WARPS * M * 4;
-    static constexpr int RT_BYTES = (M * ROWS * 4 + 15) / 16 * 16;
-    static constexpr int HEAD = (RED_BYTES + 15) / 16 * 16 + RT_BYTES;
+    static constexpr int HEAD = (MEGA_WARPS * M * 4 + 15) / 16 * 16 + (M * ROWS * 4 + 15) / 16 * 16;
     static constexpr bool XS_F32 = HEAD + M * K * 4 <= BODY_SMEM;
-    using XS = typename Cond<XS_F32, float, T>::type;         // staged x element type
-    static_assert(HEAD + M * K * (int)sizeof(XS) <= BODY_SMEM, "matvec: x[M, K] does not fit in shared memory");
+    static_assert(K % VecN<T>::value != 0 || HEAD + M * K * (XS_F32 ? 4 : (int)sizeof(T)) <= BODY_SMEM,
+                  "matvec: x[M, K] does not fit in shared memory");  // (K % VEC != 0: the generic body)
+    using type = Plan<T, M, K, RB, PIPE, XS_F32, GLU>;
 };
 
 // VEC staged x values at p (16-byte aligned) as floats; n = VecN<T>.
@@ -200,23 +218,25 @@ __device__ __forceinline__ bool stage_vec_ok(const T* x, long long x_s0, long lo
            (!(SUMS && sums.x) || (sums.x_s1 == 1 && aligned16(sums.x) && (M == 1 || sums.x_s0 % 4 == 0)));
 }
 
-// Stage x (normalised when NORM) into xs[M][K] and the residual tile into rt[M][ROWS]; x as
+// Stage x (normalised when NORM) into xs[M][K] and the residual tile into rt[M][rows]; x as
 // stage_vec_ok checked. All threads call it; ends with a block barrier.
-template <class T, class XS, int M, int K, int ROWS, bool NORM, bool RES, bool SUMS>
+template <class T, class XS, int M, int K, bool NORM, bool RES, bool SUMS>
 __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x, long long x_s0, long long x_s1,
                                       const T* g, long long g_s0, float eps, const T* r, long long r_s0,
-                                      long long r_s1, const Sums& sums, long long row0, long long N, int mv = M) {
+                                      long long r_s1, const Sums& sums, long long row0, int rows, long long N, int mv = M) {
     constexpr int VEC = VecN<T>::value, KV = K / VEC, NVX = cdiv(KV, MEGA_THREADS) > 0 ? cdiv(KV, MEGA_THREADS) : 1;  // (K < VEC: not run, the array needs a size)
     const int tid = threadIdx.x;
     const bool xacc = SUMS && sums.x, racc = SUMS && sums.r;
     if (RES) {
-        for (int j = tid; j < M * ROWS; j += MEGA_THREADS) {
-            const long long n = row0 + j % ROWS;
-            if (n < N && j / ROWS < mv) {
-                rt[j] = ld_f32(r + (j / ROWS) * r_s0 + n * r_s1);
-                if (racc) rt[j] = round_to<T>(rt[j] + round_to<T>(ld_cg(sums.r + (j / ROWS) * sums.r_s0 + n * sums.r_s1)));
+        for (int m = 0; m < mv; ++m)
+            for (int j = tid; j < rows; j += MEGA_THREADS) {
+                const long long n = row0 + j;
+                if (n < N) {
+                    float v = ld_f32(r + m * r_s0 + n * r_s1);
+                    if (racc) v = round_to<T>(v + round_to<T>(ld_cg(sums.r + m * sums.r_s0 + n * sums.r_s1)));
+                    rt[m * rows + j] = v;
+                }
             }
-        }
     }
     if constexpr (K % VEC == 0) {
         constexpr int AV = SUMS ? VEC / 4 : 1;  // 16-byte f32 vectors of the sum per x vector
@@ -293,30 +313,40 @@ __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x,
     mega_sync();
 }
 
+// A tile's rows as the register body deals them: warp w takes tile-local rows
+// (gi * RB + rb) * MEGA_WARPS + w, row groups gi < ng of RB slots rb.
+template <int RB>
+struct Rows {
+    int rows, ng;
+    __device__ __forceinline__ explicit Rows(int n) : rows(n), ng(cdiv(cdiv(n, MEGA_WARPS), RB)) {}
+    __device__ __forceinline__ int local(int gi, int rb, int warp) const { return (gi * RB + rb) * MEGA_WARPS + warp; }
+};
+
 // The fused epilogue for output element (m, n) of tile-local row `local`.
-template <class T, int ROWS, bool GLU, bool RES>
-__device__ __forceinline__ void finish(float dot, float dot2, const float* rt, int m, int local, long long n, T* out,
-                                       long long out_s0, long long out_s1) {
+template <class T, bool GLU, bool RES>
+__device__ __forceinline__ void finish(float dot, float dot2, const float* rt, int rows, int m, int local, long long n,
+                                       T* out, long long out_s0, long long out_s1) {
     float y = round_to<T>(dot);
     if (GLU) y = round_to<T>(round_to<T>(silu_f32(y)) * round_to<T>(dot2));
-    if (RES) y = round_to<T>(rt[m * ROWS + local] + y);
+    if (RES) y = round_to<T>(rt[m * rows + local] + y);
     out[m * out_s0 + n * out_s1] = from_f32<T>(y);
 }
 
 // Issue the 16-byte weight loads of step s of row group gi into wa (and wb), row slots [RB0, RB1).
 // A slot past the tile or past N loads the tile's last row again (cached, finite; write_group
 // drops its sums) instead of zeros: no select of zeros, no predicate (perf-notes #58; a predicated
-// load that keeps the registers' old values measured larger). The tile heights the cost model
-// picks fill their slots, so only an op's ragged last tile re-reads a row.
-template <class P, class T, int ROWS, bool GLU, int RB0 = 0, int RB1 = P::RB>
+// load that keeps the registers' old values measured larger, and so did a branch around the slot).
+// The tile heights the cost model picks fill their slots (Rows), so only an op's ragged last tile
+// re-reads a row.
+template <class P, class T, bool GLU, int RB0 = 0, int RB1 = P::RB>
 __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
                                           const T* w, long long w_s0, const T* w2, long long w2_s0, long long row0,
-                                          long long N, int gi, int s, int warp, int lane) {
+                                          const Rows<P::RB>& rr, long long N, int gi, int s, int warp, int lane) {
     constexpr bool WHOLE = P::KV % (32 * P::U * P::STEPS) == 0;  // every step's vectors lie in the row
-    const long long last = min_i64(row0 + ROWS, N) - 1;
+    const long long last = min_i64(row0 + rr.rows, N) - 1;
 #pragma unroll
     for (int rb = RB0; rb < RB1; ++rb) {
-        const long long n = min_i64(row0 + (gi * P::RB + rb) * MEGA_WARPS + warp, last);
+        const long long n = min_i64(row0 + rr.local(gi, rb, warp), last);
         const T* wr = w + n * w_s0;
         const T* wr2 = GLU ? w2 + n * w2_s0 : nullptr;
 #pragma unroll
@@ -334,23 +364,23 @@ __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[
 // A waiting SM so keeps one slot (~32 KB) in flight instead of its whole first step, and the
 // chain its producers run (attention, ~17 MB of O weights queued ahead of it on qwen3-8b)
 // sees a short memory queue (perf-notes #39: unpaced, the bytes trade one for one).
-template <class P, class T, int ROWS, bool GLU, int RB0>
+template <class P, class T, bool GLU, int RB0>
 __device__ __forceinline__ void paced_first_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
                                                  const T* w, long long w_s0, const T* w2, long long w2_s0,
-                                                 long long row0, long long N, int warp, int lane, const MegaWaits& wl,
-                                                 float* red) {
+                                                 long long row0, const Rows<P::RB>& rr, long long N, int warp,
+                                                 int lane, const MegaWaits& wl, float* red) {
     if constexpr (RB0 < P::RB) {
-        load_step<P, T, ROWS, GLU, RB0, RB0 + 1>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+        load_step<P, T, GLU, RB0, RB0 + 1>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, 0, 0, warp, lane);
         if (RB0 + 1 == P::RB) return;
         if (mega_waits_met(wl)) {
-            load_step<P, T, ROWS, GLU, RB0 + 1, P::RB>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+            load_step<P, T, GLU, RB0 + 1, P::RB>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, 0, 0, warp, lane);
             return;
         }
         unsigned dep = 0;  // reading the slot's registers waits for its loads to land
 #pragma unroll
         for (int u = 0; u < P::U; ++u) dep |= wa[RB0][u].x;
         red[threadIdx.x % MEGA_WARPS] = __uint_as_float(dep);  // (scratch: the stage after the wait rewrites it)
-        paced_first_step<P, T, ROWS, GLU, RB0 + 1>(wa, wb, w, w_s0, w2, w2_s0, row0, N, warp, lane, wl, red);
+        paced_first_step<P, T, GLU, RB0 + 1>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, warp, lane, wl, red);
     }
 }
 
@@ -394,77 +424,79 @@ __device__ __forceinline__ void mac_step(const uint4 (&wa)[P::RB][P::U], const u
 }
 
 // Reduce row group gi's dots across the warp and write its outputs (fused epilogue).
-template <class P, class T, int M, int ROWS, bool GLU, bool RES>
+template <class P, class T, int M, bool GLU, bool RES>
 __device__ __forceinline__ void write_group(float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const float* rt,
-                                            T* out, long long out_s0, long long out_s1, long long row0, long long N,
-                                            int gi, int warp, int lane, int mv = M) {
+                                            T* out, long long out_s0, long long out_s1, long long row0,
+                                            const Rows<P::RB>& rr, long long N, int gi, int warp, int lane, int mv = M) {
 #pragma unroll
     for (int rb = 0; rb < P::RB; ++rb) {
-        const int local = (gi * P::RB + rb) * MEGA_WARPS + warp;
+        const int local = rr.local(gi, rb, warp);
         const long long n = row0 + local;
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             const float d = warp_sum(acc[rb][m]);
             const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
-            if (lane == (rb * M + m) % 32 && local < ROWS && n < N && m < mv)
-                finish<T, ROWS, GLU, RES>(d, d2, rt, m, local, n, out, out_s0, out_s1);
+            if (lane == (rb * M + m) % 32 && local < rr.rows && n < N && m < mv)
+                finish<T, GLU, RES>(d, d2, rt, rr.rows, m, local, n, out, out_s0, out_s1);
         }
     }
 }
 
 // Pipelined step t (row group t / STEPS, k-step t % STEPS): the group's first step zeroes
 // acc, its last writes the outputs.
-template <class P, class T, class XS, int M, int K, int ROWS, bool GLU, bool RES>
+template <class P, class T, class XS, int M, int K, bool GLU, bool RES>
 __device__ __forceinline__ void step(const uint4 (&wa)[P::RB][P::U], const uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
                                      float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const XS* xs,
                                      const float* rt, T* out, long long out_s0, long long out_s1, long long row0,
-                                     long long N, int t, int warp, int lane, int mv) {
+                                     const Rows<P::RB>& rr, long long N, int t, int warp, int lane, int mv) {
     const int gi = t / P::STEPS, s = t % P::STEPS;
     if (s == 0) zero_acc<P, M, GLU>(acc, acc2);
     mac_step<P, T, XS, M, K, GLU>(wa, wb, acc, acc2, xs, s, lane);
-    if (s == P::STEPS - 1) write_group<P, T, M, ROWS, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, N, gi, warp, lane, mv);
+    if (s == P::STEPS - 1)
+        write_group<P, T, M, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, rr, N, gi, warp, lane, mv);
 }
 
-// False when the wait gave up (abort or timeout): nothing was written.
-template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES, bool SUMS = false>
+// Rows [n_tile * rows, ...) of out, in the code shape P (PlanFor). False when the wait gave up
+// (abort or timeout): nothing was written.
+template <class P, class T, int M, int K, bool NORM, bool GLU, bool RES, bool SUMS = false>
 __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
                                         long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
                                         long long w2_s0, const T* r, long long r_s0, long long r_s1, const Sums& sums, T* out,
-                                        long long out_s0, long long out_s1, long long N, long long n_tile,
+                                        long long out_s0, long long out_s1, long long N, long long n_tile, int rows,
                                         const MegaWaits& wl, int mv = M) {
-    using P = Plan<T, M, K, ROWS, GLU, NORM>;
     using XS = typename P::XS;
-    float* red = reinterpret_cast<float*>(smem);
-    float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
-    XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
+    float* red = P::red(smem);
+    float* rt = P::rt(smem);
+    XS* xs = P::xs(smem);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long row0 = n_tile * ROWS;
+    const long long row0 = n_tile * rows;
+    const Rows<P::RB> rr(rows);
 
     if constexpr (P::PIPE) {
-        // Steps t = 0 .. NG*STEPS-1 (row group t / STEPS, k-step t % STEPS) alternate between two
+        // Steps t = 0 .. ng*STEPS-1 (row group t / STEPS, k-step t % STEPS) alternate between two
         // register buffers: step t+1's loads are in flight while step t computes, so an SM never
         // stops streaming between steps, nor while x stages after the wait.
-        constexpr int T_STEPS = P::NG * P::STEPS;
+        const int t_steps = rr.ng * P::STEPS;
         uint4 wa0[P::RB][P::U], wa1[P::RB][P::U];
         uint4 wb0[GLU ? P::RB : 1][GLU ? P::U : 1], wb1[GLU ? P::RB : 1][GLU ? P::U : 1];
         float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
-        load_step<P, T, ROWS, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+        load_step<P, T, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, rr, N, 0, 0, warp, lane);
         if (!mega_wait_all(wl)) return false;
-        if (T_STEPS > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
-            load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
-        stage<T, XS, M, K, ROWS, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N, mv);
+        if (t_steps > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
+            load_step<P, T, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, rr, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
+        stage<T, XS, M, K, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, rows, N, mv);
 #pragma unroll 1
-        for (int t = 0; t < T_STEPS; t += 2) {
-            step<P, T, XS, M, K, ROWS, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t, warp, lane, mv);
-            if (t + 2 < T_STEPS)
-                load_step<P, T, ROWS, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, N, (t + 2) / P::STEPS, (t + 2) % P::STEPS,
-                                           warp, lane);
-            if (t + 1 < T_STEPS) {
-                step<P, T, XS, M, K, ROWS, GLU, RES>(wa1, wb1, acc, acc2, xs, rt, out, out_s0, out_s1, row0, N, t + 1, warp,
-                                                     lane, mv);
-                if (t + 3 < T_STEPS)
-                    load_step<P, T, ROWS, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, N, (t + 3) / P::STEPS,
-                                               (t + 3) % P::STEPS, warp, lane);
+        for (int t = 0; t < t_steps; t += 2) {
+            step<P, T, XS, M, K, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, out_s0, out_s1, row0, rr, N, t, warp, lane, mv);
+            if (t + 2 < t_steps)
+                load_step<P, T, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, rr, N, (t + 2) / P::STEPS, (t + 2) % P::STEPS,
+                                     warp, lane);
+            if (t + 1 < t_steps) {
+                step<P, T, XS, M, K, GLU, RES>(wa1, wb1, acc, acc2, xs, rt, out, out_s0, out_s1, row0, rr, N, t + 1, warp,
+                                               lane, mv);
+                if (t + 3 < t_steps)
+                    load_step<P, T, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, rr, N, (t + 3) / P::STEPS,
+                                         (t + 3) % P::STEPS, warp, lane);
             }
         }
     } else {
@@ -475,22 +507,22 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
         // in flight while the inputs' producers finish and x stages
         if (!GLU && P::RB > 1)  // an unpipelined, ungated tile paces its pre-wait loads
-            paced_first_step<P, T, ROWS, GLU, 0>(wa, wb, w, w_s0, w2, w2_s0, row0, N, warp, lane, wl, red);
+            paced_first_step<P, T, GLU, 0>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, warp, lane, wl, red);
         else
-            load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, 0, 0, warp, lane);
+            load_step<P, T, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, 0, 0, warp, lane);
         if (!mega_wait_all(wl)) return false;
-        stage<T, XS, M, K, ROWS, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N, mv);
+        stage<T, XS, M, K, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, rows, N, mv);
 
 #pragma unroll 1
-        for (int gi = 0; gi < P::NG; ++gi) {
+        for (int gi = 0; gi < rr.ng; ++gi) {
             float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
             zero_acc<P, M, GLU>(acc, acc2);
 #pragma unroll 1
             for (int s = 0; s < P::STEPS; ++s) {
-                if (gi | s) load_step<P, T, ROWS, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, N, gi, s, warp, lane);
+                if (gi | s) load_step<P, T, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, gi, s, warp, lane);
                 mac_step<P, T, XS, M, K, GLU>(wa, wb, acc, acc2, xs, s, lane);
             }
-            write_group<P, T, M, ROWS, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, N, gi, warp, lane, mv);
+            write_group<P, T, M, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, rr, N, gi, warp, lane, mv);
         }
     }
     return true;
@@ -506,15 +538,16 @@ __device__ __forceinline__ bool run_paged(char* smem, const T* x, long long x_s0
                                           long long g_s0, float eps, const T* r, long long r_s0, long long r_s1,
                                           const Sums& sums, T* out, long long out_s0, long long out_s1, long long N,
                                           long long n_tile, const MegaWaits& wl, unsigned& k) {
-    using P = Plan<T, 1, K, ROWS, GLU, NORM>;
+    using PF = PlanFor<T, 1, K, ROWS, GLU, NORM>;
+    using P = typename PF::type;
     using XS = typename P::XS;
     constexpr int NW = GLU ? 2 : 1;
-    static_assert(P::HEAD + K * (int)sizeof(XS) + NW * MEGA_WARPS * ROWS * 4 <= P::BODY_SMEM,
+    static_assert(PF::HEAD + K * (int)sizeof(XS) + NW * MEGA_WARPS * ROWS * 4 <= PF::BODY_SMEM,
                   "matvec (paged): x and the partial sums do not fit in shared memory");
-    float* red = reinterpret_cast<float*>(smem);
-    float* rt = reinterpret_cast<float*>(smem + (P::RED_BYTES + 15) / 16 * 16);
-    XS* xs = reinterpret_cast<XS*>(smem + P::HEAD);
-    float* part = reinterpret_cast<float*>(smem + P::HEAD + (K * (int)sizeof(XS) + 15) / 16 * 16);
+    float* red = P::red(smem);
+    float* rt = P::rt(smem);
+    XS* xs = P::xs(smem);
+    float* part = rt + (ROWS + 3) / 4 * 4;
     const long long row0 = n_tile * ROWS, rows = min_i64(ROWS, N - row0);
     for (int i = threadIdx.x; i < NW * MEGA_WARPS * ROWS; i += MEGA_THREADS) part[i] = 0.0f;
     if (!mega_wait_all(wl)) return false;
@@ -522,7 +555,7 @@ __device__ __forceinline__ bool run_paged(char* smem, const T* x, long long x_s0
         if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
         return false;
     }
-    stage<T, XS, 1, K, ROWS, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, N);
+    stage<T, XS, 1, K, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, ROWS, N);
     if (!page_dots<T, XS, K>(xs, rows, part, ROWS, k)) return false;
     if (GLU && !page_dots<T, XS, K>(xs, rows, part + MEGA_WARPS * ROWS, ROWS, k)) return false;
     mega_sync();
@@ -533,7 +566,7 @@ __device__ __forceinline__ bool run_paged(char* smem, const T* x, long long x_s0
             d += part[w * ROWS + i];
             if (GLU) d2 += part[(MEGA_WARPS + w) * ROWS + i];
         }
-        finish<T, ROWS, GLU, RES>(d, d2, rt, 0, i, row0 + i, out, out_s0, out_s1);
+        finish<T, GLU, RES>(d, d2, rt, ROWS, 0, i, row0 + i, out, out_s0, out_s1);
     }
     return true;
 }
@@ -775,32 +808,68 @@ __device__ bool run_mma(char* smem, const T* x, long long x_s0, const T* g, floa
 
 }  // namespace matvec_impl
 
-// One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N]. Absent operands
-// (g, w2, r) are nullptr with zero strides. `wl`: the instance's barrier waits (n = 0: none).
-template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS,
-          bool PAGED = false>
-__device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long long x_s1,  //
-                                    const T* g, long long g_s0, float eps,                    //
-                                    const T* w, long long w_s0, long long w_s1,               //
-                                    const T* w2, long long w2_s0, long long w2_s1,            //
-                                    const T* r, long long r_s0, long long r_s1,               //
-                                    const float* xa, long long xa_s0, long long xa_s1,        //
-                                    const float* ra, long long ra_s0, long long ra_s1,        //
-                                    T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
-                                    long long mvalid, const MegaWaits wl) {
-    static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
+namespace matvec_impl {
+
+// Which body an instance of this shape runs: tensor cores for x rows in tiles of 8, else the
+// register body (run_vec_regs).
+template <class T, int M, int K, bool SUMS>
+__host__ __device__ constexpr bool use_mma() {
+    return M % 8 == 0 && K % 32 == 0 && !SUMS && MmaKind<T>::ok;
+}
+
+// The register body and its generic fallback, for any tile height of code shape P: one copy per
+// shape, however many tile heights use it.
+template <class P, class T, int M, int K, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS>
+__device__ __noinline__ void matvec_regs(char* smem, const T* x, long long x_s0, long long x_s1,  //
+                                         const T* g, long long g_s0, float eps,                    //
+                                         const T* w, long long w_s0, long long w_s1,               //
+                                         const T* w2, long long w2_s0, long long w2_s1,            //
+                                         const T* r, long long r_s0, long long r_s1,               //
+                                         const float* xa, long long xa_s0, long long xa_s1,        //
+                                         const float* ra, long long ra_s0, long long ra_s1,        //
+                                         T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
+                                         int rows, long long mvalid, const MegaWaits wl) {
     smem = shared_ptr(smem);
-    const matvec_impl::Sums sums{xa, xa_s0, xa_s1, ra, ra_s0, ra_s1};
+    const Sums sums{xa, xa_s0, xa_s1, ra, ra_s0, ra_s1};
+    bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K) &&
+               stage_vec_ok<T, M, K, HAS_NORM, SUMS>(x, x_s0, x_s1, g, g_s0, sums);
+    if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
+    if constexpr (K % VecN<T>::value == 0) {
+        if (vec) {
+            run_vec_regs<P, T, M, K, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0,
+                                                                       r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile,
+                                                                       rows, wl, (int)mvalid);
+            return;
+        }
+    }
+    run_generic<T>(smem, M, K, rows, (HAS_NORM ? FL_NORM : 0u) | (HAS_GLU ? FL_GLU : 0u) | (HAS_RES ? FL_RES : 0u), x, x_s0,
+                   x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile,
+                   wl, (int)mvalid);
+}
+
+// The bodies whose code depends on the tile height: the paged one and the tensor-core one.
+template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS, bool PAGED>
+__device__ __noinline__ void matvec_tile(char* smem, const T* x, long long x_s0, long long x_s1,  //
+                                         const T* g, long long g_s0, float eps,                    //
+                                         const T* w, long long w_s0, long long w_s1,               //
+                                         const T* w2, long long w2_s0, long long w2_s1,            //
+                                         const T* r, long long r_s0, long long r_s1,               //
+                                         const float* xa, long long xa_s0, long long xa_s1,        //
+                                         const float* ra, long long ra_s0, long long ra_s1,        //
+                                         T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
+                                         long long mvalid, const MegaWaits wl) {
+    smem = shared_ptr(smem);
 #if MEGA_PAGES > 0
     if constexpr (PAGED) {  // w and w2 arrive in the page ring (M == 1)
         static_assert(M == 1, "matvec: the paged body is for one x row");
         unsigned k = mega_page_head;
-        matvec_impl::run_paged<T, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(
-            smem, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile, wl, k);
+        run_paged<T, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(smem, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1,
+                                                                {xa, xa_s0, xa_s1, ra, ra_s0, ra_s1}, out, out_s0, out_s1,
+                                                                N, n_tile, wl, k);
         return;
     }
 #endif
-    if constexpr (!PAGED && M % 8 == 0 && K % 32 == 0 && !SUMS && matvec_impl::MmaKind<T>::ok) {
+    if constexpr (!PAGED && use_mma<T, M, K, SUMS>()) {
         // x rows in tiles of 8: tensor cores. The compiler's operands are contiguous rows; anything
         // else is reported, not computed wrongly.
         const bool rows_ok = vec_rows_ok(w, w_s0, w_s1, K) && (!HAS_GLU || vec_rows_ok(w2, w2_s0, w2_s1, K)) &&
@@ -809,26 +878,35 @@ __device__ __noinline__ void matvec(char* smem, const T* x, long long x_s0, long
             if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
             return;
         }
-        matvec_impl::run_mma<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, x_s0, g, eps, w, w_s0, w2, w2_s0, r, r_s0,
-                                                                       r_s1, out, out_s0, out_s1, N, n_tile, wl, (int)mvalid);
-        return;
+        run_mma<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, x_s0, g, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, out,
+                                                          out_s0, out_s1, N, n_tile, wl, (int)mvalid);
     }
-    if constexpr (!PAGED && !(M % 8 == 0 && K % 32 == 0 && !SUMS && matvec_impl::MmaKind<T>::ok)) {
-        bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K) &&
-                   matvec_impl::stage_vec_ok<T, M, K, HAS_NORM, SUMS>(x, x_s0, x_s1, g, g_s0, sums);
-        if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
-        if constexpr (K % VecN<T>::value == 0) {
-            if (vec) {
-                matvec_impl::run_vec_regs<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(
-                    smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile, wl,
-                    (int)mvalid);
-                return;
-            }
-        }
-        matvec_impl::run_generic<T>(smem, M, K, ROWS,
-                                    (HAS_NORM ? matvec_impl::FL_NORM : 0u) | (HAS_GLU ? matvec_impl::FL_GLU : 0u) |
-                                        (HAS_RES ? matvec_impl::FL_RES : 0u),
-                                    x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, sums, out,
-                                    out_s0, out_s1, N, n_tile, wl, (int)mvalid);
-    }
+}
+
+}  // namespace matvec_impl
+
+// One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N]. Absent operands
+// (g, w2, r) are nullptr with zero strides. `wl`: the instance's barrier waits (n = 0: none).
+// Picks the body; the register body takes ROWS as a runtime value (matvec_regs).
+template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS,
+          bool PAGED = false>
+__device__ __forceinline__ void matvec(char* smem, const T* x, long long x_s0, long long x_s1,  //
+                                       const T* g, long long g_s0, float eps,                    //
+                                       const T* w, long long w_s0, long long w_s1,               //
+                                       const T* w2, long long w2_s0, long long w2_s1,            //
+                                       const T* r, long long r_s0, long long r_s1,               //
+                                       const float* xa, long long xa_s0, long long xa_s1,        //
+                                       const float* ra, long long ra_s0, long long ra_s1,        //
+                                       T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
+                                       long long mvalid, const MegaWaits wl) {
+    static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
+    if constexpr (PAGED || matvec_impl::use_mma<T, M, K, SUMS>())
+        matvec_impl::matvec_tile<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS, PAGED>(
+            smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, xa, xa_s0, xa_s1, ra, ra_s0,
+            ra_s1, out, out_s0, out_s1, N, n_tile, mvalid, wl);
+    else
+        matvec_impl::matvec_regs<typename matvec_impl::PlanFor<T, M, K, ROWS, HAS_GLU, HAS_NORM>::type, T, M, K, HAS_NORM,
+                                 HAS_GLU, HAS_RES, SUMS>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1,
+                                                         r, r_s0, r_s1, xa, xa_s0, xa_s1, ra, ra_s0, ra_s1, out, out_s0,
+                                                         out_s1, N, n_tile, ROWS, mvalid, wl);
 }
