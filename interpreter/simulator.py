@@ -8,7 +8,8 @@ as NaN, and every element an instance reads must already have been written in
 this launch (or come from outside it): a barrier that lets a consumer in early
 fails the run, naming the op, the instance and the buffer. An ``accum`` element
 (a sum several instances add into, zero at launch) is ready once every instance
-that adds into it has run.
+that adds into it has run, and so is an element of a ``last_writer`` op's output (the
+last of the instances that share it writes it: ``attn_partial_merge``).
 
 ``Schedule.static`` deals the instances as the kernel's static order does (MEGA_STATIC): SM ``s``
 runs instances ``s, s + sms, ...`` of the queue, in that order, and nothing is claimed.
@@ -99,7 +100,7 @@ class Simulation:
             op = queue.entries[k].op
             kind = queue.program.buffers[op.output.buffer].kind
             idx = self.elements(op.output, op.writes, self.coords(k, i))
-            if kind == "accum":
+            if kind == "accum" or REGISTRY[op.kind].last_writer:
                 pending = self.adders.setdefault(op.output.buffer, torch.zeros_like(self.ready[op.output.buffer], dtype=torch.int64))
                 pending[idx] += 1
             if kind not in fresh:
@@ -155,8 +156,9 @@ class Simulation:
         op = e.op
         env = self.coords(k, i)
         where = self.where(k, i)
-        for o, fp in zip(op.inputs, op.reads):
-            if o.buffer not in self.tracked:  # weights, constants, inputs nothing writes
+        internal = REGISTRY[op.kind].internal_inputs(op)
+        for j, (o, fp) in enumerate(zip(op.inputs, op.reads)):
+            if o.buffer not in self.tracked or j in internal:  # weights, constants, inputs nothing writes
                 continue
             idx = self.elements(o, fp, env)
             if not bool(self.ready[o.buffer][idx].all()):

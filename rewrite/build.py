@@ -57,6 +57,11 @@ class ProgramBuilder:
         shape = tuple(as_dim(d) for d in shape)
         return Operand(self.new_buffer(name, "scratch", shape, dtype), shape, dtype)
 
+    def accum(self, name: str, shape, dtype) -> Operand:
+        """A new ``accum`` buffer: in the counter bank, zero at every launch (sums, arrival counters)."""
+        shape = tuple(as_dim(d) for d in shape)
+        return Operand(self.new_buffer(name, "accum", shape, dtype), shape, dtype)
+
     def peer(self, name: str, shape, dtype) -> Operand:
         """A new ``peer`` buffer: every rank of the tensor-parallel group holds one and writes its row into all."""
         shape = tuple(as_dim(d) for d in shape)

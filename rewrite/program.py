@@ -21,7 +21,7 @@ BUFFER_KINDS = ("input", "weight", "constant", "state", "scratch", "accum", "out
 @dataclass(frozen=True)
 class Buffer:
     """Storage for one tensor. ``state`` buffers (KV caches) are inputs written in place;
-    ``accum`` buffers are f32 sums that several instances add into, zero at every launch;
+    ``accum`` buffers are f32 sums that several instances add into (or counters), zero at every launch;
     ``peer`` buffers are written by every rank of a tensor-parallel group (an all-reduce's
     receive rows: row ``r`` is rank ``r``'s), each rank holding its own; a ``transposed`` weight holds the user's weight ``name`` with its last two dims swapped."""
 

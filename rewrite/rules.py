@@ -23,20 +23,20 @@ ARGMAX_CHUNKS = (1024, 4096)
 MOE_ROWS = (8, 16, 32, 64, 128)  # rows of one expert's MLP per moe_glu_down instance
 ALL_REDUCE_TILES = (1024, 4096)  # elements per all-reduce instance
 
-# Graph ops with no rules of their own (``Op.other``): their single-node term and its tile field.
-OTHER_TERMS: dict[str, tuple[str, str | None, tuple[int, ...]]] = {
-    "rope": ("rope_ids", "rows_per", ROW_TILES),  # positions from a tensor
-    "softmax": ("softmax_rows", "rows_per", ROW_TILES),
-    "attention": ("attention_split", "chunk", ATTENTION_CHUNKS),
-    "ragged_attention": ("ragged_split", "chunk", ATTENTION_CHUNKS),
-    "kv_store": ("kv_store_heads", None, ()),
-    "sample": ("sample_rows", None, ()),
-    "argmax": ("argmax_chunks", "chunk", ARGMAX_CHUNKS),
-    "embedding": ("embedding_rows", None, ()),
-    "concat": ("concat_tiles", "tile", ELEMENTWISE_TILES),
-    "cast": ("elementwise_tiles", "tile", ELEMENTWISE_TILES),
-    "matmul": ("matmul_rows", "rows", MATVEC_ROWS),
-    "all_gather": ("all_gather_tiles", "tile", ALL_REDUCE_TILES),
+# Graph ops with no rules of their own (``Op.other``): their terms and the tile field they share.
+OTHER_TERMS: dict[str, tuple[tuple[str, ...], str | None, tuple[int, ...]]] = {
+    "rope": (("rope_ids",), "rows_per", ROW_TILES),  # positions from a tensor
+    "softmax": (("softmax_rows",), "rows_per", ROW_TILES),
+    "attention": (("attention_split", "attention_fold"), "chunk", ATTENTION_CHUNKS),
+    "ragged_attention": (("ragged_split",), "chunk", ATTENTION_CHUNKS),
+    "kv_store": (("kv_store_heads",), None, ()),
+    "sample": (("sample_rows",), None, ()),
+    "argmax": (("argmax_chunks",), "chunk", ARGMAX_CHUNKS),
+    "embedding": (("embedding_rows",), None, ()),
+    "concat": (("concat_tiles",), "tile", ELEMENTWISE_TILES),
+    "cast": (("elementwise_tiles",), "tile", ELEMENTWISE_TILES),
+    "matmul": (("matmul_rows",), "rows", MATVEC_ROWS),
+    "all_gather": (("all_gather_tiles",), "tile", ALL_REDUCE_TILES),
 }
 
 
@@ -73,9 +73,8 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
     yield rule(eq(node(i)).to(Op.all_reduce(x=x, node=i))).then(
         *(union(node(i)).with_(Op.all_reduce_tiles(x=x, xs=NONE, r=NONE, node=i, tile=t)) for t in ALL_REDUCE_TILES)
     )
-    for op, (name, tile, tiles) in OTHER_TERMS.items():
-        make = getattr(Op, name)
-        alts = [make(node=i, **{tile: t}) for t in tiles] if tile else [make(node=i)]
+    for op, (names, tile, tiles) in OTHER_TERMS.items():
+        alts = [getattr(Op, name)(node=i, **({tile: t} if tile else {})) for name in names for t in (tiles or (None,))]
         yield rule(eq(node(i)).to(Op.other(op=op, node=i))).then(*(union(node(i)).with_(t) for t in alts))
 
 

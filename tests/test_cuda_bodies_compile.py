@@ -275,6 +275,12 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
         ("merge_d64", "attn_merge", [Arg((32, 4, 66), f32)], Arg((32, 64), T), {**attn, "chunk": 256, "rows_per": 4}),
         ("merge_d128", "attn_merge", [Arg((32, 32, 130), f32)], Arg((32, 128), T),
          {**attn, "chunk": 64, "rows_per": 4}),
+        ("partial_merge_d64", "attn_partial_merge", [Arg((32, 64), T), Arg((8, 1024, 64), T), Arg((8, 1024, 64), T),
+                                                     Arg((32, 4, 66), f32), Arg((8,), i32)],
+         Arg((32, 64), T), {**attn, "chunk": 256, "group": 4}),
+        ("partial_merge_d128", "attn_partial_merge", [Arg((64, 128), T), Arg((8, 2048, 128), T), Arg((8, 2048, 128), T),
+                                                      Arg((64, 32, 130), f32), Arg((8,), i32)],
+         Arg((64, 128), T), {**attn, "chunk": 64, "group": 8, "scale": 0.08838834764831845}),
     ]
     c["rms_norm"] = [
         ("hidden", "rms_norm", [Arg((1, 2048), T), Arg((2048,), T)], Arg((1, 2048), T), {"rows_per": 1, "eps": 1e-5}),
@@ -556,6 +562,14 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
          {0: _attn_part(64)}),
         ("merge_d128_many", "attn_merge", [Arg((16, 64, 130), f32)], Arg((16, 128), T),
          {**attn, "chunk": 16, "rows_per": 2}, {0: _attn_part(128)}),
+        # the last split of each KV head merges: 3 splits, then 44 (more than a warp's 32)
+        ("partial_merge_d64", "attn_partial_merge", [Arg((32, 64), T), Arg((8, 1024, 64), T), Arg((8, 1024, 64), T),
+                                                     Arg((32, 4, 66), f32), Arg((8,), i32)], Arg((32, 64), T),
+         {**attn, "chunk": 256, "group": 4}, {4: lambda v, gen: v.zero_()}),
+        ("partial_merge_d128_many", "attn_partial_merge", [Arg((16, 128), T), Arg((8, 1024, 128), T),
+                                                           Arg((8, 1024, 128), T), Arg((16, 64, 130), f32),
+                                                           Arg((8,), i32)], Arg((16, 128), T),
+         {**attn, "chunk": 16, "group": 2, "scale": 0.08838834764831845}, {4: lambda v, gen: v.zero_()}),
         ("rms_hidden", "rms_norm", [Arg((1, 2048), T), Arg((2048,), T)], Arg((1, 2048), T),
          {"rows_per": 1, "eps": 1e-5}, {}),
         ("rms_qk", "rms_norm", [Arg((40, 128), T), Arg((128,), T)], Arg((40, 128), T), {"rows_per": 4, "eps": 1e-6}, {}),

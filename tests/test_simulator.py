@@ -83,6 +83,32 @@ def test_simulator_reports_deadlock():
         k.simulate(Schedule(), x=torch.randn(1, 64), k_cache=torch.randn(2, 32, 16), v_cache=torch.randn(2, 32, 16), pos=3)
 
 
+def test_attention_output_waits_for_every_split():
+    """``attn_partial_merge``: the last split of a KV head writes its output, so a reader must wait
+    for every split of the heads it reads; one split short, it must fail."""
+    g = me.Graph("attn")
+    pos = me.sym("pos")
+    q = g.input("q", [8, 16], me.f32)
+    kc, vc = g.input("k_cache", [2, 1024, 16], me.f32), g.input("v_cache", [2, 1024, 16], me.f32)
+    attn = me.attention(q, kc, vc, pos + 1)
+    g.output("y", me.linear(attn.reshape(1, 128), g.weight("wo", [64, 128], me.f32)))
+    k = me.compile(g, {"wo": torch.randn(64, 128)}, backend="sim", max_dims={"pos": 1023})
+    kinds = [e.op.kind for e in k.queue.entries]
+    assert kinds == ["attn_partial_merge", "matvec"]
+    chunk = k.queue.entries[0].op.params["chunk"]
+    args = dict(q=torch.randn(8, 16), k_cache=torch.randn(2, 1024, 16), v_cache=torch.randn(2, 1024, 16))
+    dims = {"pos": 3 * chunk + 5}  # 4 splits a KV head: which one writes depends on the schedule
+    compare(k, g, args, k.weights, dims, 1e-5, SCHEDULES)
+    reader = k.queue.entries[1]
+    assert [w.expected.eval(dims) for w in reader.waits] == [8]  # 2 KV heads x 4 splits
+    early = tuple(dataclasses.replace(w, expected=w.expected - 1) for w in reader.waits)
+    k.queue = dataclasses.replace(k.queue, entries=(k.queue.entries[0], dataclasses.replace(reader, waits=early)))
+    name = k.queue.program.buffers[k.queue.entries[0].op.output.buffer].name
+    with pytest.raises(SimulationError, match=f"read unwritten elements of buffer '{name}'"):
+        for seed in range(10):
+            k.simulate(Schedule(sms=8, seed=seed, adversarial=True), **args, **dims)
+
+
 # --- random graphs ------------------------------------------------------------------------
 S = me.sym("S")
 

@@ -22,6 +22,9 @@
 // [c0*rows_per, min(c0*rows_per + rows_per, Hq)): out[h] = T(num / den), one warp a head.
 // It is latency-bound: the first 16 splits' rows load together with the (max, sum)
 // pairs, in one round trip, before any weight is known.
+//
+// attn_partial_merge<T, D, G>: both in one op (the compiler's choice for decode): the last
+// split of each KV head to finish merges its G query heads, so the merge needs no hand-off.
 #pragma once
 #include "common.cuh"
 
@@ -431,6 +434,32 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
         for (int c = 0; c < DL; ++c)
             if (c * 32 + lane < D) out[h * out_s0 + (c * 32 + lane) * out_s1] = from_f32<T>(num[c] / den);
     }
+}
+
+// attn_partial_merge<T, D, G>: attn_partial, then the last of KV head c0's splits to finish merges
+// its G query heads (attn_merge with rows_per = G): no merge op, and no hand-off to one. The
+// block's partial stores, a block barrier, then thread 0's acq_rel add to the head's arrival
+// counter `arrive[c0]` (in the launch-zeroed counter bank): as the counter protocol's signal, it
+// releases the block's stores, and the instance that sees nsplit - 1 acquires every other
+// split's (docs/barriers.md). Only that instance writes out; the op's own signal follows the body.
+template <class T, int D, int G>
+__device__ __noinline__ void attn_partial_merge(char* smem, const T* q, long long q_s0, long long q_s1,  //
+                                                const T* kc, long long k_s0, long long k_s1, long long k_s2,  //
+                                                const T* vc, long long v_s0, long long v_s1, long long v_s2,  //
+                                                long long L, long long chunk, float scale,                   //
+                                                float* part, long long p_s0, long long p_s1, unsigned* arrive,
+                                                T* out, long long out_s0, long long out_s1, long long c0, long long c1) {
+    __shared__ int last;
+    attn_partial<T, D, G>(smem, q, q_s0, q_s1, kc, k_s0, k_s1, k_s2, vc, v_s0, v_s1, v_s2, L, chunk, scale, part, p_s0,
+                          p_s1, c0, c1);
+    mega_sync();  // every thread's partial stores before thread 0's arrival
+    if (threadIdx.x == 0) {
+        unsigned before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(arrive + c0) : "memory");
+        last = before == (unsigned)((L + chunk - 1) / chunk - 1);
+    }
+    mega_sync();
+    if (last) attn_merge<T, D>(part, p_s0, p_s1, L, chunk, (c0 + 1) * G, G, out, out_s0, out_s1, c0);
 }
 
 // Ragged attention (blockops/ragged_attention.py): row c0 of q attends cache rows [0, pos[c0]] of

@@ -142,6 +142,15 @@ class BlockKind:
     # waits itself, after issuing the loads that need no input (weights): they overlap the
     # hand-off from the previous op. Else the interpreter waits before calling the body.
     waits_in_body: ClassVar[bool] = False
+    # Instances whose write footprints overlap hand the region to the last of them to finish (an
+    # arrival counter in the body, attn_partial_merge): it is ready once all of them have run.
+    last_writer: ClassVar[bool] = False
+
+    def internal_inputs(self, op: "BlockOp") -> tuple[int, ...]:
+        """Inputs only this op's own instances write and read, ordered by its body's protocol (an
+        arrival counter), not by barriers: no other op writes them, so no barrier covers them, and
+        the simulator does not check their reads (the GPU op tests exercise the protocol)."""
+        return ()
 
     def paged_inputs(self, op: "BlockOp") -> tuple[int, ...]:
         """The weight inputs whose rows this op's body can take from the page ring instead of

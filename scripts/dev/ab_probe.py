@@ -73,18 +73,19 @@ def main() -> None:
         err = ((out["logits"].float() - ref["logits"].float()).norm() / ref["logits"].float().norm()).item()
         print(f"{name}: rel err {err:.4f}, next token {out['next_token'].item()} (ref {ref['next_token'].item()})", flush=True)
         kernels[name] = k
-    bufs = {b.id: caches[b.name] for b in g_buffers(kernels) if b.name in caches}
-    bufs.update({b.id: tok for b in g_buffers(kernels) if b.name == "token"})
+    # each kernel's own buffer ids (artifacts of other code may number their buffers differently)
+    bufs = {name: {b.id: caches[b.name] if b.name in caches else tok for b in k.program.buffers
+                   if b.name in caches or b.name == "token"} for name, k in kernels.items()}
     rounds = defaultdict(list)
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     for _ in range(ROUNDS):
         for name, k in kernels.items():
             for _ in range(3):
-                k._runner.launch([CTX], bufs)
+                k._runner.launch([CTX], bufs[name])
             times = []
             for _ in range(20):
                 ev[0].record()
-                k._runner.launch([CTX], bufs)
+                k._runner.launch([CTX], bufs[name])
                 ev[1].record()
                 torch.cuda.synchronize()
                 times.append(ev[0].elapsed_time(ev[1]))
@@ -117,10 +118,6 @@ def main() -> None:
     for n in names:
         total = sum(v for s, v, c in steps[n] if c > 1)
         print(f"  {n}: a layer {total:.1f} us")
-
-
-def g_buffers(kernels):
-    return next(iter(kernels.values())).program.buffers
 
 
 def save(preset: str, path: str) -> None:

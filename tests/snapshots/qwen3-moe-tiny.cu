@@ -77,8 +77,8 @@ struct MegaSlot {
 #define MEGA_BLOCK_THREADS MEGA_THREADS
 #endif
 
-#define MEGA_ENTRIES 25
-#define MEGA_COUNTERS 576
+#define MEGA_ENTRIES 23
+#define MEGA_COUNTERS 640
 #define MEGA_LAUNCHES 1  // distinct launch counts that are runtime expressions
 #define MEGA_CONSTS_AT (3 * MEGA_ENTRIES + (1 + MEGA_LAUNCHES) * (MEGA_ENTRIES + 1))  // table: the constants
 #define MEGA_MAX_RANKS 8  // GPUs of a tensor-parallel group (megaegg/ops.py: MAX_RANKS)
@@ -297,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
         }
       } break;
-      case 2: {  // matvec: op3, op20 (2 entries)
+      case 2: {  // matvec: op3, op18 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9), e10 = __ldg(E + 10), e11 = __ldg(E + 11), e12 = __ldg(E + 12), e13 = __ldg(E + 13);
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(e0); rem /= (unsigned)(e1);
@@ -323,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e13 + (0LL)], 1u);
         }
       } break;
-      case 3: {  // rope: op4, op14 (2 entries)
+      case 3: {  // rope: op4, op13 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4);
         unsigned rem = (unsigned)local;
         const long long c0 = rem;
@@ -345,7 +345,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e4 + ((D__i0 / 2LL))], 1u);
         }
       } break;
-      case 4: {  // rope: op5, op15 (2 entries)
+      case 4: {  // rope: op5, op14 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4);
         unsigned rem = (unsigned)local;
         const long long c0 = rem;
@@ -367,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e4 + (D__i0)], 1u);
         }
       } break;
-      case 5: {  // kv_append: op6, op16 (2 entries)
+      case 5: {  // kv_append: op6, op15 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
         unsigned rem = (unsigned)local;
         const long long c0 = rem;
@@ -387,8 +387,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e3 + (0LL)], 1u);
         }
       } break;
-      case 6: {  // attn_partial: op7, op17 (2 entries)
-        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7);
+      case 6: {  // attn_partial_merge: op7, op16 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         const long long c0 = rem;
@@ -396,43 +396,25 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
         __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e1]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e2]);
-        float* const out = ((float*)(args.arena + e3));
+        float* const in3 = ((float*)(args.arena + e3));
+        int* const in4 = ((int*)(ctr + e4));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e5));
         MegaWaits wl; wl.n = 3;
-        wl.ctr[0] = &ctr[e4 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
-        wl.ctr[1] = &ctr[e5 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
-        wl.ctr[2] = &ctr[e6 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[0] = &ctr[e6 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[e7 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[2] = &ctr[e8 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        attn_partial<__nv_bfloat16, 64, 2>(smem, in0, 64LL, 1LL, in1, 65536LL, 64LL, 1LL, in2, 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, out, 1056LL, 66LL, c0, c1);
+        attn_partial_merge<__nv_bfloat16, 64, 2>(smem, in0, 64LL, 1LL, in1, 65536LL, 64LL, 1LL, in2, 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, (float*)in3, 1056LL, 66LL, (unsigned*)in4, out, 64LL, 1LL, c0, c1);
         mega_sync();
         if (threadIdx.x == 0) {
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[e7 + (D__i0)], 1u);
+          mega_red_release(&ctr[e9 + (0LL)], 1u);
         }
       } break;
-      case 7: {  // attn_merge: op8, op18 (2 entries)
-        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
-        unsigned rem = (unsigned)local;
-        const long long c0 = rem;
-        const long long D__i0 = c0; (void)D__i0;
-        float* const in0 = ((float*)(args.arena + e0));
-        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e1));
-        MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[e2 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
-        if (!mega_wait_all(wl)) break;
-        MEGA_TRACE_WAITS_PASSED();
-        attn_merge<__nv_bfloat16, 64>(in0, 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, out, 64LL, 1LL, c0);
-        mega_sync();
-        if (threadIdx.x == 0) {
-#if MEGA_SIGNAL_FENCE
-          __threadfence();
-#endif
-          mega_red_release(&ctr[e3 + (0LL)], 1u);
-        }
-      } break;
-      case 8: {  // matvec: op9 (1 entries)
+      case 7: {  // matvec: op8 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(32LL); rem /= (unsigned)(32LL);
         const long long c0 = rem;
@@ -445,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_prefetch_l2((const char*)args.ptr[11] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 2;
-        wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[0] = &ctr[13 + (0LL)]; wl.expected[0] = (unsigned)((((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
         wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
         matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
@@ -455,10 +437,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[16 + (0LL)], 1u);
+          mega_red_release(&ctr[14 + (0LL)], 1u);
         }
       } break;
-      case 9: {  // glu_down: op10 (1 entries)
+      case 8: {  // glu_down: op9 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(64LL); rem /= (unsigned)(64LL);
         const long long c0 = rem;
@@ -468,13 +450,13 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[13]);
         __nv_bfloat16* const in3 = ((__nv_bfloat16*)args.ptr[14]);
         __nv_bfloat16* const in4 = ((__nv_bfloat16*)args.ptr[15]);
-        float* const out = ((float*)(ctr + 64));
+        float* const out = ((float*)(ctr + 96));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[13] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
           mega_prefetch_l2((const char*)args.ptr[14] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[16 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
+        wl.ctr[0] = &ctr[14 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
         glu_down<__nv_bfloat16, 256, 256, 8, true, false>(/*smem*/ smem, /*x*/ in0, /*x_s1*/ 1LL, /*g*/ in1, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in2, /*w_s0*/ 256LL, /*w2*/ in3, /*w2_s0*/ 256LL, /*wd*/ in4, /*wd_s0*/ 256LL, /*acc*/ out, /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl, /*scale*/ 1.0f);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -483,10 +465,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[17 + (0LL)], 1u);
+          mega_red_release(&ctr[15 + (0LL)], 1u);
         }
       } break;
-      case 10: {  // matvec: op11, op12 (2 entries)
+      case 9: {  // matvec: op10, op11 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(e0); rem /= (unsigned)(e1);
@@ -495,13 +477,13 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
         __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e2]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[17]);
-        float* const in3 = ((float*)(ctr + 64));
+        float* const in3 = ((float*)(ctr + 96));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e3));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[e4] + c1 * 4096LL, (min_i64(e5 - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -513,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
         }
       } break;
-      case 11: {  // matvec: op13 (1 entries)
+      case 10: {  // matvec: op12 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(16LL); rem /= (unsigned)(16LL);
         const long long c0 = rem;
@@ -521,13 +503,13 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
         __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[19]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[17]);
-        float* const in3 = ((float*)(ctr + 64));
+        float* const in3 = ((float*)(ctr + 96));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 20736));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[19] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -536,10 +518,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[24 + (0LL)], 1u);
+          mega_red_release(&ctr[22 + (0LL)], 1u);
         }
       } break;
-      case 12: {  // matvec: op19 (1 entries)
+      case 11: {  // matvec: op17 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(32LL); rem /= (unsigned)(32LL);
         const long long c0 = rem;
@@ -547,14 +529,14 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 21504));
         __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[24]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)(args.arena + 19456));
-        float* const in3 = ((float*)(ctr + 64));
+        float* const in3 = ((float*)(ctr + 96));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 38912));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[24] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 2;
-        wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
-        wl.ctr[1] = &ctr[17 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
+        wl.ctr[0] = &ctr[28 + (0LL)]; wl.expected[0] = (unsigned)((((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
+        wl.ctr[1] = &ctr[15 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (in3 + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -563,10 +545,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[33 + (0LL)], 1u);
+          mega_red_release(&ctr[29 + (0LL)], 1u);
         }
       } break;
-      case 13: {  // moe_glu_down: op21 (1 entries)
+      case 12: {  // moe_glu_down: op19 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(16LL); rem /= (unsigned)(16LL);
         const long long c0 = rem;
@@ -577,9 +559,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in3 = ((__nv_bfloat16*)args.ptr[27]);
         __nv_bfloat16* const in4 = ((__nv_bfloat16*)args.ptr[28]);
         __nv_bfloat16* const in5 = ((__nv_bfloat16*)args.ptr[29]);
-        float* const out = ((float*)(ctr + 320));
+        float* const out = ((float*)(ctr + 384));
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[34 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
+        wl.ctr[0] = &ctr[30 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
         moe_glu_down<__nv_bfloat16, __nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ in0, /*x_s1*/ 1LL, /*g*/ in1, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*logits*/ in2, /*logits_s1*/ 1LL, /*E*/ 7, /*top_k*/ 3, /*normalize*/ true, /*slot*/ c0, /*w*/ in3, /*w_se*/ 32768LL, /*w_s0*/ 256LL, /*w2*/ in4, /*w2_se*/ 32768LL, /*w2_s0*/ 256LL, /*wd*/ in5, /*wd_se*/ 32768LL, /*wd_s0*/ 256LL, /*acc*/ out, /*F*/ 128LL, /*n_tile*/ c1);
@@ -588,19 +570,19 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[35 + (0LL)], 1u);
+          mega_red_release(&ctr[31 + (0LL)], 1u);
         }
       } break;
-      case 14: {  // acc_residual: op22 (1 entries)
+      case 13: {  // acc_residual: op20 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(1LL); rem /= (unsigned)(1LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 38912));
-        float* const in1 = ((float*)(ctr + 320));
+        float* const in1 = ((float*)(ctr + 384));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 39680));
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[35 + (0LL)]; wl.expected[0] = (unsigned)(48LL);
+        wl.ctr[0] = &ctr[31 + (0LL)]; wl.expected[0] = (unsigned)(48LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
         acc_residual<__nv_bfloat16>(in0, 1LL, in1, out, 1LL, 256LL, 1024LL, c1);
@@ -609,10 +591,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[36 + (0LL)], 1u);
+          mega_red_release(&ctr[32 + (0LL)], 1u);
         }
       } break;
-      case 15: {  // matvec_argmax: op23 (1 entries)
+      case 14: {  // matvec_argmax: op21 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(128LL); rem /= (unsigned)(128LL);
         const long long c0 = rem;
@@ -625,7 +607,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_prefetch_l2((const char*)args.ptr[30] + c1 * 4096LL, (min_i64(1024LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[36 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
+        wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
         matvec_argmax<__nv_bfloat16, 256, 8, true, false>(smem, in0, 256LL, 1LL, in2, 1LL, 1e-06f, in1, 256LL, 1LL, out, 2LL, 1024LL, c1);
@@ -634,17 +616,17 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[37 + (0LL)], 1u);
+          mega_red_release(&ctr[33 + (0LL)], 1u);
         }
       } break;
-      case 16: {  // argmax_reduce: op24 (1 entries)
+      case 15: {  // argmax_reduce: op22 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         float* const in0 = ((float*)(args.arena + 40192));
         int* const out = ((int*)(args.arena + 41216));
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[37 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
+        wl.ctr[0] = &ctr[33 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
         argmax_reduce(smem, in0, 256LL, 2LL, 128LL, out, 1LL, c0);

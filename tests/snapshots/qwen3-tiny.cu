@@ -76,8 +76,8 @@ struct MegaSlot {
 #define MEGA_BLOCK_THREADS MEGA_THREADS
 #endif
 
-#define MEGA_ENTRIES 24
-#define MEGA_COUNTERS 576
+#define MEGA_ENTRIES 22
+#define MEGA_COUNTERS 640
 #define MEGA_LAUNCHES 1  // distinct launch counts that are runtime expressions
 #define MEGA_CONSTS_AT (3 * MEGA_ENTRIES + (1 + MEGA_LAUNCHES) * (MEGA_ENTRIES + 1))  // table: the constants
 #define MEGA_MAX_RANKS 8  // GPUs of a tensor-parallel group (megaegg/ops.py: MAX_RANKS)
@@ -321,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[7 + (0LL)], 1u);
         }
       } break;
-      case 3: {  // rope: op4, op14 (2 entries)
+      case 3: {  // rope: op4, op13 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4);
         unsigned rem = (unsigned)local;
         const long long c0 = rem;
@@ -343,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e4 + ((D__i0 / 2LL))], 1u);
         }
       } break;
-      case 4: {  // rope: op5, op15 (2 entries)
+      case 4: {  // rope: op5, op14 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4);
         unsigned rem = (unsigned)local;
         const long long c0 = rem;
@@ -365,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e4 + (D__i0)], 1u);
         }
       } break;
-      case 5: {  // kv_append: op6, op16 (2 entries)
+      case 5: {  // kv_append: op6, op15 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
         unsigned rem = (unsigned)local;
         const long long c0 = rem;
@@ -385,8 +385,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e3 + (0LL)], 1u);
         }
       } break;
-      case 6: {  // attn_partial: op7, op17 (2 entries)
-        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7);
+      case 6: {  // attn_partial_merge: op7, op16 (2 entries)
+        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL))); rem /= (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
         const long long c0 = rem;
@@ -394,43 +394,25 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + e0));
         __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e1]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[e2]);
-        float* const out = ((float*)(args.arena + e3));
+        float* const in3 = ((float*)(args.arena + e3));
+        int* const in4 = ((int*)(ctr + e4));
+        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e5));
         MegaWaits wl; wl.n = 3;
-        wl.ctr[0] = &ctr[e4 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
-        wl.ctr[1] = &ctr[e5 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
-        wl.ctr[2] = &ctr[e6 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[0] = &ctr[e6 + (D__i0)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[1] = &ctr[e7 + (D__i0)]; wl.expected[1] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
+        wl.ctr[2] = &ctr[e8 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        attn_partial<__nv_bfloat16, 64, 2>(smem, in0, 64LL, 1LL, in1, 65536LL, 64LL, 1LL, in2, 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, out, 1056LL, 66LL, c0, c1);
+        attn_partial_merge<__nv_bfloat16, 64, 2>(smem, in0, 64LL, 1LL, in1, 65536LL, 64LL, 1LL, in2, 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, (float*)in3, 1056LL, 66LL, (unsigned*)in4, out, 64LL, 1LL, c0, c1);
         mega_sync();
         if (threadIdx.x == 0) {
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[e7 + (D__i0)], 1u);
+          mega_red_release(&ctr[e9 + (0LL)], 1u);
         }
       } break;
-      case 7: {  // attn_merge: op8, op18 (2 entries)
-        const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3);
-        unsigned rem = (unsigned)local;
-        const long long c0 = rem;
-        const long long D__i0 = c0; (void)D__i0;
-        float* const in0 = ((float*)(args.arena + e0));
-        __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e1));
-        MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[e2 + (D__i0)]; wl.expected[0] = (unsigned)(((((D_pos + 1LL)) + (64LL) - 1) / (64LL)));
-        if (!mega_wait_all(wl)) break;
-        MEGA_TRACE_WAITS_PASSED();
-        attn_merge<__nv_bfloat16, 64>(in0, 1056LL, 66LL, (D_pos + 1LL), 64LL, 4LL, 2, out, 64LL, 1LL, c0);
-        mega_sync();
-        if (threadIdx.x == 0) {
-#if MEGA_SIGNAL_FENCE
-          __threadfence();
-#endif
-          mega_red_release(&ctr[e3 + (0LL)], 1u);
-        }
-      } break;
-      case 8: {  // matvec: op9 (1 entries)
+      case 7: {  // matvec: op8 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(32LL); rem /= (unsigned)(32LL);
         const long long c0 = rem;
@@ -443,7 +425,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_prefetch_l2((const char*)args.ptr[11] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 2;
-        wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
+        wl.ctr[0] = &ctr[13 + (0LL)]; wl.expected[0] = (unsigned)((((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
         wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
         matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
@@ -453,10 +435,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[16 + (0LL)], 1u);
+          mega_red_release(&ctr[14 + (0LL)], 1u);
         }
       } break;
-      case 9: {  // glu_down: op10, op20 (2 entries)
+      case 8: {  // glu_down: op9, op18 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(64LL); rem /= (unsigned)(64LL);
@@ -485,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e9 + (0LL)], 1u);
         }
       } break;
-      case 10: {  // matvec: op11, op12 (2 entries)
+      case 9: {  // matvec: op10, op11 (2 entries)
         const long long e0 = __ldg(E + 0), e1 = __ldg(E + 1), e2 = __ldg(E + 2), e3 = __ldg(E + 3), e4 = __ldg(E + 4), e5 = __ldg(E + 5), e6 = __ldg(E + 6), e7 = __ldg(E + 7), e8 = __ldg(E + 8), e9 = __ldg(E + 9);
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(e0); rem /= (unsigned)(e1);
@@ -494,13 +476,13 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
         __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[e2]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[17]);
-        float* const in3 = ((float*)(ctr + 64));
+        float* const in3 = ((float*)(ctr + 96));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + e3));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[e4] + c1 * 4096LL, (min_i64(e5 - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -512,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
         }
       } break;
-      case 11: {  // matvec: op13 (1 entries)
+      case 10: {  // matvec: op12 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(16LL); rem /= (unsigned)(16LL);
         const long long c0 = rem;
@@ -520,13 +502,13 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 19456));
         __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[19]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)args.ptr[17]);
-        float* const in3 = ((float*)(ctr + 64));
+        float* const in3 = ((float*)(ctr + 96));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 20736));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[19] + c1 * 4096LL, (min_i64(128LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[17 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-06f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -535,10 +517,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[24 + (0LL)], 1u);
+          mega_red_release(&ctr[22 + (0LL)], 1u);
         }
       } break;
-      case 12: {  // matvec: op19 (1 entries)
+      case 11: {  // matvec: op17 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(32LL); rem /= (unsigned)(32LL);
         const long long c0 = rem;
@@ -546,14 +528,14 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 21504));
         __nv_bfloat16* const in1 = ((__nv_bfloat16*)args.ptr[24]);
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)(args.arena + 19456));
-        float* const in3 = ((float*)(ctr + 64));
+        float* const in3 = ((float*)(ctr + 96));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 38912));
         if (threadIdx.x == 0) {
           mega_prefetch_l2((const char*)args.ptr[24] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 2;
-        wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(2LL);
-        wl.ctr[1] = &ctr[17 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
+        wl.ctr[0] = &ctr[28 + (0LL)]; wl.expected[0] = (unsigned)((((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
+        wl.ctr[1] = &ctr[15 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
         matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true, false>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (in3 + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -562,19 +544,19 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[33 + (0LL)], 1u);
+          mega_red_release(&ctr[29 + (0LL)], 1u);
         }
       } break;
-      case 13: {  // acc_residual: op21 (1 entries)
+      case 12: {  // acc_residual: op19 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(1LL); rem /= (unsigned)(1LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 38912));
-        float* const in1 = ((float*)(ctr + 320));
+        float* const in1 = ((float*)(ctr + 384));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 39424));
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[34 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
+        wl.ctr[0] = &ctr[30 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
         acc_residual<__nv_bfloat16>(in0, 1LL, in1, out, 1LL, 256LL, 1024LL, c1);
@@ -583,10 +565,10 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[35 + (0LL)], 1u);
+          mega_red_release(&ctr[31 + (0LL)], 1u);
         }
       } break;
-      case 14: {  // matvec_argmax: op22 (1 entries)
+      case 13: {  // matvec_argmax: op20 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c1 = rem % (unsigned)(128LL); rem /= (unsigned)(128LL);
         const long long c0 = rem;
@@ -599,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
           mega_prefetch_l2((const char*)args.ptr[29] + c1 * 4096LL, (min_i64(1024LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[35 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
+        wl.ctr[0] = &ctr[31 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
         matvec_argmax<__nv_bfloat16, 256, 8, true, false>(smem, in0, 256LL, 1LL, in2, 1LL, 1e-06f, in1, 256LL, 1LL, out, 2LL, 1024LL, c1);
@@ -608,17 +590,17 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
 #if MEGA_SIGNAL_FENCE
           __threadfence();
 #endif
-          mega_red_release(&ctr[36 + (0LL)], 1u);
+          mega_red_release(&ctr[32 + (0LL)], 1u);
         }
       } break;
-      case 15: {  // argmax_reduce: op23 (1 entries)
+      case 14: {  // argmax_reduce: op21 (1 entries)
         unsigned rem = (unsigned)local;
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0;
         float* const in0 = ((float*)(args.arena + 39936));
         int* const out = ((int*)(args.arena + 40960));
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[36 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
+        wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
         argmax_reduce(smem, in0, 256LL, 2LL, 128LL, out, 1LL, c0);
