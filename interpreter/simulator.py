@@ -96,11 +96,18 @@ class Simulation:
             n = e.launch.eval(env)
             self.instances += [(k, i) for i in range(max(0, n))]
         self.adders: dict[int, torch.Tensor] = {}  # accum buffer -> instances yet to add into each element
+        outputs = {e.op.output.buffer for e in queue.entries}
+        for e in queue.entries:  # an op's own working buffers: nothing else may write them
+            for j in REGISTRY[e.op.kind].internal_inputs(e.op):
+                b = queue.program.buffers[e.op.inputs[j].buffer]
+                if b.id in outputs or b.kind not in ("scratch", "accum"):
+                    raise SimulationError(f"op{e.op.id} {e.op.kind}: internal input {b.name!r} is written by an op "
+                                          f"or is not a scratch / accum buffer")
         for k, i in self.instances:  # elements written in place this launch are not ready yet
             op = queue.entries[k].op
             kind = queue.program.buffers[op.output.buffer].kind
             idx = self.elements(op.output, op.writes, self.coords(k, i))
-            if kind == "accum" or REGISTRY[op.kind].last_writer:
+            if self.shared_write(op):
                 pending = self.adders.setdefault(op.output.buffer, torch.zeros_like(self.ready[op.output.buffer], dtype=torch.int64))
                 pending[idx] += 1
             if kind not in fresh:
@@ -110,6 +117,11 @@ class Simulation:
         # buffers written during the launch: only their reads need checking
         self.tracked = {b.id for b in queue.program.buffers if b.kind in fresh}
         self.tracked |= {e.op.output.buffer for e in queue.entries}
+
+    def shared_write(self, op) -> bool:
+        """Whether ``op``'s instances share output elements that are ready once all of them ran: an
+        ``accum`` sum, or a ``last_writer`` op's output."""
+        return self.q.program.buffers[op.output.buffer].kind == "accum" or REGISTRY[op.kind].last_writer
 
     # --- addressing ------------------------------------------------------------------
     def coords(self, k: int, i: int) -> dict[str, int]:
@@ -165,7 +177,7 @@ class Simulation:
                 name = self.q.program.buffers[o.buffer].name
                 raise SimulationError(f"{where} read unwritten elements of buffer {name!r}: a barrier let it in early")
         out_idx = self.elements(op.output, op.writes, env)
-        pending = self.adders.get(op.output.buffer)
+        pending = self.adders.get(op.output.buffer) if self.shared_write(op) else None
         if pending is None and bool(self.written[op.output.buffer][out_idx].any()):
             raise SimulationError(f"{where} writes elements another instance already wrote in this launch")
         ins = [self.view(o, env, (bases or {}).get(j)) for j, o in enumerate(op.inputs)]

@@ -74,7 +74,10 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
         *(union(node(i)).with_(Op.all_reduce_tiles(x=x, xs=NONE, r=NONE, node=i, tile=t)) for t in ALL_REDUCE_TILES)
     )
     for op, (names, tile, tiles) in OTHER_TERMS.items():
-        alts = [getattr(Op, name)(node=i, **({tile: t} if tile else {})) for name in names for t in (tiles or (None,))]
+        alts = []
+        for name in names:
+            make = getattr(Op, name)
+            alts += [make(node=i, **{tile: t}) for t in tiles] if tile else [make(node=i)]
         yield rule(eq(node(i)).to(Op.other(op=op, node=i))).then(*(union(node(i)).with_(t) for t in alts))
 
 

@@ -18,11 +18,13 @@ def signature(fn: str, cuh: str) -> list[str]:
     return [re.findall(r"\w+", p)[-1] for p in params]
 
 
-BODIES = (("matvec", "matvec.cuh"), ("glu_down", "glu_down.cuh"), ("moe_glu_down", "moe.cuh"))
+BODIES = (("matvec", "matvec.cuh"), ("glu_down", "glu_down.cuh"), ("moe_glu_down", "moe.cuh"),
+          ("attn_partial_merge", "attention.cuh"))
+ATTN = "attn_partial_merge"
 
 
-@pytest.mark.parametrize("preset,bodies", [("tiny", {"matvec", "glu_down"}), ("qwen3-0.6b", {"matvec", "glu_down"}),
-                                           ("qwen3-moe-tiny", {"matvec", "glu_down", "moe_glu_down"})])
+@pytest.mark.parametrize("preset,bodies", [("tiny", {"matvec", "glu_down", ATTN}), ("qwen3-0.6b", {"matvec", "glu_down", ATTN}),
+                                           ("qwen3-moe-tiny", {"matvec", "glu_down", "moe_glu_down", ATTN})])
 def test_labelled_calls_match_the_body_signatures(preset, bodies):
     graph, _ = build_decode_graph(ModelConfig.preset(preset), max_len=256, logits=False)
     source = build_artifact(graph, max_dims={"pos": 255}, compile_cuda=False).source

@@ -459,6 +459,7 @@ __device__ __noinline__ void attn_partial_merge(char* smem, const T* q, long lon
         last = before == (unsigned)((L + chunk - 1) / chunk - 1);
     }
     mega_sync();
+    // (c0 + 1) * G: the merge's bound on query heads, never reached (the head's G query heads exist)
     if (last) attn_merge<T, D>(part, p_s0, p_s1, L, chunk, (c0 + 1) * G, G, out, out_s0, out_s1, c0);
 }
 

@@ -33,7 +33,7 @@
 //   loads are issued before the wait, so up to 128 KB per SM stream in during the hand-off;
 // - fp32 accumulation, warp-shuffle reduction, lanes 0.. write the group's outputs.
 //
-// Shared memory: [red: MEGA_WARPS*M f32][rt: M*ROWS f32 residual tile][xs: M*K of f32 or T],
+// Shared memory: [red: MEGA_WARPS*M f32][xs: M*K of f32 or T][rt: M*ROWS f32 residual tile],
 // all below the top MEGA_SMEM_RESERVED bytes (never touched here: matvec_to_tile's output).
 // Tried and dropped (docs/perf-notes.md #7, #10): a per-thread cp.async ring and a TMA
 // bulk-copy ring into shared memory, both slower than loads into registers.
@@ -541,7 +541,7 @@ __device__ __forceinline__ bool run_paged(char* smem, const T* x, long long x_s0
     using PF = PlanFor<T, 1, K, ROWS, GLU, NORM>;
     using P = typename PF::type;
     using XS = typename P::XS;
-    constexpr int NW = GLU ? 2 : 1;
+    constexpr int NW = P::NW;
     static_assert(PF::HEAD + K * (int)sizeof(XS) + NW * MEGA_WARPS * ROWS * 4 <= PF::BODY_SMEM,
                   "matvec (paged): x and the partial sums do not fit in shared memory");
     float* red = P::red(smem);
@@ -817,8 +817,8 @@ __host__ __device__ constexpr bool use_mma() {
     return M % 8 == 0 && K % 32 == 0 && !SUMS && MmaKind<T>::ok;
 }
 
-// The register body and its generic fallback, for any tile height of code shape P: one copy per
-// shape, however many tile heights use it.
+// The register body and its generic fallback, for tiles of code shape P: one copy per shape, however
+// many tile heights use it. `rows` must be a height PlanFor was given for P (its shared memory bound).
 template <class P, class T, int M, int K, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS>
 __device__ __noinline__ void matvec_regs(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                          const T* g, long long g_s0, float eps,                    //
@@ -849,7 +849,7 @@ __device__ __noinline__ void matvec_regs(char* smem, const T* x, long long x_s0,
 
 // The bodies whose code depends on the tile height: the paged one and the tensor-core one.
 template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS, bool PAGED>
-__device__ __noinline__ void matvec_tile(char* smem, const T* x, long long x_s0, long long x_s1,  //
+__device__ __noinline__ void matvec_fixed_rows(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                          const T* g, long long g_s0, float eps,                    //
                                          const T* w, long long w_s0, long long w_s1,               //
                                          const T* w2, long long w2_s0, long long w2_s1,            //
@@ -901,7 +901,7 @@ __device__ __forceinline__ void matvec(char* smem, const T* x, long long x_s0, l
                                        long long mvalid, const MegaWaits wl) {
     static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
     if constexpr (PAGED || matvec_impl::use_mma<T, M, K, SUMS>())
-        matvec_impl::matvec_tile<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS, PAGED>(
+        matvec_impl::matvec_fixed_rows<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS, PAGED>(
             smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, xa, xa_s0, xa_s1, ra, ra_s0,
             ra_s1, out, out_s0, out_s1, N, n_tile, mvalid, wl);
     else

@@ -16,8 +16,56 @@ import torch
 from ..dims import as_dim, ceildiv
 from ..dtypes import f32 as F32
 from ..dtypes import i32 as I32
-from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
+from .base import BlockKind, Partition, Term, c_call, dimc, f32, fields, register, term
 from .footprint import Full, Span, Tile
+
+
+def kv_reads(params) -> tuple:
+    """The K (and V) cache rows split ``(h, s)`` reads: KV head ``h``, rows ``[s*chunk, ...)`` below ``length``."""
+    return (Tile(0, 1), Tile(1, params["chunk"], stop=params["length"]), Full())
+
+
+def split_grid(kc, params) -> tuple:
+    """``(Hkv, ceil(length / chunk))``: one instance per KV head and split."""
+    return (kc.shape[0], ceildiv(params["length"], params["chunk"]))
+
+
+def partial(q, kc, vc, params, h: int, s: int, length: int):
+    """Split ``s`` of KV head ``h`` for its ``group`` query heads, f32: the unnormalised output
+    ``[G, D]``, the max score and the sum of exponentials ``[G]`` (what ``attn_partial`` stores)."""
+    g, c = params["group"], params["chunk"]
+    p0, p1 = s * c, min(s * c + c, length)
+    qh, k, v = f32(q[h * g : (h + 1) * g]), f32(kc[h, p0:p1]), f32(vc[h, p0:p1])
+    scores = qh @ k.T * params["scale"]  # [G, C]
+    m = scores.max(-1).values
+    e = torch.exp(scores - m[:, None])
+    return e @ v, m, e.sum(-1)
+
+
+def merge(part: torch.Tensor) -> torch.Tensor:
+    """``[R, S, D + 2]`` partials (output, max, sum) of ``R`` query heads -> their f32 outputs ``[R, D]``."""
+    d = part.shape[-1] - 2
+    m = part[:, :, d]
+    wgt = torch.exp(m - m.max(-1, keepdim=True).values)  # [R, S]
+    num = (part[:, :, :d] * wgt[:, :, None]).sum(1)
+    return num / (part[:, :, d + 1] * wgt).sum(1)[:, None]
+
+
+def partial_args(op, q, kc, vc) -> list[tuple[str, str]]:
+    """The labelled arguments ``attn_partial`` and ``attn_partial_merge`` share, up to the partials."""
+    p = op.params
+    return [("smem", "smem"), ("q", q.ptr), ("q_s0", q.strides[0]), ("q_s1", q.strides[1]),
+            ("kc", kc.ptr), *zip(("k_s0", "k_s1", "k_s2"), kc.strides), ("vc", vc.ptr),
+            *zip(("v_s0", "v_s1", "v_s2"), vc.strides), ("L", p["length"].to_c(dimc)), ("chunk", f"{p['chunk']}LL"),
+            ("scale", f"{float(p['scale'])!r}f")]
+
+
+def attention_bytes(hq: int, hkv: int, d: int, item: int, length: int, chunk: int, *, splits: bool, merges: bool) -> int:
+    """Bytes the split part (q, the KV rows below ``length``, the partials written) and the merge part
+    (the partials read, the output) move, for the cost model."""
+    partials = hq * -(-length // chunk) * (d + 2) * 4
+    split = hq * d * item + 2 * hkv * length * d * item + partials
+    return (split if splits else 0) + (partials + hq * d * item if merges else 0)
 
 
 @register
@@ -27,45 +75,28 @@ class AttnPartial(BlockKind):
 
     def build(self, inputs, output, params) -> Partition:
         q, kc, _ = inputs
-        g, c, length = params["group"], params["chunk"], params["length"]
-        kv = (Tile(0, 1), Tile(1, c, stop=length), Full())
-        return Partition(
-            grid=(kc.shape[0], ceildiv(length, c)),
-            reads=((Tile(0, g), Full()), kv, kv),
-            writes=(Tile(0, g), Tile(1, 1), Full()),
-        )
+        kv = kv_reads(params)
+        return Partition(grid=split_grid(kc, params), reads=((Tile(0, params["group"]), Full()), kv, kv),
+                         writes=(Tile(0, params["group"]), Tile(1, 1), Full()))
 
     def cpu(self, op, env, ins, out):
-        q, kc, vc = ins
-        p = op.params
-        h, s = env["_i0"], env["_i1"]
-        length = p["length"].eval(env)
-        p0, p1 = s * p["chunk"], min(s * p["chunk"] + p["chunk"], length)
-        qh = f32(q[h * p["group"] : (h + 1) * p["group"]])  # [G, D]
-        k, v = f32(kc[h, p0:p1]), f32(vc[h, p0:p1])  # [C, D]
-        scores = qh @ k.T * p["scale"]  # [G, C]
-        m = scores.max(-1).values
-        e = torch.exp(scores - m[:, None])
-        d = q.shape[1]
-        rows = slice(h * p["group"], (h + 1) * p["group"])
-        out[rows, s, :d] = e @ v
-        out[rows, s, d] = m
-        out[rows, s, d + 1] = e.sum(-1)
+        h, s, g = env["_i0"], env["_i1"], op.params["group"]
+        num, m, l = partial(*ins, op.params, h, s, op.params["length"].eval(env))
+        d = num.shape[1]
+        rows = slice(h * g, (h + 1) * g)
+        out[rows, s, :d], out[rows, s, d], out[rows, s, d + 1] = num, m, l
 
     def cuda_call(self, op, ins, out):
         q, kc, vc = ins
-        p = op.params
-        hq, d = (x.value for x in op.inputs[0].shape)
-        args = [
-            "smem",
-            q.ptr, *q.strides[:2],
-            kc.ptr, *kc.strides[:3],
-            vc.ptr, *vc.strides[:3],
-            p["length"].to_c(dimc), f"{p['chunk']}LL", f"{float(p['scale'])!r}f",
-            out.ptr, out.strides[0], out.strides[1],
-            "c0", "c1",
-        ]
-        return f"attn_partial<{q.ctype}, {d}, {p['group']}>({', '.join(args)})"
+        d = op.inputs[0].shape[1].value
+        args = [*partial_args(op, q, kc, vc), ("part", out.ptr), ("p_s0", out.strides[0]), ("p_s1", out.strides[1]),
+                ("c0", "c0"), ("c1", "c1")]
+        return c_call("attn_partial", [q.ctype, d, op.params["group"]], args)
+
+    def bytes_moved(self, op, env):
+        (hq, d), hkv = (x.value for x in op.inputs[0].shape), op.inputs[1].shape[0].value
+        return attention_bytes(hq, hkv, d, op.inputs[0].dtype.itemsize, op.params["length"].eval(env),
+                               op.params["chunk"], splits=True, merges=False)
 
 
 @register
@@ -86,14 +117,7 @@ class AttnMerge(BlockKind):
         p = op.params
         r0 = env["_i0"] * p["rows_per"]
         nsplit = ceildiv(p["length"], p["chunk"]).eval(env)
-        part = ins[0][r0 : r0 + p["rows_per"], :nsplit]  # [R, S, D+2]
-        d = out.shape[1]
-        m = part[:, :, d]
-        big = m.max(-1, keepdim=True).values
-        wgt = torch.exp(m - big)  # [R, S]
-        num = (part[:, :, :d] * wgt[:, :, None]).sum(1)
-        den = (part[:, :, d + 1] * wgt).sum(1)
-        out[r0 : r0 + p["rows_per"]] = (num / den[:, None]).to(out.dtype)
+        out[r0 : r0 + p["rows_per"]] = merge(ins[0][r0 : r0 + p["rows_per"], :nsplit]).to(out.dtype)
 
     def cuda_call(self, op, ins, out):
         part = ins[0]
@@ -106,6 +130,11 @@ class AttnMerge(BlockKind):
             "c0",
         ]
         return f"attn_merge<{out.ctype}, {d}>({', '.join(args)})"
+
+    def bytes_moved(self, op, env):
+        hq, d = (x.value for x in op.output.shape)
+        return attention_bytes(hq, 0, d, op.output.dtype.itemsize, op.params["length"].eval(env), op.params["chunk"],
+                               splits=False, merges=True)
 
 
 @register
@@ -122,48 +151,43 @@ class AttnPartialMerge(BlockKind):
         return (3, 4)
 
     def build(self, inputs, output, params) -> Partition:
-        q, kc = inputs[0], inputs[1]
-        g, c, length = params["group"], params["chunk"], params["length"]
-        kv = (Tile(0, 1), Tile(1, c, stop=length), Full())
-        return Partition(
-            grid=(kc.shape[0], ceildiv(length, c)),
-            reads=((Tile(0, g), Full()), kv, kv, (Tile(0, g), Full(), Full()), (Tile(0, 1),)),
-            writes=(Tile(0, g), Full()),
-        )
+        g, kv = params["group"], kv_reads(params)
+        return Partition(grid=split_grid(inputs[1], params),
+                         reads=((Tile(0, g), Full()), kv, kv, (Tile(0, g), Full(), Full()), (Tile(0, 1),)),
+                         writes=(Tile(0, g), Full()))
 
     def cpu(self, op, env, ins, out):
-        # every split computes the head's result (the simulator lets readers in once all have run)
-        q, kc, vc = ins[:3]
-        p = op.params
-        h, g, length = env["_i0"], p["group"], p["length"].eval(env)
-        rows = slice(h * g, (h + 1) * g)
-        qh, k, v = f32(q[rows]), f32(kc[h, :length]), f32(vc[h, :length])
-        out[rows] = (torch.softmax(qh @ k.T * p["scale"], -1) @ v).to(out.dtype)
+        # every split computes its KV head's result, as partials then their merge (the simulator
+        # lets readers in once all the head's splits have run)
+        p, h = op.params, env["_i0"]
+        length = p["length"].eval(env)
+        parts = [partial(*ins[:3], p, h, s, length) for s in range(-(-length // p["chunk"]))]
+        part = torch.stack([torch.cat([num, m[:, None], l[:, None]], 1) for num, m, l in parts], 1)  # [G, S, D+2]
+        out[h * p["group"] : (h + 1) * p["group"]] = merge(part).to(out.dtype)
 
     def cuda_call(self, op, ins, out):
         q, kc, vc, part, arrive = ins
-        p = op.params
         d = op.inputs[0].shape[1].value
-        args = [
-            "smem",
-            q.ptr, *q.strides[:2],
-            kc.ptr, *kc.strides[:3],
-            vc.ptr, *vc.strides[:3],
-            p["length"].to_c(dimc), f"{p['chunk']}LL", f"{float(p['scale'])!r}f",
-            f"(float*){part.ptr}", part.strides[0], part.strides[1], f"(unsigned*){arrive.ptr}",
-            out.ptr, out.strides[0], out.strides[1],
-            "c0", "c1",
-        ]
-        return f"attn_partial_merge<{q.ctype}, {d}, {p['group']}>({', '.join(args)})"
+        args = [*partial_args(op, q, kc, vc), ("part", f"(float*){part.ptr}"), ("p_s0", part.strides[0]),
+                ("p_s1", part.strides[1]), ("arrive", f"(unsigned*){arrive.ptr}"), ("out", out.ptr),
+                ("out_s0", out.strides[0]), ("out_s1", out.strides[1]), ("c0", "c0"), ("c1", "c1")]
+        return c_call("attn_partial_merge", [q.ctype, d, op.params["group"]], args)
 
     def bytes_moved(self, op, env):
-        q, kc, vc, part, _ = op.inputs
-        length = op.params["length"].eval(env)
-        hkv, d = kc.shape[0].value, kc.shape[2].value
-        kv = 2 * hkv * length * d * kc.dtype.itemsize
-        hq = q.shape[0].value
-        partials = 2 * hq * -(-length // op.params["chunk"]) * (d + 2) * 4  # written, then read by the last split
-        return kv + partials + hq * d * (q.dtype.itemsize + op.output.dtype.itemsize)
+        (hq, d), hkv = (x.value for x in op.inputs[0].shape), op.inputs[1].shape[0].value
+        return attention_bytes(hq, hkv, d, op.inputs[0].dtype.itemsize, op.params["length"].eval(env),
+                               op.params["chunk"], splits=True, merges=True)
+
+
+def split_operands(b, value, chunk):
+    """The attention node's q and caches, its output, and the partials scratch ``[Hq, splits, D + 2]``."""
+    n = b.graph.nodes[value]
+    q, kc, vc = (b.operand(i) for i in n.inputs)
+    out = b.output(value)
+    hq, d = (x.value for x in q.shape)
+    part = b.scratch(f"attn_part{value}", (hq, ceildiv(kc.shape[1], chunk), as_dim(d + 2)), F32)
+    params = {"length": n.attrs["length"], "chunk": chunk, "group": hq // kc.shape[0].value, "scale": n.attrs["scale"]}
+    return q, kc, vc, out, part, params
 
 
 @term
@@ -174,15 +198,10 @@ class AttentionSplitTerm(Term):
     fields = fields("node:node chunk:int")
 
     def lower(self, b, value, args):
-        n, chunk = b.graph.nodes[value], args["chunk"]
-        q, kc, vc = (b.operand(i) for i in n.inputs)
-        out = b.output(value)
-        hq, d = (x.value for x in q.shape)
-        hkv, smax = kc.shape[0].value, kc.shape[1]
-        part = b.scratch(f"attn_part{value}", (hq, ceildiv(smax, chunk), as_dim(d + 2)), F32)
-        common = {"length": n.attrs["length"], "chunk": chunk}
-        b.emit("attn_partial", [value], [q, kc, vc], part, {**common, "group": hq // hkv, "scale": n.attrs["scale"]})
-        b.emit("attn_merge", [value], [part], out, {**common, "rows_per": max(1, hq // hkv)})
+        q, kc, vc, out, part, params = split_operands(b, value, args["chunk"])
+        b.emit("attn_partial", [value], [q, kc, vc], part, params)
+        b.emit("attn_merge", [value], [part], out,
+               {"length": params["length"], "chunk": params["chunk"], "rows_per": max(1, params["group"])})
 
 
 @term
@@ -193,12 +212,6 @@ class AttentionFoldTerm(Term):
     fields = fields("node:node chunk:int")
 
     def lower(self, b, value, args):
-        n, chunk = b.graph.nodes[value], args["chunk"]
-        q, kc, vc = (b.operand(i) for i in n.inputs)
-        out = b.output(value)
-        hq, d = (x.value for x in q.shape)
-        hkv, smax = kc.shape[0].value, kc.shape[1]
-        part = b.scratch(f"attn_part{value}", (hq, ceildiv(smax, chunk), as_dim(d + 2)), F32)
-        arrive = b.accum(f"attn_arrive{value}", (hkv,), I32)
-        params = {"length": n.attrs["length"], "chunk": chunk, "group": hq // hkv, "scale": n.attrs["scale"]}
+        q, kc, vc, out, part, params = split_operands(b, value, args["chunk"])
+        arrive = b.accum(f"attn_arrive{value}", (kc.shape[0],), I32)
         b.emit("attn_partial_merge", [value], [q, kc, vc, part, arrive], out, params)

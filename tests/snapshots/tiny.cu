@@ -401,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
         wl.ctr[2] = &ctr[e8 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        attn_partial_merge<__nv_bfloat16, 64, 2>(smem, in0, 64LL, 1LL, in1, 65536LL, 64LL, 1LL, in2, 65536LL, 64LL, 1LL, (D_pos + 1LL), 64LL, 0.125f, (float*)in3, 1056LL, 66LL, (unsigned*)in4, out, 64LL, 1LL, c0, c1);
+        attn_partial_merge<__nv_bfloat16, 64, 2>(/*smem*/ smem, /*q*/ in0, /*q_s0*/ 64LL, /*q_s1*/ 1LL, /*kc*/ in1, /*k_s0*/ 65536LL, /*k_s1*/ 64LL, /*k_s2*/ 1LL, /*vc*/ in2, /*v_s0*/ 65536LL, /*v_s1*/ 64LL, /*v_s2*/ 1LL, /*L*/ (D_pos + 1LL), /*chunk*/ 64LL, /*scale*/ 0.125f, /*part*/ (float*)in3, /*p_s0*/ 1056LL, /*p_s1*/ 66LL, /*arrive*/ (unsigned*)in4, /*out*/ out, /*out_s0*/ 64LL, /*out_s1*/ 1LL, /*c0*/ c0, /*c1*/ c1);
         mega_sync();
         if (threadIdx.x == 0) {
 #if MEGA_SIGNAL_FENCE
