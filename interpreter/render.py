@@ -258,6 +258,9 @@ def _holes(text: str) -> tuple[str, list[str]]:
     return "".join(out), literals
 
 
+PREFETCH_PAD = 16  # megakernel.cu: the prefetch of the next entry's constants reads `next` and `next + 15`
+
+
 @dataclass(frozen=True)
 class EntryTable:
     """Per queue entry: which shared case runs it (``variant``), where its own constants start in
@@ -277,9 +280,12 @@ class EntryTable:
 
     def words(self) -> list[int]:
         """The table as the kernel reads it (int64): variants, offsets, paged flags, the prefix base
-        then its counts (ENTRIES + 1 words each), then the constants."""
+        then its counts (ENTRIES + 1 words each), then the constants, then PREFETCH_PAD zeros: the
+        kernel prefetches words [0, 16) of the next entry's constants into L1, which for the last
+        entries (few or no constants of their own) lie past the constants."""
         counts = [c for row in self.prefix.counts for c in row]
-        return [*self.variant, *self.offset, *self.paged, *self.prefix.base, *counts, *self.consts]
+        pad = [0] * PREFETCH_PAD
+        return [*self.variant, *self.offset, *self.paged, *self.prefix.base, *counts, *self.consts, *pad]
 
 
 @dataclass(frozen=True)

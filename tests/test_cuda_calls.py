@@ -35,3 +35,23 @@ def test_labelled_calls_match_the_body_signatures(preset, bodies):
             assert labels == signature(fn, cuh), fn
             checked.add(fn)
     assert checked == bodies
+
+
+def test_next_entry_prefetch_stays_in_the_table():
+    """The kernel prefetches words [0, 16) of the next entry's constants (megakernel.cu); an entry
+    with few or no constants of its own, last in the table, must still leave them inside it."""
+    import megaegg as me
+    from megaegg.interpreter.render import render
+
+    g = me.Graph("ew")
+    x = g.input("x", [2, 30], me.f32)
+    x = x + g.input("b", [30], me.f32)
+    x = me.silu(x)
+    g.output("y", me.silu(x) * x)
+    graphs = [g, build_decode_graph(ModelConfig.preset("tiny"), max_len=64, logits=False)[0]]
+    for graph in graphs:
+        queue = build_artifact(graph, max_dims={s: 63 for s in graph.symbols()}, compile_cuda=False).queue
+        table = render(queue).table
+        entries = len(table.variant)
+        consts_at = 3 * entries + (1 + len(table.prefix.launches)) * (entries + 1)  # MEGA_CONSTS_AT
+        assert max(consts_at + off + 15 for off in table.offset) < len(table.words()), graph.name

@@ -250,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
     if (threadIdx.x == 32 && entry + 1 < MEGA_ENTRIES) {  // the next entry's constants into L1: its first
       const long long* next = args.table + MEGA_CONSTS_AT + entry_consts[entry + 1];  // instance here finds them
       asm volatile("prefetch.global.L1 [%0];" :: "l"(next));
-      asm volatile("prefetch.global.L1 [%0];" :: "l"(next + 15));
+      asm volatile("prefetch.global.L1 [%0];" :: "l"(next + 15));  // (in the table: render.py PREFETCH_PAD)
     }
     switch (entry_case[entry]) {
       case 0: {  // embedding: op0 (1 entries)
