@@ -52,20 +52,22 @@ class ProgramBuilder:
         self.buffers.append(Buffer(len(self.buffers), name, kind, tuple(as_dim(d) for d in shape), dtype, transposed))
         return len(self.buffers) - 1
 
-    def scratch(self, name: str, shape, dtype) -> Operand:
-        """A new intermediate buffer (partials of a split op), seen whole."""
+    def whole(self, name: str, kind: str, shape, dtype) -> Operand:
+        """A new buffer of ``kind``, seen whole."""
         shape = tuple(as_dim(d) for d in shape)
-        return Operand(self.new_buffer(name, "scratch", shape, dtype), shape, dtype)
+        return Operand(self.new_buffer(name, kind, shape, dtype), shape, dtype)
+
+    def scratch(self, name: str, shape, dtype) -> Operand:
+        """A new intermediate buffer (partials of a split op)."""
+        return self.whole(name, "scratch", shape, dtype)
 
     def accum(self, name: str, shape, dtype) -> Operand:
         """A new ``accum`` buffer: in the counter bank, zero at every launch (sums, arrival counters)."""
-        shape = tuple(as_dim(d) for d in shape)
-        return Operand(self.new_buffer(name, "accum", shape, dtype), shape, dtype)
+        return self.whole(name, "accum", shape, dtype)
 
     def peer(self, name: str, shape, dtype) -> Operand:
         """A new ``peer`` buffer: every rank of the tensor-parallel group holds one and writes its row into all."""
-        shape = tuple(as_dim(d) for d in shape)
-        return Operand(self.new_buffer(name, "peer", shape, dtype), shape, dtype)
+        return self.whole(name, "peer", shape, dtype)
 
     def buffer(self, i: int) -> int:
         """Buffer holding base node ``i`` (created on first use)."""
