@@ -418,15 +418,15 @@ def _guarded(fn: Callable[[], T]) -> T | None:
 _PROBES = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 31, 64, 97, 100, 127, 512, 1000, 4096, 32768)
 
 
-_SMALL = (0, 1, 2, 5)  # every combination of these for up to 3 symbols; of 0 and 1 up to 8
+_SMALL = (0, 1, 2, 5, 64)  # every combination of these for up to 3 symbols; of 0 and 1 up to 8
 
 
 def _agrees(a: Dim, b: Dim, probes: int = 24) -> bool:
-    """A numeric check of a result: a guard against e-graph unsoundness. Seen: in a long
-    process (the full test suite), a batch e-graph merged T % 7 with 0, min(S, 2) with 2 and
-    min(U // 5 % 5, S) with min(S, 1); the fallback to the unsimplified dim keeps every answer
-    value-preserving. Checked at every combination of small values (where min, max, // and %
-    change branch; spread points alone missed S = T = 0) and at fixed spread points."""
+    """A numeric check of a result: the second guard against e-graph unsoundness (the
+    first, :func:`_rebind_lets`, removed the cause seen so far); on a mismatch the caller
+    falls back to the unsimplified dim. Checked at every combination of small values and 64
+    (where min, max, // and % change branch: spread points alone missed S = T = 0, and
+    small values alone missed S = 0 with T >= 9) and at fixed spread points."""
     names = sorted(a.symbols() | b.symbols())
     small = _SMALL if len(names) <= 3 else _SMALL[:2] if len(names) <= 8 else ()
     envs = [dict(zip(names, v)) for v in itertools.product(small, repeat=len(names))] if small else [
@@ -450,6 +450,21 @@ def _fits(d: Dim, seen: set[Dim]) -> bool:
     if d.op == "const":
         return -_I64 < d.value < _I64
     return d.op == "sym" or all(_fits(a, seen) for a in d.args)
+
+
+def _rebind_lets(egraph: EGraph, term: Expr) -> None:
+    """Make ``egraph.extract(term)`` read the classes the run left, not those of registration.
+
+    egglog-python lowers a subterm with several parents to a global ``let`` and caches
+    that lowering; a later ``extract`` of the same term goes through the cached ``let``
+    names, which can still hold a class that the run has since merged away. Extracting
+    through them returned terms of unrelated classes (``max(S, S // 3)`` came back as
+    ``max(S, 1)``): 9 wrong results in 72 batches of 500 random dims, in a different place
+    each process (egglog 13.2). Forgetting the cached lowering and registering the term
+    again binds fresh ``let``s to the current classes: 0 wrong results in 120 batches.
+    """
+    egraph._state.expr_to_egg_cache.clear()  # private: egglog has no public way to drop it
+    egraph.register(term)
 
 
 @dataclass
@@ -481,8 +496,7 @@ class DimSimplifier:
         return [self.memo[d] for d in dims]
 
     def _run(self, todo: list[Dim]) -> list[Dim | None]:
-        # ONE registered term, the batch of canonical forms: separate union actions (and
-        # let bindings) over shared subterms merged unrelated classes now and then (egglog 13.2)
+        # ONE registered term, the batch of canonical forms, extracted in one call
         egraph, memo, canon = EGraph(), {}, CanonMemo()
         roots = [to_egg(canonical(d, canon), memo) for d in todo]
         batch = _batch(roots)
@@ -493,6 +507,7 @@ class DimSimplifier:
                 break
             if sum(n for _, n in egraph.all_function_sizes()) > budget:
                 break
+        _rebind_lets(egraph, batch)
         outs = _guarded(lambda: _leaves(egraph.extract(batch).__egg_typed_expr__.expr, [], {}))
         if outs is None:  # the batch failed to extract: one by one, giving up on those that fail
             outs = [_guarded(lambda r=r: from_egg(egraph.extract(r))) for r in roots]

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megaegg.dims import Dim, binary, ceildiv, const, dmax, dmin, sym
+from megaegg.rewrite import dimsort
 from megaegg.rewrite.dimsort import DimSimplifier, canonical, equal, from_egg, simplify, simplify_many, size, to_egg
 
 S, T, U = sym("S"), sym("T"), sym("U")
@@ -128,14 +129,10 @@ def test_blowups_stay_bounded():
     assert DimSimplifier().simplify(chain) == S * 2**25 + (5 * 2**25 - 5)
 
 
-def test_batch_simplification_preserves_values():
-    """500 random expressions in one e-graph (simplify_many): every result keeps its value.
-
-    Speed is reported, not asserted (timed tests flake under load): ~0.3 s here.
-    """
+def _random_batch(seed: int, n: int = 500) -> list[Dim]:
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
 
     def gen(depth: int) -> Dim:
         if depth == 0 or rng.random() < 0.25:
@@ -144,13 +141,35 @@ def test_batch_simplification_preserves_values():
         b = const(rng.randint(1, 9)) if op in ("floordiv", "mod", "ceildiv") else gen(depth - 1)
         return binary(op, gen(depth - 1), b)
 
-    batch = [gen(4) for _ in range(500)]
+    return [gen(4) for _ in range(n)]
+
+
+def test_batch_simplification_preserves_values():
+    """500 random expressions in one e-graph (simplify_many): every result keeps its value.
+
+    Speed is reported, not asserted (timed tests flake under load): ~0.5 s here.
+    """
+    batch = _random_batch(0)
     t = time.perf_counter()
     out = DimSimplifier().simplify_many(batch)
     print(f"simplify_many(500): {time.perf_counter() - t:.2f} s")
     assert len(out) == len(batch)
     for d, o in zip(batch, out):
-        _same_values(d, o, ENVS[::11])
+        _same_values(d, o)
+
+
+def test_egraph_results_are_sound_without_the_numeric_guard(monkeypatch):
+    """The e-graph's own answers, with the numeric guard switched off, keep their values.
+
+    Extracting through egglog-python's cached ``let``s returned terms of merged-away
+    classes in ~1 batch in 8, somewhere else each process (``_rebind_lets`` fixes it);
+    16 batches catch that with ~88% probability a run.
+    """
+    monkeypatch.setattr(dimsort, "_agrees", lambda a, b, probes=24: True)
+    for seed in range(1, 17):
+        batch = _random_batch(seed)
+        for d, o in zip(batch, DimSimplifier().simplify_many(batch)):
+            _same_values(d, o)
 
 
 def test_memo_and_default_cache():
