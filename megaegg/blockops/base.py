@@ -136,6 +136,10 @@ class CudaOperand:
 
 
 class BlockKind:
+    """What one block op runs: its grid and footprints (``build``), its CPU definition (``cpu``)
+    and its CUDA call (``cuda_call``). docs/pipeline.md, "Adding a block op", lists what a new
+    kind needs, tests included (every kind needs a case in tests/test_cuda_bodies_compile.py)."""
+
     name: ClassVar[str]
     cuda_file: ClassVar[str | None] = None
     # The body takes the instance's barrier waits (a `MegaWaits wl`, last argument) and
