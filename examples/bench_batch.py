@@ -21,6 +21,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -50,13 +51,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int_list, default=None, help="prompt lengths to prefill, e.g. 512,2048")
 
 
+def json_path(text: str) -> str:
+    """An argparse type: a file to write the report to, whose folder must exist (checked before the run, not after)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
+    if not path.absolute().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: no directory {path.absolute().parent}")
+    return text
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b")
     p.add_argument("--context", type=int, default=512, help="positions already cached for decode (default 512)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=json_path)
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny preset in f32 on the simulator, no torch.compile")
     add_arguments(p)
     a = p.parse_args(argv)

@@ -69,6 +69,7 @@ import torch
 import bench_batch
 import megaegg as me
 from megaegg.models import PRESETS, ModelConfig, build_decode_graph, random_weights
+from megaegg.models.cli import OneLineParser, non_negative_int, positive_float, positive_int
 from megaegg.models.torch_decode import TorchDecoder
 from megaegg.models.torch_plain import ATTENTION as PLAIN_ATTENTION
 from megaegg.models.torch_plain import PlainDecoder
@@ -84,12 +85,13 @@ def log(msg: str) -> None:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.split("\n")[1:]))
+    p = OneLineParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                      epilog="\n".join(__doc__.split("\n")[1:]))
     p.add_argument("--preset", choices=sorted(PRESETS), help="model preset (random weights); required unless --dry-run")
-    p.add_argument("--context", type=int, default=None, help="tokens already in the KV cache (default 512; 16 dry-run)")
-    p.add_argument("--iters", type=int, default=None, help="timed steps per variant (default 100; 5 dry-run)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 20; 1 dry-run)")
+    p.add_argument("--context", type=non_negative_int, default=None,
+                   help="tokens already in the KV cache (default 512; 16 dry-run)")
+    p.add_argument("--iters", type=positive_int, default=None, help="timed steps per variant (default 100; 5 dry-run)")
+    p.add_argument("--warmup", type=non_negative_int, default=None, help="untimed steps first (default 20; 1 dry-run)")
     p.add_argument("--max-autotune", action="store_true", help="also time torch.compile(mode='max-autotune')")
     p.add_argument("--skip-compile-baseline", action="store_true", help="skip every torch.compile variant")
     p.add_argument("--skip-ref-rounding", action="store_true",
@@ -97,15 +99,15 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--plain-attention", choices=PLAIN_ATTENTION, default="gqa",
                    help="the plain peer's attention: SDPA with enable_gqa (default), or q grouped per KV head")
     p.add_argument("--no-reference-check", action="store_true", help="skip the check against megaegg.run_reference")
-    p.add_argument("--bw-gib", type=float, default=4.0, help="size of the bandwidth test tensor (GiB, default 4)")
-    p.add_argument("--bw-reps", type=int, default=10, help="timed repetitions of each bandwidth test")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--bw-gib", type=positive_float, default=4.0, help="size of the bandwidth test tensor (GiB, default 4)")
+    p.add_argument("--bw-reps", type=positive_int, default=10, help="timed repetitions of each bandwidth test")
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="also time the model tensor parallel over this many GPUs (megaegg.parallel), one megakernel "
                         "each; its %% of floor is of the ONE-GPU floor; PyTorch TP peers over NCCL in N processes")
     p.add_argument("--tp-only", action="store_true",
                    help="with --tp: skip the one-GPU PyTorch peers (the TP rows, the one-GPU megakernel and the "
                         "exact check still run)")
-    p.add_argument("--json", metavar="PATH", help="write all results as JSON to PATH")
+    p.add_argument("--json", metavar="PATH", type=bench_batch.json_path, help="write all results as JSON to PATH")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test: tiny preset in f32, megakernel on the sim backend, CUDA-only parts skipped")
     bench_batch.add_arguments(p)
@@ -119,8 +121,9 @@ def parse(argv=None) -> argparse.Namespace:
     a.context = a.context if a.context is not None else (16 if a.dry_run else 512)
     a.iters = a.iters if a.iters is not None else (5 if a.dry_run else 100)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.dry_run else 20)
-    if a.context < 0 or a.iters < 1 or a.warmup < 0:
-        p.error("--context must be >= 0, --iters >= 1, --warmup >= 0")
+    positions = ModelConfig.preset(a.preset).max_positions
+    if a.context >= positions:  # the step at pos = context reads context + 1 cache rows
+        p.error(f"--context {a.context} must be below {a.preset}'s max_position_embeddings ({positions})")
     return a
 
 

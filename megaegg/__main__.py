@@ -77,13 +77,13 @@ def print_timings(p, what: str, graph, timings: dict) -> None:
 
 
 def main(argv=None) -> None:
-    from .models.cli import OneLineParser, positive_int
+    from .models.cli import OneLineParser, non_negative_int, positive_int
 
     ap = OneLineParser(prog="python -m megaegg")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ins = sub.add_parser("inspect", help="print the compiled block program of a preset model")
     ins.add_argument("--model", choices=sorted(PRESETS), default="tiny")
-    ins.add_argument("--context", type=int, default=512)
+    ins.add_argument("--context", type=non_negative_int, default=512, help="tokens in the KV cache (default: 512)")
     ins.add_argument("--max-len", type=positive_int, default=4096,
                      help="KV cache rows, capped by max_position_embeddings")
     ins.add_argument("--cuda", action="store_true", help="also compile the CUDA source with NVRTC (timed)")

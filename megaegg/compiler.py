@@ -32,6 +32,8 @@ log = logging.getLogger("megaegg")
 def compile_options(graph: Graph, max_dims: Mapping[str, int] | None, dims_hint: Mapping[str, int] | None,
                     cost_model: CostModel | None) -> dict:
     """The options that decide an artifact, checked against the graph's runtime dims."""
+    if not isinstance(graph, Graph):
+        raise GraphError(f"graph must be a megaegg.Graph, got {type(graph).__name__}")
     if not graph.outputs:
         raise GraphError("graph has no outputs: call graph.output(name, tensor)")
     symbols = sorted(graph.symbols())

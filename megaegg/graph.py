@@ -42,6 +42,14 @@ def check_static_dims(what: str, shape: Sequence[DimLike], skip: Iterable[int] =
             raise ShapeError(f"{what}: dim {i} of shape {fmt_shape(shape)} is {d.value}; static dims must be >= 1")
 
 
+def leaf_shape(what: str, shape) -> tuple[Dim, ...]:
+    """A leaf's shape as dims; not a sequence of ints and dims (``g.input("x", 4)``): a ShapeError naming ``what``."""
+    try:
+        return tuple(as_dim(d) for d in shape)
+    except TypeError:  # (an int is not iterable; a float or str dim is not a dim)
+        raise ShapeError(f"{what}: shape must be a list of ints and dims (me.sym), got {shape!r}") from None
+
+
 @dataclass(frozen=True, eq=False)
 class Node:
     """One op of the graph. ``inputs`` are ids of earlier nodes (SSA order)."""
@@ -147,7 +155,7 @@ class Graph:
 
     def weight(self, name: str, shape: Sequence[DimLike], dtype=bf16) -> Tensor:
         """A parameter bound once when the graph is compiled."""
-        shape = tuple(as_dim(d) for d in shape)
+        shape = leaf_shape(f"weight {name!r}", shape)
         for d in shape:
             if not d.is_const:
                 raise ShapeError(f"weight {name!r}: shape {fmt_shape(shape)} must be concrete, not symbolic")
@@ -167,7 +175,7 @@ class Graph:
             raise GraphError(f"{op}: name must be a non-empty string, got {name!r}")
         if name in self._leaf_names:
             raise GraphError(f"{op} {name!r}: a leaf with this name already exists")
-        shape = tuple(as_dim(d) for d in shape)
+        shape = leaf_shape(f"{op} {name!r}", shape)
         check_static_dims(f"{op} {name!r}", shape)
         t = self.add_node(op, (), shape, as_dtype(dtype), attrs, name=name)
         self._leaf_names[name] = t.id

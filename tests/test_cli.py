@@ -27,6 +27,22 @@ def test_inspect_tiny_reports_ops_barriers_and_times():
 def test_bad_arguments_give_one_line_errors():
     out = run("-m", "megaegg", "inspect", "--model", "tiny", "--context", "5000")
     assert out.returncode != 0 and "error: --context 5000" in out.stderr and "Traceback" not in out.stderr
+    out = run("-m", "megaegg", "inspect", "--model", "tiny", "--context", "-1")  # was "-1 must be below ... 2048"
+    assert out.returncode == 2 and out.stderr.strip() == "error: argument --context: must be >= 0, got -1"
+
+
+@pytest.mark.parametrize("args, error", [
+    (("--context", "100000"), "--context 100000 must be below tiny's max_position_embeddings (2048)"),  # a traceback
+    (("--json", "/nonexistent/dir/out.json"),  # was a traceback after the whole run
+     "argument --json: cannot write /nonexistent/dir/out.json: no directory /nonexistent/dir"),
+    (("--tp", "0"), "argument --tp: must be >= 1, got 0"),  # was ignored
+    (("--bw-reps", "0"), "argument --bw-reps: must be >= 1, got 0"),  # the bandwidth test failed
+    (("--bw-gib", "-1"), "argument --bw-gib: must be > 0, got -1"),
+    (("--iters", "0"), "argument --iters: must be >= 1, got 0"),  # was "--context must be >= 0, --iters >= 1, ..."
+])
+def test_bench_dry_run_bad_arguments_are_one_line_errors(args, error):
+    out = run("examples/bench_decode.py", "--dry-run", *args)
+    assert out.returncode == 2 and out.stderr.strip() == f"error: {error}", out.stderr
 
 
 def test_llama_example_json_on_the_simulator():
@@ -180,7 +196,16 @@ BROKEN = {  # name: (how to break a copy of the checkpoint, what the error names
                                  ["model/model.safetensors.index.json", "'weight_map'"]),
     "malformed_generation_config": (lambda m: (m / "generation_config.json").write_text("{"),
                                     ["model/generation_config.json", "invalid JSON at line 1"]),
+    "config_field_of_wrong_type": (lambda m: _set_config(m, num_key_value_heads="2"),  # was a TypeError
+                                   ["model/config.json", "'num_key_value_heads' must be a positive int, got '2'"]),
+    "config_bool_as_text": (lambda m: _set_config(m, tie_word_embeddings="false"),  # bool("false") is True
+                            ["model/config.json", "'tie_word_embeddings' must be true or false, got 'false'"]),
 }
+
+
+def _set_config(model: Path, **fields) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **fields}))
 
 
 @pytest.mark.parametrize("name", list(BROKEN))
@@ -209,9 +234,10 @@ PRESET = ("examples/llama.py", "--random-weights", "--backend", "sim")
     ((*PRESET, "--tp", "3"), ["tp=3 does not divide"]),
     ((*PRESET, "--tp", "0"), ["--tp", ">= 1"]),
     ((*PRESET, "--tp", "2", "--temperature", "0.5"), ["--tp 2", "greedy"]),
+    ((*PRESET, "--seed", str(2**40)), ["argument --seed", "must be in [-2147483648, 2147483647]"]),
 ], ids=["id_above_vocab", "negative_id", "negative_new_tokens", "zero_new_tokens", "zero_max_len",
         "negative_max_len", "max_len_above_positions", "cache_too_short", "prompt_without_tokenizer",
-        "no_weights", "preset_of_other_arch", "tp_not_dividing_heads", "tp_zero", "tp_sampling"])
+        "no_weights", "preset_of_other_arch", "tp_not_dividing_heads", "tp_zero", "tp_sampling", "seed_above_32_bits"])
 def test_bad_argument_is_one_line_error(args, needles):
     assert_one_line_error(run(*args), *needles)
 

@@ -37,6 +37,21 @@ def test_reshape_hole_and_symbolic_dims_still_build():
     assert me.expand(g.input("y", [1, 6], me.f32), [S, 6]).shape[0] == S
 
 
+@pytest.mark.parametrize("build, pattern", [
+    (lambda g: g.input("x", 4, me.f32), r"input 'x': shape must be a list of ints and dims \(me\.sym\), got 4$"),
+    (lambda g: g.input("x", [4.0, 2], me.f32), r"input 'x': shape must be .* got \[4\.0, 2\]"),
+    (lambda g: g.weight("w", ["S", 8], me.f32), r"weight 'w': shape must be .* got \['S', 8\]"),
+])
+def test_a_shape_that_is_not_a_list_of_dims_names_the_leaf(build, pattern):
+    with pytest.raises(ShapeError, match=pattern):
+        build(me.Graph())
+
+
+def test_compile_of_something_not_a_graph():
+    with pytest.raises(GraphError, match="graph must be a megaegg.Graph, got dict"):
+        me.compile({"w": torch.zeros(2)}, backend="sim")
+
+
 # --- runtime dims ------------------------------------------------------------------------------
 def _pos_graph():
     g = me.Graph()
@@ -167,6 +182,38 @@ def test_random_weights_report_progress_when_slow(monkeypatch):
     assert len(lines) == len(spec.weights) and lines[-1].startswith(f"random weights: {len(spec.weights)}/")
 
 
+# --- config.json field values: each names the field; none is a traceback or a silent default -------
+@pytest.mark.parametrize("preset, fields, pattern", [
+    ("tiny", {"num_key_value_heads": "2"}, r"'num_key_value_heads' must be a positive int, got '2'"),  # was a TypeError
+    ("tiny", {"num_key_value_heads": 0}, r"'num_key_value_heads' must be a positive int, got 0"),  # was read as absent
+    ("tiny", {"num_key_value_heads": -2}, r"'num_key_value_heads' must be a positive int, got -2"),
+    ("tiny", {"head_dim": -64}, r"'head_dim' must be a positive int, got -64"),
+    ("tiny", {"head_dim": None, "hidden_size": 2}, r"'head_dim' = 0 is not supported"),  # hidden_size // heads
+    ("tiny", {"rms_norm_eps": "x"}, r"'rms_norm_eps' must be a positive number, got 'x'"),
+    ("tiny", {"rms_norm_eps": -1e-5}, r"'rms_norm_eps' must be a positive number, got -1e-05"),
+    ("tiny", {"rope_theta": 0}, r"'rope_theta' must be a positive number, got 0"),  # was inf frequencies
+    ("tiny", {"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}},
+     r"'rope_parameters\.rope_theta' must be a positive number, got 'abc'"),
+    ("tiny", {"rope_parameters": [1, 2]}, r"'rope_parameters' = \[1, 2\] is not supported \(supported: an object"),
+    ("llama-3.2-1b", {"rope_scaling": {"rope_type": "llama3", "factor": 0}},
+     r"'rope_scaling\.factor' must be a positive number, got 0"),
+    ("tiny", {"max_position_embeddings": 0}, r"'max_position_embeddings' must be a positive int, got 0"),
+    ("tiny", {"tie_word_embeddings": "false"}, r"'tie_word_embeddings' must be true or false, got 'false'"),  # was True
+    ("qwen3-moe-tiny", {"norm_topk_prob": "false"}, r"'norm_topk_prob' must be true or false, got 'false'"),
+    ("qwen3-tiny", {"layer_types": "full_attention"}, r"'layer_types' = 'full_attention' is not supported"),  # letters
+])
+def test_bad_config_field_values_name_the_field(preset, fields, pattern):
+    cfg = {k: v for k, v in {**PRESETS[preset], **fields}.items() if v is not None}
+    with pytest.raises(UnsupportedConfig, match=r"config field " + pattern):
+        ModelConfig.from_hf(cfg)
+
+
+def test_null_optional_config_fields_take_their_defaults():
+    cfg = ModelConfig.from_hf({**PRESETS["tiny"], "num_key_value_heads": None, "rms_norm_eps": None,
+                               "max_position_embeddings": None, "tie_word_embeddings": None})
+    assert (cfg.kv_heads, cfg.rms_eps, cfg.max_positions, cfg.tie_embeddings) == (cfg.heads, 1e-6, 2048, False)
+
+
 # --- EOS token ids ------------------------------------------------------------------------------
 def test_eos_token_ids_from_generation_config_then_config(tmp_path):
     import json
@@ -223,3 +270,44 @@ def test_on_token_streams_each_token_before_the_next_step(tiny_gen):
     assert out.stop_token is None
     stopped = gen.generate([3, 4], 3, stop_tokens=[out.tokens[1]])
     assert stopped.tokens == out.tokens[: out.tokens.index(out.tokens[1]) + 1] and stopped.stop_token == out.tokens[1]
+
+
+@pytest.mark.parametrize("prompt, stop, pattern", [
+    ("hello", (), r"generate: prompt must be a list of int token ids, got str 'hello'"),  # was int('h')
+    ([3.7], (), r"generate: prompt must be a list of int token ids, got list \[3\.7\]"),  # was cut to 3
+    ([3], 5, r"generate: stop_tokens must be a list of int token ids, got int 5"),  # was a TypeError after a step
+])
+def test_prompt_and_stop_tokens_must_be_token_ids(tiny_gen, prompt, stop, pattern):
+    with pytest.raises(GraphError, match=pattern):
+        tiny_gen.generate(prompt, 2, stop_tokens=stop)
+
+
+def test_prompt_as_a_tensor_or_range_still_works(tiny_gen):
+    assert tiny_gen.generate(torch.tensor([3, 4]), 2).tokens == tiny_gen.generate(range(3, 5), 2).tokens
+
+
+# --- batches ----------------------------------------------------------------------------------------
+def test_a_sampling_request_on_a_greedy_step_graph_is_refused():
+    """A step graph built without sampling inputs would drop the request's temperature: greedy tokens, silently."""
+    from megaegg.models import build_step_graph
+    from megaegg.models.batch import Batcher, Request, Sampling, reference_batch_step
+
+    graph, spec = build_step_graph(ModelConfig.preset("tiny"), max_len=16, slots=2)
+    batcher = Batcher(reference_batch_step(graph, random_weights(spec), spec.new_caches()), slots=2, max_len=16)
+    with pytest.raises(GraphError, match=r"a request samples \(temperature > 0\) but the step graph has no sampling "
+                                         r"inputs: build it with build_step_graph\(\.\.\., sampling=True\)"):
+        batcher.run([Request([1, 2], 2, sampling=Sampling(temperature=0.8))])
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda b: b.Batcher(lambda rows: None, slots=0, max_len=8), r"slots must be an int >= 1, got 0"),  # was max([])
+    (lambda b: b.Sampling(top_p="0.5"), r"top_p must be in \(0, 1\] \(1: every token\), got '0\.5'"),
+    (lambda b: b.Sampling(temperature="1"), r"temperature must be >= 0 \(0: greedy\), got '1'"),
+    (lambda b: b.Batcher(lambda rows: None, slots=1, max_len=8).submit(b.Request("ab", 2)),
+     r"a request's prompt must be a list of int token ids, got str 'ab'"),
+])
+def test_bad_batch_arguments(make, pattern):
+    from megaegg.models import batch
+
+    with pytest.raises(GraphError, match=pattern):
+        make(batch)

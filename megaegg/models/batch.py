@@ -27,7 +27,7 @@ import torch
 
 from ..graph import Graph, GraphError
 from ..reference import run_reference
-from .generate import Generation, check_token_ids
+from .generate import Generation, check_token_ids, token_ids
 
 
 @dataclass(frozen=True)
@@ -42,18 +42,22 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise GraphError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not _is_number(self.temperature) or not self.temperature >= 0.0:
+            raise GraphError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise GraphError(f"top_k must be an int >= 0 (0: every token), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise GraphError(f"top_p must be in (0, 1] (1: every token), got {self.top_p}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise GraphError(f"top_p must be in (0, 1] (1: every token), got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**31 <= self.seed < 2**31:
             raise GraphError(f"seed must be a 32-bit int, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class StepRows:
     counter: torch.Tensor  # i32[r]: the sequence's tokens drawn so far (each draw of a seed differs)
     host_pos: tuple[int, ...] = ()  # pos and slot as host ints (no device round trip to read them)
     host_slot: tuple[int, ...] = ()
+    greedy: bool = True  # every output row's sampling is greedy (a step graph without sampling inputs can run it)
 
     def dims(self) -> dict[str, int]:
         """The step graph's runtime dims: ``n`` rows, ``r`` outputs, ``ctx`` = the largest position + 1."""
@@ -90,6 +95,9 @@ class StepRows:
 
     def inputs(self, sampling: bool) -> dict[str, torch.Tensor]:
         """The step graph's inputs (``sampling``: with its per-row sampling inputs)."""
+        if not sampling and not self.greedy:  # (its inputs would be dropped: greedy tokens, silently)
+            raise GraphError("a request samples (temperature > 0) but the step graph has no sampling inputs: "
+                             "build it with build_step_graph(..., sampling=True)")
         names = ["token", "pos", "slot", "out"] + (["temperature", "top_k", "top_p", "seed", "counter"] if sampling else [])
         return {n: getattr(self, n) for n in names}
 
@@ -125,6 +133,8 @@ class Batcher:
 
     def __init__(self, step: BatchStepFn, *, slots: int, max_len: int, max_tokens: int | None = None,
                  device="cpu", vocab: int | None = None) -> None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise GraphError(f"slots must be an int >= 1, got {slots!r}")
         self.step_fn, self.slots, self.max_len = step, slots, max_len
         self.max_tokens = max_tokens or slots * max_len
         if self.max_tokens < slots:
@@ -140,7 +150,8 @@ class Batcher:
 
     def submit(self, request: Request) -> int:
         """Queue a request; returns its index (the order of :meth:`run`'s results)."""
-        prompt = [int(t) for t in request.prompt]
+        prompt = token_ids(request.prompt, "a request's prompt")
+        token_ids(request.stop_tokens, "a request's stop_tokens")
         if not prompt:
             raise GraphError("a request's prompt must hold at least one token")
         if self.vocab is not None:
@@ -217,7 +228,8 @@ class Batcher:
             out=i32([i for _, i in outs]), temperature=f32([x.temperature for x in s]), top_k=i32([x.top_k for x in s]),
             top_p=f32([x.top_p for x in s]), seed=i32([x.seed for x in s]),
             counter=i32([len(r.generation.tokens) for r, _ in outs]),
-            host_pos=tuple(p for _, _, p in rows), host_slot=tuple(r.slot for r, _, _ in rows))
+            host_pos=tuple(p for _, _, p in rows), host_slot=tuple(r.slot for r, _, _ in rows),
+            greedy=all(x.greedy for x in s))
 
     def run(self, requests: Sequence[Request] = ()) -> list[Generation]:
         """Submit ``requests``, step until every submitted request is done; their generations in submission order."""

@@ -72,6 +72,8 @@ def number_arg(cast, bound: str, ok):
 positive_int = number_arg(int, ">= 1", lambda v: v >= 1)
 non_negative_int = number_arg(int, ">= 0", lambda v: v >= 0)
 non_negative_float = number_arg(float, ">= 0", lambda v: v >= 0)
+positive_float = number_arg(float, "> 0", lambda v: v > 0)
+seed_int = number_arg(int, f"in [{-2**31}, {2**31 - 1}]", lambda v: -2**31 <= v < 2**31)  # Sampling's seed
 unit_float = number_arg(float, "in (0, 1]", lambda v: 0 < v <= 1)
 
 
@@ -95,7 +97,7 @@ def parse(arch: str, argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (default: 0, all)")
     p.add_argument("--top-p", type=unit_float, default=1.0,
                    help="sample from the fewest tokens whose probability reaches p (default: %(default)s, all)")
-    p.add_argument("--seed", type=int, default=0, help="the sampling seed: the same seed, the same tokens (default: 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="the sampling seed: the same seed, the same tokens (default: 0)")
     p.add_argument("--max-new-tokens", type=positive_int, default=16, help="(default: %(default)s)")
     p.add_argument("--max-len", type=positive_int, default=None,
                    help=f"KV cache rows (default: min({DEFAULT_MAX_LEN}, the config's max_position_embeddings))")

@@ -12,6 +12,7 @@ naming the config field, instead of silently computing something else.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -84,17 +85,19 @@ class ModelConfig:
             if cfg.get(field) is not None:
                 _unsupported(field, cfg[field], "absent")
         layer_types = cfg.get("layer_types") or []
+        if not isinstance(layer_types, list):  # (a str would be read letter by letter)
+            _unsupported("layer_types", layer_types, "a list of 'full_attention'")
         if any(t != "full_attention" for t in layer_types):
-            _unsupported("layer_types", sorted(set(layer_types)), "only 'full_attention'")
+            _unsupported("layer_types", sorted(set(map(str, layer_types))), "only 'full_attention'")
 
         heads = _int(cfg, "num_attention_heads")
-        kv_heads = cfg.get("num_key_value_heads") or heads
+        kv_heads = _int(cfg, "num_key_value_heads", default=heads)
         if heads % kv_heads:
             _unsupported("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
         hidden = _int(cfg, "hidden_size")
-        head_dim = cfg.get("head_dim") or hidden // heads
-        if head_dim % 2:
-            _unsupported("head_dim", head_dim, "even")
+        head_dim = _int(cfg, "head_dim", default=hidden // heads)
+        if head_dim % 2 or not head_dim:  # (0: hidden_size below num_attention_heads)
+            _unsupported("head_dim", head_dim, "even, >= 2")
         theta, scaling = _rope(cfg)
         layers = _int(cfg, "num_hidden_layers")
         moe = _moe(cfg, layers) if arch == "qwen3_moe" else None
@@ -107,14 +110,14 @@ class ModelConfig:
             intermediate=_int(cfg, "intermediate_size"),
             layers=layers,
             heads=heads,
-            kv_heads=int(kv_heads),
-            head_dim=int(head_dim),
+            kv_heads=kv_heads,
+            head_dim=head_dim,
             vocab=_int(cfg, "vocab_size"),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_eps=_float(cfg, "rms_norm_eps", default=1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_positions=int(cfg.get("max_position_embeddings", 2048)),
+            tie_embeddings=_bool(cfg, "tie_word_embeddings", default=False),
+            max_positions=_int(cfg, "max_position_embeddings", default=2048),
             dtype=_DTYPES[dtype_name],
             moe=moe,
         )
@@ -132,8 +135,11 @@ class ModelConfig:
 def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
     """(theta, scaling or None): transformers 5 nests both in ``rope_parameters``."""
     field = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+    if not isinstance(cfg.get(field) or {}, Mapping):
+        _unsupported(field, cfg[field], "an object, e.g. {\"rope_type\": \"default\"}")
     params = dict(cfg.get(field) or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = _float(params, "rope_theta", default=_float(cfg, "rope_theta", default=10000.0), name=f"{field}.rope_theta")
+    params.pop("rope_theta", None)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         _unsupported(field, f"rope_type {kind!r}", f"one of {', '.join(ROPE_TYPES)}")
@@ -143,6 +149,8 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
         return theta, None
     if "factor" not in params:
         _unsupported(field, params, "a llama3 scaling with a 'factor'")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):  # (0: inf)
+        _float(params, key, default=None if key == "factor" else 1.0, name=f"{field}.{key}")
     params["rope_type"] = kind
     params.pop("type", None)
     return theta, params
@@ -164,13 +172,36 @@ def _moe(cfg: Mapping[str, Any], layers: int) -> MoeConfig:
         _unsupported("mlp_only_layers", dense, "a list of layer indices")
     sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
     return MoeConfig(experts=experts, top_k=top_k, intermediate=_int(cfg, "moe_intermediate_size"),
-                     normalize=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse)
+                     normalize=_bool(cfg, "norm_topk_prob", default=False), sparse_layers=sparse)
 
 
-def _int(cfg: Mapping[str, Any], field: str) -> int:
+def _int(cfg: Mapping[str, Any], field: str, *, default: int | None = None) -> int:
+    """A positive int field; absent or null: ``default`` (None: required)."""
     v = cfg.get(field)
+    if v is None and default is not None:
+        return default
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise UnsupportedConfig(f"config field {field!r} must be a positive int, got {v!r}")
+    return v
+
+
+def _float(cfg: Mapping[str, Any], field: str, *, default: float | None = None, name: str | None = None) -> float:
+    """A positive, finite number field (``name``: how the message names it); absent or null: ``default``."""
+    v = cfg.get(field)
+    if v is None and default is not None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        raise UnsupportedConfig(f"config field {name or field!r} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _bool(cfg: Mapping[str, Any], field: str, *, default: bool) -> bool:
+    """A true/false field (not the string "false", which bool() would read as true); absent or null: ``default``."""
+    v = cfg.get(field)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise UnsupportedConfig(f"config field {field!r} must be true or false, got {v!r}")
     return v
 
 

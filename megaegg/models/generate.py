@@ -15,9 +15,10 @@ appends to them. The same :class:`Generator` drives the reference executor
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -65,7 +66,8 @@ class Generator:
         Generation ends early after a token in ``stop_tokens`` (kept in the output). ``on_token``
         is called with each generated token as soon as it is known (to stream it).
         """
-        prompt = [int(t) for t in prompt]
+        prompt = token_ids(prompt, "generate: prompt")
+        stop_tokens = token_ids(stop_tokens, "generate: stop_tokens")
         if not prompt:
             raise GraphError("generate: the prompt must hold at least one token")
         if self.vocab is not None:
@@ -97,6 +99,17 @@ class Generator:
                 break
             token = nxt
         return out
+
+
+def token_ids(ids, what: str) -> list[int]:
+    """``ids`` (a list, tuple, 1-d tensor or array of ints) as a list of ints; else a GraphError naming ``what``
+    (``int()`` of each would read a str char by char and cut a float's fraction silently)."""
+    values = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+    values = list(values) if isinstance(values, Iterable) and not isinstance(values, (str, bytes)) else None
+    if values is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in values):
+        got = f"{type(ids).__name__} {ids!r}"
+        raise GraphError(f"{what} must be a list of int token ids, got {got if len(got) <= 80 else got[:77] + '...'}")
+    return [int(t) for t in values]
 
 
 def check_token_ids(ids: Sequence[int], vocab: int, what: str) -> None:
