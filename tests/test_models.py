@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from tiny_checkpoints import save_tiny
 
 import megaegg as me
 from megaegg.models import (
@@ -150,6 +151,39 @@ def test_config_reads_both_rope_layouts():
     qwen = ModelConfig.from_hf(PRESETS["qwen3-8b"])
     got = (qwen.arch, qwen.rope_scaling, qwen.rope_theta, qwen.head_dim, qwen.tie_embeddings)
     assert got == ("qwen3", None, 1e6, 128, False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_config_fields_left_out_take_the_architectures_defaults(arch):
+    """A config.json may leave out head_dim, num_key_value_heads, max_position_embeddings: transformers'
+    defaults differ by architecture (Qwen3's head_dim is 128 whatever the hidden size; they were read
+    as Llama's, hidden // heads, heads and 2048, so such a Qwen3 checkpoint failed to load)."""
+    sizes = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=32, vocab_size=97)
+    if arch == "qwen3_moe":
+        sizes.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg = ModelConfig.from_hf({"model_type": arch, **sizes})
+    hf = transformers.AutoConfig.for_model(arch, **sizes)
+    hf_head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads  # (the models' fallback)
+    assert (cfg.head_dim, cfg.kv_heads, cfg.max_positions) == (
+        hf_head_dim, hf.num_key_value_heads, hf.max_position_embeddings)
+    # null num_key_value_heads: transformers reads num_attention_heads
+    assert ModelConfig.from_hf({"model_type": arch, **sizes, "num_key_value_heads": None}).kv_heads == 32
+
+
+def test_qwen3_checkpoint_without_head_dim_loads_and_matches(tmp_path):
+    save_tiny(tmp_path, "qwen3", head_dim=128, seed=16)  # not hidden 64 / 4 heads
+    hf_cfg = json.loads((tmp_path / "config.json").read_text())
+    del hf_cfg["head_dim"]  # transformers reads Qwen3Config's default, 128
+    (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    cfg = read_config(tmp_path)
+    assert cfg.head_dim == model.config.head_dim == 128
+    graph, spec = build_decode_graph(cfg, max_len=16)
+    step = reference_step(graph, load_checkpoint(tmp_path, spec), spec.new_caches())  # was: q_proj misshaped
+    out = Generator(step, max_len=16).generate([5, 6, 7], max_new_tokens=6)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False)[0, 3:].tolist()
+    assert out.tokens == want
 
 
 # --- checkpoint errors name the tensor -----------------------------------------------------------

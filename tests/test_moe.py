@@ -3,6 +3,8 @@ executor and simulator, against Hugging Face transformers)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from op_cases import MOE_WEIGHTS, moe
@@ -125,6 +127,24 @@ def test_config_errors_name_the_field(override, field):
 def test_config_reads_transformers5_expert_count():
     cfg = {k: v for k, v in BASE.items() if k != "num_experts"}
     assert ModelConfig.from_hf({**cfg, "num_local_experts": 6}).moe.experts == 6
+
+
+def test_hidden_size_the_experts_cannot_read_is_named():
+    """The kernel reads expert weight rows (hidden_size elements) 16 bytes at a time: hidden_size 68 in
+    bf16 (136 bytes) is refused naming the field when the graph is built (was: a RuntimeError from
+    the rewrite, "no block-op lowering for node %37 (moe_mlp)"); in f32 (272 bytes) it runs."""
+    cfg = ModelConfig.from_hf({**BASE, "hidden_size": 68, "torch_dtype": "bfloat16"})
+    with pytest.raises(UnsupportedConfig, match="'hidden_size' = 68 .* a multiple of 8"):
+        build_decode_graph(cfg, max_len=8)
+    dense = ModelConfig.from_hf({**BASE, "hidden_size": 68, "torch_dtype": "bfloat16", "decoder_sparse_step": 3})
+    build_decode_graph(dense, max_len=8)  # no sparse layer among the 2: nothing routed
+    graph, spec = build_decode_graph(dataclasses.replace(cfg, dtype=me.f32), max_len=8)
+    weights = {n: torch.randn(s, generator=torch.Generator().manual_seed(0)) * 0.1 for n, s in spec.weights.items()}
+    step = kernel_step(me.compile(graph, weights, backend="sim", max_dims={"pos": 7}), spec.new_caches())
+    want = reference_step(graph, weights, spec.new_caches())
+    token = torch.tensor([3], dtype=torch.int32)
+    got, ref = step(token, 0)[0], want(token, 0)[0]
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
 def test_checkpoint_missing_expert_is_named(tmp_path):

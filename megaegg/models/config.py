@@ -22,6 +22,11 @@ from ..graph import GraphError
 ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"bfloat16": bf16, "float16": f16, "float32": f32}
+# transformers' defaults of fields a config.json may leave out, where an architecture's differ from
+# Llama's (head_dim: hidden_size // num_attention_heads, num_key_value_heads: num_attention_heads,
+# max_position_embeddings: 2048); e.g. Qwen3Config's head_dim is 128 whatever the hidden size
+_DEFAULTS = {"qwen3": {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768},
+             "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768}}
 
 
 class UnsupportedConfig(GraphError):
@@ -90,12 +95,15 @@ class ModelConfig:
         if any(t != "full_attention" for t in layer_types):
             _unsupported("layer_types", sorted(set(map(str, layer_types))), "only 'full_attention'")
 
+        defaults = _DEFAULTS.get(arch, {})
         heads = _int(cfg, "num_attention_heads")
-        kv_heads = _int(cfg, "num_key_value_heads", default=heads)
+        # (absent: the architecture's default; null: num_attention_heads, as transformers reads it)
+        kv_default = heads if "num_key_value_heads" in cfg else defaults.get("num_key_value_heads", heads)
+        kv_heads = _int(cfg, "num_key_value_heads", default=kv_default)
         if heads % kv_heads:
             _unsupported("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
         hidden = _int(cfg, "hidden_size")
-        head_dim = _int(cfg, "head_dim", default=hidden // heads)
+        head_dim = _int(cfg, "head_dim", default=defaults.get("head_dim", hidden // heads))
         if head_dim % 2 or not head_dim:  # (0: hidden_size below num_attention_heads)
             _unsupported("head_dim", head_dim, "even, >= 2")
         theta, scaling = _rope(cfg)
@@ -117,7 +125,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             tie_embeddings=_bool(cfg, "tie_word_embeddings", default=False),
-            max_positions=_int(cfg, "max_position_embeddings", default=2048),
+            max_positions=_int(cfg, "max_position_embeddings", default=defaults.get("max_position_embeddings", 2048)),
             dtype=_DTYPES[dtype_name],
             moe=moe,
         )

@@ -285,6 +285,7 @@ def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, attend: Attend, *, tp
     # MLP: down(silu(gate(h)) * up(h)); or the routed experts' (Qwen3-MoE's sparse layers)
     h = rms_norm(x, w("post_attention_layernorm", E), eps)
     if cfg.is_sparse(layer):
+        check_experts(cfg)
         moe = cfg.moe
         n, f = moe.experts, moe.intermediate
         stacks = [g.weight(expert_stack(layer, p), s, dt) for p, s in zip(EXPERT_PROJS, ((n, f, E), (n, f, E), (n, E, f)))]
@@ -293,6 +294,15 @@ def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, attend: Attend, *, tp
     gate = silu(linear(h, w("mlp.gate_proj", F, E)))
     up = linear(h, w("mlp.up_proj", F, E))
     return x + reduced(linear(gate * up, w("mlp.down_proj", E, F)))
+
+
+def check_experts(cfg: ModelConfig) -> None:
+    """The megakernel's routed experts (``blockops/moe.py``) read the expert weights' rows, ``hidden_size``
+    elements, 16 bytes at a time: an UnsupportedConfig naming the field (not a compile error on the op)."""
+    vec = 16 // cfg.dtype.itemsize
+    if cfg.hidden % vec:
+        raise UnsupportedConfig(f"config field 'hidden_size' = {cfg.hidden} is not supported for the routed experts of "
+                                f"a {cfg.arch} model in {cfg.dtype} (supported: a multiple of {vec}, 16 bytes)")
 
 
 def check_dtype(spec: ModelSpec, dtype=None):
