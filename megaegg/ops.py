@@ -43,6 +43,12 @@ def _check_same_dtype(op: str, *ts: Tensor) -> None:
         raise ShapeError(f"{op}: dtypes differ: " + ", ".join(_desc(t) for t in ts) + " (use cast)")
 
 
+def _check_static(op: str, what: str, t: Tensor, dims: Sequence[int], why: str) -> None:
+    """Dims ``dims`` of ``t`` must be constants: the block ops take them at compile time."""
+    if not all(t.shape[d].is_const for d in dims):
+        raise ShapeError(f"{op}: {what} {_desc(t)} must have static {why} (a runtime dim there is not supported)")
+
+
 def _norm_dim(op: str, t: Tensor, dim: int) -> int:
     n = t.ndim
     if not -n <= dim < n:
@@ -81,6 +87,7 @@ def matmul(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
         raise ShapeError(f"matmul: expected a [..., K] and b [K, N], got {_desc(a)} and {_desc(b)}")
     if not same_dim(a.shape[-1], b.shape[0]):
         raise ShapeError(f"matmul: inner dims differ: {_desc(a)} @ {_desc(b)}")
+    _check_static("matmul", "b", b, (0, 1), "dims [K, N]")
     return _new("matmul", (a, b), a.shape[:-1] + (b.shape[1],), a.dtype, name)
 
 
@@ -92,6 +99,7 @@ def linear(x: Tensor, w: Tensor, *, name: str | None = None) -> Tensor:
         raise ShapeError(f"linear: expected x [..., K] and w [N, K], got {_desc(x)} and {_desc(w)}")
     if not same_dim(x.shape[-1], w.shape[1]):
         raise ShapeError(f"linear: in-features differ: x {_desc(x)} vs weight {_desc(w)} (expects [N, K] with K = x.shape[-1])")
+    _check_static("linear", "weight", w, (0, 1), "dims [N, K]")
     return _new("linear", (x, w), x.shape[:-1] + (w.shape[0],), x.dtype, name)
 
 
@@ -123,6 +131,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, name: str | None =
     _check_float("rms_norm", x, weight)
     if weight.ndim != 1 or not same_dim(weight.shape[0], x.shape[-1]):
         raise ShapeError(f"rms_norm: weight {_desc(weight)} must be [{x.shape[-1]}] for x {_desc(x)}")
+    _check_static("rms_norm", "x", x, (-1,), "last dim")
     if not eps > 0:
         raise GraphError(f"rms_norm: eps must be positive, got {eps}")
     return _new("rms_norm", (x, weight), x.shape, x.dtype, name, eps=float(eps))
@@ -159,6 +168,8 @@ def moe_mlp(
         raise ShapeError(f"{op}: router_logits {_desc(router_logits)} must be [..., {e}] with x's rows {_desc(x)}")
     if not all(d.is_const for w in (w_gate, w_up, w_down) for d in w.shape):
         raise ShapeError(f"{op}: expert weights must have static shapes, got {_desc(w_gate)}")
+    if not all(d.is_const for d in x.shape[:-1]) or math.prod(d.value for d in x.shape[:-1]) != 1:
+        raise ShapeError(f"{op}: x {_desc(x)} must be one row ([K] or [1, ..., 1, K]); routing several rows is not supported")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e.value:
         raise ShapeError(f"{op}: top_k must be an int in [1, {e.value}] (the number of experts), got {top_k!r}")
     return _new(op, (x, router_logits, w_gate, w_up, w_down), x.shape, x.dtype, name,
@@ -253,6 +264,7 @@ def rope(
     if isinstance(pos, Tensor):
         if pos.dtype != i32 or pos.ndim != 1 or x.ndim < 2 or not same_dim(pos.shape[0], x.shape[0]):
             raise ShapeError(f"rope: positions {_desc(pos)} must be i32[{x.shape[0] if x.ndim else '?'}] for x {_desc(x)}")
+        _check_static("rope", "x", x, range(1, x.ndim - 1), "dims between the first and the last")
         return _new("rope", (x, inv_freq, pos), x.shape, x.dtype, name, pos=None)
     return _new("rope", (x, inv_freq), x.shape, x.dtype, name, pos=as_dim(pos))
 
@@ -264,6 +276,7 @@ def embedding(table: Tensor, ids: Tensor, *, name: str | None = None) -> Tensor:
         raise ShapeError(f"embedding: table {_desc(table)} must be [V, D]")
     if ids.dtype != i32:
         raise ShapeError(f"embedding: ids {_desc(ids)} must be i32")
+    _check_static("embedding", "table", table, (1,), "row width D")
     return _new("embedding", (table, ids), ids.shape + (table.shape[1],), table.dtype, name)
 
 
@@ -285,6 +298,7 @@ def kv_append(cache: Tensor, new: Tensor, pos: DimLike, *, name: str | None = No
     _check_same_dtype("kv_append", cache, new)
     if new.ndim != 2 or not same_dim(new.shape[0], cache.shape[0]) or not same_dim(new.shape[1], cache.shape[2]):
         raise ShapeError(f"kv_append: new entry {_desc(new)} must be [{cache.shape[0]}, {cache.shape[2]}] for cache {_desc(cache)}")
+    _check_static("kv_append", "cache", cache, (0, 1, 2), "dims [kv_heads, max_len, head_dim]")
     return _new("kv_append", (cache, new), cache.shape, cache.dtype, name, pos=as_dim(pos))
 
 
@@ -308,6 +322,7 @@ def attention(
     hkv = k_cache.shape[0]
     if not same_dim(d, k_cache.shape[2]):
         raise ShapeError(f"attention: head dim of q {_desc(q)} differs from cache {_desc(k_cache)}")
+    _check_static("attention", "q", q, (1,), "head dim")
     if not (hq.is_const and hkv.is_const) or hq.value % hkv.value:
         raise ShapeError(f"attention: q heads of {_desc(q)} must be a multiple of the KV heads of {_desc(k_cache)}")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d.value)
@@ -396,6 +411,7 @@ def sample(
     _check_float(op, logits)
     if logits.ndim != 2:
         raise ShapeError(f"{op}: logits {_desc(logits)} must be [rows, vocab]")
+    _check_static(op, "logits", logits, (1,), "vocab")
     rows = logits.shape[0]
     for what, t, dt in (("temperature", temperature, f32), ("top_k", top_k, i32), ("top_p", top_p, f32),
                         ("seed", seed, i32), ("counter", counter, i32)):
@@ -477,15 +493,40 @@ def transpose(x: Tensor, d0: int, d1: int, *, name: str | None = None) -> Tensor
     return permute(x, dims, name=name)
 
 
+def _linear_terms(d: Dim) -> dict:
+    """``d`` as {term: coefficient} (the constant under None), looking through sums and constant factors."""
+    if d.is_const:
+        return {None: d.value}
+    if d.op == "add":
+        out = _linear_terms(d.args[0])
+        for k, v in _linear_terms(d.args[1]).items():
+            out[k] = out.get(k, 0) + v
+        return out
+    if d.op == "mul" and d.args[1].is_const:
+        return {k: v * d.args[1].value for k, v in _linear_terms(d.args[0]).items()}
+    return {d: 1}
+
+
+def _difference(stop: Dim, start: Dim) -> Dim:
+    """``stop - start``, a constant where the runtime dims cancel (``(S + 16) - S`` is 16, a static width)."""
+    terms = _linear_terms(stop)
+    for k, v in _linear_terms(start).items():
+        terms[k] = terms.get(k, 0) - v
+    if all(v == 0 for k, v in terms.items() if k is not None):
+        return as_dim(terms.get(None, 0))
+    return stop - start
+
+
 def slice(x: Tensor, dim: int, start: DimLike, stop: DimLike, *, name: str | None = None) -> Tensor:  # noqa: A001
-    """Elements ``start:stop`` along ``dim`` (a view)."""
+    """Elements ``start:stop`` along ``dim`` (a view); runtime bounds are checked at each call."""
     d = _norm_dim("slice", x, dim)
     start, stop, size = as_dim(start), as_dim(stop), x.shape[d]
-    if start.is_const and stop.is_const and not 0 <= start.value <= stop.value:
+    width = _difference(stop, start)
+    if (start.is_const and stop.is_const and not 0 <= start.value <= stop.value) or (width.is_const and width.value < 0):
         raise ShapeError(f"slice: bad range {start}:{stop} on dim {d} of {_desc(x)}")
-    if stop.is_const and size.is_const and stop.value > size.value:
+    if stop.is_const and size.is_const and stop.value > size.value or width.is_const and size.is_const and width.value > size.value:
         raise ShapeError(f"slice: stop {stop} exceeds dim {d} of {_desc(x)}")
-    shape = x.shape[:d] + (stop - start,) + x.shape[d + 1 :]
+    shape = x.shape[:d] + (width,) + x.shape[d + 1 :]
     return _new("slice", (x,), shape, x.dtype, name, dim=d, start=start, stop=stop)
 
 

@@ -228,6 +228,14 @@ def _sample(node, args, env, device):
     return torch.tensor(out, dtype=torch.int32, device=device)
 
 
+def _embedding(node, args, env, device):
+    table, ids = args
+    bad = ids[(ids < 0) | (ids >= table.shape[0])]
+    if bad.numel():  # (torch would wrap a negative id around; the kernel refuses it)
+        raise GraphError(f"embedding {node.label}: token id {bad[0].item()} outside the table's {table.shape[0]} rows")
+    return table[ids.long()]
+
+
 def _slice(node, args, env, device):
     a = node.attrs
     return args[0].narrow(a["dim"], a["start"].eval(env), (a["stop"] - a["start"]).eval(env))
@@ -274,7 +282,7 @@ _EVAL: dict[str, Callable] = {
     "rms_norm": _rms_norm,
     "softmax": lambda n, a, e, d: _to(n, _f(a[0]).softmax(n.attrs["dim"])),
     "rope": _rope,
-    "embedding": lambda n, a, e, d: a[0][a[1].long()],
+    "embedding": _embedding,
     "attention": _attention,
     "kv_append": _kv_append,
     "kv_store": _kv_store,

@@ -9,7 +9,7 @@ inserted copy.
 from __future__ import annotations
 
 from ..blockops import REGISTRY, TERMS, materialize
-from ..dims import Dim, as_dim
+from ..dims import Dim, as_dim, dmax, fmt_shape
 from ..dtypes import f32
 from ..graph import COLLECTIVES, IN_PLACE_OPS, LEAF_OPS, Graph, GraphError, Node
 from .encode import VIEW_OPS, base_node
@@ -127,6 +127,21 @@ class ProgramBuilder:
         v = View(kind, tuple(args))
         return Operand(o.buffer, view_shape(o.shape, v), o.dtype, o.views + (v,))
 
+    def merged(self, operands: list[Operand], most: int) -> list[Operand] | None:
+        """``operands`` (of one shape) seen with adjacent dims merged until at most ``most`` remain,
+        a pair where every operand's layout steps over it as one dim; None if no such pair is left."""
+        while len(operands[0].shape) > most:
+            shape = operands[0].shape
+            for i in range(len(shape) - 1):
+                new = shape[:i] + (shape[i] * shape[i + 1],) + shape[i + 2 :]
+                views = [self.view(o, "reshape", new) for o in operands]
+                if all(layout_of(self.buffers[v.buffer].shape, v.views) is not None for v in views):
+                    operands = views
+                    break
+            else:
+                return None
+        return operands
+
     def rows(self, o: Operand) -> Operand:
         """View ``[..., D]`` as ``[rows, D]``."""
         if len(o.shape) == 2:
@@ -174,12 +189,24 @@ class ProgramBuilder:
         return Estimate(bytes=nbytes, instances=inst)
 
     def strided(self, o: Operand, sources) -> Operand:
-        """``o`` itself if its views have a strided layout, else a contiguous copy of it."""
-        if layout_of(self.buffers[o.buffer].shape, o.views) is not None:
+        """``o`` itself if its views have a strided layout, else the views before the first reshape
+        that has none copied into a contiguous buffer, and the rest of them applied to the copy
+        (the copy reads through views that have a layout: copying ``o`` itself would recurse)."""
+        base = self.buffers[o.buffer].shape
+        if layout_of(base, o.views) is not None:
             return o
-        dst = self.scratch(f"copy{len(self.buffers)}", o.shape, o.dtype)
-        materialize(self, o, dst, sources)
-        return dst
+        k = next(k for k in range(len(o.views)) if layout_of(base, o.views[: k + 1]) is None)
+        shape = base
+        for v in o.views[:k]:
+            shape = view_shape(shape, v)
+        if layout_of(shape, o.views[k : k + 1]) is None:  # not even from contiguous storage
+            raise GraphError(f"cannot view {self.buffers[o.buffer].name!r} {fmt_shape(shape)} as "
+                             f"{fmt_shape(o.views[k].args)}: the element counts are not provably equal")
+        dst = self.scratch(f"copy{len(self.buffers)}", shape, o.dtype)
+        materialize(self, Operand(o.buffer, shape, o.dtype, o.views[:k]), dst, sources)
+        for v in o.views[k:]:
+            dst = self.view(dst, v.kind, v.args)
+        return self.strided(dst, sources)
 
     def lower(self, c: Choice) -> None:
         TERMS[c.term].lower(self, c.value, c.named)
@@ -192,12 +219,44 @@ def numel(shape) -> Dim:
     return total
 
 
+def check_in_place(graph: Graph) -> None:
+    """A cache that ``kv_append`` / ``kv_store`` update in place has one copy in the kernel: its updates
+    must form one chain, and no op built before an update may read it (the reference executor gives
+    such a reader the old rows, which the kernel no longer holds)."""
+    live = graph.live_nodes()
+    root = {}  # in-place node or cache input -> the cache input (its storage)
+    updates: dict[int, list[Node]] = {}  # cache input -> its in-place updates, in graph order
+    for n in graph.nodes:
+        if n.id not in live or n.op not in IN_PLACE_OPS:
+            continue
+        c = n.inputs[0]
+        r = root[n.id] = root.get(c, c)
+        chain = updates.setdefault(r, [])
+        if c != (chain[-1].id if chain else r):
+            raise GraphError(f"{n.op} {n.label}: updates cache {graph.nodes[r].label} that {chain[-1].op} {chain[-1].label} "
+                             f"updates too; chain the updates (pass the tensor {chain[-1].op} returns)")
+        chain.append(n)
+    for n in graph.nodes:
+        if n.id not in live or n.op in LEAF_OPS or n.op in VIEW_OPS:
+            continue
+        for k, i in enumerate(n.inputs):
+            r = root.get(base_node(graph, i), base_node(graph, i))
+            if k == 0 and n.op in IN_PLACE_OPS or r not in updates:
+                continue
+            later = next((u for u in updates[r] if u.id > n.id), None)
+            if later is not None:
+                raise GraphError(f"{n.op} {n.label}: reads cache {graph.nodes[r].label} before {later.op} {later.label} "
+                                 f"updates it in place, and the kernel keeps no copy of the old rows; read it after the "
+                                 f"update, through the tensor {later.op} returns")
+
+
 def build_program(graph: Graph, chosen: dict, env_hint: dict[str, int]) -> BlockProgram:
     """Lower the chosen alternatives in topological order (a Sum just after its node's producers)."""
+    check_in_place(graph)
     b = ProgramBuilder(graph, env_hint)
     for v in sorted(chosen, key=order):
         b.lower(chosen[v])
-    outputs = {name: b.operand(i) for name, i in graph.outputs.items()}
+    outputs = {name: b.strided(b.operand(i), [i]) for name, i in graph.outputs.items()}  # (a view with no layout: a copy)
     ranks = {n.attrs["ranks"] for n in graph.nodes if n.op in COLLECTIVES}
     if len(ranks) > 1:
         raise GraphError(f"the collectives of one graph span different numbers of ranks: {sorted(ranks)}")
@@ -207,14 +266,24 @@ def build_program(graph: Graph, chosen: dict, env_hint: dict[str, int]) -> Block
 
 def range_checks(graph: Graph) -> tuple[RangeCheck, ...]:
     """The runtime bounds the reference executor enforces, for the host to check each call:
-    attention reads ``length`` rows of its cache, ``kv_append`` writes row ``pos``. Checks that
-    only differ in the op they name (every layer's) are kept once."""
+    attention reads ``length`` rows of its cache, ``kv_append`` writes row ``pos``, a slice at
+    runtime bounds stays inside its dim, an argmax row is not empty. Checks that only differ in
+    the op they name (every layer's) are kept once."""
     out: dict[tuple, RangeCheck] = {}
     live = graph.live_nodes()
     for n in graph.nodes:
         if n.id not in live:
             continue
-        if n.op == "attention":
+        if n.op == "slice" and not (n.attrs["start"].is_const and n.attrs["stop"].is_const):
+            start, stop, size = n.attrs["start"], n.attrs["stop"], graph.nodes[n.inputs[0]].shape[n.attrs["dim"]]
+            for check in (RangeCheck(f"slice {n.label}: start", start, as_dim(0), stop),
+                          RangeCheck(f"slice {n.label}: stop", stop, start, size)):
+                out.setdefault((check.value, check.lo, check.hi), check)
+            continue
+        if n.op == "argmax" and not graph.nodes[n.inputs[0]].shape[n.attrs["dim"]].is_const:
+            size = graph.nodes[n.inputs[0]].shape[n.attrs["dim"]]  # (no largest element in an empty row)
+            check = RangeCheck(f"argmax {n.label}: the length of the reduced dim", size, as_dim(1), dmax(size, 1))
+        elif n.op == "attention":
             rows = graph.nodes[n.inputs[1]].shape[1]
             check = RangeCheck(f"attention {n.label}: length", n.attrs["length"], as_dim(1), rows)
         elif n.op == "kv_append":

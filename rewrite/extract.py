@@ -17,7 +17,8 @@ from egglog import EGraph, get_callable_args, get_callable_fn, get_literal_value
 
 from ..blockops import TERMS
 from ..blockops.base import Sum
-from ..graph import LEAF_OPS, Graph
+from ..dims import fmt_shape
+from ..graph import LEAF_OPS, Graph, GraphError
 from .encode import VIEW_OPS, base_node
 from .terms import Op, acc, node
 
@@ -60,6 +61,7 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[Any, li
     """Every executable alternative of each computing node, and of each sum some alternative reads."""
     fn_names = {getattr(Op, name): name for name in TERMS}
     out: dict[Any, list[Choice]] = {}
+    unfit: dict[Any, set[str]] = {}  # what the alternatives that did not fit need
     todo: list = list(nodes)
     while todo:
         v = todo.pop()
@@ -75,11 +77,16 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[Any, li
             if TERMS[c.term].fits(graph, c.named):
                 choices.append(c)
                 todo += [r for r in c.refs(graph) if isinstance(r, Sum)]
+            elif TERMS[c.term].needs:
+                unfit.setdefault(v, set()).add(TERMS[c.term].needs)
         out[v] = choices
     _drop_unbuildable(graph, out)
     for v in nodes:
         if not out[v]:
-            raise RuntimeError(f"rewrite: no block-op lowering for node %{v} ({graph.nodes[v].op})")
+            n = graph.nodes[v]
+            ins = ", ".join(f"{graph.nodes[i].label} {graph.nodes[i].dtype}{fmt_shape(graph.nodes[i].shape)}" for i in n.inputs)
+            needs = "".join(f"; it needs {x}" for x in sorted(unfit.get(v, ())))
+            raise GraphError(f"{n.op} {n.label}: no block op of the megakernel takes it with these operands ({ins}){needs}")
     return {v: cs for v, cs in out.items() if cs}
 
 

@@ -98,14 +98,15 @@ def find_repeats(graph: Graph) -> Repeats | None:
 
 def _closed(graph: Graph, rep: Repeats) -> bool:
     """Nodes after the run read only its last block (and what is before it), so that the reduced
-    graph's last block stands for the real last one; and every block reads the same nodes from
-    before the run (a copied block must not read another block's inputs)."""
+    graph's last block stands for the real last one; every block reads the same nodes from
+    before the run (a copied block must not read another block's inputs); and an input a block
+    does not shift is from before the run (a copied choice shifts every node of the run it reads)."""
     last = rep.start + (rep.count - 1) * rep.period
     if not all(j < rep.start or j >= last for n in graph.nodes[rep.stop:] for j in n.inputs):
         return False
     for i in range(rep.start + rep.period, rep.stop):
         before = graph.nodes[i - rep.period].inputs
-        if any(y < rep.start and y != x for x, y in zip(before, graph.nodes[i].inputs)):
+        if any(y < rep.start and y != x or y >= rep.start and y == x for x, y in zip(before, graph.nodes[i].inputs)):
             return False
     return True
 
@@ -119,7 +120,9 @@ def reduce(graph: Graph, rep: Repeats) -> Graph:
             continue
         small.nodes.append(Node(to_small(rep, n.id), n.op, tuple(to_small(rep, j) for j in n.inputs), n.shape,
                                 n.dtype, n.attrs, n.name))
-    small.outputs = {name: to_small(rep, i) for name, i in graph.outputs.items()}
+    left_out = range(rep.start + KEEP * rep.period, rep.stop - rep.period)  # the last block's stay: block KEEP-1's
+    # (a left-out block's output has its twin in every block: the template's stands for it)
+    small.outputs = {name: to_small(rep, i) for name, i in graph.outputs.items() if i not in left_out}
     return small
 
 

@@ -36,6 +36,12 @@ def qk_norm_rope_append(g, dt):
     g.output("y", me.attention(q, kc, vc, P + 1))
 
 
+def _reshape_of_transpose(g, dt):
+    flat = me.reshape(me.transpose(g.input("x", [6, 4], dt), 0, 1), [24])
+    g.output("y", me.silu(flat))
+    g.output("flat", flat)
+
+
 def moe(g, dt, *, residual=True, normalize=True, top_k=2):
     """A mixture of 5 experts (72 rows each: ragged tiles): the router's linear on the normed x,
     then the experts, routed inside the kernel; with the residual add, the experts' sum is
@@ -66,6 +72,10 @@ CASES = {
     "qk_norm_rope_append": lambda dt: (lambda g: qk_norm_rope_append(g, dt), {"q": [4, 64], "k": [2, 64], "v": [2, 64], "kc": [2, 16, 64], "vc": [2, 16, 64]}, {"gq": [64], "gk": [64]}),
     "moe_residual": lambda dt: (lambda g: moe(g, dt), {"x": [1, 128]}, MOE_WEIGHTS),
     "moe_alone_top3": lambda dt: (lambda g: moe(g, dt, residual=False, normalize=False, top_k=3), {"x": [1, 128]}, MOE_WEIGHTS),
+    # a reshape of a transpose has no strides: copied first (read by silu, and as an output)
+    "reshape_of_transpose": lambda dt: (lambda g: _reshape_of_transpose(g, dt), {"x": [6, 4]}, {}),
+    "elementwise_5d": lambda dt: (lambda g: g.output("y", me.silu(g.input("a", [2, 3, 1, 4, 5], dt)) + g.input("b", [5], dt)), {"a": [2, 3, 1, 4, 5], "b": [5]}, {}),
+    "slice_runtime_window": lambda dt: (lambda g: g.output("y", me.linear(me.slice(g.input("a", [3, 80], dt), 1, P, P + 16), g.weight("w", [24, 16], dt))), {"a": [3, 80]}, {"w": [24, 16]}),
     "concat_transpose": lambda dt: (lambda g: g.output("y", me.concat([g.input("a", [4, 8], dt), me.transpose(g.input("b", [6, 4], dt), 0, 1)], 1)), {"a": [4, 8], "b": [6, 4]}, {}),
 }
 

@@ -73,6 +73,21 @@ def _layer_graph():
         (lambda g: me.kv_append(g.input("k", [4, 16, 64], me.f32), g.input("n", [4, 32], me.f32), P), r"kv_append: new entry 'n'"),
         (lambda g: me.kv_append(g.weight("k", [4, 16, 64], me.f32), g.input("n", [4, 64], me.f32), P), r"kv_append: cache 'k'.*graph input"),
         (lambda g: g.weight("w", [S, 4], me.f32), r"weight 'w'.*concrete"),
+        # dims the block ops take at compile time: a runtime dim there is refused when the graph is built
+        (lambda g: me.linear(g.input("x", [2, S], me.f32), g.input("w", [8, S], me.f32)), r"linear: weight 'w' f32\[8, S\] must have static dims \[N, K\]"),
+        (lambda g: me.matmul(g.input("a", [2, 8], me.f32), g.input("b", [8, S], me.f32)), r"matmul: b 'b' .* must have static dims \[K, N\]"),
+        (lambda g: me.rms_norm(g.input("x", [2, S], me.f32), g.input("g", [S], me.f32)), r"rms_norm: x 'x' f32\[2, S\] must have static last dim"),
+        (lambda g: me.embedding(g.input("t", [9, S], me.f32), g.input("i", [3], me.i32)), r"embedding: table 't' .* static row width"),
+        (lambda g: me.kv_append(g.input("k", [2, S, 8], me.f32), g.input("n", [2, 8], me.f32), P), r"kv_append: cache 'k' f32\[2, S, 8\] must have static dims"),
+        (lambda g: me.attention(g.input("q", [2, S], me.f32), g.input("k", [2, 9, S], me.f32),
+                                g.input("v", [2, 9, S], me.f32), P + 1), r"attention: q 'q' f32\[2, S\] must have static head dim"),
+        (lambda g: me.sample(*(g.input(n, s, t) for n, s, t in (("l", [2, S], me.f32), ("t", [2], me.f32), ("k", [2], me.i32),
+                                                                 ("p", [2], me.f32), ("s", [2], me.i32), ("c", [2], me.i32)))),
+         r"sample: logits 'l' f32\[2, S\] must have static vocab"),
+        (lambda g: me.moe_mlp(g.input("x", [2, 16], me.f32), g.input("r", [2, 4], me.f32), *(g.weight(n, s, me.f32) for n, s in (
+            ("wg", [4, 8, 16]), ("wu", [4, 8, 16]), ("wd", [4, 16, 8]))), top_k=2, normalize=True), r"moe_mlp: x 'x' f32\[2, 16\] must be one row"),
+        (lambda g: me.rope(g.input("x", [2, S, 16], me.f32), g.input("i", [2], me.i32)), r"rope: x 'x' f32\[2, S, 16\] must have static dims between"),
+        (lambda g: me.slice(g.input("x", [4, 6], me.f32), 1, S + 4, S), r"slice: bad range S \+ 4:S"),
     ],
 )
 def test_errors_name_op_and_tensors(build, pattern):
@@ -113,6 +128,23 @@ def test_reference_errors():
         me.run_reference(g, {"x": torch.randn(2, 4)}, w, {"S": -1})
     with pytest.raises(GraphError, match="runtime dim 'S' must be an int, got float 2.0"):
         me.run_reference(g, {"x": torch.randn(2, 4)}, w, {"S": 2.0})
+
+
+def test_slice_at_runtime_bounds_has_a_static_width():
+    """``x[:, S:S + 16]`` is 16 wide whatever S is: a linear over it takes K = 16."""
+    g = me.Graph()
+    window = me.slice(g.input("a", [3, 80], me.f32), 1, S, S + 16)
+    assert window.shape[1].is_const and window.shape[1].value == 16
+    assert me.linear(window, g.weight("w", [4, 16], me.f32)).shape[1].value == 4
+
+
+def test_reference_embedding_id_outside_the_table():
+    """The kernel refuses an id outside [0, V) (MEGA_ERR_INDEX); the oracle must not wrap -1 to the last row."""
+    g = me.Graph()
+    g.output("y", me.embedding(g.weight("t", [5, 4], me.f32), g.input("i", [2], me.i32)))
+    for bad in (-1, 5):
+        with pytest.raises(GraphError, match=f"embedding .*: token id {bad} outside the table's 5 rows"):
+            me.run_reference(g, {"i": torch.tensor([0, bad], dtype=torch.int32)}, {"t": torch.randn(5, 4)})
 
 
 def test_kv_append_position_out_of_range():

@@ -77,3 +77,43 @@ def test_a_repeated_user_graph_runs_like_the_reference():
     out = me.compile(g, W, backend="sim", cache=False)(x=x0)["y"]
     ref = me.run_reference(g, {"x": x0}, W)["y"]
     assert torch.allclose(out, ref, atol=1e-4)
+
+
+def _repeated(block, n: int = KEEP + 4):
+    """``n`` blocks ``h = block(g, i, h, first)`` over a [1, 32] input (``first``: block 0's values),
+    simulated against the reference."""
+    g = me.Graph()
+    h, first = g.input("x", [1, 32], me.f32), {}
+    for i in range(n):
+        h = block(g, i, h, first)
+    torch.manual_seed(9)
+    W = {n.name: torch.randn(*[d.value for d in n.shape]) * 0.2 for n in g.weights.values()}
+    x0 = torch.randn(1, 32)
+    out = me.compile(g, W, backend="sim", cache=False)(x=x0)
+    ref = me.run_reference(g, {"x": x0}, W)
+    for name, r in ref.items():
+        assert torch.allclose(out[name], r, atol=1e-5), name
+    return g
+
+
+def test_an_output_in_every_block():
+    """The reduced graph leaves the middle blocks' outputs out (the template's stands for them);
+    they indexed nodes it does not have."""
+    def block(g, i, h, first):
+        h = me.silu(me.linear(h, g.weight(f"w{i}", [32, 32], me.f32)))
+        g.output(f"o{i}", h)
+        return h
+
+    assert find_repeats(_repeated(block)) is not None
+
+
+def test_blocks_reading_a_node_of_the_first_block_are_not_copied():
+    """Every block's matvec reads block 0's silu: a copied choice would shift that read to another
+    block's silu (a wrong result), so no repeat is used."""
+    def block(g, i, h, first):
+        t = first.setdefault("t", me.silu(h)) if i == 0 else me.silu(h)
+        h = me.linear(first["t"], g.weight(f"w{i}", [32, 32], me.f32)) + t
+        g.output(f"o{i}", h)
+        return h
+
+    assert find_repeats(_repeated(block)) is None

@@ -266,3 +266,64 @@ def test_gated_mlp_through_a_weight_view_stays_unfused():
     k = me.compile(g, W, backend="sim")
     assert "glu_down" not in {e.op.kind for e in k.queue.entries}
     compare(k, g, {"x": torch.randn(1, 64)}, k.weights, {}, 1e-5, SCHEDULES)
+
+
+def test_a_view_with_no_strides_is_copied_once_through_its_layout_part():
+    """Embedding ids seen through a transpose then flattened: the flatten has no strided layout,
+    so the transposed ids are copied first (copying the whole view chain recursed forever)."""
+    g = me.Graph("ids_view")
+    ids = me.transpose(g.input("ids", [4, 3], me.i32), 0, 1)
+    g.output("y", me.embedding(g.weight("t", [50, 16], me.f32), ids))
+    W = {"t": torch.randn(50, 16)}
+    k = me.compile(g, W, backend="sim")
+    assert [e.op.kind for e in k.queue.entries] == ["elementwise", "embedding"]
+    compare(k, g, {"ids": torch.randint(0, 50, (4, 3), dtype=torch.int32)}, W, {}, 1e-6, SCHEDULES)
+
+
+@pytest.mark.parametrize("build, pattern", [
+    # the reader needs the rows before the update, which the kernel no longer holds
+    (lambda g, kc, new: (me.silu(kc), me.kv_append(kc, new, me.sym("pos"))),
+     r"silu %\d+\(silu\): reads cache 'kc' before kv_append %\d+\(kv_append\) updates it in place"),
+    (lambda g, kc, new: (me.kv_append(kc, new, me.sym("pos")), me.kv_append(kc, new, me.sym("pos"))),
+     r"kv_append %3\(kv_append\): updates cache 'kc' that kv_append %2\(kv_append\) updates too; chain the updates"),
+    # five dims that no strides merge into four (the elementwise body's limit)
+    (lambda g, kc, new: (me.silu(me.permute(g.input("x", [2, 3, 2, 4, 5], me.f32), [4, 2, 0, 3, 1])),),
+     r"silu %\d+\(silu\): an elementwise op takes at most 4 dims .* \[5, 2, 2, 4, 3\] keeps more"),
+    # moe_glu_down addresses a graph weight's experts: expert weights given as an input have no block op
+    (lambda g, kc, new: (me.moe_mlp(g.input("x", [1, 16], me.f32), g.input("r", [1, 4], me.f32),
+                                    g.input("wg", [4, 8, 16], me.f32), g.weight("wu", [4, 8, 16], me.f32),
+                                    g.weight("wd", [4, 16, 8], me.f32), top_k=2, normalize=True),),
+     r"moe_mlp %\d+\(moe_mlp\): no block op of the megakernel takes it with these operands \(.*'wg' f32\[4, 8, 16\].*\); "
+     r"it needs expert weights that are graph weights"),
+])
+def test_unsupported_graphs_are_refused_at_compile_time(build, pattern):
+    g = me.Graph()
+    outs = build(g, g.input("kc", [2, 8, 16], me.f32), g.input("new", [2, 16], me.f32))
+    for i, t in enumerate(outs):
+        g.output(f"y{i}", t)
+    with pytest.raises(me.GraphError, match=pattern):
+        me.compile(g, {n: torch.randn([d.value for d in w.shape]) for n, w in g.weights.items()}, backend="sim",
+                   max_dims={s: 7 for s in g.symbols()})
+
+
+def test_slice_at_runtime_bounds_is_checked_each_call():
+    """A slice whose bounds are runtime dims is checked on the host like an attention length:
+    past its dim, the kernel would read outside the buffer."""
+    g = me.Graph("window")
+    g.output("y", me.silu(me.slice(g.input("a", [4, 32], me.f32), 1, S, S + 4)))
+    k = me.compile(g, backend="sim", max_dims={"S": 40})
+    a = torch.randn(4, 32)
+    compare(k, g, {"a": a}, {}, {"S": 28}, 1e-6)
+    with pytest.raises(me.GraphError, match=r"slice %1\(slice\): stop 33 outside \[29, 32\] \(S \+ 4 with S=29\)"):
+        k(a=a, S=29)
+
+
+def test_argmax_of_an_empty_row_is_refused_each_call():
+    """argmax over a runtime dim that is 0 has no answer (the reference refuses it): the host checks it."""
+    g = me.Graph("empty_rows")
+    a = g.input("a", [2, S], me.f32)
+    g.output("y", me.argmax(a))
+    k = me.compile(g, backend="sim", max_dims={"S": 8})
+    compare(k, g, {"a": torch.randn(2, 1)}, {}, {"S": 1}, 0)
+    with pytest.raises(me.GraphError, match=r"argmax %1\(argmax\): the length of the reduced dim 0 outside \[1, 1\] \(S with S=0\)"):
+        k(a=torch.randn(2, 0), S=0)

@@ -87,6 +87,7 @@ class Term:
     fields: ClassVar[tuple[Field, ...]]
     computes: ClassVar[str] = "node"  # "node": a graph node's value; "sum": a Sum's
     tile: ClassVar[str | None] = None  # the field that alone differs between tile-size alternatives
+    needs: ClassVar[str | None] = None  # what ``fits`` asks of the operands, for the error when nothing fits
 
     def refs(self, graph, args: Mapping[str, Any]) -> tuple:
         """The values this alternative reads (node ids and Sums); its own node's inputs for a term

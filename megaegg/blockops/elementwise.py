@@ -8,10 +8,12 @@ import math
 
 import torch
 
-from ..dims import as_dim, ceildiv
+from ..dims import as_dim, ceildiv, fmt_shape
+from ..graph import GraphError
 from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
 from .footprint import Full, Tile
 
+MAX_DIMS = 4  # the CUDA body addresses its operands through Idx4 (elementwise.cuh)
 FUNCTIONS = {
     "copy": lambda a: a,
     "cast": lambda a: a,
@@ -44,8 +46,8 @@ class Elementwise(BlockKind):
 
     def cuda_call(self, op, ins, out):
         nd = len(op.output.shape)
-        if nd > 4:
-            raise NotImplementedError(f"elementwise: the CUDA body takes at most 4 dims, op{op.id} has {nd}")
+        if nd > MAX_DIMS:
+            raise NotImplementedError(f"elementwise: the CUDA body takes at most {MAX_DIMS} dims, op{op.id} has {nd}")
 
         def idx(values) -> str:  # a scalar output is one element of a 1-d tile
             return f"Idx4{{{', '.join(values) or '0'}}}"
@@ -68,10 +70,23 @@ def elementwise_params(fn: str, shape, env: dict[str, int], tile: int = 8192) ->
     return {"fn": fn, "axis": axis, "tile": max(1, tile // max(1, other))}
 
 
+def emit_elementwise(b, sources, fn: str, ins, out, tile: int = 8192) -> None:
+    """One elementwise op; past MAX_DIMS dims, its operands seen with adjacent dims merged where
+    every operand's strides allow it (a 5-d add of contiguous tensors is a 4-d one)."""
+    if len(out.shape) > MAX_DIMS:
+        merged = b.merged([*(b.strided(o, sources) for o in ins), out], MAX_DIMS)
+        if merged is None:
+            n = b.graph.nodes[sources[0]]
+            raise GraphError(f"{n.op} {n.label}: an elementwise op takes at most {MAX_DIMS} dims once the dims its "
+                             f"operands' strides allow are merged; {fmt_shape(out.shape)} keeps more (reshape it first)")
+        *ins, out = merged
+    b.emit("elementwise", sources, ins, out, elementwise_params(fn, out.shape, b.env_hint, tile))
+
+
 def materialize(b, src, dst, sources) -> None:
     """Copy ``src`` (a view with no strided layout) into the contiguous ``dst``: the rewrite
     stage inserts this where a block op cannot read an operand through its views."""
-    b.emit("elementwise", sources, [src], dst, elementwise_params("copy", dst.shape, b.env_hint))
+    emit_elementwise(b, sources, "copy", [src], dst)
 
 
 @term
@@ -86,7 +101,7 @@ class ElementwiseTilesTerm(Term):
         ins, out = [b.operand(i) for i in n.inputs], b.output(value)
         fn = n.op if n.op in FUNCTIONS else "copy"
         ins = [b.broadcast(o, out.shape) for o in ins]
-        b.emit("elementwise", [value], ins, out, elementwise_params(fn, out.shape, b.env_hint, args["tile"]))
+        emit_elementwise(b, [value], fn, ins, out, args["tile"])
 
 
 @term
@@ -103,5 +118,5 @@ class ConcatTilesTerm(Term):
         for o in ins:
             stop = start + o.shape[d]
             piece = b.view(out, "slice", (d, start, stop))
-            b.emit("elementwise", [value], [o], piece, elementwise_params("copy", o.shape, b.env_hint, args["tile"]))
+            emit_elementwise(b, [value], "copy", [o], piece, args["tile"])
             start = stop

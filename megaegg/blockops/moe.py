@@ -81,6 +81,9 @@ MAX_EXPERTS = 16384  # the routing holds E f32 probabilities in shared memory (m
 MOE_FIELDS = fields("x:ref g:ref eps:float logits:ref w:ref w2:ref wd:ref node:node rows:int")
 
 
+MOE_NEEDS = f"expert weights that are graph weights (not views) with rows of a multiple of 16 bytes, at most {MAX_EXPERTS} experts"
+
+
 def _fits(graph, args) -> bool:
     """One row, 16-byte weight rows (the glu_down body's vectors), and the routing's E probabilities in
     shared memory."""
@@ -117,6 +120,7 @@ class MoeSumTerm(Term):
     fields = MOE_FIELDS
     computes = "sum"
     tile = "rows"
+    needs = MOE_NEEDS
 
     def fits(self, graph, args):
         return _fits(graph, args)
@@ -132,6 +136,7 @@ class MoeRoundedTerm(Term):
     name = "moe_rounded"
     fields = MOE_FIELDS
     tile = "rows"
+    needs = MOE_NEEDS
 
     def fits(self, graph, args):
         return _fits(graph, args)
