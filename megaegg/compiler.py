@@ -156,7 +156,7 @@ class Kernel:
         missing = sorted(set(names) - set(weights))
         if missing:
             raise GraphError(f"missing weight(s): {', '.join(missing)}")
-        unknown = sorted(set(weights) - set(names))
+        unknown = sorted(set(weights) - set(names) - set(self.program.unused_leaves))
         if unknown:  # a typo or a stale name would otherwise be ignored silently
             raise GraphError(f"unknown weight(s): {', '.join(map(repr, unknown))}; the compiled graph reads: "
                              f"{', '.join(map(repr, names)) or 'none'}")
@@ -185,7 +185,7 @@ class Kernel:
         symbols = self.program.symbols
         dims = {k: v for k, v in kwargs.items() if k in symbols}
         inputs = {b.name: b for b in self.program.buffers if b.kind in ("input", "state")}
-        unknown = sorted(set(kwargs) - set(dims) - set(inputs))
+        unknown = sorted(set(kwargs) - set(dims) - set(inputs) - set(self.program.unused_leaves))
         if unknown:
             raise GraphError(f"unknown argument(s) {unknown}; inputs: {sorted(inputs)}, runtime dims: {list(symbols)}")
         for s in symbols:

@@ -260,8 +260,10 @@ def build_program(graph: Graph, chosen: dict, env_hint: dict[str, int]) -> Block
     ranks = {n.attrs["ranks"] for n in graph.nodes if n.op in COLLECTIVES}
     if len(ranks) > 1:
         raise GraphError(f"the collectives of one graph span different numbers of ranks: {sorted(ranks)}")
+    live = graph.live_nodes()
+    unused = tuple(sorted(n.name for n in graph.nodes if n.op in ("input", "weight") and n.id not in live))
     return BlockProgram(b.buffers, b.ops, outputs, tuple(sorted(graph.symbols())), range_checks(graph),
-                        ranks=ranks.pop() if ranks else 1)
+                        ranks=ranks.pop() if ranks else 1, unused_leaves=unused)
 
 
 def range_checks(graph: Graph) -> tuple[RangeCheck, ...]:

@@ -137,6 +137,9 @@ class BlockProgram:
     symbols: tuple[str, ...] = ()
     checks: tuple[RangeCheck, ...] = ()
     ranks: int = 1  # GPUs of the tensor-parallel group every rank's copy of the program runs on
+    # inputs and weights the graph declares but no output reads: a call may pass them (as
+    # run_reference needs them) and the kernel ignores them
+    unused_leaves: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = ["buffers:"] + [f"  {b}" for b in self.buffers]

@@ -52,6 +52,32 @@ def test_compile_of_something_not_a_graph():
         me.compile({"w": torch.zeros(2)}, backend="sim")
 
 
+def test_declared_but_unused_leaves_are_accepted_by_the_kernel_as_by_the_reference(tmp_path):
+    """The arguments run_reference needs (every declared leaf) also run the kernel, through a saved
+    artifact too; a name the graph never declared is still refused."""
+    from megaegg.artifact import Artifact
+    from megaegg.compiler import Kernel
+
+    g = me.Graph()
+    x, unused_in = g.input("x", [2, 8], me.f32), g.input("unused_in", [3], me.f32)
+    w, unused_w = g.weight("w", [4, 8], me.f32), g.weight("unused_w", [5], me.f32)
+    g.output("y", me.silu(me.linear(x, w)))
+    gen = torch.Generator().manual_seed(11)
+    inputs = {"x": torch.randn(2, 8, generator=gen), "unused_in": torch.randn(3, generator=gen)}
+    weights = {"w": torch.randn(4, 8, generator=gen), "unused_w": torch.randn(5, generator=gen)}
+    want = me.run_reference(g, inputs, weights)["y"]
+    kernel = me.compile(g, weights)
+    torch.testing.assert_close(kernel(**inputs)["y"], want)
+    torch.testing.assert_close(kernel(x=inputs["x"])["y"], want)  # (and without them)
+    kernel.artifact.save(tmp_path / "k.megaegg")
+    loaded = Kernel(Artifact.load(tmp_path / "k.megaegg"), weights)
+    torch.testing.assert_close(loaded(**inputs)["y"], want)
+    with pytest.raises(GraphError, match=r"unknown argument\(s\) \['typo'\]"):
+        kernel(**inputs, typo=torch.zeros(3))
+    with pytest.raises(GraphError, match=r"unknown weight\(s\): 'typo'"):
+        me.compile(g, {**weights, "typo": torch.zeros(1)})
+
+
 # --- runtime dims ------------------------------------------------------------------------------
 def _pos_graph():
     g = me.Graph()
