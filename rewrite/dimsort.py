@@ -507,7 +507,8 @@ class DimSimplifier:
                 break
             if sum(n for _, n in egraph.all_function_sizes()) > budget:
                 break
-        _rebind_lets(egraph, batch)
+        if _guarded(lambda: _rebind_lets(egraph, batch) or True) is None:
+            return [None] * len(todo)  # (extracting through the old lets could be wrong: keep the inputs)
         outs = _guarded(lambda: _leaves(egraph.extract(batch).__egg_typed_expr__.expr, [], {}))
         if outs is None:  # the batch failed to extract: one by one, giving up on those that fail
             outs = [_guarded(lambda r=r: from_egg(egraph.extract(r))) for r in roots]

@@ -172,6 +172,21 @@ def test_egraph_results_are_sound_without_the_numeric_guard(monkeypatch):
             _same_values(d, o)
 
 
+def test_a_failed_rebind_keeps_every_dim_unsimplified_but_correct(monkeypatch):
+    """If registering the batch again fails, nothing is extracted through the stale lets."""
+    def fail(egraph, term):
+        raise RuntimeError("egglog failed")
+
+    monkeypatch.setattr(dimsort, "_rebind_lets", fail)
+    batch = _random_batch(3, n=50)
+    out = DimSimplifier().simplify_many(batch)
+    assert DimSimplifier()._run([d for d in batch if d.op not in ("const", "sym")]) == [None] * sum(
+        d.op not in ("const", "sym") for d in batch)
+    for d, o in zip(batch, out):
+        assert size(o) <= size(d)
+        _same_values(d, o)
+
+
 def test_memo_and_default_cache():
     s = DimSimplifier()
     d = (S + 1) * 2 + 3
