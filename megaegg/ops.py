@@ -11,6 +11,7 @@ import math
 from collections import Counter
 from typing import Mapping, Sequence
 
+from .dimform import canonical
 from .dims import Dim, DimLike, as_dim, fmt_shape
 from .dtypes import DType, as_dtype, f32, i32
 from .graph import GraphError, ShapeError, Tensor, check_static_dims
@@ -493,35 +494,12 @@ def transpose(x: Tensor, d0: int, d1: int, *, name: str | None = None) -> Tensor
     return permute(x, dims, name=name)
 
 
-def _linear_terms(d: Dim) -> dict:
-    """``d`` as {term: coefficient} (the constant under None), looking through sums and constant factors."""
-    if d.is_const:
-        return {None: d.value}
-    if d.op == "add":
-        out = _linear_terms(d.args[0])
-        for k, v in _linear_terms(d.args[1]).items():
-            out[k] = out.get(k, 0) + v
-        return out
-    if d.op == "mul" and d.args[1].is_const:
-        return {k: v * d.args[1].value for k, v in _linear_terms(d.args[0]).items()}
-    return {d: 1}
-
-
-def _difference(stop: Dim, start: Dim) -> Dim:
-    """``stop - start``, a constant where the runtime dims cancel (``(S + 16) - S`` is 16, a static width)."""
-    terms = _linear_terms(stop)
-    for k, v in _linear_terms(start).items():
-        terms[k] = terms.get(k, 0) - v
-    if all(v == 0 for k, v in terms.items() if k is not None):
-        return as_dim(terms.get(None, 0))
-    return stop - start
-
-
 def slice(x: Tensor, dim: int, start: DimLike, stop: DimLike, *, name: str | None = None) -> Tensor:  # noqa: A001
     """Elements ``start:stop`` along ``dim`` (a view); runtime bounds are checked at each call."""
     d = _norm_dim("slice", x, dim)
     start, stop, size = as_dim(start), as_dim(stop), x.shape[d]
-    width = _difference(stop, start)
+    width = canonical(stop - start)  # (S + 16) - S is 16: a static width
+    width = width if width.is_const else stop - start
     if (start.is_const and stop.is_const and not 0 <= start.value <= stop.value) or (width.is_const and width.value < 0):
         raise ShapeError(f"slice: bad range {start}:{stop} on dim {d} of {_desc(x)}")
     if stop.is_const and size.is_const and stop.value > size.value or width.is_const and size.is_const and width.value > size.value:

@@ -81,7 +81,14 @@ MAX_EXPERTS = 16384  # the routing holds E f32 probabilities in shared memory (m
 MOE_FIELDS = fields("x:ref g:ref eps:float logits:ref w:ref w2:ref wd:ref node:node rows:int")
 
 
-MOE_NEEDS = f"expert weights that are graph weights (not views) with rows of a multiple of 16 bytes, at most {MAX_EXPERTS} experts"
+ROW_BYTES = 16  # the glu_down body reads the experts' rows in vectors of this many bytes
+MOE_NEEDS = (f"expert weights that are graph weights (not views) with rows of a multiple of {ROW_BYTES} bytes, "
+             f"at most {MAX_EXPERTS} experts")
+
+
+def expert_rows_fit(k_dim: int, dtype) -> bool:
+    """Whether the experts' rows of ``k_dim`` elements are whole vectors of ROW_BYTES."""
+    return k_dim * dtype.itemsize % ROW_BYTES == 0
 
 
 def _fits(graph, args) -> bool:
@@ -92,9 +99,8 @@ def _fits(graph, args) -> bool:
         return False
     if any(graph.nodes[args[r]].op != "weight" for r in ("w", "w2", "wd")):
         return False
-    vec = 16 // graph.nodes[args["w"]].dtype.itemsize
     experts, _, kdim = (d.value for d in graph.nodes[args["w"]].shape)
-    return kdim % vec == 0 and experts <= MAX_EXPERTS
+    return expert_rows_fit(kdim, graph.nodes[args["w"]].dtype) and experts <= MAX_EXPERTS
 
 
 def _emit(b, args, node: int):

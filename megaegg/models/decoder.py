@@ -27,6 +27,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
+from ..blockops.moe import ROW_BYTES, expert_rows_fit
 from ..dims import sym
 from ..dtypes import DType, as_dtype, f32, i32
 from ..graph import Graph, GraphError, Tensor
@@ -298,11 +299,11 @@ def decoder_layer(cfg: ModelConfig, x: Tensor, layer: int, attend: Attend, *, tp
 
 def check_experts(cfg: ModelConfig) -> None:
     """The megakernel's routed experts (``blockops/moe.py``) read the expert weights' rows, ``hidden_size``
-    elements, 16 bytes at a time: an UnsupportedConfig naming the field (not a compile error on the op)."""
-    vec = 16 // cfg.dtype.itemsize
-    if cfg.hidden % vec:
+    elements, ROW_BYTES at a time: an UnsupportedConfig naming the field (not a compile error on the op)."""
+    if not expert_rows_fit(cfg.hidden, cfg.dtype):
         raise UnsupportedConfig(f"config field 'hidden_size' = {cfg.hidden} is not supported for the routed experts of "
-                                f"a {cfg.arch} model in {cfg.dtype} (supported: a multiple of {vec}, 16 bytes)")
+                                f"a {cfg.arch} model in {cfg.dtype} (supported: a multiple of "
+                                f"{ROW_BYTES // cfg.dtype.itemsize}, {ROW_BYTES} bytes)")
 
 
 def check_dtype(spec: ModelSpec, dtype=None):
