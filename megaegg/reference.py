@@ -223,9 +223,21 @@ def _sample(node, args, env, device):
     from .sampling import sample_row
 
     logits, temperature, top_k, top_p, seed, counter = (a.cpu() for a in args)
-    out = [sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]), int(seed[i]), int(counter[i]))
-           for i in range(logits.shape[0])]
+    out = [sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]), int(seed[i]), int(counter[i]),
+                      row=i, where=f"sample {node.label}") for i in range(logits.shape[0])]
     return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _argmax(node, args, env, device):
+    """torch.argmax (the first index of the max, +inf included), but NaN is an error naming the row
+    (rows: the input's elements along every other dim, in order), not an index, as in the kernel."""
+    from .sampling import NaNError
+
+    x, d = _f(args[0]), node.attrs["dim"]
+    bad = torch.isnan(x).any(d).reshape(-1).nonzero()
+    if bad.numel():
+        raise NaNError(f"NaN logits in row {int(bad[0])} of argmax {node.label}")
+    return x.argmax(d).to(torch.int32)
 
 
 def _embedding(node, args, env, device):
@@ -288,7 +300,7 @@ _EVAL: dict[str, Callable] = {
     "kv_store": _kv_store,
     "ragged_attention": _ragged_attention,
     "sample": _sample,
-    "argmax": lambda n, a, e, d: _f(a[0]).argmax(n.attrs["dim"]).to(torch.int32),
+    "argmax": _argmax,
     "reshape": lambda n, a, e, d: a[0].reshape(tuple(s.eval(e) for s in n.attrs["shape"])),
     "permute": lambda n, a, e, d: a[0].permute(n.attrs["dims"]),
     "slice": _slice,

@@ -3,9 +3,15 @@
 //   row of x[M, N] and writes part[m, c0, 0] = best value, part[m, c0, 1] = float(index).
 // argmax_reduce: instance c0 picks row c0's best over the T chunk partials (first chunk
 //   holding the max = lowest index) and writes the i32 index to out[c0].
-// NaN is not handled.
+// A row of -inf gives its first index (the partial writes -inf at the chunk's first column). A NaN
+// reports MEGA_ERR_NAN (detail: the row, megaegg.sampling.NaNError on the CPU); the partial skips it,
+// so the index written is still in [0, N).
 #pragma once
 #include "common.cuh"
+
+#ifndef MEGA_ERR_NAN
+#define MEGA_ERR_NAN 4  // (runtime.cuh)
+#endif
 
 namespace argmax_impl {
 
@@ -51,34 +57,41 @@ __device__ __noinline__ void argmax_partial(char* smem, const T* x, long long x_
     constexpr int VEC = VecN<T>::value;
     const long long k0 = c0 * chunk;
     const int n = (int)(min_i64(k0 + chunk, N) - k0);
+    long long nan_row = -1;  // a row where this thread met a NaN
     for (long long m = 0; m < M; ++m) {
         const T* xr = x + m * x_s0 + k0 * x_s1;
         float bv = MEGA_NEG_INF;
         int bo = 0x7fffffff;
+        bool nan = false;
         if (x_s1 == 1 && aligned16(xr) && n % VEC == 0) {
 #pragma unroll 4
             for (int k = threadIdx.x * VEC; k < n; k += MEGA_THREADS * VEC) {
                 float f[VEC];
                 load16_f32(xr + k, f);
 #pragma unroll
-                for (int e = 0; e < VEC; ++e)
+                for (int e = 0; e < VEC; ++e) {
+                    nan |= f[e] != f[e];
                     if (f[e] > bv) bv = f[e], bo = k + e;
+                }
             }
         } else {
 #pragma unroll 4
             for (int k = threadIdx.x; k < n; k += MEGA_THREADS) {
                 const float v = ld_f32(xr + k * x_s1);
+                nan |= v != v;
                 if (v > bv) bv = v, bo = k;
             }
         }
+        if (nan) nan_row = m;
         long long bi = bo == 0x7fffffff ? 0x7fffffffffffffffll : k0 + bo;
         __syncwarp();  // the compiler then knows the warp converged: one copy of the shuffles, not two
         argmax_impl::block_best(bv, bi, shared_ptr(smem));
         if (threadIdx.x == 0) {
             part[m * p_s0 + c0 * p_s1] = bv;
-            part[m * p_s0 + c0 * p_s1 + 1] = (float)bi;
+            part[m * p_s0 + c0 * p_s1 + 1] = (float)(bi < N ? bi : k0);  // (no value above -inf: the first column)
         }
     }
+    if (nan_row >= 0) mega_body_error(MEGA_ERR_NAN, nan_row);
 }
 
 __device__ __noinline__ void argmax_reduce(char* smem, const float* part, long long p_s0, long long p_s1,
@@ -90,5 +103,5 @@ __device__ __noinline__ void argmax_reduce(char* smem, const float* part, long l
         if (argmax_impl::better(v, t, bv, bi)) bv = v, bi = t;
     }
     argmax_impl::block_best(bv, bi, shared_ptr(smem));
-    if (threadIdx.x == 0 && bi < T) out[c0 * out_s0] = (int)ld_cg(part + c0 * p_s0 + bi * p_s1 + 1);
+    if (threadIdx.x == 0) out[c0 * out_s0] = bi < T ? (int)ld_cg(part + c0 * p_s0 + bi * p_s1 + 1) : 0;
 }

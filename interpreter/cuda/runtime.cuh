@@ -7,6 +7,12 @@
 
 #define MEGA_ERR_TIMEOUT 1
 #define MEGA_ERR_INDEX 2
+#ifndef MEGA_ERR_NAN
+#define MEGA_ERR_NAN 4  // NaN logits in sample / argmax (detail: the row); runtime.py: ERR_NAN
+#endif
+#ifndef MEGA_ERR_NAN_SETTING
+#define MEGA_ERR_NAN_SETTING 5  // NaN temperature (detail: 2 * row) or top_p (2 * row + 1) in sample
+#endif
 
 #ifdef MEGA_TRACE
 #define MEGA_TRACE_WAITED() (t_waited = mega_globaltimer())

@@ -1,11 +1,21 @@
 // sample_row: a token drawn from row c0 of logits [R, V] (blockops/sample.py; the rule is
-// megaegg/sampling.py's, step for step): greedy at temperature <= 0; else integer token weights
-// w = floor(exp(z - max z) * 2^32) with z = l / T, the top-k and top-p thresholds found by radix
-// selection over the scores' ordered bits (counts for top-k, integer weight for top-p: exact,
-// the same in any order), and the draw from a hash of (seed, counter). One block a row; every pass
-// re-reads the row from L2 (written in this launch: L1-bypassing loads).
+// megaegg/sampling.py's, step for step and bit for bit): NaN logits or a NaN temperature / top_p
+// report MEGA_ERR_NAN / MEGA_ERR_NAN_SETTING and write token 0; greedy at temperature <= 0; else
+// scores d = (l - max l) / T <= 0 (0 where l == max l, no overflow to +inf), integer token weights
+// floor(2^32 * 2^(d log2 e)) by a fixed sequence of f32 operations (no fma: the same bits as torch's
+// on the CPU), the top-k and top-p thresholds found by radix selection over the logits' ordered
+// bits (counts for top-k, integer weight for top-p: exact, the same in any order), and the draw from
+// a hash of (seed, counter). One block a row; every pass re-reads the row from L2 (written in this
+// launch: L1-bypassing loads).
 #pragma once
 #include "common.cuh"
+
+#ifndef MEGA_ERR_NAN
+#define MEGA_ERR_NAN 4  // NaN logits (detail: the row); runtime.cuh / runtime.py: the same codes
+#endif
+#ifndef MEGA_ERR_NAN_SETTING
+#define MEGA_ERR_NAN_SETTING 5  // NaN temperature (detail: 2 * row) or top_p (2 * row + 1)
+#endif
 
 namespace sample_impl {
 
@@ -14,8 +24,27 @@ __device__ __forceinline__ unsigned order_key(float f) {  // monotone: a < b <=>
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__device__ __forceinline__ unsigned long long weight(float z, float zmax) {
-    return (unsigned long long)((double)expf(z - zmax) * 4294967296.0);  // floor: non-negative
+// The value whose order_key is k (its inverse).
+__device__ __forceinline__ float key_value(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// sampling.weights of a score d <= 0: 2^32 at d == 0; else 2^(32 + x), x = d log2 e, as floor(2^32 p(f))
+// >> -n with n = rint(x), f = x - n and p the degree-6 Taylor polynomial of 2^f (Horner); every step
+// one rounded f32 operation (__fmul_rn / __fadd_rn are never contracted into an fma).
+__device__ __forceinline__ unsigned long long weight(float d) {
+    if (d == 0.0f) return 1ull << 32;
+    const float x = __fmul_rn(d, 0x1.715476p+0f);
+    if (!(x >= -32.0f)) return 0;  // below 1 (d = -inf included)
+    const float n = rintf(x), f = __fsub_rn(x, n);
+    float p = 0x1.430912p-13f;
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.5d87fep-10f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.3b2ab6p-7f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.c6b08ep-5f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.ebfbep-3f);
+    p = __fadd_rn(__fmul_rn(p, f), 0x1.62e43p-1f);
+    p = __fadd_rn(__fmul_rn(p, f), 1.0f);
+    return (unsigned long long)__fmul_rn(p, 4294967296.0f) >> (int)(-n);  // (an integer: p * 2^32 >= 2^31)
 }
 
 __device__ __forceinline__ unsigned draw_bits(int seed, int counter) {  // sampling.draw_bits
@@ -90,12 +119,22 @@ __device__ __noinline__ void sample_row(char* smem, const T* logits, long long l
     const float temp = temperature[c0 * t_s0], p = top_p[c0 * p_s0];
     const int k = top_k[c0 * k_s0];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int* const dst = out + c0 * out_s0;
+    if (temp != temp || p != p) {  // (the same in every thread)
+        if (tid == 0) {
+            mega_body_error(MEGA_ERR_NAN_SETTING, 2 * c0 + (temp != temp ? 0 : 1));
+            *dst = 0;  // (a token in [0, V) all the same)
+        }
+        return;
+    }
 
-    // the largest logit, its first index
+    // the largest logit, its first index; any NaN
     float best = MEGA_NEG_INF;
     long long at = V;
+    bool nan = false;
     for (long long i = tid; i < V; i += MEGA_THREADS) {
         const float v = ld_f32(row + i * l_s1);
+        nan |= v != v;
         if (v > best) best = v, at = i;
     }
 #pragma unroll
@@ -105,7 +144,13 @@ __device__ __noinline__ void sample_row(char* smem, const T* logits, long long l
         if (b2 > best || (b2 == best && a2 < at)) best = b2, at = a2;
     }
     if (lane == 0) fred[warp] = best, reinterpret_cast<long long*>(red)[warp] = at;
-    mega_sync();
+    if (!mega_sync_and(!nan)) {
+        if (tid == 0) {
+            mega_body_error(MEGA_ERR_NAN, c0);
+            *dst = 0;
+        }
+        return;
+    }
     best = fred[0], at = reinterpret_cast<long long*>(red)[0];
     for (int w = 1; w < MEGA_WARPS; ++w) {
         const float b2 = fred[w];
@@ -114,41 +159,53 @@ __device__ __noinline__ void sample_row(char* smem, const T* logits, long long l
     }
     mega_sync();
     if (!(temp > 0.0f)) {  // greedy
-        if (tid == 0) out[c0 * out_s0] = (int)at;
+        if (tid == 0) *dst = at < V ? (int)at : 0;  // (at == V: an all -inf row, whose first max is 0)
         return;
     }
-    const float zmax = __fdiv_rn(best, temp);
-    auto z = [&](long long i) { return __fdiv_rn(ld_f32(row + i * l_s1), temp); };
-    auto key = [&](long long i) { return order_key(z(i)); };
+    // scores d <= 0: 0 where l == max l (+inf logits, an all -inf row); (l - max l) / T where the difference
+    // is finite, l / T - max l / T where it overflowed, else -inf; never -0 (sampling.scores)
+    auto score = [&](float v) {
+        if (v == best) return 0.0f;
+        const float s = __fsub_rn(v, best);
+        float q = MEGA_NEG_INF;
+        if (fabsf(s) <= 0x1.fffffep+127f) q = __fdiv_rn(s, temp);
+        else if (fabsf(v) <= 0x1.fffffep+127f && fabsf(best) <= 0x1.fffffep+127f)
+            q = __fsub_rn(__fdiv_rn(v, temp), __fdiv_rn(best, temp));
+        return q == 0.0f ? 0.0f : q;
+    };
+    // top-k and top-p select by the logits' order (the scores' too): keys of the logits, -0 as +0
+    auto lkey = [](float v) { return order_key(v == 0.0f ? 0.0f : v); };
+    auto key = [&](long long i) { return lkey(ld_f32(row + i * l_s1)); };
     auto all = [&](long long, unsigned) { return true; };
-    // top-k: the k-th largest score (ties kept)
+    // top-k: the k-th largest logit (ties kept)
     unsigned kth = 0;
     if (k > 0 && k < V)
         kth = radix_threshold(V, (unsigned long long)k, key, all, [](long long, unsigned) { return 1ull; }, hist, words);
     auto kept_k = [&](long long, unsigned kk) { return kk >= kth; };
-    // top-p: the largest score whose kept weight at or above it reaches max(1, floor(p * kept weight))
+    // top-p: the largest logit whose kept weight at or above it reaches max(1, floor(p * kept weight))
     unsigned t = kth;
     if (p < 1.0f) {
         unsigned long long own = 0;
         for (long long i = tid; i < V; i += MEGA_THREADS) {
-            const float zi = z(i);
-            if (order_key(zi) >= kth) own += weight(zi, zmax);
+            const float v = ld_f32(row + i * l_s1);
+            if (lkey(v) >= kth) own += weight(score(v));
         }
-        const unsigned long long total = block_sum_u64(own, red);
-        unsigned long long need = (unsigned long long)((double)p * (double)total);
-        need = need < 1 ? 1 : need;
+        const unsigned long long total = block_sum_u64(own, red);  // >= 2^32: the maxima are kept
+        const double prod = (double)p * (double)total;
+        const unsigned long long need = prod >= 1.0 ? (unsigned long long)prod : 1ull;
         const unsigned tp = radix_threshold(V, need, key, kept_k,
-                                            [&](long long i, unsigned) { return weight(z(i), zmax); }, hist, words);
+                                            [&](long long, unsigned kk) { return weight(score(key_value(kk))); }, hist, words);
         t = tp > kth ? tp : kth;
     }
     // the draw: the first index (vocabulary order) where the running kept weight exceeds
-    // floor(total * u / 2^24); thread t walks its own contiguous chunk
+    // floor(total * u / 2^24); thread t walks its own contiguous chunk. total <= V * 2^32 < 2^63
+    auto kept_weight = [&](long long i) {
+        const float v = ld_f32(row + i * l_s1);
+        return lkey(v) >= t ? weight(score(v)) : 0ull;
+    };
     const long long chunk = (V + MEGA_THREADS - 1) / MEGA_THREADS, lo = tid * chunk, hi = min_i64(V, lo + chunk);
     unsigned long long own = 0;
-    for (long long i = lo; i < hi; ++i) {
-        const float zi = z(i);
-        if (order_key(zi) >= t) own += weight(zi, zmax);
-    }
+    for (long long i = lo; i < hi; ++i) own += kept_weight(i);
     // exclusive scan of the chunks' weights over the block
     unsigned long long incl = own;
 #pragma unroll
@@ -165,14 +222,13 @@ __device__ __noinline__ void sample_row(char* smem, const T* logits, long long l
     }
     const unsigned long long excl = base + incl - own;
     const unsigned long long u = draw_bits(seed[c0 * s_s0], counter[c0 * n_s0]);
-    const unsigned long long target = (total >> 24) * u + (((total & 0xFFFFFFull) * u) >> 24);
-    if (excl <= target && target < excl + own) {  // exactly one thread: the weights are exact
+    const unsigned long long target = (total >> 24) * u + (((total & 0xFFFFFFull) * u) >> 24);  // < total
+    if (excl <= target && target < excl + own) {  // exactly one thread: the weights are exact, total > 0
         unsigned long long acc = excl;
         for (long long i = lo; i < hi; ++i) {
-            const float zi = z(i);
-            if (order_key(zi) >= t) acc += weight(zi, zmax);
+            acc += kept_weight(i);
             if (acc > target) {
-                out[c0 * out_s0] = (int)i;
+                *dst = (int)i;
                 break;
             }
         }

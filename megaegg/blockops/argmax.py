@@ -2,7 +2,8 @@
 
 ``argmax_partial``: ``x[M, N]`` -> ``part[M, T, 2]`` (f32: best value, its index),
 ``T = ceil(N / chunk)``, one chunk per instance. ``argmax_reduce``: ``part`` -> i32
-``out[M]``. Ties resolve to the lowest index, as ``torch.argmax`` does.
+``out[M]``. Ties resolve to the lowest index, as ``torch.argmax`` does (a row of -inf: 0); a NaN
+is an error naming its row (``megaegg.sampling.NaNError``; MEGA_ERR_NAN in the CUDA body).
 """
 
 from __future__ import annotations
@@ -12,8 +13,17 @@ import torch
 from ..dims import as_dim, ceildiv
 from ..dtypes import f32 as F32
 from ..graph import GraphError
+from ..sampling import NaNError
 from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
 from .footprint import Full, Tile
+from .sample import op_name
+
+
+def nan_rows(x: torch.Tensor, op) -> None:
+    """Raise NaNError naming the first row of ``x [M, n]`` that holds a NaN."""
+    bad = torch.isnan(x).any(-1).nonzero()
+    if bad.numel():
+        raise NaNError(f"NaN logits in row {int(bad[0])} of {op_name(op)}")
 
 
 @register
@@ -32,6 +42,7 @@ class ArgmaxPartial(BlockKind):
     def cpu(self, op, env, ins, out):
         chunk, t = op.params["chunk"], env["_i0"]
         x = f32(ins[0][:, t * chunk : (t + 1) * chunk])
+        nan_rows(x, op)
         val, idx = x.max(-1)
         out[:, t, 0] = val
         out[:, t, 1] = (idx + t * chunk).float()

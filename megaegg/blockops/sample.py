@@ -1,12 +1,19 @@
 """sample: a token drawn from each row of ``logits[R, V]`` (``megaegg.sampling`` is the rule); one
 row per instance. The per-row settings (temperature, top-k, top-p, seed, counter) are i32 / f32
-vectors read at the instance's row."""
+vectors read at the instance's row. NaN logits (or a NaN temperature / top_p) are an error naming
+the row (``sampling.NaNError`` here, MEGA_ERR_NAN / MEGA_ERR_NAN_SETTING in the CUDA body, which then
+writes token 0)."""
 
 from __future__ import annotations
 
 from ..sampling import sample_row
 from .base import BlockKind, Partition, Term, c_call, fields, register, term
 from .footprint import Full, Tile
+
+
+def op_name(op) -> str:
+    """How errors name a block op (interpreter/runtime.py: CudaRunner.check names it the same way)."""
+    return f"op{op.id} {op.kind} (graph nodes {list(op.sources)})"
 
 
 @register
@@ -21,7 +28,8 @@ class Sample(BlockKind):
     def cpu(self, op, env, ins, out):
         logits, temperature, top_k, top_p, seed, counter = ins
         i = env["_i0"]
-        out[i] = sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]), int(seed[i]), int(counter[i]))
+        out[i] = sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]), int(seed[i]), int(counter[i]),
+                            row=i, where=op_name(op))
 
     def bytes_moved(self, op, env):
         rows, vocab = (d.eval(env) for d in op.inputs[0].shape)
