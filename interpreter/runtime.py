@@ -16,14 +16,21 @@ import torch
 
 from ..lowering.queue import WorkQueue
 from ..ops import MAX_RANKS  # (megakernel.cu: MEGA_MAX_RANKS, the size of MegaArgs.peers)
+from ..sampling import NaNError
 from .render import launch_shape
 
 CONTROL_WORDS = 8
 ERR_TIMEOUT, ERR_INDEX, ERR_LAYOUT = 1, 2, 3
+ERR_NAN, ERR_NAN_SETTING = 4, 5  # (runtime.cuh: MEGA_ERR_NAN, MEGA_ERR_NAN_SETTING; sample.cuh, argmax.cuh)
 
 
 class MegakernelError(RuntimeError):
     """The kernel stopped itself: a barrier timed out or a data-dependent index was out of range."""
+
+
+class MegakernelNaNError(MegakernelError, NaNError):
+    """NaN logits (or a NaN temperature / top_p) reached ``sample`` or ``argmax``: the same
+    :class:`~megaegg.sampling.NaNError` that the reference and the simulator raise."""
 
 
 def _drv(result, what: str):
@@ -54,17 +61,21 @@ class CudaRunner:
         props = torch.cuda.get_device_properties(device)
         self.sms = props.multi_processor_count
         self.threads, self.smem = launch_shape(defines)  # launch what was compiled
-        # a static schedule needs every block resident at once (megakernel.cu): launch cooperatively,
-        # so the driver refuses instead of leaving a block to wait for one that never starts
-        self.cooperative = bool(defines.get("MEGA_STATIC"))
         if smem_bytes(device) < self.smem:
             raise RuntimeError(f"the megakernel needs {self.smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
         _drv(driver.cuFuncSetAttribute(
             self.func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem),
             "cuFuncSetAttribute")
         mem = queue.memory
-        self.arena = torch.empty(mem.arena_bytes, dtype=torch.uint8, device=device)
-        self.counters = torch.zeros(2 * max(1, mem.counters), dtype=torch.int32, device=device)
+        try:  # (megaegg.compiler.Kernel checked these fit; another process may have taken the memory since)
+            self.arena = torch.empty(mem.arena_bytes, dtype=torch.uint8, device=device)
+            self.counters = torch.zeros(2 * max(1, mem.counters), dtype=torch.int32, device=device)
+        except torch.OutOfMemoryError:
+            from ..graph import GraphError, fmt_bytes
+
+            raise GraphError(f"the kernel's work area ({fmt_bytes(mem.arena_bytes + 8 * max(1, mem.counters))}: arena and "
+                             f"counters) does not fit the free memory of {device}: free some, or compile with smaller "
+                             "max_dims") from None
         self.control = torch.zeros(CONTROL_WORDS, dtype=torch.int64, device=device)
         self.parity = 0
         self.bound = bound  # weights and constants, kept alive here
@@ -111,10 +122,7 @@ class CudaRunner:
             a[self.ptr_base + self.q.memory.pointer_slot[buf]] = t.data_ptr()
         stream = torch.cuda.current_stream(self.device).cuda_stream
         grid, params = (self.func, self.sms, 1, 1, self.threads, 1, 1, self.smem, stream), ctypes.addressof(self._param)
-        if self.cooperative:
-            _drv(driver.cuLaunchCooperativeKernel(*grid, params), "cuLaunchCooperativeKernel")
-        else:
-            _drv(driver.cuLaunchKernel(*grid, params, 0), "cuLaunchKernel")
+        _drv(driver.cuLaunchKernel(*grid, params, 0), "cuLaunchKernel")
         self.parity ^= 1
         self.stats.launches += 1
 
@@ -138,6 +146,10 @@ class CudaRunner:
                 f"(producer op{self.q.barriers.sets[w.barrier_set].producer}{src}), counter {w.index}, expected {w.expected}")
         if code == ERR_INDEX:
             raise MegakernelError(f"index out of range in {what}, instance {inst}: value {detail}")
+        if code == ERR_NAN:
+            raise MegakernelNaNError(f"NaN logits in row {detail} of {what}")
+        if code == ERR_NAN_SETTING:
+            raise MegakernelNaNError(f"NaN {('temperature', 'top_p')[detail % 2]} in row {detail // 2} of {what}")
         if code == ERR_LAYOUT:
             raise MegakernelError(f"unsupported operand layout in {what}, instance {inst}: its body takes "
                                   "contiguous, 16-byte aligned rows")

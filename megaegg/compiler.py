@@ -11,15 +11,19 @@ True
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
+import math
+import os
 import time
-from typing import Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
 from .artifact import Artifact, artifact_key, load_cached, store_cached
 from .dims import evaluate_shape, fmt_shape
-from .graph import Graph, GraphError
+from .graph import IN_PLACE_OPS, Graph, GraphError, fmt_bytes
 from .rewrite import schedule
 from .rewrite.cost import CostModel
 from .rewrite.program import Operand, swap_last
@@ -34,6 +38,7 @@ def compile_options(graph: Graph, max_dims: Mapping[str, int] | None, dims_hint:
     """The options that decide an artifact, checked against the graph's runtime dims."""
     if not isinstance(graph, Graph):
         raise GraphError(f"graph must be a megaegg.Graph, got {type(graph).__name__}")
+    graph.check()  # (a node list edited by hand: dangling ids, cycles)
     if not graph.outputs:
         raise GraphError("graph has no outputs: call graph.output(name, tensor)")
     symbols = sorted(graph.symbols())
@@ -75,7 +80,7 @@ def build_artifact(
     queue = build_queue(program, opts["max_dims"])
     t2 = time.perf_counter()
     defs = defines()
-    rendered = render(queue, defs)
+    rendered = render(queue)
     t3 = time.perf_counter()
     timings = {"rewrite": t1 - t0, **{f"rewrite.{k}": v for k, v in stats.seconds.items()},
                "barriers+queue": t2 - t1, "render": t3 - t2}
@@ -112,7 +117,7 @@ def cached_artifact(graph: Graph, *, max_dims=None, cost_model=None, dims_hint=N
     from .interpreter.render import defines
 
     key = artifact_key(graph, {**opts, "defines": defines()})
-    art = load_cached(key)
+    art = load_cached(key, graph)  # None: absent, caching off, or a bad entry (warned about once): rebuilt
     if art is None:
         art = build_artifact(graph, compile_cuda=compile_cuda, **opts)
         store_cached(key, art)
@@ -123,6 +128,206 @@ def cached_artifact(graph: Graph, *, max_dims=None, cost_model=None, dims_hint=N
         compile_kernel(art)
         store_cached(key, art)
     return art
+
+
+# --- memory: what a kernel holds, and whether it fits ---------------------------------------------
+CONTROL_BYTES = 64  # the control record (interpreter/runtime.py: CONTROL_WORDS int64)
+
+
+def tensor_bytes(shape, dtype, max_dims: Mapping[str, int]) -> int:
+    """Bytes of a tensor of ``shape`` (runtime dims at most ``max_dims``) and ``dtype``, at its largest."""
+    from .lowering.queue import upper_bound
+
+    return dtype.itemsize * math.prod(upper_bound(d, max_dims) for d in shape)
+
+
+def leaf_memory(leaves: Iterable[tuple[str, str, object, tuple]], max_dims: Mapping[str, int]) -> list[tuple[str, str, int]]:
+    """(kind, what, bytes) of each leaf (kind, name, dtype, shape): a weight or constant bound once, an input
+    or a cache (an input updated in place) that a call passes, at ``max_dims``."""
+    return [(kind, f"{kind} {name!r} {dtype}{fmt_shape(shape)}", tensor_bytes(shape, dtype, max_dims))
+            for kind, name, dtype, shape in leaves]
+
+
+def kernel_memory(artifact: Artifact) -> list[tuple[str, str, int]]:
+    """Everything a compiled kernel needs in memory, (kind, what, bytes), at its ``max_dims``: each weight and
+    constant it binds, each input and cache a call passes, and its work area (the arena of intermediate
+    tensors, the barrier counters and accumulators of both parities, the control record and the op table,
+    a tensor-parallel peer region). The one place these sizes are computed (``Kernel`` checks them)."""
+    queue = artifact.queue
+    kinds = {"weight": "weight", "constant": "constant", "input": "input", "state": "cache"}
+    leaves = [(kinds[b.kind], b.name, b.dtype, swap_last(b.shape) if b.transposed else b.shape)
+              for b in queue.program.buffers if b.kind in kinds]
+    mem = queue.memory
+    work = (mem.arena_bytes + 2 * 4 * max(1, mem.counters) + CONTROL_BYTES + 8 * len(artifact.table or ())
+            + (mem.peer.region_bytes if mem.peer else 0))
+    dims = ", ".join(f"{k}={v}" for k, v in queue.max_dims.items() if k in queue.program.symbols)
+    what = f"work area (arena and counters{f' at max_dims {dims}' if dims else ''})"
+    return leaf_memory(leaves, queue.max_dims) + [("work area", what, work)]
+
+
+def graph_memory(graph: Graph, max_dims: Mapping[str, int]) -> list[tuple[str, str, int]]:
+    """:func:`kernel_memory`'s leaves, from the graph (before it is compiled): the weights and constants the
+    outputs read, the inputs (a cache: the first operand of an in-place op)."""
+    live = graph.live_nodes()
+    caches = {n.inputs[0] for n in graph.nodes if n.op in IN_PLACE_OPS and n.id in live}
+    kind = {"weight": "weight", "constant": "constant", "input": "input"}
+    return leaf_memory([("cache" if n.id in caches else kind[n.op], n.name, n.dtype, n.shape)
+                        for n in graph.nodes if n.op in kind and n.id in live], max_dims)
+
+
+def host_memory() -> int | None:
+    """Bytes of memory on the host (its physical memory, or a smaller cgroup limit); None where unknown."""
+    total = None
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # (not on every platform)
+        pass
+    for file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(file) as f:
+                limit = int(f.read().strip())  # ("max": no limit, a ValueError)
+        except (OSError, ValueError):
+            continue
+        if limit > 0 and (total is None or limit < total):
+            total = limit
+    return total
+
+
+def memory_of(device) -> tuple[str, int | None, int | None]:
+    """(how messages name it, total bytes, bytes free now) of the memory ``device``'s tensors live in: a GPU's,
+    or the host's for the CPU (and the simulator; its free bytes: None, the OS pages memory in and out)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cached blocks
+        return f"GPU {device}", total, free
+    if device.type == "cpu":
+        return "the host", host_memory(), None
+    return str(device), None, None
+
+
+def check_fits(needs: Sequence[tuple[str, str, int]], device, *, now: int = 0, hint: str = "") -> None:
+    """Refuse what cannot fit ``device``'s memory with a GraphError naming it and its size: any one of
+    ``needs`` (kind, what, bytes), or all of them together; ``now``: bytes about to be allocated on
+    ``device``, against its free memory. ``hint`` ends a message about the work area or the inputs."""
+    where, total, free = memory_of(device)
+    if total is not None:
+        for kind, what, n in needs:
+            if n > total:
+                tail = hint if kind in ("work area", "input", "cache") else ""
+                raise GraphError(f"{what} needs {fmt_bytes(n)}; {where} has {fmt_bytes(total)}{tail}")
+        need = sum(n for _, _, n in needs)
+        if need > total:
+            by_kind: dict[str, int] = {}
+            for kind, _, n in needs:
+                by_kind[kind] = by_kind.get(kind, 0) + n
+            parts = ", ".join(f"{kind}{'s' if kind not in ('work area',) else ''} {fmt_bytes(n)}"
+                              for kind, n in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+            raise GraphError(f"the kernel needs {fmt_bytes(need)} in all ({parts}); {where} has {fmt_bytes(total)}{hint}")
+    if free is not None and now > free:
+        raise GraphError(f"binding the kernel allocates {fmt_bytes(now)} on {where}, which has {fmt_bytes(free)} free{hint}")
+
+
+# --- aliasing: tensors the kernel writes must not share memory with another it reads or writes ------
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, last + 1)`` that ``t``'s elements occupy; (0, 0) for an empty tensor."""
+    n = t.numel()
+    if n == 0:
+        return 0, 0
+    p, size = t.data_ptr(), t.element_size()
+    if t.is_contiguous():
+        return p, p + n * size
+    lo = hi = 0
+    for d, st in zip(t.shape, t.stride()):
+        if st > 0:
+            hi += (d - 1) * st
+        else:
+            lo += (d - 1) * st
+    return p + lo * size, p + (hi + 1) * size
+
+
+class Spans:
+    """The byte ranges of tensors bound once (weights, constants): which one a range overlaps, by bisection."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.spans = sorted(((s, e, what) for what, t in named for s, e in [_span(t)] if e > s), key=lambda x: x[0])
+        self.starts = [s for s, _, _ in self.spans]
+        self.max_end = list(itertools.accumulate((e for _, e, _ in self.spans), max))
+
+    def find(self, start: int, end: int) -> str | None:
+        i = bisect.bisect_left(self.starts, end)  # spans[:i] start before ``end``
+        if i == 0 or self.max_end[i - 1] <= start:
+            return None
+        return next(what for s, e, what in reversed(self.spans[:i]) if e > start)
+
+
+def check_aliasing(entries: Iterable[tuple[str, torch.Tensor, bool]], bound: Spans | None = None) -> None:
+    """``entries``: (what, tensor, written in place) of a call's tensors. Two that share memory (the same
+    tensor, views of one, overlapping byte ranges), at least one of them written by the kernel, or a written
+    one sharing memory with a ``bound`` weight: a GraphError naming both (read-only ones may alias)."""
+    spans = sorted(((s, e, what, w) for what, t, w in entries for s, e in [_span(t)] if e > s), key=lambda x: x[0])
+    for i, (s, e, what, w) in enumerate(spans):
+        for s2, _, what2, w2 in itertools.islice(spans, i + 1, None):
+            if s2 >= e:
+                break
+            if w or w2:
+                raise _alias_error(what, w, what2, w2)
+        if w and bound is not None:
+            hit = bound.find(s, e)
+            if hit is not None:
+                raise GraphError(f"{what}, which the kernel updates in place, shares memory with {hit}: the call "
+                                 "would overwrite it; pass a separate tensor")
+
+
+def _alias_error(a: str, a_written: bool, b: str, b_written: bool) -> GraphError:
+    if a_written and b_written:
+        a, b = sorted((a, b))
+        return GraphError(f"{a} and {b} share memory (the same tensor, or overlapping views): the kernel updates "
+                          "both in place; pass a separate tensor for each")
+    if a_written:
+        a, b = b, a
+    return GraphError(f"{a} shares memory with {b}, which the kernel updates in place: pass separate tensors "
+                      f"(or a copy of {a.split(' ', 1)[-1]})")
+
+
+class AliasGuard:
+    """:func:`check_aliasing` at every call, cheap when the tensors written in place (the caches) are those
+    of the last call: then only the read-only inputs are checked against them."""
+
+    def __init__(self, bound_named: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
+        """``bound_named``: (what, tensor) bound to the kernel (weights, constants), which no written tensor may share."""
+        self.bound_named = list(bound_named)
+        self.bound = Spans(self.bound_named)
+        self.key, self.written = None, None
+
+    def check(self, labels: Sequence[str], written: list[torch.Tensor], others: list[tuple[str, torch.Tensor]],
+              extra=()) -> None:
+        """``written``: the tensors updated in place, ``labels`` their names; ``others``: (what, tensor) only read;
+        ``extra``: what else decides the written tensors' byte ranges (their runtime dims), with their addresses."""
+        key = [t.data_ptr() for t in written]
+        key.append(extra)
+        if key != self.key:
+            self.key = None
+            check_aliasing([*zip(labels, written, itertools.repeat(True)), *((w, t, False) for w, t in others)],
+                           self.bound)
+            self.key, self.written = key, Spans(zip(labels, written))
+            return
+        for what, t in others:
+            s, e = _span(t)
+            hit = self.written.find(s, e) if e > s else None
+            if hit is not None:
+                raise _alias_error(what, False, hit, True)
+
+
+def _check_has_data(what: str, t: torch.Tensor) -> None:
+    """A tensor on the meta device (shapes only) or a sparse one: a GraphError naming it, not torch's error."""
+    if t.is_meta:
+        raise GraphError(f"{what} is on the meta device (no data): load it first (e.g. to_empty() and load_state_dict(), "
+                         "or from a checkpoint)")
+    if t.layout != torch.strided:
+        raise GraphError(f"{what} is a {t.layout} tensor: pass a dense one (.to_dense())")
 
 
 class Kernel:
@@ -138,6 +343,15 @@ class Kernel:
         self.weights = self._bind_weights(weights)
         bound = {**{b: t.to(self.device) for b, t in artifact.constants.items()}, **self.weights_by_buffer}
         self.bound = bound
+        buffers = self.program.buffers
+        self._state_ids = tuple(b.id for b in buffers if b.kind == "state")  # inputs updated in place
+        self._written = frozenset(self._state_ids)
+        self._labels = {b.id: f"input {b.name!r}" for b in buffers if b.kind in ("input", "state")}
+        self._state_labels = [self._labels[i] for i in self._state_ids]
+        # the written inputs' byte ranges follow from their addresses, and from the runtime dims if their shapes hold any
+        self._state_symbolic = any(not d.is_const for i in self._state_ids for d in buffers[i].shape)
+        self._alias = AliasGuard([(f"{buffers[i].kind} {buffers[i].name!r}", t) for i, t in bound.items()]) \
+            if self._written else None
         self._runner = None
         if backend == "cuda":
             from .interpreter.runtime import CudaRunner
@@ -160,13 +374,17 @@ class Kernel:
         if unknown:  # a typo or a stale name would otherwise be ignored silently
             raise GraphError(f"unknown weight(s): {', '.join(map(repr, unknown))}; the compiled graph reads: "
                              f"{', '.join(map(repr, names)) or 'none'}")
-        out, self.weights_by_buffer = {}, {}
         for b in want:
             t = weights[b.name]
             shape = swap_last(b.shape) if b.transposed else b.shape  # the user's shape
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != evaluate_shape(shape, {}) or t.dtype != b.dtype.torch:
                 got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise GraphError(f"weight {b.name!r}: expected {b.dtype}{fmt_shape(shape)}, got {got}")
+            _check_has_data(f"weight {b.name!r}", t)
+        self._check_memory(weights)  # before copying anything
+        out, self.weights_by_buffer = {}, {}
+        for b in want:
+            t = weights[b.name]
             if b.transposed:  # a weight a block op reads transposed: stored with its last two dims swapped
                 stored = t.to(self.device).transpose(-1, -2).contiguous()
                 out.setdefault(b.name, stored.transpose(-1, -2))  # the user's layout, as a view: no second copy
@@ -174,6 +392,28 @@ class Kernel:
                 stored = out[b.name] = t.to(self.device).contiguous()
             self.weights_by_buffer[b.id] = stored
         return out
+
+    def memory(self) -> list[tuple[str, str, int]]:
+        """(kind, what, bytes) of everything this kernel needs in memory at its max_dims (:func:`kernel_memory`)."""
+        return kernel_memory(self.artifact)
+
+    def _check_memory(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Refuse a kernel whose weights, caches, inputs or work area cannot fit the device (the host for
+        the simulator), naming the one that does not fit and its size; on a GPU, also what binding it
+        allocates now (the work area, the weights not already there) against the free memory."""
+        needs = self.memory()
+        now = 0
+        if self.backend == "cuda":
+            now = sum(n for kind, _, n in needs if kind in ("work area", "constant"))
+            for b in self.program.buffers:
+                if b.kind != "weight":
+                    continue
+                t = weights[b.name]
+                there = t.device.type == "cuda" and self.device.index in (None, t.device.index)
+                if b.transposed or not there or not t.is_contiguous():
+                    now += tensor_bytes(b.shape, b.dtype, {})
+        hint = " (compile with smaller max_dims)" if self.program.symbols else ""
+        check_fits(needs, self.device, now=now, hint=hint)
 
     def _one_rank(self) -> None:
         """A kernel of several ranks runs only with its peers (alone, its waits on them would time out)."""
@@ -210,6 +450,7 @@ class Kernel:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != b.dtype.torch:
                 got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise GraphError(f"input {name!r}: expected {b.dtype}{list(shape)}, got {got}")
+            _check_has_data(f"input {name!r}", t)
             if t.device.type != self.device.type:
                 if b.kind == "state":
                     raise GraphError(f"input {name!r} is updated in place and must live on {self.device}, not {t.device}")
@@ -219,6 +460,10 @@ class Kernel:
                     raise GraphError(f"input {name!r} is updated in place and must be contiguous")
                 t = t.contiguous()
             tensors[b.id] = t
+        if self._alias is not None:  # (the tensors as the kernel sees them: a copied input aliases nothing)
+            self._alias.check(self._state_labels, [tensors[i] for i in self._state_ids],
+                              [(self._labels[i], t) for i, t in tensors.items() if i not in self._written],
+                              tuple(dims.values()) if self._state_symbolic else ())
         return tensors, dims
 
     # --- running ----------------------------------------------------------------------
@@ -331,6 +576,10 @@ def compile(  # noqa: A001 - the public name the API promises
     so a graph compiled before, in any process, starts without a rewrite or NVRTC.
     """
     backend = resolve_backend(backend)
+    opts = compile_options(graph, max_dims, dims_hint, cost_model)
+    target = torch.device(device or ("cuda" if backend == "cuda" else "cpu"))
+    check_fits(graph_memory(graph, opts["max_dims"]), target,  # before the rewrite: a leaf that cannot fit
+               hint=" (compile with smaller max_dims)" if graph.symbols() else "")
     build = cached_artifact if cache else build_artifact
     art = build(graph, max_dims=max_dims, cost_model=cost_model, dims_hint=dims_hint, compile_cuda=backend == "cuda")
     return Kernel(art, weights if weights is not None else {}, backend=backend, device=device)

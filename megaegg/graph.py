@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .dims import Dim, DimLike, as_dim, fmt_shape
 from .dtypes import DType, as_dtype, bf16
@@ -40,6 +40,41 @@ def check_static_dims(what: str, shape: Sequence[DimLike], skip: Iterable[int] =
         d = as_dim(d)
         if i not in skip and d.is_const and d.value < 1:
             raise ShapeError(f"{what}: dim {i} of shape {fmt_shape(shape)} is {d.value}; static dims must be >= 1")
+
+
+# the most bytes a tensor may declare (its static dims' product): 2**62 keeps every byte offset an int64
+MAX_TENSOR_BYTES = 2**62
+
+
+def check_size(what: str, shape: Sequence[Dim], dtype: DType) -> None:
+    """A tensor whose static dims alone make more than MAX_TENSOR_BYTES: a ShapeError naming it and its size."""
+    n = dtype.itemsize
+    for d in shape:
+        if d.is_const and d.value > 0:
+            n *= d.value
+    if n > MAX_TENSOR_BYTES:
+        raise ShapeError(f"{what}: {dtype}{fmt_shape(shape)} is {fmt_bytes(n)}; a tensor holds at most 2**62 bytes")
+
+
+def fmt_bytes(n: int) -> str:
+    """A size for people, in decimal units (as the CLI's GB): ``fmt_bytes(17_592_186_044_416) == '17.6 TB'``."""
+    for unit, scale in (("EB", 10**18), ("PB", 10**15), ("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def known_ops() -> frozenset[str]:
+    """The ops a graph may hold: the leaves and every op ``run_reference`` (and the compiler) knows."""
+    global _KNOWN_OPS
+    if _KNOWN_OPS is None:
+        from .reference import _EVAL
+
+        _KNOWN_OPS = frozenset(_EVAL) | frozenset(LEAF_OPS) | frozenset(COLLECTIVES)
+    return _KNOWN_OPS
+
+
+_KNOWN_OPS: frozenset[str] | None = None
 
 
 def leaf_shape(what: str, shape) -> tuple[Dim, ...]:
@@ -177,12 +212,14 @@ class Graph:
             raise GraphError(f"{op} {name!r}: a leaf with this name already exists")
         shape = leaf_shape(f"{op} {name!r}", shape)
         check_static_dims(f"{op} {name!r}", shape)
-        t = self.add_node(op, (), shape, as_dtype(dtype), attrs, name=name)
+        t = self._append(op, (), shape, dtype, attrs, name, f"{op} {name!r}")
         self._leaf_names[name] = t.id
         return t
 
     # --- outputs ----------------------------------------------------------------
     def output(self, name: str, tensor: Tensor) -> Tensor:
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"output: name must be a non-empty string, got {name!r}")
         self.check_owned("output", tensor)
         if name in self.outputs:
             raise GraphError(f"output {name!r} is already defined")
@@ -191,9 +228,65 @@ class Graph:
 
     # --- building ---------------------------------------------------------------
     def add_node(self, op: str, inputs: Iterable[int], shape, dtype: DType, attrs=None, name=None) -> Tensor:
-        node = Node(len(self.nodes), op, tuple(inputs), tuple(as_dim(d) for d in shape), dtype, dict(attrs or {}), name)
+        """The low-level node API (``megaegg.ops`` builds every op through it): appends node
+        ``%len(nodes)`` reading the earlier nodes ``inputs``. A bad argument (an unknown op, an input
+        id that is not an earlier node: dangling, negative, a forward reference or a cycle, a shape,
+        dtype, attrs or name of the wrong type) is a GraphError naming the node and what is wrong."""
+        nid = len(self.nodes)
+        if not isinstance(op, str) or not op:
+            raise GraphError(f"add_node %{nid}: op must be a non-empty string, got {op!r}")
+        what = f"add_node %{nid} ({op})"
+        if op in LEAF_OPS:
+            raise GraphError(f"{what}: leaves are declared with graph.{op}(name, ...), not add_node")
+        if op not in known_ops():
+            raise GraphError(f"{what}: unknown op {op!r}; known ops: {', '.join(sorted(known_ops()))}")
+        try:
+            ids = tuple(inputs)
+        except TypeError:
+            raise GraphError(f"{what}: inputs must be a sequence of node ids, got {inputs!r}") from None
+        for i in ids:
+            if isinstance(i, Tensor):
+                raise GraphError(f"{what}: inputs are node ids (tensor.id), got the Tensor {i!r}")
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise GraphError(f"{what}: input {i!r} is not a node id (an int)")
+            if not 0 <= i < nid:
+                where = "the node itself (a cycle)" if i == nid else \
+                    "a later node (a forward reference: nodes read only earlier nodes)" if i > nid else "negative"
+                raise GraphError(f"{what}: input id {i} is {where}; "
+                                 f"{f'nodes so far: %0..%{nid - 1}' if nid else 'the graph has no nodes yet'}")
+        return self._append(op, ids, shape, dtype, attrs, name, what)
+
+    def _append(self, op: str, ids: tuple[int, ...], shape, dtype, attrs, name, what: str) -> Tensor:
+        if attrs is not None and not isinstance(attrs, Mapping):
+            raise GraphError(f"{what}: attrs must be a dict, got {type(attrs).__name__}")
+        if name is not None and not isinstance(name, str):
+            raise GraphError(f"{what}: name must be a string or None, got {name!r}")
+        try:
+            dims = tuple(as_dim(d) for d in shape)
+        except TypeError:
+            raise ShapeError(f"{what}: shape must be a list of ints and dims (me.sym), got {shape!r}") from None
+        try:
+            dtype = as_dtype(dtype)
+        except TypeError as e:
+            raise GraphError(f"{what}: {e}") from None
+        check_size(f"{what}" if name is None else f"{op} {name!r}", dims, dtype)
+        node = Node(len(self.nodes), op, ids, dims, dtype, dict(attrs or {}), name)
         self.nodes.append(node)
         return Tensor(self, node.id)
+
+    def check(self) -> None:
+        """The node list is a graph: ids in order, every input an earlier node, outputs existing nodes
+        (``nodes`` is a plain list: an edited one would otherwise fail deep inside compile)."""
+        for i, n in enumerate(self.nodes):
+            if not isinstance(n, Node) or n.id != i:
+                raise GraphError(f"graph {self.name!r}: nodes[{i}] is {n!r}, not node %{i} (edit graphs through add_node)")
+            bad = [j for j in n.inputs if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < i]
+            if bad:
+                raise GraphError(f"graph {self.name!r}: node {n.label} reads {bad[0]!r}, which is not an earlier node "
+                                 "(dangling, or a cycle)")
+        for name, i in self.outputs.items():
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.nodes):
+                raise GraphError(f"graph {self.name!r}: output {name!r} is {i!r}, not a node of the graph")
 
     def check_owned(self, op: str, *tensors: Tensor) -> None:
         for t in tensors:

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 import torch
 
 from .artifact import Artifact
-from .compiler import Kernel, resolve_backend
+from .compiler import AliasGuard, Kernel, check_fits, kernel_memory, resolve_backend
 from .graph import GraphError
 
 
@@ -52,11 +52,20 @@ class ParallelKernel:
             enable_peer_access([d.index for d in devices])
         else:
             devices = [torch.device("cpu")] * self.ranks
+            # every rank's weights, caches and work area share the host: all of them must fit it (each Kernel
+            # checks its own rank alone)
+            check_fits([(kind, f"rank {r}'s {what}", n) for r in range(self.ranks) for kind, what, n in kernel_memory(artifact)],
+                       "cpu", hint=" (compile with smaller max_dims)" if artifact.queue.program.symbols else "")
         self.devices = devices
         self.kernels = []
         for w, d in zip(weights, devices):
             with _on(d):
                 self.kernels.append(Kernel(artifact, w, backend=self.backend, device=d))
+        # a tensor one rank updates in place must not be another rank's tensor (or weight) too
+        k0 = self.kernels[0]
+        self._alias = AliasGuard([(f"rank {r}'s {what}", t) for r, k in enumerate(self.kernels)
+                                  for what, t in k._alias.bound_named]) if k0._state_ids else None
+        self._alias_labels = [f"rank {r}'s {label}" for r in range(self.ranks) for label in k0._state_labels]
         if self.backend == "cuda":
             regions = [k._runner.peer_region.data_ptr() for k in self.kernels]
             for r, k in enumerate(self.kernels):
@@ -67,6 +76,7 @@ class ParallelKernel:
         if isinstance(inputs, Mapping) or len(inputs) != self.ranks:
             raise GraphError(f"inputs: one dict per rank wanted ({self.ranks})")
         split = [k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)]
+        self._check_aliasing(split)
         if self.backend == "sim":
             return self._run_sim([split], self.schedule)[0]
         for k, d, (tensors, env) in zip(self.kernels, self.devices, split):  # every rank's kernel, then wait
@@ -109,7 +119,20 @@ class ParallelKernel:
         peer counters carry over and the peer buffers alternate between ``halves`` copies, as on the
         GPU (2; a test passes 1 to see an early overwrite caught). Every launch's outputs, per rank."""
         split = [[k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)] for inputs, dims in steps]
+        for s in split:
+            self._check_aliasing(s)
         return self._run_sim(split, schedule, halves)
+
+    def _check_aliasing(self, split) -> None:
+        """Across the ranks of one launch (each rank's own tensors were checked by its Kernel)."""
+        if self._alias is None:
+            return
+        written, others = [], []
+        for r, (k, (tensors, _)) in enumerate(zip(self.kernels, split)):
+            written += [tensors[i] for i in k._state_ids]
+            others += [(f"rank {r}'s {k._labels[i]}", t) for i, t in tensors.items() if i not in k._written]
+        self._alias.check(self._alias_labels, written, others,
+                          tuple(tuple(env.values()) for _, env in split) if self.kernels[0]._state_symbolic else ())
 
     def _run_sim(self, launches, schedule, halves: int = 2) -> list[list[dict[str, torch.Tensor]]]:
         from .interpreter.simulator import RankState, Schedule, Simulation, poison, run_launches

@@ -153,3 +153,92 @@ def test_kv_append_position_out_of_range():
     g.output("k", me.kv_append(kc, g.input("n", [2, 8], me.f32), P))
     with pytest.raises(GraphError, match="position 4 outside"):
         me.run_reference(g, {"kc": torch.randn(2, 4, 8), "n": torch.randn(2, 8)}, {}, {"pos": 4})
+
+
+# --- the low-level node API: every bad argument names the node and what is wrong (issue 36) --------
+def _one_leaf():
+    g = me.Graph()
+    g.input("x", [4], me.f32)
+    return g
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (dict(op="silu", inputs=[5]), r"add_node %1 \(silu\): input id 5 is a later node \(a forward reference"),
+    (dict(op="silu", inputs=[1]), r"add_node %1 \(silu\): input id 1 is the node itself \(a cycle\)"),
+    (dict(op="silu", inputs=[-1]), r"add_node %1 \(silu\): input id -1 is negative; nodes so far: %0..%0"),
+    (dict(op="add", inputs=[0, 2**40]), r"add_node %1 \(add\): input id 1099511627776 is a later node"),
+    (dict(op="silu", inputs=["0"]), r"add_node %1 \(silu\): input '0' is not a node id"),
+    (dict(op="silu", inputs=[0.0]), r"add_node %1 \(silu\): input 0\.0 is not a node id"),
+    (dict(op="silu", inputs=[True]), r"add_node %1 \(silu\): input True is not a node id"),
+    (dict(op="silu", inputs=5), r"add_node %1 \(silu\): inputs must be a sequence of node ids, got 5"),
+    (dict(op="silu", inputs=[0], shape=4), r"add_node %1 \(silu\): shape must be a list of ints and dims"),
+    (dict(op="silu", inputs=[0], shape=["S"]), r"add_node %1 \(silu\): shape must be a list"),
+    (dict(op="silu", inputs=[0], dtype="f64"), r"add_node %1 \(silu\): unknown dtype 'f64'"),
+    (dict(op="silu", inputs=[0], dtype=torch.float64), r"add_node %1 \(silu\): unsupported torch dtype torch.float64"),
+    (dict(op="silu", inputs=[0], attrs=[("eps", 1)]), r"add_node %1 \(silu\): attrs must be a dict, got list"),
+    (dict(op="silu", inputs=[0], name=3), r"add_node %1 \(silu\): name must be a string or None, got 3"),
+    (dict(op="gelu", inputs=[0]), r"add_node %1 \(gelu\): unknown op 'gelu'; known ops: .*silu"),
+    (dict(op="", inputs=[0]), r"add_node %1: op must be a non-empty string, got ''"),
+    (dict(op=None, inputs=[0]), r"add_node %1: op must be a non-empty string, got None"),
+    (dict(op="input", inputs=[]), r"add_node %1 \(input\): leaves are declared with graph\.input\(name, \.\.\.\)"),
+    (dict(op="silu", inputs=[0], shape=[2**40, 2**40]), r"add_node %1 \(silu\): f32\[1099511627776, 1099511627776\] is "
+                                                        r"4835703\.3 EB; a tensor holds at most 2\*\*62 bytes"),
+])
+def test_add_node_refuses_bad_ids_and_types(args, pattern):
+    g = _one_leaf()
+    args = {"shape": [4], "dtype": me.f32, **args}
+    with pytest.raises(GraphError, match=pattern):
+        g.add_node(args.pop("op"), args.pop("inputs"), args.pop("shape"), args.pop("dtype"), **args)
+    assert len(g.nodes) == 1  # nothing was added
+
+
+def test_add_node_of_a_tensor_instead_of_its_id():
+    g = _one_leaf()
+    x = me.Tensor(g, 0)
+    with pytest.raises(GraphError, match=r"add_node %1 \(silu\): inputs are node ids \(tensor\.id\), got the Tensor"):
+        g.add_node("silu", [x], [4], me.f32)
+    y = g.add_node("silu", [x.id], [4], me.f32)  # the right way still builds
+    g.output("y", y)
+    got = me.run_reference(g, {"x": torch.arange(4.0)})["y"]
+    torch.testing.assert_close(got, torch.nn.functional.silu(torch.arange(4.0)))
+
+
+def test_a_hand_edited_node_list_is_refused_by_compile():
+    """``nodes`` is a plain list: a cycle or a dangling id put there by hand is a GraphError at compile, not a
+    KeyError or IndexError from inside the rewrite."""
+    from megaegg.graph import Node
+
+    for bad_inputs, pattern in (((2,), r"node %1\(silu\) reads 2, which is not an earlier node"),
+                                ((1,), r"node %1\(silu\) reads 1"), ((-3,), r"node %1\(silu\) reads -3")):
+        g = _one_leaf()
+        g.output("y", me.silu(me.Tensor(g, 0)))
+        n = g.nodes[1]
+        g.nodes[1] = Node(n.id, n.op, bad_inputs, n.shape, n.dtype, n.attrs, n.name)
+        with pytest.raises(GraphError, match=pattern):
+            me.compile(g, backend="sim", cache=False)
+    g = _one_leaf()
+    g.output("y", me.silu(me.Tensor(g, 0)))
+    g.outputs["z"] = 7
+    with pytest.raises(GraphError, match=r"output 'z' is 7, not a node of the graph"):
+        me.compile(g, backend="sim", cache=False)
+    g = _one_leaf()
+    g.nodes.append(g.nodes[0])  # a node at the wrong index
+    with pytest.raises(GraphError, match=r"nodes\[1\] is .* not node %1"):
+        me.compile(g, backend="sim", cache=False)
+
+
+@pytest.mark.parametrize("build, pattern", [
+    (lambda g: g.weight("w", [2**40, 2**40], me.f32), r"weight 'w': f32\[1099511627776, 1099511627776\] is 4835703\.3 EB"),
+    (lambda g: g.input("x", [S, 2**31, 2**31], me.bf16), r"input 'x': bf16\[S, 2147483648, 2147483648\] is 9\.2 EB"),
+    (lambda g: me.expand(g.input("x", [1, 1], me.f32), [2**31, 2**31]), None),  # 18.4 EB: checked
+    (lambda g: me.linear(g.input("x", [1, 8], me.f32), g.weight("w", [2**61, 8], me.f32)), r"weight 'w': f32\[2305843009213693952, 8\]"),
+])
+def test_sizes_beyond_2_62_bytes_are_refused_where_declared(build, pattern):
+    with pytest.raises(ShapeError, match=pattern or r"a tensor holds at most 2\*\*62 bytes"):
+        build(me.Graph())
+
+
+def test_output_name_must_be_a_string():
+    g = _one_leaf()
+    with pytest.raises(GraphError, match=r"output: name must be a non-empty string, got 3"):
+        g.output(3, me.Tensor(g, 0))

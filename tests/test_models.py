@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import re
 import time
 
 import pytest
@@ -135,6 +137,8 @@ QWEN_HF = {**PRESETS["qwen3-0.6b"]}
         (LLAMA_HF, {"hidden_size": None}, "hidden_size"),
         (QWEN_HF, {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
         (QWEN_HF, {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+        (LLAMA_HF, {"num_hidden_layers": 10**7, "hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2,
+                    "num_key_value_heads": 2}, "num_hidden_layers"),  # (small weights: it used to hang building the graph)
     ],
 )
 def test_config_errors_name_the_field(base, override, field):
@@ -264,3 +268,102 @@ def test_presets_build(name):
     assert ("model.layers.0.self_attn.q_norm.weight" in spec.weights) == cfg.qk_norm
     if name in PARAMS:
         assert spec.weight_bytes == 2 * PARAMS[name]
+
+
+# --- checkpoints that disagree with their config.json: read as transformers reads them, with a warning (issue 36) ---
+def _hf_tokens(path, prompt, n):
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+
+
+def _our_tokens(path, cfg, prompt, n, executor="reference"):
+    graph, spec = build_decode_graph(cfg, max_len=32)
+    weights = load_checkpoint(path, spec)
+    if executor == "reference":
+        step = reference_step(graph, weights, spec.new_caches())
+    else:
+        step = kernel_step(me.compile(graph, weights, backend="sim", max_dims={"pos": 31}), spec.new_caches())
+    return Generator(step, max_len=32).generate(prompt, max_new_tokens=n).tokens
+
+
+def _set_config(path, **fields):
+    hf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**hf, **fields}))
+
+
+@pytest.mark.parametrize("shard, executor", [(False, "reference"), (True, "megakernel-sim")])
+def test_tied_config_with_a_different_stored_head_uses_the_stored_head_as_transformers(tmp_path, caplog, shard, executor):
+    """transformers 5 does not tie a config's head to the embeddings when the checkpoint stores both with different
+    values: it uses the stored lm_head.weight (and warns). megaegg read the config and used the embedding: other tokens."""
+    save_tiny(tmp_path, "llama", seed=21, tie_word_embeddings=False, max_shard_size="40KB" if shard else "1GB")
+    _set_config(tmp_path, tie_word_embeddings=True)
+    prompt = torch.randint(0, 97, (4,), generator=torch.Generator().manual_seed(21)).tolist()
+    want = _hf_tokens(tmp_path, prompt, 8)
+    with caplog.at_level(logging.WARNING, logger="megaegg"):
+        cfg = read_config(tmp_path)
+    assert not cfg.tie_embeddings
+    warned = [r.getMessage() for r in caplog.records if r.name == "megaegg"]
+    assert len(warned) == 1 and re.search(r"config\.json sets tie_word_embeddings, but the checkpoint's lm_head\.weight "
+                                          r"differs from model\.embed_tokens\.weight: using the stored lm_head\.weight, "
+                                          r"as transformers does", warned[0])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaegg"):
+        assert _our_tokens(tmp_path, cfg, prompt, 8, executor) == want
+    assert not [r for r in caplog.records if r.name == "megaegg"]  # said once, by read_config
+    # a graph built from config.json as written (tied) would read the embedding as its head: refused, not wrong tokens
+    tied = ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    _, spec = build_decode_graph(tied, max_len=32)
+    with pytest.raises(CheckpointError, match=r"the graph ties the LM head to the embeddings \(tie_word_embeddings\), but "
+                                              r"the checkpoint's lm_head\.weight differs .* build the graph from "
+                                              r"megaegg\.models\.read_config\(path\)"):
+        load_checkpoint(tmp_path, spec)
+
+
+def test_tied_config_with_a_stored_copy_of_the_embedding_loads_silently(tmp_path, caplog):
+    save_tiny(tmp_path, "qwen3", seed=22, tie_word_embeddings=True)
+    tensors = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in tensors  # (save_pretrained drops a tied head) ...
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # ... other tools keep a copy
+    safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    prompt = [5, 6, 7]
+    want = _hf_tokens(tmp_path, prompt, 6)
+    with caplog.at_level(logging.WARNING, logger="megaegg"):
+        cfg = read_config(tmp_path)
+        assert cfg.tie_embeddings and _our_tokens(tmp_path, cfg, prompt, 6) == want
+    assert not [r for r in caplog.records if r.name == "megaegg"]
+
+
+def test_checkpoint_tensors_the_config_does_not_name_are_ignored_and_listed(tmp_path, caplog):
+    """Layers beyond num_hidden_layers and unknown tensors: transformers ignores them (its UNEXPECTED keys); so does
+    megaegg, in one warning. Old checkpoints' rotary_emb.inv_freq buffers are dropped silently, as transformers does."""
+    save_tiny(tmp_path, "llama", seed=23, num_hidden_layers=4, max_shard_size="60KB")
+    _set_config(tmp_path, num_hidden_layers=2)
+    extra = {"model.extra.weight": torch.zeros(3), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    safetensors_torch.save_file(extra, str(tmp_path / "extra.safetensors"), metadata={"format": "pt"})
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({n: "extra.safetensors" for n in extra})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    prompt = [9, 10, 11, 12]
+    want = _hf_tokens(tmp_path, prompt, 6)
+    with caplog.at_level(logging.WARNING, logger="megaegg"):
+        assert _our_tokens(tmp_path, read_config(tmp_path), prompt, 6) == want
+    warned = [r.getMessage() for r in caplog.records if r.name == "megaegg"]
+    assert len(warned) == 1, warned
+    assert re.search(r"ignored 19 checkpoint tensor\(s\) that config\.json does not name \(as transformers does\): "
+                     r"layers 2-3 \(18 tensors\), beyond num_hidden_layers=2; model\.extra\.weight$", warned[0])
+    assert "inv_freq" not in warned[0]
+
+
+def test_a_long_list_of_ignored_tensors_is_cut_short(tmp_path, caplog, tiny_f32):
+    hf, spec, weights = tiny_f32
+    extra = {f"vision_tower.block{i:02d}.weight": torch.zeros(2) for i in range(20)}
+    write_checkpoint(tmp_path, hf, {**weights, **extra, "model.layers.7.mlp.up_proj.weight": torch.zeros(2),
+                                    "model.layers.5.mlp.up_proj.weight": torch.zeros(2)})
+    with caplog.at_level(logging.WARNING, logger="megaegg"):
+        loaded = load_checkpoint(tmp_path, spec)
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "megaegg"]
+    assert re.search(r"ignored 22 checkpoint tensor\(s\) .*: layers 5, 7 \(2 tensors\), beyond num_hidden_layers=2; "
+                     r"vision_tower\.block00\.weight, .*vision_tower\.block07\.weight and 12 more$", msg)

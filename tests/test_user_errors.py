@@ -3,6 +3,8 @@ the tensor, file, argument or dim and what was expected (the CLI prints the same
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -337,3 +339,253 @@ def test_bad_batch_arguments(make, pattern):
 
     with pytest.raises(GraphError, match=pattern):
         make(batch)
+
+
+# --- aliasing: a tensor the kernel updates in place shares memory with no other tensor of the call (issue 36) -----
+HQ, HKV, SMAX, D = 4, 2, 8, 16
+
+
+def _attention_graph(ranks: int = 1):
+    """q = x @ wq^T; the new k, v appended to the caches in place; attention over them."""
+    g = me.Graph()
+    pos = me.sym("pos")
+    x = g.input("x", [1, 32], me.f32)
+    q = me.linear(x, g.weight("wq", [HQ * D, 32], me.f32)).reshape(HQ, D)
+    kc = me.kv_append(g.input("kc", [HKV, SMAX, D], me.f32), g.input("k", [HKV, D], me.f32), pos)
+    vc = me.kv_append(g.input("vc", [HKV, SMAX, D], me.f32), g.input("v", [HKV, D], me.f32), pos)
+    out = me.attention(q, kc, vc, pos + 1)
+    g.output("y", me.all_reduce(out, ranks=ranks) if ranks > 1 else out)
+    return g
+
+
+@pytest.fixture(scope="module")
+def attn():
+    g = _attention_graph()
+    gen = torch.Generator().manual_seed(36)
+    weights = {"wq": torch.randn(HQ * D, 32, generator=gen) * 0.2}
+    return g, weights, me.compile(g, weights, backend="sim")
+
+
+def _fresh(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(1, 32, generator=gen), "k": torch.randn(HKV, D, generator=gen),
+            "v": torch.randn(HKV, D, generator=gen), "kc": torch.randn(HKV, SMAX, D, generator=gen),
+            "vc": torch.randn(HKV, SMAX, D, generator=gen)}
+
+
+def _expect(g, weights, inputs, pos):
+    """The reference on copies (what the call would give with separate tensors), and the copies after it."""
+    copies = {n: t.clone() for n, t in inputs.items()}
+    return me.run_reference(g, copies, weights, {"pos": pos})["y"], copies
+
+
+@pytest.mark.parametrize("make, pattern", [
+    # the same tensor as both caches: was accepted, and returned a wrong answer
+    (lambda i: {**i, "vc": i["kc"]}, r"input 'kc' and input 'vc' share memory \(the same tensor, or overlapping views\): "
+                                     r"the kernel updates both in place"),
+    # overlapping views of one buffer
+    (lambda i: (lambda buf: {**i, "kc": buf[:HKV * SMAX * D].view(HKV, SMAX, D),
+                             "vc": buf[D:D + HKV * SMAX * D].view(HKV, SMAX, D)})(torch.randn(2 * HKV * SMAX * D)),
+     r"input 'kc' and input 'vc' share memory"),
+    # a read-only input that is a (contiguous) view into a cache
+    (lambda i: {**i, "k": i["kc"].view(-1)[: HKV * D].view(HKV, D)},
+     r"input 'k' shares memory with input 'kc', which the kernel updates in place: pass separate tensors \(or a copy of 'k'\)"),
+    (lambda i: {**i, "x": i["vc"].view(-1)[-32:].view(1, 32)}, r"input 'x' shares memory with input 'vc'"),
+])
+def test_inputs_sharing_memory_with_a_cache_are_refused(attn, make, pattern):
+    g, weights, kernel = attn
+    inputs = make(_fresh(1))
+    before = {n: t.clone() for n, t in inputs.items()}
+    with pytest.raises(GraphError, match=pattern):
+        kernel(**inputs, pos=3)
+    assert all(torch.equal(inputs[n], before[n]) for n in inputs)  # refused before it ran: nothing written
+
+
+def test_a_cache_sharing_memory_with_a_weight_is_refused(attn):
+    g, weights, kernel = attn
+    wq = kernel.weights["wq"]  # the bound weight (here the caller's own tensor)
+    inputs = {**_fresh(2), "vc": wq.view(-1)[: HKV * SMAX * D].view(HKV, SMAX, D)}
+    before = wq.clone()
+    with pytest.raises(GraphError, match=r"input 'vc', which the kernel updates in place, shares memory with weight 'wq': "
+                                         r"the call would overwrite it"):
+        kernel(**inputs, pos=1)
+    assert torch.equal(wq, before)
+
+
+@pytest.mark.parametrize("make", [
+    lambda i: (lambda buf: {**i, "kc": buf[0], "vc": buf[1]})(torch.stack([i["kc"], i["vc"]])),  # disjoint views of one
+    lambda i: {**i, "v": i["k"]},  # two read-only inputs may alias
+    lambda i: {**i, "k": i["kc"][:, 5]},  # a strided view of a cache: copied before the call, so it aliases nothing
+    lambda i: (lambda buf: {**i, "x": buf[:32].view(1, 32), "k": buf[:HKV * D].view(HKV, D)})(torch.randn(64)),
+])
+def test_allowed_sharing_gives_the_reference_answer(attn, make):
+    g, weights, kernel = attn
+    inputs = make(_fresh(3))
+    want, after = _expect(g, weights, inputs, 5)
+    got = kernel(**inputs, pos=5)["y"]
+    torch.testing.assert_close(got, want)
+    for n in ("kc", "vc"):
+        torch.testing.assert_close(inputs[n], after[n])  # the caches updated as the reference updated its copies
+
+
+def test_aliasing_is_checked_at_every_call_not_only_the_first(attn):
+    """The check is cached on the caches' addresses: a call after good calls is still checked, both ways."""
+    g, weights, kernel = attn
+    inputs = _fresh(4)
+    for pos in range(3):
+        want, _ = _expect(g, weights, inputs, pos)
+        torch.testing.assert_close(kernel(**inputs, pos=pos)["y"], want)
+    with pytest.raises(GraphError, match=r"input 'v' shares memory with input 'vc'"):  # same caches, a new input aliasing
+        kernel(**{**inputs, "v": inputs["vc"].view(-1)[: HKV * D].view(HKV, D)}, pos=3)
+    with pytest.raises(GraphError, match=r"input 'kc' and input 'vc' share memory"):  # new caches
+        kernel(**{**inputs, "vc": inputs["kc"]}, pos=3)
+    want, _ = _expect(g, weights, inputs, 3)
+    torch.testing.assert_close(kernel(**inputs, pos=3)["y"], want)  # and good calls still run
+
+
+def test_decode_kernel_with_one_tensor_for_both_caches_of_a_layer_is_refused():
+    """The issue's case: the tiny model's decode kernel given the same tensor as k_cache.0 and v_cache.0."""
+    import dataclasses
+
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32)
+    graph, spec = build_decode_graph(cfg, max_len=8)
+    kernel = me.compile(graph, random_weights(spec, seed=5), backend="sim", max_dims={"pos": 7})
+    caches = spec.new_caches()
+    token = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(GraphError, match=r"input 'k_cache\.0' and input 'v_cache\.0' share memory"):
+        kernel(token=token, **{**caches, "v_cache.0": caches["k_cache.0"]}, pos=0)
+    with pytest.raises(GraphError, match=r"input 'k_cache\.1' and input 'v_cache\.0' share memory"):
+        kernel(token=token, **{**caches, "k_cache.1": caches["v_cache.0"]}, pos=0)
+
+
+def test_ranks_sharing_a_cache_are_refused():
+    """ParallelKernel (simulated ranks share the host): one rank's cache must not be another rank's tensor."""
+    from megaegg.parallel import ParallelKernel
+
+    g = _attention_graph(ranks=2)
+    gen = torch.Generator().manual_seed(37)
+    shards = [{"wq": torch.randn(HQ * D, 32, generator=gen) * 0.2} for _ in range(2)]
+    kernel = ParallelKernel(me.compiler.build_artifact(g, compile_cuda=False), shards, backend="sim")
+    a, b = _fresh(5), _fresh(6)
+    with pytest.raises(GraphError, match=r"rank 0's input 'kc' and rank 1's input 'kc' share memory"):
+        kernel([a, {**b, "kc": a["kc"]}], pos=2)
+    with pytest.raises(GraphError, match=r"rank 1's input 'x' shares memory with rank 0's input 'vc'"):
+        kernel([a, {**b, "x": a["vc"].view(-1)[:32].view(1, 32)}], pos=2)
+    with pytest.raises(GraphError, match=r"rank 1's input 'vc', which the kernel updates in place, shares memory with "
+                                         r"rank 0's weight 'wq'"):
+        kernel([a, {**b, "vc": shards[0]["wq"].view(-1)[: HKV * SMAX * D].view(HKV, SMAX, D)}], pos=2)
+    want = me.run_reference_ranks(g, [{n: t.clone() for n, t in a.items()}, {n: t.clone() for n, t in b.items()}],
+                                  shards, {"pos": 2})
+    got = kernel([a, b], pos=2)
+    torch.testing.assert_close(got[0]["y"], want[0]["y"])
+    torch.testing.assert_close(got[1]["y"], want[1]["y"])
+
+
+# --- sizes: what cannot fit the device (the host for the simulator) is refused where it is declared (issue 36) ----
+def test_a_work_area_beyond_the_host_is_refused_at_compile_with_its_size():
+    """Small inputs, a 17.6 TB intermediate at max_dims: refused when the kernel is built (was: at the call)."""
+    g = me.Graph()
+    x = g.input("x", [me.sym("S"), 1], me.f32)
+    g.output("y", me.silu(me.silu(me.expand(x, [me.sym("S"), 2**21]))))
+    with pytest.raises(GraphError, match=r"work area \(arena and counters at max_dims S=2097152\) needs (17\.6|35\.2) TB; "
+                                         r"the host has .* \(compile with smaller max_dims\)"):
+        me.compile(g, backend="sim", max_dims={"S": 2**21}, cache=False)
+    kernel = me.compile(g, backend="sim", max_dims={"S": 4}, cache=False)  # the same graph, bounded: runs
+    x0 = torch.randn(2, 1, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(kernel(x=x0, S=2)["y"], me.run_reference(g, {"x": x0}, {}, {"S": 2})["y"])
+
+
+@pytest.mark.parametrize("build, weights, pattern", [
+    (lambda g: g.input("x", [me.sym("S"), 2**28], me.f32), {},  # at the default max_dims, S = 8192
+     r"input 'x' f32\[S, 268435456\] needs 8\.8 TB; the host has .* \(compile with smaller max_dims\)"),
+    (lambda g: me.kv_append(g.input("kc", [8, 2**30, 128], me.bf16), g.input("k", [8, 128], me.bf16), me.sym("pos")),
+     {}, r"cache 'kc' bf16\[8, 1073741824, 128\] needs 2\.2 TB; the host has"),
+    (lambda g: me.linear(g.input("x", [1, 2**20], me.f32), g.weight("w", [2**20, 2**20], me.f32)),
+     {"w": torch.zeros(1, 1).expand(2**20, 2**20)},  # a 4 TB weight that takes no memory until it is copied
+     r"weight 'w' f32\[1048576, 1048576\] needs 4\.4 TB; the host has"),
+])
+def test_a_leaf_beyond_the_host_is_refused_before_the_rewrite(build, weights, pattern):
+    g = me.Graph()
+    g.output("y", build(g))
+    t0 = time.perf_counter()
+    with pytest.raises(GraphError, match=pattern):
+        me.compile(g, weights, backend="sim", cache=False)
+    assert time.perf_counter() - t0 < 5  # before the rewrite, and before copying anything
+
+
+def test_all_of_it_together_beyond_the_host_is_refused_naming_the_sum(monkeypatch, attn):
+    from megaegg import compiler
+
+    g, weights, kernel = attn
+    need = sum(n for _, _, n in kernel.memory())
+    assert {k for k, _, _ in kernel.memory()} == {"weight", "constant", "input", "cache", "work area"} - {"constant"}
+    monkeypatch.setattr(compiler, "host_memory", lambda: need - 1)  # each alone fits, not all together
+    with pytest.raises(GraphError, match=rf"the kernel needs {compiler.fmt_bytes(need)} in all \(.*caches .*\); the host has"):
+        me.compiler.Kernel(kernel.artifact, weights, backend="sim")
+    monkeypatch.setattr(compiler, "host_memory", lambda: need)
+    me.compiler.Kernel(kernel.artifact, weights, backend="sim")  # exactly enough
+
+
+def test_check_fits_on_a_gpu_counts_what_binding_allocates_against_the_free_memory(monkeypatch):
+    from megaegg import compiler
+
+    monkeypatch.setattr(compiler, "memory_of", lambda device: ("GPU cuda:0", 80 * 10**9, 10 * 10**9))
+    compiler.check_fits([("weight", "weight 'w'", 30 * 10**9)], "cuda", now=5 * 10**9)  # fits
+    with pytest.raises(GraphError, match=r"binding the kernel allocates 12\.0 GB on GPU cuda:0, which has 10\.0 GB free"):
+        compiler.check_fits([("weight", "weight 'w'", 30 * 10**9)], "cuda", now=12 * 10**9)
+    with pytest.raises(GraphError, match=r"weight 'w' needs 81\.0 GB; GPU cuda:0 has 80\.0 GB$"):
+        compiler.check_fits([("weight", "weight 'w'", 81 * 10**9)], "cuda")
+
+
+def test_parallel_ranks_on_the_simulator_share_the_host(monkeypatch):
+    from megaegg import compiler, parallel
+
+    art = me.compiler.build_artifact(_attention_graph(ranks=2), compile_cuda=False)
+    one = sum(n for _, _, n in compiler.kernel_memory(art))
+    monkeypatch.setattr(compiler, "host_memory", lambda: one + one // 2)  # one rank fits, two do not
+    shards = [{"wq": torch.zeros(HQ * D, 32)} for _ in range(2)]
+    with pytest.raises(GraphError, match=r"the kernel needs .* in all .*; the host has"):
+        parallel.ParallelKernel(art, shards, backend="sim")
+
+
+@pytest.mark.parametrize("where", ["weight", "input"])
+def test_a_tensor_without_data_is_named(attn, where):
+    g, weights, kernel = attn
+    if where == "weight":
+        with pytest.raises(GraphError, match=r"weight 'wq' is on the meta device \(no data\): load it first"):
+            me.compile(g, {"wq": torch.empty(HQ * D, 32, device="meta")}, backend="sim")
+        with pytest.raises(GraphError, match=r"weight 'wq' is a torch.sparse_coo tensor: pass a dense one"):
+            me.compile(g, {"wq": weights["wq"].to_sparse()}, backend="sim")
+    else:
+        with pytest.raises(GraphError, match=r"input 'x' is on the meta device \(no data\)"):
+            kernel(**{**_fresh(7), "x": torch.empty(1, 32, device="meta")}, pos=0)
+        with pytest.raises(GraphError, match=r"input 'kc' is on the meta device"):
+            kernel(**{**_fresh(7), "kc": torch.empty(HKV, SMAX, D, device="meta")}, pos=0)
+
+
+# --- random weights for a config too large for the machine: refused before drawing, naming the field --------------
+@pytest.mark.parametrize("fields, pattern", [
+    ({"vocab_size": 2**36}, r"the weights need 70\.4 TB \(bf16\), more than the host has \(.*\): most of it config fields "
+                            r"vocab_size=68719476736 x hidden_size=256 \(embedding, LM head\), 70\.4 TB"),
+    ({"hidden_size": 2**31}, r"the weights need 28\.6 TB .* hidden_size=2147483648"),
+    ({"intermediate_size": 2**36}, r"intermediate_size=68719476736 x hidden_size=256 \(MLP\)"),
+])
+def test_random_weights_too_large_for_the_host_name_the_config_field(fields, pattern):
+    cfg = ModelConfig.from_hf({**PRESETS["tiny"], **fields})
+    graph, spec = build_decode_graph(cfg, max_len=8)
+    t0 = time.perf_counter()
+    with pytest.raises(UnsupportedConfig, match=pattern):
+        random_weights(spec)
+    assert time.perf_counter() - t0 < 2  # nothing drawn
+
+
+@pytest.mark.parametrize("fields, pattern", [
+    ({"vocab_size": 2**62}, r"config describes 4722\.4 EB of weights \(bf16\), more than any machine holds: "
+                            r"vocab_size=4611686018427387904 x hidden_size=256"),
+    ({"vocab_size": 2**40}, r"config describes 1\.1 PB of weights .* vocab_size=1099511627776 x hidden_size=256"),
+    ({"vocab_size": 2**40, "hidden_size": 2**31}, r"vocab_size=1099511627776 x hidden_size=2147483648"),
+    ({"num_hidden_layers": 10**12}, r"num_hidden_layers=1000000000000 x "),
+])
+def test_configs_beyond_any_machine_are_refused_when_read(fields, pattern):
+    with pytest.raises(UnsupportedConfig, match=pattern):
+        ModelConfig.from_hf({**PRESETS["tiny"], **fields})

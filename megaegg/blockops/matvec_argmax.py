@@ -11,8 +11,9 @@ import torch
 from ..dims import as_dim, ceildiv
 from ..dtypes import f32
 from .base import NONE, BlockKind, Partition, Term, fields, register, term
+from .argmax import nan_rows
 from .footprint import Full, Tile
-from .matvec import paged, products, roles
+from .matvec import products, roles
 
 
 @register
@@ -34,12 +35,10 @@ class MatVecArgmax(BlockKind):
         r0 = j * p["rows"]
         dt = op.inputs[k["w"]].dtype.torch
         y = products(op, ins, slice(0, 1), slice(r0, r0 + p["rows"]), dt)[0]  # the logits, rounded as stored
+        nan_rows(y.float().reshape(1, -1), op)  # (a NaN logit is an error, as in argmax_partial)
         best = int(torch.argmax(y))  # first maximum
         out[0, j, 0] = y[best]
         out[0, j, 1] = float(r0 + best)
-
-    def paged_inputs(self, op) -> tuple[int, ...]:
-        return (roles(op)["w"],)
 
     def cuda_call(self, op, ins, out) -> str:
         k, p = roles(op), op.params
@@ -48,7 +47,7 @@ class MatVecArgmax(BlockKind):
         kdim, n = op.inputs[k["w"]].shape[1].value, op.inputs[k["w"]].shape[0].value
         args = ["smem", x.ptr, x.strides[0], x.strides[1], *g, f"{float(p.get('eps', 0.0))!r}f",
                 w.ptr, w.strides[0], w.strides[1], out.ptr, out.strides[1], f"{n}LL", "c1"]
-        return f"matvec_argmax<{x.ctype}, {kdim}, {p['rows']}, {'true' if 'g' in k else 'false'}, {paged(op)}>({', '.join(args)})"
+        return f"matvec_argmax<{x.ctype}, {kdim}, {p['rows']}, {'true' if 'g' in k else 'false'}>({', '.join(args)})"
 
     def bytes_moved(self, op, env):
         w = op.inputs[roles(op)["w"]]

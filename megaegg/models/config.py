@@ -68,6 +68,32 @@ class ModelConfig:
         """Whether layer ``layer``'s MLP is the routed experts' (Qwen3-MoE's sparse layers)."""
         return self.moe is not None and layer in self.moe.sparse_layers
 
+    def weight_terms(self) -> dict[str, int]:
+        """The weights' elements by the config.json fields that size them, largest first: e.g.
+        ``{"vocab_size=1024 x hidden_size=256 (embedding, LM head)": 524288, ...}`` (for size messages)."""
+        H, L, D, dense = self.hidden, self.layers, self.head_dim, self.layers
+        terms = {f"vocab_size={self.vocab} x hidden_size={H} (embedding{'' if self.tie_embeddings else ', LM head'})":
+                 self.vocab * H * (1 if self.tie_embeddings else 2),
+                 f"num_hidden_layers={L} x num_attention_heads={self.heads} x head_dim={D} x hidden_size={H} (q, o)":
+                 2 * L * self.heads * D * H,
+                 f"num_hidden_layers={L} x num_key_value_heads={self.kv_heads} x head_dim={D} x hidden_size={H} (k, v)":
+                 2 * L * self.kv_heads * D * H,
+                 f"num_hidden_layers={L} x hidden_size={H} (norms)": (2 * L + 1) * H + (2 * L * D if self.qk_norm else 0)}
+        if self.moe is not None:
+            sparse = len(self.moe.sparse_layers)
+            dense = L - sparse
+            terms[f"{sparse} sparse layers x num_experts={self.moe.experts} x moe_intermediate_size={self.moe.intermediate} "
+                  f"x hidden_size={H} (experts)"] = sparse * self.moe.experts * (3 * self.moe.intermediate + 1) * H
+        if dense:
+            terms[f"num_hidden_layers={dense} x intermediate_size={self.intermediate} x hidden_size={H} (MLP)"] = \
+                3 * dense * self.intermediate * H
+        return dict(sorted(terms.items(), key=lambda kv: -kv[1]))
+
+    @property
+    def weight_elements(self) -> int:
+        """The model's parameter count (a tied LM head counted once)."""
+        return sum(self.weight_terms().values())
+
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
@@ -108,11 +134,14 @@ class ModelConfig:
             _unsupported("head_dim", head_dim, "even, >= 2")
         theta, scaling = _rope(cfg)
         layers = _int(cfg, "num_hidden_layers")
+        if layers > MAX_LAYERS:
+            _unsupported("num_hidden_layers", layers, f"at most {MAX_LAYERS} (the queue has entries per layer: 1024 "
+                                                      "layers compile in ~45 s)")
         moe = _moe(cfg, layers) if arch == "qwen3_moe" else None
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"  # transformers' default
         if dtype_name not in _DTYPES:
             _unsupported("torch_dtype", dtype_name, f"one of {', '.join(_DTYPES)}")
-        return cls(
+        cfg = cls(
             arch=arch,
             hidden=hidden,
             intermediate=_int(cfg, "intermediate_size"),
@@ -129,6 +158,8 @@ class ModelConfig:
             dtype=_DTYPES[dtype_name],
             moe=moe,
         )
+        _check_size(cfg)
+        return cfg
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
@@ -138,6 +169,23 @@ class ModelConfig:
         if name not in PRESETS:
             raise GraphError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
         return cls.from_hf(PRESETS[name])
+
+
+MAX_LAYERS = 1024  # published decoders have at most ~130; compile time grows faster than linearly past that
+
+# more weights than any machine holds: refused when the config is read, naming the fields (what does not fit
+# the machine at hand is refused before weights are drawn or read: weights.check_weights_fit)
+MAX_WEIGHT_BYTES = 2**50  # 1.1 PB: the largest hosts hold tens of TB
+
+
+def _check_size(cfg: ModelConfig) -> None:
+    n = cfg.weight_elements * cfg.dtype.itemsize
+    if n > MAX_WEIGHT_BYTES:
+        from ..graph import fmt_bytes
+
+        field, elements = next(iter(cfg.weight_terms().items()))
+        raise UnsupportedConfig(f"config describes {fmt_bytes(n)} of weights ({cfg.dtype}), more than any machine holds: "
+                                f"{field} is {elements} elements")
 
 
 def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:

@@ -3,13 +3,23 @@
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or a
 sharded ``model.safetensors.index.json``. Tensors go straight to the device in the
 model dtype; a tensor the graph needs that is missing or misshaped, and a file that
-is missing, truncated or malformed, raise :class:`CheckpointError` naming it. Tensors
-the graph does not read (e.g. a tied ``lm_head.weight``) are skipped.
+is missing, truncated or malformed, raise :class:`CheckpointError` naming it. Weights that
+cannot fit the device's memory are refused before any is drawn or read, naming their size and the
+config fields that make it.
+
+A checkpoint that disagrees with its config.json is read as transformers reads it, with a warning
+(logger ``megaegg``): a tied config (``tie_word_embeddings``) whose checkpoint stores an
+``lm_head.weight`` that differs from the embedding uses the stored head (:func:`read_config` unties
+it); tensors the config does not name (layers beyond ``num_hidden_layers``, others) are ignored and
+listed. An ``lm_head.weight`` equal to the tied embedding is skipped silently.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import re
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -25,6 +35,10 @@ from .decoder import ModelSpec, _numel, check_dtype
 Progress = Callable[[str], None]  # gets one line of progress, e.g. to print to stderr
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# checkpoint tensors transformers drops without a word (old checkpoints' per-layer RoPE buffers)
+SILENTLY_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+log = logging.getLogger("megaegg")
 
 
 class CheckpointError(GraphError):
@@ -32,12 +46,72 @@ class CheckpointError(GraphError):
 
 
 def read_config(path) -> ModelConfig:
-    """The :class:`ModelConfig` of a checkpoint folder's ``config.json``."""
-    file = Path(path) / "config.json"
+    """The :class:`ModelConfig` of a checkpoint folder's ``config.json``, as transformers reads the model:
+    a config that ties the LM head to the embeddings (``tie_word_embeddings``) while the checkpoint stores an
+    ``lm_head.weight`` that differs from ``model.embed_tokens.weight`` is untied (transformers then uses
+    the stored head), with a warning."""
+    path = Path(path)
+    cfg = _read_config(path)
+    if cfg.tie_embeddings and _stored_head_differs(path):
+        log.warning("%s: config.json sets tie_word_embeddings, but the checkpoint's %s differs from %s: using the "
+                    "stored %s, as transformers does (set tie_word_embeddings to false to silence this)",
+                    path, HEAD, EMBED, HEAD)
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
+    return cfg
+
+
+def _read_config(path: Path) -> ModelConfig:
+    """config.json as it is written."""
+    file = path / "config.json"
     try:
         return ModelConfig.from_hf(read_json(file))
     except UnsupportedConfig as e:  # name the file as well as the field
         raise UnsupportedConfig(f"{file}: {e}") from e
+
+
+def _stored_head_differs(path: Path) -> bool:
+    """Whether the checkpoint stores an lm_head.weight unlike its embedding (compared a slab at a time).
+    A folder without tensors yet, or whose files are unreadable, says no: load_checkpoint names the problem."""
+    if not (path / INDEX).is_file() and not (path / SINGLE).is_file():
+        return False
+    try:
+        files = _tensor_files(path)
+        if HEAD not in files or EMBED not in files:
+            return False
+        return not _same_tensor(path, files, HEAD, EMBED)
+    except CheckpointError:
+        return False
+
+
+def _same_tensor(path: Path, files: Mapping[str, str], a: str, b: str, slab_bytes: int = 1 << 26) -> bool:
+    with _safetensors(path / files[a]) as fa, _safetensors(path / files[b]) as fb:
+        sa, sb = fa.get_slice(a), fb.get_slice(b)
+        shape = list(sa.get_shape())
+        if shape != list(sb.get_shape()) or sa.get_dtype() != sb.get_dtype():
+            return False
+        if len(shape) < 2:
+            return torch.equal(fa.get_tensor(a), fb.get_tensor(b))
+        rows = max(1, slab_bytes // max(1, _numel(shape[1:]) * 4))
+        return all(torch.equal(sa[i:i + rows], sb[i:i + rows]) for i in range(0, shape[0], rows))
+
+
+def check_weights_fit(spec: ModelSpec, device, dtype=None) -> None:
+    """Weights that cannot fit ``device``'s memory (the host's for the CPU): an UnsupportedConfig naming their
+    size and the config fields that make most of it, before any is allocated. ``dtype``: as the weights are
+    drawn (random weights: f32 a tensor at a time, then cast)."""
+    from ..compiler import memory_of
+    from ..graph import fmt_bytes
+
+    where, total, _ = memory_of(device)
+    if total is None:
+        return
+    itemsize = spec.dtype.itemsize
+    need = spec.weight_bytes + (max(map(_numel, spec.weights.values()), default=0) * dtype.itemsize if dtype else 0)
+    if need > total:
+        terms = spec.config.weight_terms()
+        field, elements = next(iter(terms.items()))
+        raise UnsupportedConfig(f"the weights need {fmt_bytes(spec.weight_bytes)} ({spec.dtype}), more than {where} has "
+                                f"({fmt_bytes(total)}): most of it config fields {field}, {fmt_bytes(elements * itemsize)}")
 
 
 def read_json(file: Path) -> dict[str, Any]:
@@ -96,12 +170,24 @@ def load_checkpoint(path, spec: ModelSpec, device="cpu", dtype=None, *, progress
     """
     path = Path(path)
     dtype = check_dtype(spec, dtype)
-    _check_same_model(read_config(path), spec.config, path)
+    config = _read_config(path)
     files = _tensor_files(path)
+    _check_same_model(config, spec.config, path, files)
+    check_weights_fit(spec, device)
     parts = _checkpoint_tensors(spec)  # checkpoint tensor -> its shape (a stack's: one expert's)
     missing = sorted(n for n in parts if n not in files)
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    ignored = [n for n in files if n not in parts and not SILENTLY_IGNORED.search(n)]
+    if spec.config.tie_embeddings and HEAD in ignored:  # a copy of the embedding: skipped; else untied in transformers
+        if not _same_tensor(path, files, HEAD, EMBED):
+            raise CheckpointError(
+                f"{path}: the graph ties the LM head to the embeddings (tie_word_embeddings), but the checkpoint's "
+                f"{HEAD} differs from {EMBED} and transformers uses it: build the graph from "
+                "megaegg.models.read_config(path), which unties it")
+        ignored.remove(HEAD)
+    if ignored:
+        _warn_ignored(path, ignored, spec.config.layers)
     by_file: dict[str, list[str]] = defaultdict(list)
     for name in parts:
         by_file[files[name]].append(name)
@@ -143,6 +229,7 @@ def random_weights(spec: ModelSpec, seed: int = 0, device="cpu", dtype=None, *, 
     ``progress`` gets a line about every second (a few GB on a CPU take a while).
     """
     dtype = check_dtype(spec, dtype)
+    check_weights_fit(spec, device, torch.float32)  # before drawing any
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     ticker = _Ticker(spec, progress)
@@ -212,7 +299,35 @@ def _checkpoint_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _check_same_model(found: ModelConfig, want: ModelConfig, path: Path) -> None:
+def _warn_ignored(path: Path, names: list[str], layers: int, show: int = 8) -> None:
+    """One warning listing checkpoint tensors the config does not name (transformers' UNEXPECTED keys):
+    layers beyond num_hidden_layers summed up, then the others by name, a long list cut short."""
+    beyond: dict[int, int] = defaultdict(int)
+    others = []
+    for n in sorted(names):
+        m = re.match(r"model\.layers\.(\d+)\.", n)
+        if m and int(m.group(1)) >= layers:
+            beyond[int(m.group(1))] += 1
+        else:
+            others.append(n)
+    parts = []
+    if beyond:
+        ids = sorted(beyond)
+        span = f"layer {ids[0]}" if len(ids) == 1 else f"layers {ids[0]}-{ids[-1]}" if ids[-1] - ids[0] + 1 == len(ids) \
+            else f"layers {', '.join(map(str, ids))}"
+        parts.append(f"{span} ({sum(beyond.values())} tensors), beyond num_hidden_layers={layers}")
+    if others:
+        more = len(others) - show
+        parts.append(", ".join(others[:show]) + (f" and {more} more" if more > 0 else ""))
+    log.warning("%s: ignored %d checkpoint tensor(s) that config.json does not name (as transformers does): %s",
+                path, len(names), "; ".join(parts))
+
+
+def _check_same_model(found: ModelConfig, want: ModelConfig, path: Path, files: Mapping[str, str]) -> None:
+    if found.tie_embeddings and not want.tie_embeddings and HEAD in files:
+        # a tied config whose checkpoint stores its own head (read_config unties it when it differs): the
+        # untied graph reads that head, as transformers does (or the same values, where they are equal)
+        found = dataclasses.replace(found, tie_embeddings=False)
     for field in ModelConfig.__dataclass_fields__:
         if field != "dtype" and getattr(found, field) != getattr(want, field):
             have, built = getattr(found, field), getattr(want, field)
