@@ -4,6 +4,9 @@
     python examples/bench_batch.py --preset llama-3.2-1b            (the same, these defaults)
     python examples/bench_batch.py --dry-run                          (CPU smoke test: tiny, sim)
 
+A flag given is used as given (--dry-run changes only the defaults: tiny, --batch 1,3, --prefill 8,
+--context 8, --iters 2, --warmup 0); a combination that cannot run is one ``error:`` line.
+
 Decode at batch B: B sequences (cache slots 0..B-1, random caches) each add one token at position
 ``--context``, one launch for all: ms/step and tokens/s, the megakernel (``build_step_graph``,
 compiled once for every B) against ``torch.compile(mode="reduce-overhead")`` of
@@ -27,6 +30,7 @@ import torch
 
 import megaegg as me
 from megaegg.models import PRESETS, ModelConfig, build_decode_graph, build_step_graph, random_weights
+from megaegg.models.cli import OneLineParser, non_negative_int, positive_int
 from megaegg.models.torch_batch import PlainBatch
 
 TOKEN = 1234
@@ -47,8 +51,36 @@ def int_list(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch", type=int_list, default=None, help="decode batch sizes, e.g. 1,4,16,64")
-    p.add_argument("--prefill", type=int_list, default=None, help="prompt lengths to prefill, e.g. 512,2048")
+    p.add_argument("--batch", type=int_list, default=None,
+                   help="decode batch sizes, e.g. 1,4,16,64 (the batch bench's default; 1,3 dry-run)")
+    p.add_argument("--prefill", type=int_list, default=None,
+                   help="prompt lengths to prefill, e.g. 512,2048 (the batch bench's default; 8 dry-run)")
+
+
+# the batch bench's defaults: (normal, --dry-run); a flag given explicitly is never changed
+DEFAULTS = {"preset": ("llama-3.2-1b", "tiny"), "batch": ([1, 4, 16, 64], [1, 3]), "prefill": ([512, 2048], [8]),
+            "context": (512, 8), "iters": (50, 2), "warmup": (5, 0)}
+
+
+def resolve(a: argparse.Namespace, error) -> argparse.Namespace:
+    """Fill the flags not given (None) with the defaults of the mode (``--dry-run`` or not), then check that the
+    combination can run (``error(message)``: one line, exits)."""
+    for name, (normal, dry) in DEFAULTS.items():
+        if getattr(a, name, None) is None:
+            setattr(a, name, list(dry if a.dry_run else normal) if isinstance(normal, list) else
+                    dry if a.dry_run else normal)
+    positions = ModelConfig.preset(a.preset).max_positions
+    if a.context >= positions:  # the decode step at pos = context reads context + 1 cache rows
+        error(f"--context {a.context} must be below {a.preset}'s max_position_embeddings ({positions})")
+    if max(a.prefill) > positions:
+        error(f"--prefill {max(a.prefill)} is above {a.preset}'s max_position_embeddings ({positions})")
+    return a
+
+
+def prefill_iters(a: argparse.Namespace) -> tuple[int, int]:
+    """Timed and warm-up calls of a prefill row: a fifth of --iters but at least 3 (never more than --iters),
+    and at most one warm-up (never more than --warmup)."""
+    return min(a.iters, max(3, a.iters // 5)), min(a.warmup, 1)
 
 
 def json_path(text: str) -> str:
@@ -62,18 +94,21 @@ def json_path(text: str) -> str:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b")
-    p.add_argument("--context", type=int, default=512, help="positions already cached for decode (default 512)")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
+    p = OneLineParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="model preset, random weights (default llama-3.2-1b; tiny dry-run)")
+    p.add_argument("--context", type=non_negative_int, default=None,
+                   help="positions already cached for decode (default 512; 8 dry-run)")
+    p.add_argument("--iters", type=positive_int, default=None,
+                   help="timed decode steps per batch size (default 50; 2 dry-run); a prefill row times a fifth "
+                        "of them, at least 3 and at most --iters")
+    p.add_argument("--warmup", type=non_negative_int, default=None,
+                   help="untimed decode steps first (default 5; 0 dry-run); a prefill row at most 1")
     p.add_argument("--json", metavar="PATH", type=json_path)
-    p.add_argument("--dry-run", action="store_true", help="CPU: tiny preset in f32 on the simulator, no torch.compile")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU smoke test: the preset (default tiny) in f32 on the simulator, no torch.compile")
     add_arguments(p)
-    a = p.parse_args(argv)
-    a.batch = a.batch or [1, 4, 16, 64]
-    a.prefill = a.prefill or [512, 2048]
-    return a
+    return resolve(p.parse_args(argv), p.error)
 
 
 def timed(fn, iters: int, warmup: int, cuda: bool) -> float:
@@ -99,10 +134,9 @@ def timed(fn, iters: int, warmup: int, cuda: bool) -> float:
 def run(a: argparse.Namespace) -> dict:
     cuda = not a.dry_run
     device = "cuda" if cuda else "cpu"
-    cfg = ModelConfig.preset("tiny" if a.dry_run else a.preset)
+    cfg = ModelConfig.preset(a.preset)
     if a.dry_run:
-        cfg = dataclasses.replace(cfg, dtype=me.f32)
-        a.batch, a.prefill, a.context, a.iters, a.warmup = [1, 3], [8], 8, 2, 0
+        cfg = dataclasses.replace(cfg, dtype=me.f32)  # the CPU simulator has no fast bf16 matmul
     torch.set_grad_enabled(False)
     slots, longest = max(a.batch), max(a.prefill)
     max_len = max(a.context + 1, longest)
@@ -112,7 +146,7 @@ def run(a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     kernel = me.compile(graph, weights, backend=backend, max_dims={"n": max(longest, slots), "r": slots, "ctx": max_len},
                         dims_hint={"n": 16, "r": 16, "ctx": a.context + 1})
-    report = {"preset": "tiny (dry run)" if a.dry_run else a.preset, "context": a.context, "rows": [],
+    report = {"preset": f"{a.preset} (dry run)" if a.dry_run else a.preset, "context": a.context, "rows": [],
               "step_compile_s": time.perf_counter() - t0}
     log(f"step graph compiled in {report['step_compile_s']:.1f} s ({len(kernel.queue.entries)} queue entries)")
     gen = torch.Generator(device=device).manual_seed(1)
@@ -175,10 +209,10 @@ def run(a: argparse.Namespace) -> dict:
         ins = {"token": toks, "pos": i32(list(range(t))), "slot": i32([0] * t), "out": i32([t - 1])}
         row = {"kind": "prefill", "tokens": t}
         got, step = mega_step(ins, {"n": t, "r": 1, "ctx": t})
-        row["megakernel_ms"] = timed(step, max(3, a.iters // 5), 1, cuda)
+        row["megakernel_ms"] = timed(step, *prefill_iters(a), cuda)
         fn = compiled(peer.prefill, "default")
         want = fn(toks)[0].clone()
-        row["torch_compile_ms"] = timed(lambda: fn(toks), max(3, a.iters // 5), 1, cuda)
+        row["torch_compile_ms"] = timed(lambda: fn(toks), *prefill_iters(a), cuda)
         row["rel_err"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
         report["rows"].append(row)
         log(f"prefill {t}: megakernel {row['megakernel_ms']:.3f} ms, torch.compile {row['torch_compile_ms']:.3f} ms")
@@ -218,4 +252,8 @@ def main(argv=None, a: argparse.Namespace | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

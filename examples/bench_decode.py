@@ -45,6 +45,11 @@ What it does (docs/design.md, "Performance facts"):
    "vs torch.compile" are against the fastest variant of that kind.
 
 A variant that fails (OOM, a compile error, ...) is reported in the table, not fatal.
+
+A flag given is used as given: ``--dry-run`` changes only defaults (the tiny preset, context 16, 2 timed
+steps and no warm-up, a 0.25 GiB bandwidth test), and ``--batch`` / ``--prefill`` run the batch bench with
+its defaults for the flags not given (examples/bench_batch.py). A flag that the chosen bench does not use
+(``--tp`` with ``--batch``, ``--tp-only`` without ``--tp``, ...) is one ``error:`` line naming both.
 """
 
 from __future__ import annotations
@@ -87,21 +92,26 @@ def log(msg: str) -> None:
 def parse(argv=None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                       epilog="\n".join(__doc__.split("\n")[1:]))
-    p.add_argument("--preset", choices=sorted(PRESETS), help="model preset (random weights); required unless --dry-run")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="model preset (random weights); required unless --dry-run (then default tiny)")
     p.add_argument("--context", type=non_negative_int, default=None,
-                   help="tokens already in the KV cache (default 512; 16 dry-run)")
-    p.add_argument("--iters", type=positive_int, default=None, help="timed steps per variant (default 100; 5 dry-run)")
-    p.add_argument("--warmup", type=non_negative_int, default=None, help="untimed steps first (default 20; 1 dry-run)")
+                   help="tokens already in the KV cache (default 512; 16 dry-run; with --batch: 512, 8 dry-run)")
+    p.add_argument("--iters", type=positive_int, default=None,
+                   help="timed steps per variant (default 100; 2 dry-run; with --batch: 50, 2 dry-run)")
+    p.add_argument("--warmup", type=non_negative_int, default=None,
+                   help="untimed steps first (default 20; 0 dry-run; with --batch: 5, 0 dry-run)")
     p.add_argument("--max-autotune", action="store_true", help="also time torch.compile(mode='max-autotune')")
     p.add_argument("--skip-compile-baseline", action="store_true", help="skip every torch.compile variant")
     p.add_argument("--skip-ref-rounding", action="store_true",
                    help="skip the reference-rounding peers (TorchDecoder eager / CUDA graph / torch.compile)")
-    p.add_argument("--plain-attention", choices=PLAIN_ATTENTION, default="gqa",
+    p.add_argument("--plain-attention", choices=PLAIN_ATTENTION, default=None,
                    help="the plain peer's attention: SDPA with enable_gqa (default), or q grouped per KV head")
     p.add_argument("--no-reference-check", action="store_true", help="skip the check against megaegg.run_reference")
-    p.add_argument("--bw-gib", type=positive_float, default=4.0, help="size of the bandwidth test tensor (GiB, default 4)")
-    p.add_argument("--bw-reps", type=positive_int, default=10, help="timed repetitions of each bandwidth test")
-    p.add_argument("--tp", type=positive_int, default=1,
+    p.add_argument("--bw-gib", type=positive_float, default=None,
+                   help="size of the bandwidth test tensor (GiB, default 4; 0.25 dry-run)")
+    p.add_argument("--bw-reps", type=positive_int, default=None,
+                   help="timed repetitions of each bandwidth test (default 10)")
+    p.add_argument("--tp", type=positive_int, default=None,
                    help="also time the model tensor parallel over this many GPUs (megaegg.parallel), one megakernel "
                         "each; its %% of floor is of the ONE-GPU floor; PyTorch TP peers over NCCL in N processes")
     p.add_argument("--tp-only", action="store_true",
@@ -112,19 +122,31 @@ def parse(argv=None) -> argparse.Namespace:
                    help="CPU smoke test: tiny preset in f32, megakernel on the sim backend, CUDA-only parts skipped")
     bench_batch.add_arguments(p)
     a = p.parse_args(argv)
-    if a.dry_run:
-        if a.preset not in (None, "tiny"):
-            log(f"--dry-run runs the tiny preset (not {a.preset})")
-        a.preset = "tiny"
-    elif a.preset is None:
+    if a.preset is None and not a.dry_run:
         p.error("--preset is required (or --dry-run)")
-    a.context = a.context if a.context is not None else (16 if a.dry_run else 512)
-    a.iters = a.iters if a.iters is not None else (5 if a.dry_run else 100)
-    a.warmup = a.warmup if a.warmup is not None else (1 if a.dry_run else 20)
+    if a.batch is not None or a.prefill is not None:  # the batch bench: its own defaults, and only its flags
+        mode = "--batch" if a.batch is not None else "--prefill"
+        for flag in BATCH_1_ONLY:
+            dest = flag[2:].replace("-", "_")
+            if getattr(a, dest) not in (None, False):
+                p.error(f"{flag} is a flag of the batch-1 bench; {mode} runs the batch bench "
+                        f"(examples/bench_batch.py), which does not use it")
+        return bench_batch.resolve(a, p.error)
+    if a.tp_only and (a.tp or 1) < 2:
+        p.error("--tp-only needs --tp N with N >= 2 (it skips the one-GPU PyTorch peers of a tensor-parallel run)")
+    for name, normal, dry in (("preset", None, "tiny"), ("context", 512, 16), ("iters", 100, 2), ("warmup", 20, 0),
+                              ("bw_gib", 4.0, 0.25), ("bw_reps", 10, 10), ("tp", 1, 1), ("plain_attention", "gqa", "gqa")):
+        if getattr(a, name) is None:
+            setattr(a, name, dry if a.dry_run else normal)
     positions = ModelConfig.preset(a.preset).max_positions
     if a.context >= positions:  # the step at pos = context reads context + 1 cache rows
         p.error(f"--context {a.context} must be below {a.preset}'s max_position_embeddings ({positions})")
     return a
+
+
+# flags the batch bench (--batch / --prefill) does not use: given with it, an error rather than ignored
+BATCH_1_ONLY = ("--max-autotune", "--skip-compile-baseline", "--skip-ref-rounding", "--plain-attention",
+                "--no-reference-check", "--bw-gib", "--bw-reps", "--tp", "--tp-only")
 
 
 # --- timing --------------------------------------------------------------------------
@@ -560,7 +582,7 @@ def megakernel_tp(tp: int) -> Callable[[Bench], dict]:
                                    **next_token_check(int(out["next_token"].reshape(-1)[0]), b.exact_next,
                                                       out["logits"].float().cpu(), b.exact_logits)}
         res = b.timed(lambda: kernel(inputs, pos=b.context, check=False)) if b.cuda else \
-            time_steps(lambda: kernel(inputs, pos=b.context), iters=min(2, b.args.iters), warmup=0, cuda=False)
+            time_steps(lambda: kernel(inputs, pos=b.context), iters=b.args.iters, warmup=b.args.warmup, cuda=False)
         kernel.check()
         return {**res, **info}
 
@@ -619,9 +641,9 @@ def megakernel(b: Bench) -> dict:
         runner = kernel._runner
         res = b.timed(lambda: runner.launch(dims, tensors))
         runner.check()  # syncs; raises if any timed launch hit a device-side error
-    else:  # the CPU simulator: the whole call, twice (seconds each; a smoke test, not a timing)
-        res = time_steps(lambda: kernel(token=b.token, pos=b.context, **caches), iters=min(2, b.args.iters),
-                         warmup=0, cuda=False)
+    else:  # the CPU simulator: the whole call (seconds each; a smoke test, not a timing)
+        res = time_steps(lambda: kernel(token=b.token, pos=b.context, **caches), iters=b.args.iters,
+                         warmup=b.args.warmup, cuda=False)
     return {**res, **info}
 
 
@@ -756,8 +778,6 @@ def table(b: Bench, bw: dict, fl: dict | None) -> str:
 def main(argv=None) -> dict:
     a = parse(argv)
     if a.batch or a.prefill:  # the batch bench instead: decode at several batch sizes, prompt prefill
-        a.batch, a.prefill = a.batch or [1, 4, 16, 64], a.prefill or [512, 2048]
-        a.iters, a.warmup = min(a.iters, 50), min(a.warmup, 5)
         return bench_batch.main(a=a)
     if not a.dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run on the GPU machine, or use --dry-run for a CPU smoke test")
@@ -768,8 +788,8 @@ def main(argv=None) -> dict:
 
     bw, bw_err = None, None
     try:
-        log(f"bandwidth ({a.bw_gib if not a.dry_run else 0.25} GiB) ...")
-        bw = measure_bandwidth(gib=a.bw_gib if not a.dry_run else 0.25, reps=a.bw_reps, cuda=not a.dry_run)
+        log(f"bandwidth ({a.bw_gib} GiB) ...")
+        bw = measure_bandwidth(gib=a.bw_gib, reps=a.bw_reps, cuda=not a.dry_run)
         log(f"read {bw['read_tbps']:.3f} TB/s, copy {bw['copy_tbps']:.3f} TB/s")
     except Exception as e:  # noqa: BLE001 - e.g. no room for the test tensor: report, go on
         bw_err = f"{type(e).__name__}: {e}"
@@ -864,4 +884,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,4 +1,7 @@
-"""``python -m megaegg inspect --model PRESET``: the block program, barriers, queue and compile times.
+"""``python -m megaegg inspect --model PRESET|DIR``: the block program, barriers, queue and compile times.
+
+``--model`` is a preset name or a checkpoint folder (its ``config.json``, read as the examples read it;
+a folder of that name wins over a preset).
 
 ``--timings`` prints a table of the compile stages instead of the program; ``--layers N``
 changes the preset's layer count (compile time against depth:
@@ -11,15 +14,30 @@ import dataclasses
 import sys
 import time
 
+from pathlib import Path
+
 from .graph import GraphError
-from .models import PRESETS, ModelConfig, build_decode_graph
+from .models import PRESETS, ModelConfig, build_decode_graph, read_config
+
+
+def model_config(model: str) -> ModelConfig:
+    """``--model``: a checkpoint folder's config (if a folder of that name exists), else a preset's."""
+    path = Path(model)
+    if path.is_dir():
+        return read_config(path)
+    if model in PRESETS:
+        return ModelConfig.preset(model)
+    if path.exists():
+        raise GraphError(f"--model {model}: not a folder (give a checkpoint folder with a config.json, or a preset)")
+    raise GraphError(f"--model {model}: no such preset or checkpoint folder (presets: {', '.join(sorted(PRESETS))})")
 
 
 def inspect(preset: str, *, context: int, max_len: int, cuda: bool, layers: int | None = None, timings: bool = False,
             out=sys.stdout) -> dict:
+    """``preset``: a preset name or a checkpoint folder (see :func:`model_config`)."""
     from .compiler import build_artifact
 
-    cfg = ModelConfig.preset(preset)
+    cfg = model_config(preset)
     if layers is not None:
         cfg = dataclasses.replace(cfg, layers=layers)
     max_len = min(max_len, cfg.max_positions)
@@ -81,8 +99,10 @@ def main(argv=None) -> None:
 
     ap = OneLineParser(prog="python -m megaegg")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    ins = sub.add_parser("inspect", help="print the compiled block program of a preset model")
-    ins.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    ins = sub.add_parser("inspect", help="print the compiled block program of a preset model or a checkpoint's")
+    ins.add_argument("--model", default="tiny", metavar="PRESET|DIR",
+                     help=f"a preset ({', '.join(sorted(PRESETS))}) or a Hugging Face checkpoint folder "
+                          "(its config.json; no weights are read) (default: %(default)s)")
     ins.add_argument("--context", type=non_negative_int, default=512, help="tokens in the KV cache (default: 512)")
     ins.add_argument("--max-len", type=positive_int, default=4096,
                      help="KV cache rows, capped by max_position_embeddings")
@@ -93,7 +113,11 @@ def main(argv=None) -> None:
     try:
         inspect(a.model, context=a.context, max_len=a.max_len, cuda=a.cuda, layers=a.layers, timings=a.timings)
     except GraphError as e:
-        raise SystemExit(f"error: {e}") from None
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise SystemExit(f"error: {'; '.join(lines)}") from None
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -192,3 +192,71 @@ def test_a_prompt_longer_than_a_launch_prefills_over_several(tiny):
 def test_a_moe_model_has_no_step_graph_yet():
     with pytest.raises(me.GraphError, match=r"build_step_graph: the routed experts of a qwen3_moe model take one row"):
         build_step_graph(ModelConfig.preset("qwen3-moe-tiny"), max_len=16, slots=2)
+
+
+# --- progress and stopping early: on_step, drain, Generator.current -----------------------------------------
+def test_on_step_reports_each_launch_and_can_stop_keeping_the_tokens(tiny):
+    cfg, graph, spec, weights = tiny
+    reqs = [Request(p, 4) for p in PROMPTS[:3]]
+    step = reference_batch_step(graph, weights, spec.new_caches())
+    full = [o.tokens for o in Batcher(step, slots=2, max_len=24).run(reqs)]
+    b = Batcher(reference_batch_step(graph, weights, spec.new_caches()), slots=2, max_len=24)
+    seen = []
+    outs = b.run(reqs, on_step=lambda info: seen.append(info) or info.step == 3)  # stop after the third launch
+    assert [i.step for i in seen] == [1, 2, 3] and b.launches == 3 and not b.busy()
+    first = seen[0]  # two prompts prefilled in one launch, the third waits for a slot
+    assert (first.rows, first.prefill_rows, first.running, first.waiting, first.finished) == (10, 10, 2, 1, 0)
+    assert first.tokens == ((0, full[0][0]), (1, full[1][0]))
+    assert seen[1].prefill_rows == 0 and seen[1].tokens == ((0, full[0][1]), (1, full[1][1]))
+    assert [o.tokens for o in outs] == [full[0][:3], full[1][:3], []]  # what came, in submission order
+    assert [o.finished for o in outs] == [False, False, False] and b.prefill_rows == [10, 0, 0]
+    assert [o.tokens for o in b.run([reqs[2]])] == [full[2]]  # the slots are free again: it runs on
+
+
+def test_drain_after_an_interrupted_launch_keeps_what_came(tiny):
+    cfg, graph, spec, weights = tiny
+    step = reference_batch_step(graph, weights, spec.new_caches())
+    reqs = [Request(PROMPTS[0], 2), Request(PROMPTS[2], 5)]
+    full = [o.tokens for o in Batcher(step, slots=2, max_len=24).run(reqs)]
+    launches = []
+
+    def interrupted_at_the_fourth(rows):
+        launches.append(1)
+        if len(launches) == 4:
+            raise KeyboardInterrupt
+        return step(rows)
+
+    b = Batcher(interrupted_at_the_fourth, slots=2, max_len=24)
+    with pytest.raises(KeyboardInterrupt):
+        b.run(reqs)
+    outs = b.drain()
+    assert [o.tokens for o in outs] == [full[0], full[1][:3]] and [o.finished for o in outs] == [True, False]
+    assert b.launches == 3 and not b.busy() and b.drain() == []
+
+
+def test_generator_on_step_can_stop_and_current_keeps_an_interrupted_generation():
+    from megaegg.models import Generator, build_decode_graph, reference_step
+
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32)
+    graph, spec = build_decode_graph(cfg, max_len=16)
+    step = reference_step(graph, random_weights(spec, seed=5), spec.new_caches())
+    gen = Generator(step, max_len=16)
+    full = gen.generate([3, 4], 5)
+    assert full.finished and gen.current is full
+    seen = []
+    cut = gen.generate([3, 4], 5, on_step=lambda info: seen.append(info) or info.step == 3)
+    assert cut.tokens == full.tokens[:2] and not cut.finished
+    assert [(i.step, i.prefill_rows, i.tokens) for i in seen] == [
+        (1, 1, ()), (2, 1, ((0, full.tokens[0]),)), (3, 0, ((0, full.tokens[1]),))]
+    calls = []
+
+    def interrupted_at_the_fourth(token, pos):
+        calls.append(pos)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return step(token, pos)
+
+    gen = Generator(interrupted_at_the_fourth, max_len=16)
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate([3, 4], 5)
+    assert gen.current.tokens == full.tokens[:2] and not gen.current.finished

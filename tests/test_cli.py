@@ -50,9 +50,16 @@ def test_llama_example_json_on_the_simulator():
               "--prompt-ids", "5", "6", "--max-new-tokens", "3", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["prompt_ids"] == [[5, 6]] and len(result["generated_ids"][0]) == 3 and result["ms_per_token"] > 0
-    assert result["stopped_at_eos"] == [False] and result["text"] is None
-    assert result["launches"] == 3  # the prompt in one launch, then a launch a token
+    assert result["prompt_ids"] == [[5, 6]] and len(result["generated_ids"][0]) == 3
+    assert result["stopped_at_eos"] == [False] and result["text"] is None and result["finished"] == [True]
+    assert result["launches"] == result["steps"] == 3  # the prompt in one launch, then a launch a token
+    # the speed, named for what it is: a launch's median time, tokens over the run's wall time, the first token's
+    assert "ms_per_token" not in result and result["ms_per_step"] > 0 and result["generated_tokens"] == 3
+    assert result["tokens_per_s"] == pytest.approx(3 / result["generation_s"])
+    ttft = result["time_to_first_token_s"]
+    assert len(ttft) == 1 and 0 < ttft[0] <= result["generation_s"]
+    assert result["interrupted"] is False and result["error"] is None
+    assert "tokens/s (3 tokens in" in out.stdout and "first token after" in out.stdout
     # the ids were streamed to stdout before the JSON line
     assert f"generated: {' '.join(map(str, result['generated_ids'][0]))}" in out.stdout.splitlines()
 
@@ -87,6 +94,9 @@ def test_help_offers_the_examples_own_presets_and_says_the_defaults():
     help_text = run("examples/qwen3.py", "--help").stdout
     assert "{qwen3-tiny,qwen3-0.6b,qwen3-1.7b,qwen3-8b,qwen3-moe-tiny,qwen3-30b-a3b}" in help_text
     assert "llama" not in help_text
+    words = " ".join(help_text.split())  # sampling works: the help says so, not "Greedy decoding of a ... model"
+    assert "Greedy decoding of" not in words and "greedy decoding by default, or tokens sampled" in words
+    assert "Qwen3-MoE models are greedy only" in words and "Ctrl-C" in words
     for default in ("default: qwen3-tiny", "min(1024, the config's", "max_position_embeddings", "default: 1 2 3 4"):
         assert default in " ".join(help_text.split()), default
 
@@ -324,13 +334,28 @@ def test_a_batch_of_prompts_from_a_file_runs_together(tmp_path):
               "--prompt-ids-file", str(tmp_path / "p.json"), "--max-new-tokens", "3", "--json")
     result = last_json(out)
     assert result["prompt_ids"] == prompts and result["launches"] == 3
-    graph, spec = build_decode_graph(dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32), max_len=32)
-    weights = random_weights(spec, seed=0)  # the example's weights (the same names, shapes and seed)
-    want = [Generator(reference_step(graph, weights, spec.new_caches()), max_len=32).generate(p, 3).tokens
-            for p in prompts]
+    want = random_greedy(prompts, 3, max_len=32)
     assert result["generated_ids"] == want
-    assert [line for line in out.stdout.splitlines() if line.startswith("generated[")] == [
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("generated[")) == [
         f"generated[{i}]: {' '.join(map(str, t))}" for i, t in enumerate(want)]
+    # a progress line a step on stderr (at most one a second; the first and the last always)
+    steps = [line.strip() for line in out.stderr.splitlines() if line.strip().startswith("step ")]
+    assert steps[0].startswith("step 1: 3 running, 0 waiting, 0 finished; 3 tokens, ")
+    assert steps[-1].startswith("step 3: 0 running, 0 waiting, 3 finished; 9 tokens, ") and steps[-1].endswith(" tokens/s")
+    assert result["ms_per_step"] > 0 and result["generated_tokens"] == 9 and len(result["time_to_first_token_s"]) == 3
+
+
+def random_greedy(prompts: list[list[int]], n: int, max_len: int) -> list[list[int]]:
+    """Each prompt's greedy continuation on the reference executor with the examples' random weights (tiny, f32)."""
+    import dataclasses
+
+    import megaegg as me
+    from megaegg.models import Generator, ModelConfig, build_decode_graph, random_weights, reference_step
+
+    graph, spec = build_decode_graph(dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32), max_len=max_len)
+    weights = random_weights(spec, seed=0)  # the example's weights (the same names, shapes and seed)
+    return [Generator(reference_step(graph, weights, spec.new_caches()), max_len=max_len).generate(p, n).tokens
+            for p in prompts]
 
 
 def test_sampling_flags_are_reproducible(tmp_path):
@@ -384,3 +409,219 @@ def test_text_prompts_from_a_file_with_the_checkpoints_tokenizer(ckpt_tok, tmp_p
     assert result["prompt_ids"] == [[5, 9, 2], [7]]
     assert result["generated_ids"] == [greedy_tokens(ckpt_tok, p, 4) for p in ([5, 9, 2], [7])]
     assert result["text"] == [" ".join(f"w{t}" for t in ids) for ids in result["generated_ids"]]
+
+
+# --- Ctrl-C, a failed step, a batch's sequences as they finish -------------------------------------------
+def interrupt_when(args, ready, timeout=240):
+    """Run ``args`` and send it SIGINT (Ctrl-C) as soon as ``ready(stdout, stderr)`` (the output so far) holds;
+    (exit status, stdout, stderr). Fails if it ends or times out first."""
+    import os
+    import select
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.stdout.fileno(), proc.stderr.fileno()
+    got, watched = {out: b"", err: b""}, {out, err}
+    text = lambda fd: got[fd].decode(errors="replace")  # noqa: E731
+    sent, deadline = False, time.monotonic() + timeout
+    try:
+        while watched and time.monotonic() < deadline:
+            if not sent and ready(text(out), text(err)):
+                proc.send_signal(signal.SIGINT)
+                sent = True
+            for fd in select.select(list(watched), [], [], 0.5)[0]:
+                chunk = os.read(fd, 65536)
+                got[fd] += chunk
+                if not chunk:  # closed
+                    watched.discard(fd)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sent, f"ended (or timed out) before it was ready: {text(err)[-2000:]}"
+    return proc.returncode, text(out), text(err)
+
+
+SIM = ("examples/llama.py", "--random-weights", "--backend", "sim")
+
+
+def assert_interrupted(rc: int, stdout: str, stderr: str) -> dict:
+    """Exit status 130, no traceback, one "interrupted: stopped after N steps" line last, the JSON line last on
+    stdout with "interrupted": true and N launches."""
+    assert rc == 130 and "Traceback" not in stderr, stderr
+    result = json.loads(stdout.splitlines()[-1])
+    steps = result["launches"]
+    assert result["interrupted"] is True and result["error"] is None and steps >= 1
+    assert stderr.splitlines()[-1] == f"interrupted: stopped after {steps} step{'s' if steps != 1 else ''}", stderr
+    return result
+
+
+def test_ctrl_c_while_generating_prints_what_came_and_exits_130():
+    rc, stdout, stderr = interrupt_when(
+        (*SIM, "--max-len", "256", "--prompt-ids", "5", "6", "--max-new-tokens", "200", "--json"),
+        lambda out, err: __import__("re").search(r"generated: \d+", out))
+    result = assert_interrupted(rc, stdout, stderr)
+    ids = result["generated_ids"][0]
+    assert 1 <= len(ids) < 200 and result["finished"] == [False] and result["generated_tokens"] == len(ids)
+    assert ids == random_greedy([[5, 6]], len(ids), max_len=256)[0]  # the right tokens, cut short
+    assert f"generated: {' '.join(map(str, ids))}" in stdout.splitlines()  # the streamed line, ended
+    assert result["time_to_first_token_s"][0] > 0
+
+
+def test_ctrl_c_stops_a_batch_with_each_sequences_tokens_so_far(tmp_path):
+    prompts = [[5, 6], [1, 2, 3, 4, 5], [9]]
+    (tmp_path / "p.json").write_text(json.dumps(prompts))
+    rc, stdout, stderr = interrupt_when(
+        (*SIM, "--max-len", "128", "--prompt-ids-file", str(tmp_path / "p.json"), "--max-new-tokens", "100", "--json"),
+        lambda out, err: "step 1:" in err)  # the progress line of the first step: every sequence has a token
+    result = assert_interrupted(rc, stdout, stderr)
+    got = result["generated_ids"]
+    assert all(1 <= len(t) < 100 for t in got) and result["finished"] == [False] * 3
+    n = max(len(t) for t in got)
+    want = random_greedy(prompts, n, max_len=128)
+    assert got == [w[: len(t)] for w, t in zip(want, got)]
+    assert sorted(line for line in stdout.splitlines() if line.startswith("generated[")) == [
+        f"generated[{i}]: {' '.join(map(str, t))}" for i, t in enumerate(got)]
+
+
+def test_ctrl_c_while_compiling_is_one_line_and_130():
+    rc, stdout, stderr = interrupt_when((*SIM, "--max-len", "64", "--json"), lambda out, err: "building graphs" in err)
+    assert rc == 130 and "Traceback" not in stderr, stderr
+    assert stderr.splitlines()[-1] == "interrupted: stopped before the first step" and stdout == ""
+
+
+POISON = """
+import sys
+import megaegg.models.cli as cli
+token, argv = int(sys.argv[1]), sys.argv[2:]
+draw = cli.random_weights
+def poisoned(spec, **kw):  # the embedding row of ``token``: NaN logits at the step that feeds it
+    w = draw(spec, **kw)
+    w["model.embed_tokens.weight"][token] = float("nan")
+    return w
+cli.random_weights = poisoned
+cli.main("llama", argv)
+"""
+
+
+@pytest.mark.parametrize("prompts", [[[5, 6]], [[5, 6], [9]]], ids=["one_prompt", "batch"])
+def test_nan_logits_at_a_step_are_one_error_line_after_what_came(tmp_path, prompts):
+    """The first token of prompt 0 has a NaN embedding row: step 2 feeds it, its logits are NaN, and the
+    sampler refuses them. The run prints the tokens of step 1, then one line "error: step 2: ...", status 1."""
+    first = random_greedy(prompts, 1, max_len=32)
+    token = first[0][0]
+    assert all(token not in p for p in prompts) and all(f[0] != token for f in first[1:])
+    (tmp_path / "p.json").write_text(json.dumps(prompts))
+    out = run("-c", POISON, str(token), *SIM[1:], "--max-len", "32", "--prompt-ids-file", str(tmp_path / "p.json"),
+              "--max-new-tokens", "5", "--json")
+    assert_one_line_error(out, "error: step 2: ", "NaN")
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["generated_ids"] == first and result["error"] == out.stderr.splitlines()[-1][len("error: "):]
+    assert result["interrupted"] is False and result["launches"] == 1
+
+
+def test_a_batch_prints_each_sequence_when_it_finishes(ckpt_tok, tmp_path):
+    """Prompt 1 stops at EOS after 2 tokens, prompt 0 runs 6: prompt 1's line comes first, as soon as it is done."""
+    late, early = [11, 4], [5, 9, 2]
+    eos = greedy_tokens(ckpt_tok, early, 6)[1]
+    assert eos not in greedy_tokens(ckpt_tok, late, 6) and eos not in early + late
+    model = copy_of(ckpt_tok, tmp_path)
+    cfg = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}))
+    (tmp_path / "p.json").write_text(json.dumps([late, early]))
+    out = run("examples/llama.py", "--model", str(model), "--backend", "sim", "--max-len", "32",
+              "--prompt-ids-file", str(tmp_path / "p.json"), "--max-new-tokens", "6", "--json")
+    result = last_json(out)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("generated[")]
+    assert lines == [f"generated[1]: {result['text'][1]}", f"generated[0]: {result['text'][0]}"]
+    assert [len(t) for t in result["generated_ids"]] == [6, 2] and result["stopped_at_eos"] == [False, True]
+    assert result["finished"] == [True, True] and "stopped at EOS" in out.stdout
+    ttft = result["time_to_first_token_s"]
+    assert len(ttft) == 2 and all(0 < t <= result["generation_s"] for t in ttft)
+
+
+# --- inspect: a preset or a checkpoint folder ---------------------------------------------------------------
+def test_inspect_reads_a_checkpoint_folder(ckpt):
+    out = run("-m", "megaegg", "inspect", "--model", str(ckpt), "--max-len", "64", "--context", "8")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"{ckpt}: ") and "barrier sets" in out.stdout
+
+
+@pytest.mark.parametrize("case", ["no_such_folder", "bad_config", "a_file"])
+def test_inspect_bad_model_is_one_line_error(ckpt, tmp_path, case):
+    if case == "no_such_folder":
+        model, needles = tmp_path / "nowhere", ["nowhere", "no such preset or checkpoint folder", "tiny"]
+    elif case == "bad_config":
+        model = copy_of(ckpt, tmp_path)
+        (model / "config.json").write_text('{"model_type": "llama",,}')
+        needles = ["model/config.json", "invalid JSON"]
+    else:
+        model = tmp_path / "file.txt"
+        model.write_text("x")
+        needles = ["file.txt", "not a folder"]
+    assert_one_line_error(run("-m", "megaegg", "inspect", "--model", str(model)), *needles)
+
+
+# --- the benches' flags: a flag given is used as given, or refused by name ------------------------------------
+def bench_args(module: str, *args: str):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        return __import__(module).parse(list(args))
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+
+@pytest.mark.parametrize("args, want", [
+    (("--dry-run", "--batch", "1,4", "--prefill", "8"),  # was batches 1 and 3, context 8, whatever was asked
+     dict(preset="tiny", batch=[1, 4], prefill=[8], context=8, iters=2, warmup=0)),
+    (("--dry-run", "--batch", "2,5", "--prefill", "6", "--context", "20", "--iters", "7", "--warmup", "3"),
+     dict(batch=[2, 5], prefill=[6], context=20, iters=7, warmup=3)),
+    (("--preset", "tiny", "--batch", "4", "--iters", "80", "--warmup", "9"),  # were cut to 50 and 5
+     dict(batch=[4], prefill=[512, 2048], context=512, iters=80, warmup=9)),
+    (("--dry-run", "--preset", "qwen3-tiny", "--bw-gib", "1", "--iters", "9"),  # were tiny and 0.25 GiB
+     dict(preset="qwen3-tiny", bw_gib=1.0, iters=9, context=16, warmup=0, tp=1)),
+    (("--dry-run",), dict(preset="tiny", context=16, iters=2, warmup=0, bw_gib=0.25, bw_reps=10, batch=None)),
+])
+def test_bench_decode_uses_the_flags_given(args, want):
+    a = bench_args("bench_decode", *args)
+    assert {k: getattr(a, k) for k in want} == want
+
+
+@pytest.mark.parametrize("args, want", [
+    (("--dry-run",), dict(preset="tiny", batch=[1, 3], prefill=[8], context=8, iters=2, warmup=0)),
+    (("--dry-run", "--batch", "1,4", "--context", "30", "--iters", "4"), dict(batch=[1, 4], context=30, iters=4)),
+    ((), dict(preset="llama-3.2-1b", batch=[1, 4, 16, 64], prefill=[512, 2048], context=512, iters=50, warmup=5)),
+])
+def test_bench_batch_uses_the_flags_given(args, want):
+    a = bench_args("bench_batch", *args)
+    assert {k: getattr(a, k) for k in want} == want
+
+
+@pytest.mark.parametrize("script, args, error", [
+    ("bench_decode", ("--dry-run", "--batch", "1", "--tp", "2"),
+     "--tp is a flag of the batch-1 bench; --batch runs the batch bench (examples/bench_batch.py), which does not use it"),
+    ("bench_decode", ("--preset", "tiny", "--prefill", "8", "--max-autotune"),
+     "--max-autotune is a flag of the batch-1 bench; --prefill"),
+    ("bench_decode", ("--dry-run", "--batch", "1", "--bw-gib", "1"), "--bw-gib is a flag of the batch-1 bench"),
+    ("bench_decode", ("--dry-run", "--batch", "1", "--plain-attention", "gqa"),
+     "--plain-attention is a flag of the batch-1"),
+    ("bench_decode", ("--dry-run", "--tp-only"), "--tp-only needs --tp N with N >= 2"),
+    ("bench_decode", ("--dry-run", "--prefill", "4096"), "--prefill 4096 is above tiny's max_position_embeddings (2048)"),
+    ("bench_decode", ("--dry-run", "--batch", "2", "--context", "2048"), "--context 2048 must be below tiny's"),
+    ("bench_batch", ("--dry-run", "--iters", "0"), "argument --iters: must be >= 1, got 0"),  # was an IndexError
+    ("bench_batch", ("--dry-run", "--warmup", "-1"), "argument --warmup: must be >= 0, got -1"),
+    ("bench_batch", ("--dry-run", "--context", "5000"), "--context 5000 must be below tiny's"),
+])
+def test_bench_flags_that_cannot_apply_are_one_line_errors(script, args, error):
+    out = run(f"examples/{script}.py", *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().startswith(f"error: {error}"), out.stderr
+
+
+def test_bench_decode_dry_run_times_the_batches_asked_for():
+    out = run("examples/bench_decode.py", "--dry-run", "--batch", "2", "--prefill", "3", "--context", "5", "--iters", "1")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split(" |")[0] for line in out.stdout.splitlines() if line.startswith(("| decode", "| prefill"))]
+    assert rows == ["| decode batch 2", "| prefill 3 tokens"], out.stdout  # (--dry-run alone: batches 1, 3; prefill 8)
+    assert "decode at context 5" in out.stdout

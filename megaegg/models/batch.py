@@ -5,7 +5,9 @@ A :class:`Batcher` keeps up to ``slots`` sequences in flight, each in its own KV
 prompts that joined are prefilled (all their tokens at once, in as many launches as
 ``max_tokens``, the step's token budget, needs), and every other running sequence decodes one
 token. A sequence that finishes (``max_new_tokens`` or a stop token) frees its slot for the next
-request; nothing is recompiled when sequences join or leave.
+request; nothing is recompiled when sequences join or leave. ``run(..., on_step=)`` reports each launch
+(a :class:`~megaegg.models.generate.StepInfo`) and can stop early; after an exception (a failed launch,
+``KeyboardInterrupt``), :meth:`Batcher.drain` returns what every request generated so far.
 
 >>> import megaegg as me
 >>> from megaegg.models import ModelConfig, build_step_graph, random_weights
@@ -27,7 +29,7 @@ import torch
 
 from ..graph import Graph, GraphError
 from ..reference import run_reference
-from .generate import Generation, check_token_ids, token_ids
+from .generate import Generation, StepInfo, check_token_ids, token_ids
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,8 @@ class Batcher:
         self.free = list(range(slots))
         self.done: list[_Running] = []
         self.launches = 0
-        self.step_seconds: list[float] = []
+        self.step_seconds: list[float] = []  # wall time of each launch
+        self.prefill_rows: list[int] = []  # prompt tokens each launch fed (0: a pure decode step)
         self._count = 0
 
     def submit(self, request: Request) -> int:
@@ -170,9 +173,10 @@ class Batcher:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> None:
+    def step(self) -> StepInfo:
         """One launch: admit waiting requests into free slots, then feed every running sequence
-        (decoding ones first, one token each; prompts with what is left of the token budget)."""
+        (decoding ones first, one token each; prompts with what is left of the token budget).
+        Returns what it did."""
         while self.waiting and self.free:
             run = self.waiting.popleft()
             run.slot = self.free.pop(0)
@@ -195,25 +199,32 @@ class Batcher:
         t0 = time.perf_counter()
         tokens = self.step_fn(self._rows(rows, outs))
         new = [int(t) for t in tokens.reshape(-1).tolist()]  # (syncs with the device)
-        self.step_seconds.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        prefill_rows = sum(fed.get(r.index, 0) for r in prefilling)
+        self.step_seconds.append(seconds)
+        self.prefill_rows.append(prefill_rows)
         self.launches += 1
         for run in self.running:
             run.fed += fed.get(run.index, 0)
         for (run, _), tok in zip(outs, new):
             self._emit(run, tok)
+        return StepInfo(step=self.launches, seconds=seconds, rows=len(rows), prefill_rows=prefill_rows,
+                        tokens=tuple((run.index, tok) for (run, _), tok in zip(outs, new)),
+                        running=len(self.running), waiting=len(self.waiting), finished=len(self.done))
 
     def _emit(self, run: _Running, tok: int) -> None:
         gen, req = run.generation, run.request
         gen.tokens.append(tok)
-        if req.on_token is not None:
-            req.on_token(tok)
         if tok in req.stop_tokens:
             gen.stop_token = tok
         if gen.stop_token is not None or len(gen.tokens) >= req.max_new_tokens:
+            gen.finished = True
             self.running.remove(run)
             self.free.append(run.slot)
             self.free.sort()
             self.done.append(run)
+        if req.on_token is not None:  # last: the state is whole if it raises (a KeyboardInterrupt)
+            req.on_token(tok)
 
     def _rows(self, rows: list[tuple[_Running, int, int]], outs: list[tuple[_Running, int]]) -> StepRows:
         def i32(v):
@@ -231,15 +242,32 @@ class Batcher:
             host_pos=tuple(p for _, _, p in rows), host_slot=tuple(r.slot for r, _, _ in rows),
             greedy=all(x.greedy for x in s))
 
-    def run(self, requests: Sequence[Request] = ()) -> list[Generation]:
-        """Submit ``requests``, step until every submitted request is done; their generations in submission order."""
+    def run(self, requests: Sequence[Request] = (), *,
+            on_step: Callable[[StepInfo], bool | None] | None = None) -> list[Generation]:
+        """Submit ``requests``, step until every submitted request is done; their generations in submission order.
+
+        ``on_step`` is called with a :class:`~megaegg.models.generate.StepInfo` after each launch; if it returns
+        True, the run stops there: every request's generation so far is returned (:meth:`drain`; those cut short
+        have ``finished`` False, those not started no tokens)."""
         for r in requests:
             self.submit(r)
         while self.busy():
-            self.step()
+            info = self.step()
+            if on_step is not None and on_step(info):
+                return self.drain()
         done = sorted(self.done, key=lambda r: r.index)
         self.done = []
         return [r.generation for r in done]
+
+    def drain(self) -> list[Generation]:
+        """Stop every request now: the generations so far of all requests not yet returned (finished ones whole,
+        running ones cut short, waiting ones empty), in submission order; their slots are free again.
+        Call it after :meth:`run` or :meth:`step` raised (``KeyboardInterrupt``, a failed launch) to keep what was
+        generated; a cut-short sequence's slot is reused from position 0, so the batcher can run again."""
+        runs = sorted(self.done + self.running + list(self.waiting), key=lambda r: r.index)
+        self.done, self.running, self.waiting = [], [], deque()
+        self.free = list(range(self.slots))
+        return [r.generation for r in runs]
 
 
 def reference_batch_step(graph: Graph, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> BatchStepFn:

@@ -1,18 +1,23 @@
 """The command line of ``examples/llama.py`` and ``examples/qwen3.py``: load, compile, generate.
 
-stderr gets progress (weights per shard or about every second, the compiler's log) and
-errors; stdout gets the generated text as it is produced (token ids without a tokenizer),
-the speed, and with ``--json`` one JSON object as its last line. A bad argument, config
-or checkpoint is one ``error: ...`` line on stderr and a non-zero exit, no traceback.
+stderr gets progress (weights per shard or about every second, the compiler's log; a batch's
+steps) and errors; stdout gets the generated text as it is produced (token ids without a
+tokenizer; a batch's sequences a line each as they finish), the speed, and with ``--json``
+one JSON object as its last line. A bad argument, config or checkpoint is one ``error: ...``
+line on stderr and a non-zero exit, no traceback; so is a launch that fails mid-generation
+(``error: step N: ...``, status 1, after what was generated before it). Ctrl-C stops the run:
+what was generated so far (and the JSON line, ``"interrupted": true``), ``interrupted: ...``
+on stderr, exit status 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import logging
+import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,10 +25,11 @@ from pathlib import Path
 import torch
 
 from ..graph import GraphError
+from ..interpreter.simulator import SimulationError
 from .batch import Batcher, Request, Sampling, kernel_batch_step, single_sequence_decode
 from .config import ModelConfig
 from .decoder import build_decode_graph, build_step_graph
-from .generate import Generation, Generator, check_token_ids, kernel_step
+from .generate import Generation, Generator, StepInfo, check_token_ids, kernel_step
 from .presets import DEFAULT_PRESET, FAMILY, PRESETS, presets_of
 from .weights import CheckpointError, eos_token_ids, load_checkpoint, random_weights, read_config
 
@@ -37,12 +43,47 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 def progress(msg: str, t0: float | None = None) -> float:
     now = time.perf_counter()
     suffix = f" [{now - t0:.2f} s]" if t0 is not None else " ..."
-    print(f"  {msg}{suffix}", file=sys.stderr, flush=True)
+    line(f"  {msg}{suffix}")
     return now
 
 
 def note(msg: str) -> None:
-    print(f"    {msg}", file=sys.stderr, flush=True)
+    line(f"    {msg}")
+
+
+def line(text: str, out=None) -> None:
+    """One whole line in one write (a Ctrl-C cannot cut it between the text and its newline)."""
+    out = out or sys.stderr
+    out.write(text + "\n")
+    out.flush()
+
+
+class HeldInterrupts:
+    """Ctrl-C (SIGINT), held back while output is written: ``with HOLD:`` around a token's bookkeeping and
+    printing, so that a Ctrl-C never cuts a line in two nor counts a token it did not print; the
+    KeyboardInterrupt comes when the block ends. :func:`main` installs :meth:`handler`."""
+
+    def __init__(self) -> None:
+        self.depth, self.pending = 0, False
+
+    def handler(self, signum, frame) -> None:
+        if self.depth:
+            self.pending = True
+        else:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+        if not self.depth and self.pending:
+            self.pending = False
+            if exc[0] is None:
+                raise KeyboardInterrupt
+
+
+HOLD = HeldInterrupts()
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -78,7 +119,11 @@ unit_float = number_arg(float, "in (0, 1]", lambda v: 0 < v <= 1)
 
 
 def parse(arch: str, argv=None) -> argparse.Namespace:
-    p = OneLineParser(description=f"Greedy decoding of a {arch} model through one megakernel per step")
+    p = OneLineParser(description=f"Generate text with a {arch} model, one megakernel launch per step: greedy "
+                                  "decoding by default, or tokens sampled on the device with --temperature > 0 "
+                                  "(--top-k, --top-p, --seed)" + ("; Qwen3-MoE models are greedy only" if arch == "qwen3"
+                                                                  else "") + ". Ctrl-C stops it and prints what was "
+                                  "generated so far (exit status 130).")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="local Hugging Face checkpoint directory")
     src.add_argument("--preset", choices=presets_of(arch), default=DEFAULT_PRESET[arch],
@@ -113,17 +158,74 @@ def parse(arch: str, argv=None) -> argparse.Namespace:
 
 
 def main(arch: str, argv=None) -> dict:
+    import signal
+
     a = parse(arch, argv)
+    session = Session()
+    old = None
+    try:  # Ctrl-C waits for a line being written to end (HOLD); only where Python's own handler is in place
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            old = signal.signal(signal.SIGINT, HOLD.handler)
+    except ValueError:  # not the main thread: no handler of ours
+        pass
     try:
-        return run(arch, a)
-    except GraphError as e:  # a bad config, checkpoint or argument: say what, no traceback
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        raise SystemExit(f"error: {'; '.join(lines)}") from None
+        try:
+            return run(arch, a, session)
+        except GraphError as e:  # a bad config, checkpoint or argument: say what, no traceback
+            raise SystemExit(f"error: {one_line(e)}") from None
+    except KeyboardInterrupt:  # Ctrl-C: what was generated so far, one line, status 130
+        session.interrupted()
+        raise SystemExit(130) from None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
 
 
-def run(arch: str, a: argparse.Namespace) -> dict:
+def one_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return "; ".join(lines) or type(e).__name__
+
+
+# A launch that fails mid-generation (MegakernelError and CUDA errors are RuntimeErrors; the sampler's NaN
+# check and GraphError are ValueErrors; the simulator's SimulationError an AssertionError): one
+# "error: step N: ..." line after what was generated so far, exit status 1.
+STEP_ERRORS = (ValueError, RuntimeError, SimulationError)
+
+
+@dataclasses.dataclass
+class Session:
+    """What a run has got to, for the Ctrl-C handler: the engine once built, the output once generating."""
+
+    engine: object = None
+    output: Output | None = None
+
+    def interrupted(self) -> None:
+        import signal
+
+        try:  # a second Ctrl-C while the partial results print is ignored (they take milliseconds)
+            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            old = None
+        try:
+            out, engine = self.output, self.engine
+            if out is None or out.t0 is None or engine is None:
+                message = "interrupted: stopped before the first step"
+            else:
+                steps = engine.launches
+                message = f"interrupted: stopped after {steps} step{'s' if steps != 1 else ''}"
+                if not out.reported:
+                    out.report(engine.partial(), interrupted=True)
+            sys.stdout.flush()
+            line(message)
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+
+
+def run(arch: str, a: argparse.Namespace, session: Session | None = None) -> dict:
     import megaegg as me
 
+    session = session or Session()
     backend = pick_backend(a.backend)  # first: no point loading gigabytes for a GPU that is not there
     device = "cuda" if backend == "cuda" else "cpu"
     cfg, eos = model_config(arch, a)
@@ -143,36 +245,130 @@ def run(arch: str, a: argparse.Namespace) -> dict:
         cfg = dataclasses.replace(cfg, dtype=me.dtypes.as_dtype(a.dtype))
     elif not a.model and backend == "sim":
         cfg = dataclasses.replace(cfg, dtype=me.f32)  # the CPU simulator has no fast bf16 matmul
-    print(f"{arch}: {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}, {cfg.dtype}, backend {backend}, "
-          f"max_len {max_len}", file=sys.stderr)
+    line(f"{arch}: {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}, {cfg.dtype}, backend {backend}, "
+         f"max_len {max_len}")
     show_compiler_log()
     if a.prompt is None and a.prompt_file is None and a.model:
         tokenizer = load_tokenizer(a)  # optional: to print text, not ids
     if a.tp > 1 and (len(prompts) > 1 or not sampling.greedy):
         raise GraphError(f"--tp {a.tp}: one prompt, greedy decoding (a batch or sampling runs on one GPU so far)")
     engine_cls = ParallelEngine if a.tp > 1 else SequentialEngine if cfg.moe is not None else BatchEngine
-    engine = engine_cls(cfg, a, backend, device, max_len, len(prompts), sampling)
-    streams = [Stream(tokenizer) if len(prompts) == 1 else Stream(tokenizer, out=io.StringIO()) for _ in prompts]
-    if len(prompts) == 1:  # streamed as it comes; a batch prints each prompt's tokens when done
-        print("generated: ", end="", flush=True)
-    stop = () if a.ignore_eos else eos
-    outs = engine.generate([Request(p, a.max_new_tokens, stop, sampling, on_token=st) for p, st in zip(prompts, streams)])
-    for i, (st, out) in enumerate(zip(streams, outs)):
-        st.finish()
-        if len(prompts) > 1:
-            print(f"generated[{i}]: {st.out.getvalue().rstrip()}", flush=True)
-    ms = 1000 * engine.decode_seconds()
-    stopped = [o.stop_token is not None for o in outs]
-    eos_note = ", stopped at EOS " + " ".join(str(o.stop_token) for o in outs if o.stop_token is not None) if any(stopped) else ""
-    print(f"{ms:.3f} ms/step (median wall time per decode step, {backend}; {engine.launches} launches){eos_note}")
-    result = {"prompt_ids": prompts, "generated_ids": [o.tokens for o in outs], "launches": engine.launches,
-              "ms_per_token": ms, "stopped_at_eos": stopped, "text": [st.text() for st in streams] if tokenizer else None}
-    if a.json:
-        print(json.dumps(result))
-    return result
+    engine = session.engine = engine_cls(cfg, a, backend, device, max_len, len(prompts), sampling)
+    out = session.output = Output(a, prompts, tokenizer, backend, engine, eos)
+    requests = [Request(p, a.max_new_tokens, eos, sampling, on_token=out.on_token(i)) for i, p in enumerate(prompts)]
+    out.start()
+    try:
+        outs = engine.generate(requests, on_step=out.on_step)
+    except STEP_ERRORS as e:  # a failed launch: what came before it, then the error
+        message = one_line(e)
+        if not re.match(r"step \d+: ", message):  # (NaNError.at_step may have named it)
+            message = f"step {engine.launches + 1}: {message}"
+        out.report(engine.partial(), error=message)
+        raise SystemExit(f"error: {message}") from None
+    return out.report(outs)
 
 
-class BatchEngine:
+PROGRESS_EVERY_S = 1.0  # a batch's progress line on stderr: at most this often (and at its first and last step)
+
+
+class Output:
+    """What a generation prints: a lone prompt's tokens on stdout as they come (``generated: ...``); a batch's
+    sequences each as one line ``generated[i]: ...`` on stdout when it finishes, and a progress line on stderr
+    per step (at most every PROGRESS_EVERY_S); then the speed line and, with ``--json``, the JSON line."""
+
+    def __init__(self, a, prompts, tokenizer, backend, engine, stop_tokens) -> None:
+        self.a, self.prompts, self.tokenizer, self.backend, self.engine = a, prompts, tokenizer, backend, engine
+        self.stop_tokens = tuple(stop_tokens)
+        self.batch = len(prompts) > 1
+        self.streams = [BatchStream(tokenizer, i, a.max_new_tokens, stop_tokens) if self.batch else Stream(tokenizer)
+                        for i in range(len(prompts))]
+        self.first_token: list[float | None] = [None] * len(prompts)  # seconds from the start of generation
+        self.t0: float | None = None
+        self.tokens = 0
+        self.shown = -1.0  # when the last progress line was printed
+        self.reported = False
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        if not self.batch:
+            sys.stdout.write("generated: ")
+            sys.stdout.flush()
+
+    def on_token(self, i: int):
+        def token(tok: int) -> None:
+            with HOLD:
+                if self.first_token[i] is None:
+                    self.first_token[i] = time.perf_counter() - self.t0
+                self.tokens += 1
+                self.streams[i](tok)
+
+        return token
+
+    def on_step(self, info: StepInfo) -> None:
+        now = time.perf_counter()
+        last = info.running == 0 and info.waiting == 0
+        if not self.batch or not (info.step == 1 or last or now - self.shown >= PROGRESS_EVERY_S):
+            return
+        self.shown = now
+        rate = self.tokens / (now - self.t0) if now > self.t0 else 0.0
+        line(f"  step {info.step}: {info.running} running, {info.waiting} waiting, {info.finished} finished; "
+             f"{self.tokens} tokens, {rate:.1f} tokens/s")
+
+    def report(self, outs: list[Generation], *, interrupted: bool = False, error: str | None = None) -> dict:
+        """The end of the run (or what it got to): the rest of the token lines, the speed line, the JSON line
+        (a Ctrl-C meanwhile waits for it to end)."""
+        with HOLD:
+            self.reported = True
+            return self._report(outs, interrupted, error)
+
+    def _report(self, outs: list[Generation], interrupted: bool, error: str | None) -> dict:
+        seconds = time.perf_counter() - self.t0
+        for st, out in zip(self.streams, outs):
+            for tok in out.tokens[len(st.tokens):]:  # (a token whose callback a Ctrl-C cut off)
+                st(tok)
+            st.finish()
+        steps = self.engine.launches
+        ms = self.engine.step_ms()
+        generated = sum(len(o.tokens) for o in outs)
+        rate = generated / seconds if seconds > 0 else 0.0
+        stop = set(self.stop_tokens)  # (from the tokens: right even if a Ctrl-C came between a token and its note)
+        stopped = [bool(o.tokens) and o.tokens[-1] in stop for o in outs]
+        finished = [o.finished or s or len(o.tokens) >= self.a.max_new_tokens for o, s in zip(outs, stopped)]
+        firsts = [t for t in self.first_token if t is not None]
+        launches = f"{steps} launch{'es' if steps != 1 else ''}"
+        speed = (f"{ms:.3f} ms/step (median wall time of a decode step, {self.backend}; {launches})"
+                 if ms is not None else f"no launch finished ({self.backend})")
+        speed += f"; {rate:.1f} tokens/s ({generated} tokens in {seconds:.2f} s)"
+        if firsts:
+            lo, hi = f"{min(firsts):.2f}", f"{max(firsts):.2f}"
+            speed += f", first token{'s' if len(firsts) > 1 else ''} after {lo if lo == hi else f'{lo} to {hi}'} s"
+        if any(stopped):
+            speed += ", stopped at EOS " + " ".join(str(o.tokens[-1]) for o, s in zip(outs, stopped) if s)
+        line(speed, sys.stdout)
+        result = {"prompt_ids": self.prompts, "generated_ids": [o.tokens for o in outs], "launches": steps,
+                  "steps": steps, "generated_tokens": generated, "ms_per_step": ms, "tokens_per_s": rate,
+                  "generation_s": seconds, "time_to_first_token_s": self.first_token, "stopped_at_eos": stopped,
+                  "finished": finished,
+                  "text": [st.text() for st in self.streams] if self.tokenizer else None,
+                  "interrupted": interrupted, "error": error}
+        if self.a.json:
+            line(json.dumps(result), sys.stdout)
+        return result
+
+
+def median_ms(seconds: list[float], prefill: list[bool]) -> float | None:
+    """The median wall time (ms) of the pure decode steps (of every step if none was), None before a step."""
+    decode = [s for s, p in zip(seconds, prefill) if not p] or seconds
+    return 1000 * statistics.median(decode) if decode else None
+
+
+class Engine:
+    """Runs the requests: ``generate(requests, on_step)``, ``partial()`` (what every request generated so far,
+    after an interruption), ``launches`` and ``step_ms()`` (the median decode step). Both count from the
+    records the generation loops keep as each launch returns, before its tokens are handed out."""
+
+
+class BatchEngine(Engine):
     """Every prompt through one step graph (:func:`build_step_graph`): a batch of prompts prefills in one
     launch (as many as MAX_STEP_TOKENS rows allow) and decodes together, continuously batched; a lone greedy
     sequence decodes through the batch-1 decode graph (its fused, faster kernel) on its cache slot."""
@@ -205,16 +401,18 @@ class BatchEngine:
     def launches(self) -> int:
         return self.batcher.launches
 
-    def generate(self, requests: list[Request]) -> list[Generation]:
-        return self.batcher.run(requests)
+    def step_ms(self) -> float | None:
+        b = self.batcher
+        return median_ms(b.step_seconds, [rows > 0 for rows in b.prefill_rows])
 
-    def decode_seconds(self) -> float:
-        s = self.batcher.step_seconds
-        decode = s[1:] or s  # (the first step prefills)
-        return sorted(decode)[len(decode) // 2]
+    def generate(self, requests: list[Request], on_step=None) -> list[Generation]:
+        return self.batcher.run(requests, on_step=on_step)
+
+    def partial(self) -> list[Generation]:
+        return self.batcher.drain()
 
 
-class SequentialEngine:
+class SequentialEngine(Engine):
     """Qwen3-MoE models: the batch-1 decode graph, one token a launch, one prompt after another (the
     routed experts take one row per step so far)."""
 
@@ -230,21 +428,43 @@ class SequentialEngine:
         progress(f"compiled: {len(kernel.queue.entries)} queue entries ({compile_summary(kernel.artifact.timings)})", t)
         if n_prompts > 1:
             note("Qwen3-MoE: the prompts run one after another, one token a launch")
-        self.gen = Generator(kernel_step(kernel, spec.new_caches(device=device)), max_len=max_len, device=device,
-                             vocab=cfg.vocab)
-        self.launches, self.seconds = 0, []
+        self._start(Generator(kernel_step(kernel, spec.new_caches(device=device)), max_len=max_len, device=device,
+                              vocab=cfg.vocab))
 
-    def generate(self, requests: list[Request]) -> list[Generation]:
-        outs = []
-        for r in requests:
-            out = self.gen.generate(list(r.prompt), r.max_new_tokens, stop_tokens=r.stop_tokens, on_token=r.on_token)
-            self.launches += len(out.step_seconds)
-            self.seconds += out.step_seconds[len(r.prompt):] or out.step_seconds
-            outs.append(out)
-        return outs
+    def _start(self, gen: Generator) -> None:
+        self.gen, self.requests, self.outs = gen, [], []
 
-    def decode_seconds(self) -> float:
-        return sorted(self.seconds)[len(self.seconds) // 2]
+    @property
+    def launches(self) -> int:
+        return sum(len(g.step_seconds) for g in self.partial())
+
+    def step_ms(self) -> float | None:
+        gens = self.partial()
+        return median_ms([s for g in gens for s in g.step_seconds],
+                         [j < len(g.prompt) for g in gens for j in range(len(g.step_seconds))])
+
+    def generate(self, requests: list[Request], on_step=None) -> list[Generation]:
+        self.requests, self.outs = list(requests), []
+        for k, r in enumerate(self.requests):
+            def step(info: StepInfo, k=k):  # numbered over the whole run, sequence k of all
+                info = dataclasses.replace(info, step=self.launches, tokens=tuple((k, t) for _, t in info.tokens),
+                                           waiting=len(self.requests) - k - 1, finished=k + info.finished)
+                return on_step(info) if on_step is not None else None
+
+            self.gen.current = None
+            out = self.gen.generate(list(r.prompt), r.max_new_tokens, stop_tokens=r.stop_tokens, on_token=r.on_token,
+                                    on_step=step)
+            self.outs.append(out)
+            if not out.finished:  # on_step asked to stop
+                break
+        return self.partial()
+
+    def partial(self) -> list[Generation]:
+        outs = list(self.outs)
+        current = self.gen.current
+        if len(outs) < len(self.requests) and current is not None and all(current is not o for o in outs):
+            outs.append(current)
+        return outs + [Generation(prompt=list(r.prompt), tokens=[]) for r in self.requests[len(outs):]]
 
 
 class ParallelEngine(SequentialEngine):
@@ -276,8 +496,7 @@ class ParallelEngine(SequentialEngine):
             outs = kernel([{"token": token.to(d), **c} for d, c in zip(devices, caches)], pos=pos)
             return None, outs[0]["next_token"].to(device)
 
-        self.gen = Generator(step, max_len=max_len, device=device, vocab=cfg.vocab)
-        self.launches, self.seconds = 0, []
+        self._start(Generator(step, max_len=max_len, device=device, vocab=cfg.vocab))
 
 
 def load_weights(a: argparse.Namespace, spec, device):
@@ -445,3 +664,24 @@ class Stream:
     def _write(self, s: str) -> None:
         self.out.write(s)
         self.out.flush()
+
+
+class BatchStream(Stream):
+    """One sequence of a batch: its line ``generated[i]: ...`` (text, or ids without a tokenizer) goes to stdout
+    as soon as it finishes (``max_new_tokens`` or a stop token), or at the end of the run if cut short."""
+
+    def __init__(self, tokenizer, index: int, max_new_tokens: int, stop_tokens=(), out=None) -> None:
+        super().__init__(tokenizer, out)
+        self.index, self.max_new_tokens, self.stop_tokens = index, max_new_tokens, tuple(stop_tokens)
+        self.printed = False
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        if len(self.tokens) >= self.max_new_tokens or token in self.stop_tokens:
+            self.finish()
+
+    def finish(self) -> None:
+        if not self.printed:
+            self.printed = True
+            body = self.text() if self.tokenizer is not None else " ".join(map(str, self.tokens))
+            self._write(f"generated[{self.index}]: {body.rstrip()}\n")

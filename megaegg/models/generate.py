@@ -37,6 +37,22 @@ class Generation:
     logits: list[torch.Tensor] | None = None  # if kept: logits[i] is the step at position i, [1, vocab]
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step, prompt steps first
     stop_token: int | None = None  # the stop token that ended generation (the last of ``tokens``), if one did
+    finished: bool = False  # it ran to its token budget or a stop token (False: cut short, or still running)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one launch did: given to an ``on_step`` callback (:meth:`Generator.generate`,
+    :meth:`~megaegg.models.batch.Batcher.run`) right after it, to report progress."""
+
+    step: int  # launches so far, this one included (1: the first)
+    seconds: float  # its wall time (reading its tokens back included)
+    rows: int  # token rows it fed
+    prefill_rows: int  # of them, prompt tokens (0: a pure decode step)
+    tokens: tuple[tuple[int, int], ...] = ()  # (sequence index, token) it generated, in order
+    running: int = 0  # sequences in flight after it
+    waiting: int = 0  # sequences not started yet
+    finished: int = 0  # sequences done (token budget or stop token)
 
 
 class Generator:
@@ -51,6 +67,7 @@ class Generator:
         self.max_len = max_len
         self.device = torch.device(device)
         self.vocab = vocab
+        self.current: Generation | None = None  # the generation in progress (or the last one)
 
     def generate(
         self,
@@ -60,11 +77,15 @@ class Generator:
         stop_tokens: Sequence[int] = (),
         keep_logits: bool = False,
         on_token: Callable[[int], None] | None = None,
+        on_step: Callable[[StepInfo], bool | None] | None = None,
     ) -> Generation:
         """Generate up to ``max_new_tokens`` after ``prompt`` (positions from 0; the caches are overwritten).
 
         Generation ends early after a token in ``stop_tokens`` (kept in the output). ``on_token``
-        is called with each generated token as soon as it is known (to stream it).
+        is called with each generated token as soon as it is known (to stream it), ``on_step`` with a
+        :class:`StepInfo` after each launch; if ``on_step`` returns True, generation stops there and
+        the tokens so far are returned (``finished`` False). If a step raises (a failed launch,
+        ``KeyboardInterrupt``), :attr:`current` keeps the generation up to the step before.
         """
         prompt = token_ids(prompt, "generate: prompt")
         stop_tokens = token_ids(stop_tokens, "generate: stop_tokens")
@@ -80,24 +101,33 @@ class Generator:
                 f"{len(prompt) + max_new_tokens - 1} cache rows, the caches hold {self.max_len}"
             )
         out = Generation(prompt=prompt, tokens=[], logits=[] if keep_logits else None)
+        self.current = out
         token = prompt[0]
         for pos in range(len(prompt) + max_new_tokens - 1):
             t0 = time.perf_counter()
             logits, next_token = self.step(torch.tensor([token], dtype=torch.int32, device=self.device), pos)
             nxt = int(next_token.reshape(-1)[0])  # syncs with the device
-            out.step_seconds.append(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            out.step_seconds.append(seconds)
             if keep_logits:
                 out.logits.append(logits)
+            prefill = pos < len(prompt)
             if pos + 1 < len(prompt):
                 token = prompt[pos + 1]
-                continue
-            out.tokens.append(nxt)
-            if on_token is not None:
+            else:
+                out.tokens.append(nxt)
+                if nxt in stop_tokens:
+                    out.stop_token = nxt
+                token = nxt
+            done = out.stop_token is not None or len(out.tokens) >= max_new_tokens
+            out.finished = done
+            if on_token is not None and pos + 1 >= len(prompt):  # after the bookkeeping: whole if it raises
                 on_token(nxt)
-            if nxt in stop_tokens:
-                out.stop_token = nxt
+            stop = on_step is not None and on_step(StepInfo(
+                step=pos + 1, seconds=seconds, rows=1, prefill_rows=int(prefill),
+                tokens=((0, nxt),) if pos + 1 >= len(prompt) else (), running=int(not done), finished=int(done)))
+            if done or stop:
                 break
-            token = nxt
         return out
 
 
