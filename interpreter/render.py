@@ -21,14 +21,9 @@ from ..rewrite.program import Operand
 from .nvrtc import CUDA_DIR
 
 THREADS = 256
-# Dynamic shared memory of a block: the bodies' MEGA_SMEM bytes (>113 KB keeps one block per SM;
-# more starves L1, measured), then the weight page ring (cuda/pages.cuh): MEGA_PAGES pages of
-# MEGA_PAGE_BYTES filled by a loader warp. The ring is off by default (MEGA_PAGES=0: no loader
-# warp, every body loads its own weights): measured so far it is slower (docs/perf-notes.md #48).
-# Its best configuration measured, to try it: MEGAEGG_DEFINES=MEGA_SMEM=57344,MEGA_PAGES=10.
+# Dynamic shared memory of a block (>113 KB keeps one block per SM; more starves L1, measured).
 SMEM_BYTES = 120 * 1024
-PAGES, PAGE_BYTES = 0, 16384
-DEFINES = {"MEGA_THREADS": THREADS, "MEGA_SMEM": SMEM_BYTES, "MEGA_PAGES": PAGES, "MEGA_PAGE_BYTES": PAGE_BYTES}
+DEFINES = {"MEGA_THREADS": THREADS, "MEGA_SMEM": SMEM_BYTES}
 
 
 def defines() -> dict[str, int]:
@@ -41,8 +36,7 @@ def defines() -> dict[str, int]:
 
 def launch_shape(defs: dict[str, int]) -> tuple[int, int]:
     """(threads, dynamic shared memory bytes) of a block of the kernel compiled with ``defs``."""
-    pages = defs.get("MEGA_PAGES", 0)
-    return defs["MEGA_THREADS"] + (32 if pages else 0), defs["MEGA_SMEM"] + pages * defs.get("MEGA_PAGE_BYTES", 0)
+    return defs["MEGA_THREADS"], defs["MEGA_SMEM"]
 
 
 def c_expr(d: Dim) -> str:
@@ -85,75 +79,6 @@ def weight_prefetches(q: WorkQueue, op) -> list[str]:
     return out
 
 
-@dataclass(frozen=True)
-class Stream:
-    """Rows ``[c * tile, min(c * tile + tile, total))`` of a weight operand, ``c`` the instance's grid
-    coordinate ``axis``: what the loader streams into the page ring and the body reads. The same
-    geometry in C for the kernel (``first``, ``rows``) and in Python for the simulator (``row_range``)."""
-
-    input: int
-    axis: int
-    tile: int
-    total: Dim  # the operand's rows
-    row_stride: int  # elements
-    row_elems: int
-    item: int  # bytes per element
-
-    @property
-    def row_bytes(self) -> int:
-        return self.row_elems * self.item
-
-    @property
-    def first(self) -> str:
-        return f"c{self.axis} * {self.tile}LL"
-
-    @property
-    def rows(self) -> str:
-        return f"min_i64({c_expr(self.total)} - {self.first}, {self.tile}LL)"
-
-    def row_range(self, env: dict[str, int]) -> range:
-        """The rows of the instance whose grid coordinates (``_i*``) and runtime dims are in ``env``."""
-        first = env[f"_i{self.axis}"] * self.tile
-        return range(first, max(first, min(first + self.tile, self.total.eval(env))))
-
-
-def paged_streams(q: WorkQueue, op, defs: dict[str, int]) -> list[Stream] | None:
-    """The weight streams of an instance of ``op`` in the order its body reads them, when its body
-    takes them from the page ring: every input the kind offers is a tile of whole, contiguous,
-    16-byte-aligned rows that fit a page. None: the body loads its weights itself."""
-    inputs = REGISTRY[op.kind].paged_inputs(op)
-    page = defs.get("MEGA_PAGE_BYTES", 0)
-    if not defs.get("MEGA_PAGES") or not inputs:
-        return None
-    streams = []
-    for k in inputs:
-        o, fp = op.inputs[k], op.reads[k]
-        buf, layout = q.program.buffers[o.buffer], q.layout(o)
-        if buf.kind != "weight" or len(o.shape) != 2 or len(fp) != 2:
-            return None
-        tile, cols = fp
-        item = o.dtype.itemsize
-        if not (isinstance(tile, Tile) and isinstance(cols, Full) and all(s.is_const for s in layout.stride)
-                and layout.offset.is_const and layout.offset.value == 0 and o.shape[1].is_const):
-            return None
-        stride0, stride1 = (s.value for s in layout.stride)
-        k_elems = o.shape[1].value
-        if stride1 != 1 or (stride0 * item) % 16 or k_elems * item > page or (k_elems * item) % (32 * 16):
-            return None  # (page_dots: each warp's 32 16-byte vectors in one row)
-        streams.append(Stream(k, tile.axis, tile.size, o.shape[0], stride0, k_elems, item))
-    return streams
-
-
-def loader_lines(q: WorkQueue, e: QueueEntry, streams: list[Stream]) -> list[str]:
-    """The loader warp's code for an instance: fill pages with its weight streams, in order."""
-    lines = grid_coordinates(e.op)
-    for s in streams:
-        o = operand_c(q, e.op.inputs[s.input])
-        lines.append(f"        if (!mega_load_rows(L, {o.ptr} + ({s.first}) * {s.row_stride}LL, {s.row_stride * s.item}LL, "
-                     f"{s.row_bytes}, {s.rows})) {{ ok = false; break; }}")
-    return lines
-
-
 def grid_coordinates(op) -> list[str]:
     """c0, c1, ...: the instance's grid coordinates, row-major from its local index."""
     # 32-bit division: an entry's instance count is far below 2^32, and a 64-bit one is a call (~4 KB of SASS)
@@ -166,10 +91,9 @@ def grid_coordinates(op) -> list[str]:
     return lines
 
 
-def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
-    """The C++ of one queue entry's instance: grid coordinates, prefetches, waits, the body, signals.
-    ``paged``: its weights come from the page ring (the body gets ``params["paged"]``)."""
-    op = dataclasses.replace(e.op, params={**e.op.params, "paged": True}) if paged else e.op
+def case_body(q: WorkQueue, e: QueueEntry) -> list[str]:
+    """The C++ of one queue entry's instance: grid coordinates, prefetches, waits, the body, signals."""
+    op = e.op
     kind = REGISTRY[op.kind]
     lines = grid_coordinates(op)
     # operand pointers first, before any wait: where they come from the entry table, their loads
@@ -180,7 +104,7 @@ def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
         lines.append(f"        {o.ctype}* const {name} = {o.ptr};")
     ins = [dataclasses.replace(o, ptr=name) for o, name in zip(ins, names)]
     out = dataclasses.replace(out, ptr="out")
-    prefetch = [] if paged else weight_prefetches(q, op)
+    prefetch = weight_prefetches(q, op)
     if prefetch:
         lines.append("        if (threadIdx.x == 0) {")
         lines += [f"          {p}" for p in prefetch]
@@ -202,10 +126,9 @@ def case_body(q: WorkQueue, e: QueueEntry, paged: bool = False) -> list[str]:
         lines.append("        mega_sync();")
         lines.append("        if (threadIdx.x == 0) {")
         # (system scope when other GPUs read what this instance wrote: its stores went over NVLink)
+        # (no fence before the red.release: it orders the block's stores through the barrier, perf-notes #60)
         if any(s.peer for s in e.signals):  # (MEGA_PEER_FENCE=0: the red.release.sys alone orders the stores)
             lines += ["#if MEGA_PEER_FENCE", "          __threadfence_system();", "#endif"]
-        else:  # (MEGA_SIGNAL_FENCE=0, the default: the red.release alone orders them; perf-notes #60)
-            lines += ["#if MEGA_SIGNAL_FENCE", "          __threadfence();", "#endif"]
         for s in e.signals:
             if s.peer:  # this rank's counter on every rank
                 at = peer_word(peer, s.id, s.signal, "D_rank")
@@ -265,8 +188,7 @@ PREFETCH_PAD = 16  # megakernel.cu: the prefetch of the next entry's constants r
 class EntryTable:
     """Per queue entry: which shared case runs it (``variant``), where its own constants start in
     ``consts`` (``offset``: the arena offsets, pointer slots and counter bases that differ between
-    entries whose code is otherwise the same, the layers of a model), and whether its weights come
-    through the page ring (``paged``: the loader may claim such an instance ahead).
+    entries whose code is otherwise the same, the layers of a model).
 
     ``prefix``: the first instance of every entry (and the total, last) as ``base + sum_j count[j] *
     launch_j``, ``launch_j`` the j-th distinct runtime launch count (LaunchPrefix), so every block
@@ -274,18 +196,23 @@ class EntryTable:
 
     variant: tuple[int, ...]
     offset: tuple[int, ...]
-    paged: tuple[int, ...]
     prefix: "LaunchPrefix"
     consts: tuple[int, ...]
 
+    @property
+    def consts_at(self) -> int:
+        """Where the constants start in :meth:`words` (megakernel.cu: MEGA_CONSTS_AT)."""
+        entries = len(self.variant)
+        return 2 * entries + (1 + len(self.prefix.launches)) * (entries + 1)
+
     def words(self) -> list[int]:
-        """The table as the kernel reads it (int64): variants, offsets, paged flags, the prefix base
+        """The table as the kernel reads it (int64): variants, offsets, the prefix base
         then its counts (ENTRIES + 1 words each), then the constants, then PREFETCH_PAD zeros: the
         kernel prefetches words [0, 16) of the next entry's constants into L1, which for the last
         entries (few or no constants of their own) lie past the constants."""
         counts = [c for row in self.prefix.counts for c in row]
         pad = [0] * PREFETCH_PAD
-        return [*self.variant, *self.offset, *self.paged, *self.prefix.base, *counts, *self.consts, *pad]
+        return [*self.variant, *self.offset, *self.prefix.base, *counts, *self.consts, *pad]
 
 
 @dataclass(frozen=True)
@@ -315,42 +242,29 @@ class Rendered:
     table: EntryTable
 
 
-_LOADER = "\n\x02\n"  # separates an entry's body code from its loader code while literals are tabled
-
-
-def shared_cases(q: WorkQueue, defs: dict[str, int]) -> tuple[list[str], list[str], EntryTable]:
-    """One ``case`` per distinct entry code, literals that differ between its entries read from the
-    table; and the loader warp's ``case`` of each variant whose weights go through the page ring."""
+def shared_cases(q: WorkQueue) -> tuple[list[str], EntryTable]:
+    """One ``case`` per distinct entry code, literals that differ between its entries read from the table."""
     groups: dict[str, list[int]] = {}
     holes: list[list[str]] = []
-    paged = []
     for k, e in enumerate(q.entries):
-        streams = paged_streams(q, e.op, defs)
-        paged.append(int(streams is not None))
-        text = "\n".join(case_body(q, e, paged=streams is not None))
-        if streams:
-            text += _LOADER + "\n".join(loader_lines(q, e, streams))
-        skeleton, literals = _holes(text)
+        skeleton, literals = _holes("\n".join(case_body(q, e)))
         groups.setdefault(skeleton, []).append(k)
         holes.append(literals)
-    cases, loader_cases, variant, offset, consts = [], [], [0] * len(q.entries), [0] * len(q.entries), []
+    cases, variant, offset, consts = [], [0] * len(q.entries), [0] * len(q.entries), []
     for g, (skeleton, members) in enumerate(groups.items()):
         columns = list(zip(*(holes[k] for k in members)))
         varying = [j for j, col in enumerate(columns) if len(set(col)) > 1]
         fill = iter([col[0] if j not in varying else f"e{varying.index(j)}" for j, col in enumerate(columns)])
-        body, _, loader = re.sub("\x01", lambda _: next(fill), skeleton).partition(_LOADER)
+        body = re.sub("\x01", lambda _: next(fill), skeleton)
         if varying:  # all loaded at once, first: one table round trip per instance
-            loads = "        const long long " + ", ".join(f"e{i} = __ldg(E + {i})" for i in range(len(varying))) + ";\n"
-            body, loader = loads + body, loads + loader if loader else loader
+            body = "        const long long " + ", ".join(f"e{i} = __ldg(E + {i})" for i in range(len(varying))) + ";\n" + body
         for k in members:
             variant[k], offset[k] = g, len(consts)
             consts += [int(holes[k][j].removesuffix("LL")) for j in varying]
         ops = ", ".join(f"op{q.entries[k].op.id}" for k in members[:6]) + (" ..." if len(members) > 6 else "")
         head = f"      case {g}: {{  // {q.entries[members[0]].op.kind}: {ops} ({len(members)} entries)\n"
         cases.append(head + body + "\n      } break;")
-        if loader:
-            loader_cases.append(head + loader + "\n      } break;")
-    return cases, loader_cases, EntryTable(tuple(variant), tuple(offset), tuple(paged), LaunchPrefix.of(q), tuple(consts))
+    return cases, EntryTable(tuple(variant), tuple(offset), LaunchPrefix.of(q), tuple(consts))
 
 
 def peer_prologue(q: WorkQueue) -> str:
@@ -363,12 +277,10 @@ def peer_prologue(q: WorkQueue) -> str:
             "  const unsigned seq = (unsigned)args.seq;  (void)seq;")
 
 
-def render(q: WorkQueue, defs: dict[str, int] | None = None) -> Rendered:
-    """The kernel's source and entry table for the defines it will be compiled with (default:
-    ``defines()``; they decide, for one, whether weights go through the page ring)."""
-    defs = defines() if defs is None else defs
+def render(q: WorkQueue) -> Rendered:
+    """The kernel's source and entry table."""
     src = (CUDA_DIR / "megakernel.cu").read_text()
-    cases, loader_cases, table = shared_cases(q, defs)
+    cases, table = shared_cases(q)
     kinds = sorted({REGISTRY[e.op.kind].cuda_file for e in q.entries if REGISTRY[e.op.kind].cuda_file})
     symbols = q.program.symbols
     slots = {
@@ -384,7 +296,6 @@ def render(q: WorkQueue, defs: dict[str, int] | None = None) -> Rendered:
         "LAUNCHES": str(max(1, len(table.prefix.launches))),
         "LAUNCH_VALUES": ", ".join(f"max_i64(0LL, {x})" for x in table.prefix.launches) or "0LL",
         "CASES": "\n".join(cases),
-        "LOADER_CASES": "\n".join(loader_cases),
     }
     for name, text in slots.items():
         src = src.replace(f"/*@{name}@*/", text)

@@ -11,11 +11,6 @@ fails the run, naming the op, the instance and the buffer. An ``accum`` element
 that adds into it has run, and so is an element of a ``last_writer`` op's output (the
 last of the instances that share it writes it: ``attn_partial_merge``).
 
-``Schedule.static`` deals the instances as the kernel's static order does (MEGA_STATIC): SM ``s``
-runs instances ``s, s + sms, ...`` of the queue, in that order, and nothing is claimed.
-``Schedule.ring`` runs the weight page ring's protocol instead (``page_sim.py``): per SM a
-loader that claims instances and fills pages, and a body that computes from the pages.
-
 :func:`run_launches` runs the ranks of a tensor-parallel group together over several launches, one
 Simulation a rank and launch, each rank with its own SMs and claim order and its launches one after
 the other, as on its stream: an instance that writes a ``peer`` buffer writes its row into every
@@ -30,7 +25,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,9 +32,6 @@ from ..blockops import REGISTRY
 from ..blockops.footprint import footprint_slices, grid_coords
 from ..lowering.queue import WorkQueue
 from ..rewrite.program import Operand
-
-if TYPE_CHECKING:
-    from .page_sim import Ring
 
 
 class SimulationError(AssertionError):
@@ -52,8 +43,6 @@ class Schedule:
     sms: int = 8
     seed: int = 0
     adversarial: bool = False  # delay one op's instances as long as possible
-    ring: Ring | None = None  # the weight page ring (page_sim.py); None: every body loads its own weights
-    static: bool = False  # SM s runs the instances g = s, s + sms, ... in order (MEGA_STATIC), none claimed
 
 
 @dataclass
@@ -161,9 +150,8 @@ class Simulation:
         op = self.q.entries[k].op
         return f"op{op.id} {op.kind} (entry {k}) instance {i}"
 
-    def execute(self, k: int, i: int, bases: dict[int, torch.Tensor] | None = None) -> None:
-        """Run instance ``i`` of entry ``k`` and signal. ``bases``: input index -> the flat tensor to
-        read that input from instead of its buffer (the page ring's copies of weight rows)."""
+    def execute(self, k: int, i: int) -> None:
+        """Run instance ``i`` of entry ``k`` and signal."""
         e = self.q.entries[k]
         op = e.op
         env = self.coords(k, i)
@@ -180,7 +168,7 @@ class Simulation:
         pending = self.adders.get(op.output.buffer) if self.shared_write(op) else None
         if pending is None and bool(self.written[op.output.buffer][out_idx].any()):
             raise SimulationError(f"{where} writes elements another instance already wrote in this launch")
-        ins = [self.view(o, env, (bases or {}).get(j)) for j, o in enumerate(op.inputs)]
+        ins = [self.view(o, env) for o in op.inputs]
         REGISTRY[op.kind].cpu(op, env, ins, self.view(op.output, env))
         if pending is not None:  # an accum sum is ready when its last adder has run
             pending[out_idx] -= 1
@@ -210,14 +198,8 @@ class Simulation:
 
     # --- the scheduler ------------------------------------------------------------------
     def run(self, schedule: Schedule) -> None:
-        if schedule.ring is not None:
-            from .page_sim import run_with_ring
-
-            return run_with_ring(self, schedule)
         rng = random.Random(schedule.seed)
         victim = rng.randrange(len(self.q.entries)) if schedule.adversarial and self.q.entries else None
-        if schedule.static:
-            return self.run_static(schedule.sms, rng, victim)
         held: list[tuple[int, int] | None] = [None] * schedule.sms
         nxt = 0
         while nxt < len(self.instances) or any(h is not None for h in held):
@@ -236,19 +218,6 @@ class Simulation:
                 self.execute(*held[s])
                 held[s] = None
 
-    def run_static(self, sms: int, rng: random.Random, victim: int | None) -> None:
-        """SM ``s`` runs instances ``s, s + sms, ...`` in order; each moves once its next one's waits are met."""
-        todo = [list(reversed(self.instances[s::sms])) for s in range(sms)]
-        while any(todo):
-            movable = [t for t in todo if t and self.waits_met(*t[-1])]
-            if not movable:
-                k, i = min(t[-1] for t in todo if t)  # the first in queue order: its producers all ran
-                op = self.q.entries[k].op
-                raise SimulationError(f"deadlock: op{op.id} {op.kind} instance {i} waits forever (static order)")
-            preferred = [t for t in movable if t[-1][0] != victim]
-            t = rng.choice(preferred or movable)
-            self.execute(*t.pop())
-
 
 def run_launches(launches: list[list[Simulation]], schedule: Schedule) -> None:
     """Launches of a tensor-parallel group, ``launches[t][r]`` rank ``r``'s launch ``t`` (numbered
@@ -257,8 +226,6 @@ def run_launches(launches: list[list[Simulation]], schedule: Schedule) -> None:
     random SM of a random rank, or, adversarially, anything but one victim rank and one victim op
     while anything else can move. Fails on an early read, a double write, a peer half overwritten
     early or a deadlock, naming the rank."""
-    if schedule.ring is not None or schedule.static:
-        raise ValueError("run_launches: the page ring and the static order are modelled for one device only")
     ranks = len(launches[0])
     for group in launches:
         for s in group:

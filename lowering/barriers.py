@@ -33,7 +33,7 @@ Protocol (see docs/barriers.md):
 - producer instance: all its stores; block barrier; then ONE thread does
   ``red.release.gpu`` add 1 on ``ctr[set][signal]`` for each set of its op (a
   release at gpu scope, cumulative through the block barrier, so it covers the
-  whole block's stores; ``MEGA_SIGNAL_FENCE=1`` adds a gpu-scope fence before it).
+  whole block's stores; no fence before it: perf-notes #60).
 - consumer instance: for each wait with ``expected > 0`` (a wait with
   ``expected <= 0`` is skipped without touching the counter, its ``index`` may be
   out of range), ONE thread spins ``ld.acquire.gpu`` on ``ctr[set][index]`` until

@@ -18,8 +18,8 @@ static_assert(MEGA_THREADS % 32 == 0 && MEGA_THREADS <= 1024, "MEGA_THREADS: who
 #define MEGA_ERR_LAYOUT 3  // a body met operand strides it does not take (runtime.py names the op)
 #endif
 
-// The barrier of the threads that run bodies: named barrier 1 over MEGA_THREADS threads, since
-// the block may also hold a loader warp that never runs a body (pages.cuh).
+// The barrier of the threads that run bodies: named barrier 1 over MEGA_THREADS threads (every
+// thread of the block; a named barrier leaves barrier 0 to __syncthreads in the interpreter loop).
 __device__ __forceinline__ void mega_sync() { asm volatile("bar.sync 1, %0;" ::"n"(MEGA_THREADS) : "memory"); }
 // mega_sync that also returns whether `p` holds in every body thread.
 __device__ __forceinline__ bool mega_sync_and(bool p) {

@@ -11,40 +11,6 @@
 #pragma once
 #include "matvec.cuh"
 
-#if MEGA_PAGES > 0
-// sum[v][e] += h[row] * w[row][(v * MEGA_THREADS + tid) * VEC + e] over the stream's rows [0, n)
-// (N columns): thread t owns the same column vectors of every row. False: the block is stopping.
-template <class T, class H, int N>
-__device__ bool page_axpy(const H* h, long long n, float (&sum)[cdiv(N / VecN<T>::value, MEGA_THREADS)][VecN<T>::value],
-                          unsigned& k) {
-    constexpr int VEC = VecN<T>::value, NV = N / VEC, VPT = cdiv(NV, MEGA_THREADS);
-    constexpr int RPP = MEGA_PAGE_BYTES / (N * (int)sizeof(T));
-    static_assert(N % VEC == 0 && RPP >= 1, "page_axpy: rows must be whole vectors and fit a page");
-    const int tid = threadIdx.x;
-    for (long long r0 = 0; r0 < n; r0 += RPP, ++k) {
-        const uint4* page = reinterpret_cast<const uint4*>(mega_page_acquire(k));
-        if (!page) return false;
-        const int rows = (int)min_i64(RPP, n - r0);
-#pragma unroll 2
-        for (int r = 0; r < rows; ++r) {
-            const float hj = to_f32(h[r0 + r]);
-#pragma unroll
-            for (int v = 0; v < VPT; ++v) {
-                const int vi = v * MEGA_THREADS + tid;
-                if (VPT * MEGA_THREADS != NV && vi >= NV) continue;
-                float f[VEC];
-                unpack16<T>(page[r * NV + vi], f);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) sum[v][e] = fmaf(f[e], hj, sum[v][e]);
-            }
-        }
-        mega_page_release(k);
-    }
-    return true;
-}
-
-#endif
-
 // acc[0, :N] += scale * this thread's column sums (thread t owns 16-byte column vectors t, t + MEGA_THREADS, ...).
 template <class T, int N>
 __device__ __forceinline__ void glu_down_add(float* acc, const float (&sum)[cdiv(N / VecN<T>::value, MEGA_THREADS)][VecN<T>::value],
@@ -61,7 +27,7 @@ __device__ __forceinline__ void glu_down_add(float* acc, const float (&sum)[cdiv
     }
 }
 
-template <class T, int K, int N, int ROWS, bool NORM, bool PAGED = false>
+template <class T, int K, int N, int ROWS, bool NORM>
 __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, const T* g, long long g_s0, float eps,
                                       const T* w, long long w_s0, const T* w2, long long w2_s0, const T* wd,
                                       long long wd_s0, float* acc, long long F, long long n_tile, const MegaWaits wl,
@@ -80,80 +46,61 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
     const long long row0 = n_tile * ROWS;
     const int rows = (int)min_i64(ROWS, F - row0);
 
-#if MEGA_PAGES > 0
-    if constexpr (PAGED) {  // w, w2 then wd arrive in the page ring (pages.cuh)
-        unsigned k = mega_page_head;
-        if (!matvec_impl::run_paged<T, K, ROWS, NORM, true, false, false>(
-                smem, x, 0, x_s1, g, g_s0, eps, nullptr, 0, 0, {}, hs - row0, 0, 1, F, n_tile, wl, k))
-            return;
-        mega_sync();  // h complete in shared memory
-        float sum[VPT][VEC];
-#pragma unroll
-        for (int v = 0; v < VPT; ++v)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) sum[v][e] = 0.0f;
-        if (!page_axpy<T, T, N>(hs, rows, sum, k)) return;
-        glu_down_add<T, N>(acc, sum, scale);
-        return;
-    }
-#endif
-    if constexpr (!PAGED) {
-        // phase 1: the gated matvec (it waits for x itself, after its first weight loads); an x
-        // it cannot read as vectors (never the compiler's) takes the generic body
-        const bool ok = matvec_impl::stage_vec_ok<T, 1, K, NORM, false>(x, 0, x_s1, g, g_s0, {})
-            ? matvec_impl::run_vec_regs<typename matvec_impl::PlanFor<T, 1, K, ROWS, true, NORM>::type, T, 1, K, NORM, true,
-                                        false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, nullptr, 0, 0, {},
-                                               hs - row0, 0, 1, F, n_tile, ROWS, wl)
-            : matvec_impl::run_generic<T>(smem, 1, K, ROWS, matvec_impl::FL_GLU | (NORM ? matvec_impl::FL_NORM : 0u), x, 0,
-                                          x_s1, g, g_s0, eps, w, w_s0, 1, w2, w2_s0, 1, nullptr, 0, 0, {}, hs - row0, 0, 1,
-                                          F, n_tile, wl, 1);
-        if (!ok) return;
+    // phase 1: the gated matvec (it waits for x itself, after its first weight loads); an x
+    // it cannot read as vectors (never the compiler's) takes the generic body
+    const bool ok = matvec_impl::stage_vec_ok<T, 1, K, NORM, false>(x, 0, x_s1, g, g_s0, {})
+        ? matvec_impl::run_vec_regs<typename matvec_impl::PlanFor<T, 1, K, ROWS, true, NORM>::type, T, 1, K, NORM, true,
+                                    false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, nullptr, 0, 0, {},
+                                           hs - row0, 0, 1, F, n_tile, ROWS, wl)
+        : matvec_impl::run_generic<T>(smem, 1, K, ROWS, matvec_impl::FL_GLU | (NORM ? matvec_impl::FL_NORM : 0u), x, 0,
+                                      x_s1, g, g_s0, eps, w, w_s0, 1, w2, w2_s0, 1, nullptr, 0, 0, {}, hs - row0, 0, 1,
+                                      F, n_tile, wl, 1);
+    if (!ok) return;
 
-        // phase 2. Starting its loads from phase 1's last steps instead measured slower
-        // (perf-notes #32: register loads 1.22 ms vs 1.13; plus an L2 prefetch 1.25)
-        const int tid = threadIdx.x;
-        const T* base = wd + row0 * wd_s0;
-        uint4 b0[RB][VPT], b1[RB][VPT];
-        // rows past a ragged last tile (F % ROWS) re-read its last row (h is 0 there): no zeroing
-        auto load = [&](uint4 (&b)[RB][VPT], int j0) {
+    // phase 2. Starting its loads from phase 1's last steps instead measured slower
+    // (perf-notes #32: register loads 1.22 ms vs 1.13; plus an L2 prefetch 1.25)
+    const int tid = threadIdx.x;
+    const T* base = wd + row0 * wd_s0;
+    uint4 b0[RB][VPT], b1[RB][VPT];
+    // rows past a ragged last tile (F % ROWS) re-read its last row (h is 0 there): no zeroing
+    auto load = [&](uint4 (&b)[RB][VPT], int j0) {
 #pragma unroll
-            for (int r = 0; r < RB; ++r)
+        for (int r = 0; r < RB; ++r)
 #pragma unroll
-                for (int v = 0; v < VPT; ++v) {
-                    const int vi = v * MEGA_THREADS + tid;
-                    const long long j = min(j0 + r, rows - 1);
-                    b[r][v] = NV % MEGA_THREADS == 0 || vi < NV ? ldw16(base + j * wd_s0 + vi * VEC) : make_uint4(0, 0, 0, 0);
-                }
-        };
-        load(b0, 0);
-        float sum[VPT][VEC];
-#pragma unroll
-        for (int v = 0; v < VPT; ++v)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) sum[v][e] = 0.0f;
-        auto mac = [&](const uint4 (&b)[RB][VPT], int j0) {
-#pragma unroll
-            for (int r = 0; r < RB; ++r) {
-                const float hj = j0 + r < rows ? to_f32(hs[j0 + r]) : 0.0f;
-#pragma unroll
-                for (int v = 0; v < VPT; ++v) {
-                    float f[VEC];
-                    unpack16<T>(b[r][v], f);
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) sum[v][e] = fmaf(f[e], hj, sum[v][e]);
-                }
+            for (int v = 0; v < VPT; ++v) {
+                const int vi = v * MEGA_THREADS + tid;
+                const long long j = min(j0 + r, rows - 1);
+                b[r][v] = NV % MEGA_THREADS == 0 || vi < NV ? ldw16(base + j * wd_s0 + vi * VEC) : make_uint4(0, 0, 0, 0);
             }
-        };
-        mega_sync();  // h complete in shared memory
-#pragma unroll 1
-        for (int bi = 0; bi < NB; bi += 2) {  // b0 holds batch bi
-            if (bi + 1 < NB) load(b1, (bi + 1) * RB);
-            mac(b0, bi * RB);
-            if (bi + 2 < NB) load(b0, (bi + 2) * RB);
-            if (bi + 1 < NB) mac(b1, (bi + 1) * RB);
+    };
+    load(b0, 0);
+    float sum[VPT][VEC];
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) sum[v][e] = 0.0f;
+    auto mac = [&](const uint4 (&b)[RB][VPT], int j0) {
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+            const float hj = j0 + r < rows ? to_f32(hs[j0 + r]) : 0.0f;
+#pragma unroll
+            for (int v = 0; v < VPT; ++v) {
+                float f[VEC];
+                unpack16<T>(b[r][v], f);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) sum[v][e] = fmaf(f[e], hj, sum[v][e]);
+            }
         }
-        glu_down_add<T, N>(acc, sum, scale);
+    };
+    mega_sync();  // h complete in shared memory
+#pragma unroll 1
+    for (int bi = 0; bi < NB; bi += 2) {  // b0 holds batch bi
+        if (bi + 1 < NB) load(b1, (bi + 1) * RB);
+        mac(b0, bi * RB);
+        if (bi + 2 < NB) load(b0, (bi + 2) * RB);
+        if (bi + 1 < NB) mac(b1, (bi + 1) * RB);
     }
+    glu_down_add<T, N>(acc, sum, scale);
 }
 
 template <class T>

@@ -37,12 +37,9 @@
 // all below the top MEGA_SMEM_RESERVED bytes (never touched here: matvec_to_tile's output).
 // Tried and dropped (docs/perf-notes.md #7, #10): a per-thread cp.async ring and a TMA
 // bulk-copy ring into shared memory, both slower than loads into registers.
-// With MEGA_PAGES > 0 the interpreter may pass PAGED: the weights come from the page ring
-// (pages.cuh, run_paged below) instead of loads into registers.
 // Assumes the interpreter separates instances by a mega_sync (it must, to release).
 #pragma once
 #include "common.cuh"
-#include "pages.cuh"
 
 #define MEGA_SMEM_RESERVED 4096  // the top of dynamic shared memory: epilogue tiles (matvec_heads)
 
@@ -127,86 +124,6 @@ template <int N, class T> __device__ __forceinline__ void xs_store(T* p, const f
     *reinterpret_cast<uint4*>(p) = pack16<T>(f);
 }
 
-#if MEGA_PAGES > 0
-// part[warp * ldp + row] = this warp's share of dot(w[row], x) for the stream's rows [0, n)
-// (K columns, rows whole in pages); every (warp, row) pair a warp does not touch stays as it
-// was (the caller zeroes part). xs: x staged in shared memory (K values of XS). Thread t takes
-// the page's 16-byte vectors t, t + MEGA_THREADS, ...; K % (32 * VEC) == 0 keeps each warp's 32
-// vectors in one row, so a row's share is one warp sum, written once (no atomics: the result
-// does not depend on timing). False: the block is stopping.
-template <class T, class XS, int K>
-__device__ bool page_dots(const XS* xs, long long n, float* part, int ldp, unsigned& k) {
-    constexpr int VEC = VecN<T>::value, KV = K / VEC, RPP = MEGA_PAGE_BYTES / (K * (int)sizeof(T));
-    static_assert(KV % 32 == 0 && RPP >= 1, "page_dots: rows must be whole warps of vectors and fit a page");
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if constexpr (KV % MEGA_THREADS == 0) {
-        // Thread t owns column vectors t + j * MEGA_THREADS of every row: its x in registers for
-        // the whole stream, and a page's RPP row sums are independent (reduced side by side).
-        constexpr int VPT = KV / MEGA_THREADS;
-        float x[VPT][VEC];
-#pragma unroll
-        for (int j = 0; j < VPT; ++j) xs_load<VEC>(xs + (j * MEGA_THREADS + tid) * VEC, x[j]);
-        for (long long r0 = 0; r0 < n; r0 += RPP, ++k) {
-            const uint4* page = reinterpret_cast<const uint4*>(mega_page_acquire(k));
-            if (!page) return false;
-            const int rows = (int)min_i64(RPP, n - r0);
-            float acc[RPP];
-#pragma unroll
-            for (int r = 0; r < RPP; ++r) {
-                acc[r] = 0.0f;
-                if (r < rows) {
-#pragma unroll
-                    for (int j = 0; j < VPT; ++j) {
-                        float w[VEC];
-                        unpack16<T>(page[r * KV + j * MEGA_THREADS + tid], w);
-#pragma unroll
-                        for (int e = 0; e < VEC; ++e) acc[r] = fmaf(w[e], x[j][e], acc[r]);
-                    }
-                }
-            }
-            mega_page_release(k);  // (the sums are in registers)
-#pragma unroll
-            for (int r = 0; r < RPP; ++r) acc[r] = warp_sum(acc[r]);
-            if (lane == 0)
-#pragma unroll
-                for (int r = 0; r < RPP; ++r)
-                    if (r < rows) part[warp * ldp + r0 + r] = acc[r];
-        }
-        return true;
-    }
-    for (long long r0 = 0; r0 < n; r0 += RPP, ++k) {
-        const uint4* page = reinterpret_cast<const uint4*>(mega_page_acquire(k));
-        if (!page) return false;
-        const int total = (int)min_i64(RPP, n - r0) * KV;
-        int cur = -1;
-        float acc = 0.0f;
-#pragma unroll 4
-        for (int i = tid; i < total; i += MEGA_THREADS) {
-            const int row = i / KV, col = i - row * KV;
-            if (row != cur) {  // warp-uniform
-                if (cur >= 0) {
-                    const float s = warp_sum(acc);
-                    if (lane == 0) part[warp * ldp + r0 + cur] = s;
-                }
-                cur = row;
-                acc = 0.0f;
-            }
-            float w[VEC], x[VEC];
-            unpack16<T>(page[i], w);
-            xs_load<VEC>(xs + col * VEC, x);
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) acc = fmaf(w[e], x[e], acc);
-        }
-        if (cur >= 0) {
-            const float s = warp_sum(acc);
-            if (lane == 0) part[warp * ldp + r0 + cur] = s;
-        }
-        mega_page_release(k);
-    }
-    return true;
-}
-
-#endif
 
 // Whether stage() can read x (and g, and the x sums) as 16-byte vectors; else the caller takes
 // run_generic.
@@ -528,49 +445,6 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
     return true;
 }
 
-#if MEGA_PAGES > 0
-// The paged body (MEGA_PAGES > 0, render.py: paged_streams): the loader warp has streamed this
-// instance's rows of w (then of w2) into the page ring, so the body waits for its inputs,
-// stages x, and reduces the pages from page k on (k: past them on return): no weight load is
-// issued here. M == 1.
-template <class T, int K, int ROWS, bool NORM, bool GLU, bool RES, bool SUMS>
-__device__ __forceinline__ bool run_paged(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
-                                          long long g_s0, float eps, const T* r, long long r_s0, long long r_s1,
-                                          const Sums& sums, T* out, long long out_s0, long long out_s1, long long N,
-                                          long long n_tile, const MegaWaits& wl, unsigned& k) {
-    using PF = PlanFor<T, 1, K, ROWS, GLU, NORM>;
-    using P = typename PF::type;
-    using XS = typename P::XS;
-    constexpr int NW = P::NW;
-    static_assert(PF::HEAD + K * (int)sizeof(XS) + NW * MEGA_WARPS * ROWS * 4 <= PF::BODY_SMEM,
-                  "matvec (paged): x and the partial sums do not fit in shared memory");
-    float* red = P::red(smem);
-    float* rt = P::rt(smem);
-    XS* xs = P::xs(smem);
-    float* part = rt + (ROWS + 3) / 4 * 4;
-    const long long row0 = n_tile * ROWS, rows = min_i64(ROWS, N - row0);
-    for (int i = threadIdx.x; i < NW * MEGA_WARPS * ROWS; i += MEGA_THREADS) part[i] = 0.0f;
-    if (!mega_wait_all(wl)) return false;
-    if (!stage_vec_ok<T, 1, K, NORM, SUMS>(x, x_s0, x_s1, g, g_s0, sums)) {  // (the compiler's x always is)
-        if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
-        return false;
-    }
-    stage<T, XS, 1, K, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, ROWS, N);
-    if (!page_dots<T, XS, K>(xs, rows, part, ROWS, k)) return false;
-    if (GLU && !page_dots<T, XS, K>(xs, rows, part + MEGA_WARPS * ROWS, ROWS, k)) return false;
-    mega_sync();
-    for (int i = threadIdx.x; i < rows; i += MEGA_THREADS) {
-        float d = 0.0f, d2 = 0.0f;
-#pragma unroll
-        for (int w = 0; w < MEGA_WARPS; ++w) {
-            d += part[w * ROWS + i];
-            if (GLU) d2 += part[(MEGA_WARPS + w) * ROWS + i];
-        }
-        finish<T, GLU, RES>(d, d2, rt, ROWS, 0, i, row0 + i, out, out_s0, out_s1);
-    }
-    return true;
-}
-#endif
 
 // Any strides and alignments, one generic copy per element type (shapes and fusions are runtime
 // values): correct and slow. The compiler's own operands never take it (it is here for views, e.g.
@@ -847,8 +721,8 @@ __device__ __noinline__ void matvec_regs(char* smem, const T* x, long long x_s0,
                    wl, (int)mvalid);
 }
 
-// The bodies whose code depends on the tile height: the paged one and the tensor-core one.
-template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS, bool PAGED>
+// The body whose code depends on the tile height: the tensor-core one.
+template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS>
 __device__ __noinline__ void matvec_fixed_rows(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                          const T* g, long long g_s0, float eps,                    //
                                          const T* w, long long w_s0, long long w_s1,               //
@@ -859,17 +733,7 @@ __device__ __noinline__ void matvec_fixed_rows(char* smem, const T* x, long long
                                          T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
                                          long long mvalid, const MegaWaits wl) {
     smem = shared_ptr(smem);
-#if MEGA_PAGES > 0
-    if constexpr (PAGED) {  // w and w2 arrive in the page ring (M == 1)
-        static_assert(M == 1, "matvec: the paged body is for one x row");
-        unsigned k = mega_page_head;
-        run_paged<T, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(smem, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1,
-                                                                {xa, xa_s0, xa_s1, ra, ra_s0, ra_s1}, out, out_s0, out_s1,
-                                                                N, n_tile, wl, k);
-        return;
-    }
-#endif
-    if constexpr (!PAGED && use_mma<T, M, K, SUMS>()) {
+    if constexpr (use_mma<T, M, K, SUMS>()) {
         // x rows in tiles of 8: tensor cores. The compiler's operands are contiguous rows; anything
         // else is reported, not computed wrongly.
         const bool rows_ok = vec_rows_ok(w, w_s0, w_s1, K) && (!HAS_GLU || vec_rows_ok(w2, w2_s0, w2_s1, K)) &&
@@ -888,8 +752,7 @@ __device__ __noinline__ void matvec_fixed_rows(char* smem, const T* x, long long
 // One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N]. Absent operands
 // (g, w2, r) are nullptr with zero strides. `wl`: the instance's barrier waits (n = 0: none).
 // Picks the body; the register body takes ROWS as a runtime value (matvec_regs).
-template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS,
-          bool PAGED = false>
+template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS>
 __device__ __forceinline__ void matvec(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                        const T* g, long long g_s0, float eps,                    //
                                        const T* w, long long w_s0, long long w_s1,               //
@@ -900,8 +763,8 @@ __device__ __forceinline__ void matvec(char* smem, const T* x, long long x_s0, l
                                        T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
                                        long long mvalid, const MegaWaits wl) {
     static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
-    if constexpr (PAGED || matvec_impl::use_mma<T, M, K, SUMS>())
-        matvec_impl::matvec_fixed_rows<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS, PAGED>(
+    if constexpr (matvec_impl::use_mma<T, M, K, SUMS>())
+        matvec_impl::matvec_fixed_rows<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(
             smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, xa, xa_s0, xa_s1, ra, ra_s0,
             ra_s1, out, out_s0, out_s1, N, n_tile, mvalid, wl);
     else

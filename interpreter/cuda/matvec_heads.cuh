@@ -6,14 +6,14 @@
 #include "common.cuh"
 #include "matvec_tile.cuh"
 
-template <class T, int K, int ROWS, int D, bool HAS_NORM, bool ROPE, bool PAGED = false>
+template <class T, int K, int ROWS, int D, bool HAS_NORM, bool ROPE>
 __device__ __noinline__ void matvec_heads(char* smem, const T* x, long long x_s0, long long x_s1,  //
                                           const T* g, long long g_s0, float eps,                    //
                                           const T* w, long long w_s0, long long w_s1,               //
                                           const float* inv_freq, long long pos,                      //
                                           T* out, long long out_s0, long long out_s1, long long N, long long n_tile) {
     static_assert(ROWS % D == 0 && D % 2 == 0, "matvec_heads: whole, even heads per instance");
-    const T* tile = matvec_to_tile<T, K, ROWS, HAS_NORM, PAGED>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, N, n_tile);
+    const T* tile = matvec_to_tile<T, K, ROWS, HAS_NORM>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, N, n_tile);
     const long long n0 = n_tile * ROWS;
     const int nrows = (int)min_i64(ROWS, N - n0);
     constexpr int HALF = D / 2;

@@ -11,21 +11,6 @@
 // E[0..] (arena offsets, pointer slots, counter bases), so the code does not grow with
 // the number of layers.
 //
-// With MEGA_PAGES > 0 the block also holds a loader warp (pages.cuh): it claims the instances
-// (while the body threads are busy, only those whose weights it streams, up to MEGA_SLOTS
-// ahead), hands them over through a ring of instruction slots, and streams each claimed
-// instance's weight rows into the page ring. The body threads
-// take the slots in order. The claims stay in queue order, so the deadlock argument of
-// docs/design.md holds: the smallest unfinished claimed instance has all its producers done and
-// is next in its block's slots.
-//
-// With MEGA_STATIC the order is static instead of claimed: block b runs the instances g = b,
-// b + gridDim.x, b + 2 gridDim.x, ... (g numbers the queue's instances in order), a closed form of
-// the runtime dims, so the loader walks its block's own upcoming instances without a claim and
-// streams their weights as far ahead as pages allow. Liveness needs every block resident (a
-// cooperative launch, interpreter/runtime.py): the smallest unfinished instance has its producers
-// done, and every smaller instance of its block finished.
-//
 // Counters come in two parity sets: a launch uses set `parity` and zeroes the
 // other one (and its claim counter) for the next launch, so no host reset is needed.
 //
@@ -37,42 +22,19 @@
 #define MEGA_PEERS /*@PEERS@*/  // 1: a tensor-parallel kernel (peer counters, waits at system scope)
 #include "runtime.cuh"
 #include "common.cuh"
-#include "pages.cuh"
 /*@INCLUDES@*/
 
-#ifndef MEGA_STATIC
-#define MEGA_STATIC 0
-#endif
 #ifndef MEGA_PEER_FENCE
 // 1: a system-scope fence before the peer signals, besides their release. Off: the signalling
 // thread's red.release.sys, after the block barrier, orders the block's peer stores (release is
 // cumulative over bar.sync; docs/parallel.md); a TP=2 step measured 3% faster (perf-notes #54).
 #define MEGA_PEER_FENCE 0
 #endif
-#ifndef MEGA_SIGNAL_FENCE
-// 1: a gpu-scope fence.sc before an instance's counter signals, besides their red.release. Off: the
-// release alone orders the block's stores, as for the peer signals (docs/barriers.md); a decode step
-// measured 1.3-7% faster without it on an H100 (perf-notes #60).
-#define MEGA_SIGNAL_FENCE 0
-#endif
-#if MEGA_PAGES > 0
-#define MEGA_BLOCK_THREADS (MEGA_THREADS + 32)  // the body threads, then the loader warp
-#ifndef MEGA_SLOTS
-#define MEGA_SLOTS 2
-#endif
-struct MegaSlot {
-  long long g, local;  // g < 0: no more instances
-  int entry;
-  unsigned page0;      // the instance's first page
-};
-#else
-#define MEGA_BLOCK_THREADS MEGA_THREADS
-#endif
 
 #define MEGA_ENTRIES /*@ENTRIES@*/
 #define MEGA_COUNTERS /*@COUNTERS@*/
 #define MEGA_LAUNCHES /*@LAUNCHES@*/  // distinct launch counts that are runtime expressions
-#define MEGA_CONSTS_AT (3 * MEGA_ENTRIES + (1 + MEGA_LAUNCHES) * (MEGA_ENTRIES + 1))  // table: the constants
+#define MEGA_CONSTS_AT (2 * MEGA_ENTRIES + (1 + MEGA_LAUNCHES) * (MEGA_ENTRIES + 1))  // table: the constants
 #define MEGA_MAX_RANKS 8  // GPUs of a tensor-parallel group (megaegg/ops.py: MAX_RANKS)
 
 struct MegaArgs {
@@ -88,11 +50,10 @@ struct MegaArgs {
   void* ptr[/*@NPTRS@*/];
 };
 
-extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
+extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
   extern __shared__ __align__(16) char smem[];
   __shared__ long long prefix[MEGA_ENTRIES + 1];
   __shared__ int entry_case[MEGA_ENTRIES + 1], entry_consts[MEGA_ENTRIES + 1];  // (+1: a queue may be empty)
-  __shared__ unsigned char entry_paged[MEGA_ENTRIES + 1];
   __shared__ long long claimed;
 
   unsigned long long* control = args.control;
@@ -109,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
   }
   {  // the first instance of every entry, from the table (render.py: LaunchPrefix)
     const long long launch[MEGA_LAUNCHES] = {/*@LAUNCH_VALUES@*/};
-    const long long* base = args.table + 3 * MEGA_ENTRIES;
+    const long long* base = args.table + 2 * MEGA_ENTRIES;
     for (int e = threadIdx.x; e <= MEGA_ENTRIES; e += blockDim.x) {
       long long p = base[e];
 #pragma unroll
@@ -120,7 +81,6 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
   for (int e = threadIdx.x; e < MEGA_ENTRIES; e += blockDim.x) {
     entry_case[e] = (int)args.table[e];
     entry_consts[e] = (int)args.table[MEGA_ENTRIES + e];
-    entry_paged[e] = (unsigned char)args.table[2 * MEGA_ENTRIES + e];
   }
   {  // zero the other parity's counters and claim counter for the next launch
     unsigned* next = args.counters + (parity ? 0 : MEGA_COUNTERS);
@@ -129,15 +89,6 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       next[k] = 0;
     if (blockIdx.x == 0 && threadIdx.x == 0) control[1 - parity] = 0;
   }
-#if MEGA_PAGES > 0
-  __shared__ MegaSlot slots[MEGA_SLOTS];
-  __shared__ __align__(8) unsigned long long slot_full[MEGA_SLOTS], slot_empty[MEGA_SLOTS];
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < MEGA_PAGES; ++s) mega_mbar_init(&mega_page_full[s], 1), mega_mbar_init(&mega_page_empty[s], MEGA_WARPS);
-    for (int s = 0; s < MEGA_SLOTS; ++s) mega_mbar_init(&slot_full[s], 1), mega_mbar_init(&slot_empty[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-#endif
   __syncthreads();
   const long long total = prefix[MEGA_ENTRIES];
   auto find_entry = [&](long long g) {  // entry e holds instances [prefix[e], prefix[e+1])
@@ -149,78 +100,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
     return lo;
   };
 
-#if MEGA_PAGES > 0
-  if (threadIdx.x >= MEGA_THREADS) {  // the loader warp: one thread claims and streams
-    if (threadIdx.x != MEGA_THREADS) return;
-    MegaLoader L{0};
-    for (unsigned n = 0;; ++n) {
-      const unsigned s = n % MEGA_SLOTS;
-      if (n >= MEGA_SLOTS && !mega_mbar_wait(&slot_empty[s], ((n / MEGA_SLOTS) - 1) & 1)) break;
-#if MEGA_STATIC
-      // This block's next instance in its static order (or stop: another block failed).
-      const long long g = *(volatile unsigned long long*)&control[2] ? total : blockIdx.x + (long long)n * gridDim.x;
-#else
-      // Claim the next instance in queue order. While the body threads are busy, only an instance
-      // whose weights come through the pages is claimed (its loads start now); any other waits for
-      // them to be idle: parked behind a busy block, a chain instance (attention, RoPE) would wait
-      // for it when another block could run it at once (measured: claiming any instance ahead
-      // made llama-3.2-1b 12% slower).
-      long long g;
-      unsigned sleep = 32;
-      while (true) {
-        if (*(volatile unsigned long long*)&control[2]) { g = total; break; }
-        const bool idle = n == 0 || mega_mbar_test(&slot_empty[(n - 1) % MEGA_SLOTS], ((n - 1) / MEGA_SLOTS) & 1);
-        if (idle) { g = (long long)atomicAdd(&control[parity], 1ULL); break; }
-        if (*(volatile int*)&mega_abort_block) { g = total; break; }
-        const unsigned long long next = *(volatile unsigned long long*)&control[parity];
-        if ((long long)next < total && entry_paged[find_entry((long long)next)] &&
-            atomicCAS(&control[parity], next, next + 1) == next) { g = (long long)next; break; }
-        __nanosleep(sleep);
-        if (sleep < 256) sleep *= 2;
-      }
-#endif
-      if (g >= total) {
-        slots[s].g = -1;
-        mega_mbar_arrive(&slot_full[s]);
-        break;
-      }
-      const int entry = find_entry(g);
-      const long long local = g - prefix[entry];
-      slots[s] = MegaSlot{g, local, entry, L.issued};
-      mega_mbar_arrive(&slot_full[s]);  // (release: the body threads see the slot)
-      const long long* E = args.table + MEGA_CONSTS_AT + entry_consts[entry];
-      (void)E;
-      bool ok = true;
-      switch (entry_case[entry]) {
-/*@LOADER_CASES@*/
-        default: break;
-      }
-      if (!ok) break;
-    }
-    mega_loader_drain(L);
-    return;
-  }
-#endif
-
-  for (unsigned n = 0;; ++n) {
-#if MEGA_PAGES > 0
-    const unsigned slot = n % MEGA_SLOTS;
-    if (!mega_mbar_wait(&slot_full[slot], (n / MEGA_SLOTS) & 1)) break;
-    const MegaSlot sl = slots[slot];
-    if (sl.g < 0) break;
-    const long long g = sl.g, local = sl.local;
-    const int entry = sl.entry;
-    if (threadIdx.x == 0) { mega_cur_entry = entry; mega_cur_instance = local; mega_page_head = sl.page0; }
-    mega_sync();
-#else
+  for (;;) {
     // Which instance runs, in the shared error record too (bodies report errors from any thread). It is
     // written before a barrier, so no thread still reads the previous instance's (racecheck).
-#if MEGA_STATIC
-    const long long g = blockIdx.x + (long long)n * gridDim.x;  // (an abort elsewhere stops this block's waits)
-    if (g >= total) break;
-    if (threadIdx.x == 0) { mega_cur_entry = find_entry(g); mega_cur_instance = g - prefix[mega_cur_entry]; }
-    mega_sync();
-#else
     if (threadIdx.x == 0) {  // claim the next instance in queue order (or stop: another block failed)
       // the claim and the abort check are both in flight, not one after the other (perf-notes #62; a
       // claim past an abort runs nothing, and the next launch starts from the other parity's counter)
@@ -231,10 +113,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
     __syncthreads();
     const long long g = claimed;
     if (g >= total) break;
-#endif
     const int entry = find_entry(g);
     const long long local = g - prefix[entry];
-#endif
 #ifdef MEGA_TRACE
     unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
 #endif
@@ -250,9 +130,6 @@ extern "C" __global__ void __launch_bounds__(MEGA_BLOCK_THREADS, 1) megakernel(c
       default: break;
     }
     mega_sync();
-#if MEGA_PAGES > 0
-    if (threadIdx.x == 0) mega_mbar_arrive(&slot_empty[slot]);
-#endif
 #ifdef MEGA_TRACE
     if (threadIdx.x == 0) {
       unsigned smid;

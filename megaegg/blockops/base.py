@@ -157,13 +157,6 @@ class BlockKind:
         the simulator does not check their reads (the GPU op tests exercise the protocol)."""
         return ()
 
-    def paged_inputs(self, op: "BlockOp") -> tuple[int, ...]:
-        """The weight inputs whose rows this op's body can take from the page ring instead of
-        loading them (interpreter/cuda/pages.cuh), in the order the body reads them; () when it
-        cannot. The interpreter decides per op whether to page them (render.py: paged_streams)
-        and then sets ``params["paged"]`` for ``cuda_call``."""
-        return ()
-
     def build(self, inputs: Sequence["Operand"], output: "Operand", params: dict) -> Partition:
         raise NotImplementedError
 

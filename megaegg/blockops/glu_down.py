@@ -23,7 +23,7 @@ import math
 from ..dims import as_dim, ceildiv
 from .base import NONE, BlockKind, Partition, Term, c_call, fields, register, term
 from .footprint import Full, Tile
-from .matvec import gated, paged, roles
+from .matvec import gated, roles
 
 
 @register
@@ -48,10 +48,6 @@ class GluDown(BlockKind):
         h = gated(op, ins, slice(0, 1), tile, dt)  # [1, rows], as the unfused gated matvec stores it
         out += h @ ins[k["wd"]][tile].float()
 
-    def paged_inputs(self, op) -> tuple[int, ...]:
-        k = roles(op)
-        return (k["w"], k["w2"], k["wd"])
-
     def cuda_call(self, op, ins, out) -> str:
         k, p = roles(op), op.params
         x, w, w2, wd = (ins[k[r]] for r in ("x", "w", "w2", "wd"))
@@ -61,7 +57,7 @@ class GluDown(BlockKind):
         args = [("smem", "smem"), ("x", x.ptr), ("x_s1", x.strides[1]), *g, ("eps", f"{float(p.get('eps', 0.0))!r}f"),
                 ("w", w.ptr), ("w_s0", w.strides[0]), ("w2", w2.ptr), ("w2_s0", w2.strides[0]), ("wd", wd.ptr),
                 ("wd_s0", wd.strides[0]), ("acc", out.ptr), ("F", f"{f}LL"), ("n_tile", "c1"), ("wl", "wl"), ("scale", "1.0f")]
-        return c_call("glu_down", [x.ctype, kdim, n, p["rows"], "true" if "g" in k else "false", paged(op)], args)
+        return c_call("glu_down", [x.ctype, kdim, n, p["rows"], "true" if "g" in k else "false"], args)
 
     def bytes_moved(self, op, env):
         k = roles(op)

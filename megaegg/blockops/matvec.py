@@ -27,11 +27,6 @@ def roles(op) -> dict[str, int]:
     return {r: k for k, r in enumerate(op.params["roles"])}
 
 
-def paged(op) -> str:
-    """The PAGED template argument: whether the weights come from the page ring (pages.cuh)."""
-    return "true" if op.params.get("paged") else "false"
-
-
 def products(op, ins, x_rows: slice, w_rows: slice, dt: torch.dtype, weight: str = "w") -> torch.Tensor:
     """``x[x_rows] @ weight[w_rows]^T`` as stored (rounded to ``dt``), after the optional RMSNorm
     prologue, rounded at the same points as the unfused ops; returned as f32."""
@@ -94,10 +89,6 @@ class MatVec(BlockKind):
             y = (with_sum(op, ins, "r", (slice(m0, m1), slice(r0, r1)), dt) + y.float()).to(dt)
         out[m0:m1, r0:r1] = y
 
-    def paged_inputs(self, op) -> tuple[int, ...]:
-        k = roles(op)
-        return tuple(k[r] for r in ("w", "w2") if r in k) if op.params["mrows"] == 1 else ()
-
     def cuda_call(self, op, ins, out: CudaOperand) -> str:
         k = roles(op)
         p = op.params
@@ -127,7 +118,7 @@ class MatVec(BlockKind):
                 ("out", rows_of(out)), ("out_s0", out.strides[0]), ("out_s1", out.strides[1]),
                 ("N", f"{n}LL"), ("n_tile", cn), ("mvalid", f"min_i64({mrows}LL, ({out.shape[0]}) - {cm} * {mrows})"),
                 ("wl", "wl")]
-        return c_call("matvec", [ins[k["x"]].ctype, mrows, kdim, p["rows"], *flags, paged(op)], args)
+        return c_call("matvec", [ins[k["x"]].ctype, mrows, kdim, p["rows"], *flags], args)
 
     def bytes_moved(self, op, env):
         k = roles(op)

@@ -14,7 +14,7 @@ import torch
 from ..dims import as_dim, ceildiv
 from .base import NONE, BlockKind, Partition, Term, dimc, fields, register, term
 from .footprint import Full, Tile
-from .matvec import paged, products, roles
+from .matvec import products, roles
 
 
 @register
@@ -48,9 +48,6 @@ class MatVecHeads(BlockKind):
             y = torch.cat([y[:, :h] * cos - y[:, h:] * sin, y[:, h:] * cos + y[:, :h] * sin], -1)
         out[r0 // d : r0 // d + y.shape[0]] = y.to(dt)
 
-    def paged_inputs(self, op) -> tuple[int, ...]:
-        return (roles(op)["w"],)
-
     def cuda_call(self, op, ins, out) -> str:
         k, p = roles(op), op.params
         x, w = ins[k["x"]], ins[k["w"]]
@@ -61,7 +58,7 @@ class MatVecHeads(BlockKind):
         flags = f"{'true' if 'g' in k else 'false'}, {'true' if 'inv_freq' in k else 'false'}"
         args = ["smem", x.ptr, x.strides[0], x.strides[1], *g, f"{float(p.get('eps', 0.0))!r}f",
                 w.ptr, w.strides[0], w.strides[1], inv, pos, out.ptr, out.strides[0], out.strides[1], f"{n}LL", "c1"]
-        return f"matvec_heads<{x.ctype}, {kdim}, {p['rows']}, {p['head_dim']}, {flags}, {paged(op)}>({', '.join(args)})"
+        return f"matvec_heads<{x.ctype}, {kdim}, {p['rows']}, {p['head_dim']}, {flags}>({', '.join(args)})"
 
     def bytes_moved(self, op, env):
         k = roles(op)

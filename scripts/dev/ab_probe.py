@@ -1,7 +1,7 @@
 """Dev: a same-run, interleaved A/B of compile-time variants of one preset's decode step (GPU).
 
     python3 scripts/dev/ab_probe.py PRESET NAME=DEFINES [NAME=DEFINES ...]
-    e.g. ab_probe.py llama-3.2-1b main= static=MEGA_STATIC=1 ring=MEGA_STATIC=1,MEGA_PAGES=10,MEGA_SMEM=57344
+    e.g. ab_probe.py llama-3.2-1b main= smem=MEGA_SMEM=98304
 
 A variant NAME=@FILE runs a saved artifact instead, e.g. one built by another checkout (A/B of code,
 not defines): ``ab_probe.py --save PRESET FILE`` builds and saves this checkout's (no GPU needed;
