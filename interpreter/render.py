@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from ..blockops import REGISTRY, CudaOperand
 from ..blockops.base import dimc
-from ..blockops.footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 from ..dims import Dim
 from ..lowering.queue import QueueEntry, WorkQueue
-from ..rewrite.program import Operand
+from ..ir.program import Operand
 from .nvrtc import CUDA_DIR
 
 THREADS = 256

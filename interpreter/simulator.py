@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..blockops import REGISTRY
-from ..blockops.footprint import footprint_slices, grid_coords
+from ..ir.footprint import footprint_slices, grid_coords
 from ..lowering.queue import WorkQueue
-from ..rewrite.program import Operand
+from ..ir.program import Operand
 
 
 class SimulationError(AssertionError):

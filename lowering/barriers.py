@@ -54,8 +54,8 @@ Runtime dims are assumed non-negative (sizes, positions).
 
 >>> from megaegg.dims import sym, ceildiv
 >>> from megaegg.dtypes import f32
->>> from megaegg.blockops.footprint import Full, Tile
->>> from megaegg.rewrite.program import Buffer, Operand, BlockOp, BlockProgram
+>>> from megaegg.ir.footprint import Full, Tile
+>>> from megaegg.ir.program import Buffer, Operand, BlockOp, BlockProgram
 >>> S = sym("S")
 >>> bufs = [Buffer(0, "y", "scratch", (S, 64), f32), Buffer(1, "z", "scratch", (S, 64), f32)]
 >>> y, z = Operand(0, (S, 64), f32), Operand(1, (S, 64), f32)
@@ -77,11 +77,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
-from ..blockops.footprint import At, Full, Span, Tile, coord
+from ..ir.footprint import At, Full, Span, Tile, coord
 from ..dims import Dim, as_dim, binary, ceildiv, const, dmax, dmin
-from ..rewrite.dimsort import simplify_many
-from ..rewrite.layout import pullback
-from ..rewrite.program import BlockOp, BlockProgram, Buffer, Operand
+from ..ir.dimsort import simplify_many
+from ..ir.layout import pullback
+from ..ir.program import BlockOp, BlockProgram, Buffer, Operand
 
 __all__ = ["BarrierSet", "Wait", "BarrierPlan", "derive_barriers"]
 

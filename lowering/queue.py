@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..dims import Dim, as_dim
-from ..rewrite.layout import Layout, layout_of
-from ..rewrite.program import BlockOp, BlockProgram, Operand
+from ..ir.layout import Layout, layout_of
+from ..ir.program import BlockOp, BlockProgram, Operand
 from .barriers import BarrierPlan, BarrierSet, Wait, derive_barriers
 
 ARENA_ALIGN = 256

@@ -442,10 +442,10 @@ def code_version() -> str:
 
 # --- the queue as JSON -------------------------------------------------------------------------
 def _classes() -> dict[str, type]:
-    from .blockops.footprint import At, Full, Span, Tile
+    from .ir.footprint import At, Full, Span, Tile
     from .lowering.barriers import BarrierPlan, BarrierSet, Wait
     from .lowering.queue import MemoryPlan, PeerPlan, QueueEntry, WorkQueue
-    from .rewrite.program import BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View
+    from .ir.program import BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View
 
     return {c.__name__: c for c in (
         At, Full, Span, Tile, BarrierPlan, BarrierSet, Wait, MemoryPlan, PeerPlan, QueueEntry, WorkQueue,

@@ -26,7 +26,7 @@ from .dims import evaluate_shape, fmt_shape
 from .graph import IN_PLACE_OPS, Graph, GraphError, fmt_bytes
 from .rewrite import schedule
 from .rewrite.cost import CostModel
-from .rewrite.program import Operand, swap_last
+from .ir.program import Operand, swap_last
 
 DEFAULT_MAX_DIM = 8192
 BACKENDS = ("cuda", "sim")

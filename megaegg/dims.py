@@ -6,7 +6,7 @@ and constants, built with ``+ * // %`` and :func:`ceildiv`, :func:`dmin`,
 
 The constructors fold constants and drop identities (``x + 0``, ``x * 1``) so
 that shapes print readably and compare structurally; deeper simplification is
-the e-graph's job (``megaegg.rewrite.dimsort``).
+the e-graph's job (``megaegg.ir.dimsort``).
 
 >>> S = sym("S")
 >>> str((S + 1) * 2 + 3)

@@ -64,17 +64,14 @@ def fmt_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
-def known_ops() -> frozenset[str]:
-    """The ops a graph may hold: the leaves and every op ``run_reference`` (and the compiler) knows."""
-    global _KNOWN_OPS
-    if _KNOWN_OPS is None:
-        from .reference import _EVAL
+# The ops a graph may hold: the leaves and every op ``run_reference`` (and the compiler) knows
+# (tests/test_graph.py checks this list against reference.py's evaluators).
+OPS = frozenset({
+    *LEAF_OPS, *COLLECTIVES, "add", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
+    "kv_store", "linear", "matmul", "moe_mlp", "mul", "permute", "ragged_attention", "reshape", "rms_norm", "rope",
+    "sample", "silu", "slice", "softmax",
+})
 
-        _KNOWN_OPS = frozenset(_EVAL) | frozenset(LEAF_OPS) | frozenset(COLLECTIVES)
-    return _KNOWN_OPS
-
-
-_KNOWN_OPS: frozenset[str] | None = None
 
 
 def leaf_shape(what: str, shape) -> tuple[Dim, ...]:
@@ -238,8 +235,8 @@ class Graph:
         what = f"add_node %{nid} ({op})"
         if op in LEAF_OPS:
             raise GraphError(f"{what}: leaves are declared with graph.{op}(name, ...), not add_node")
-        if op not in known_ops():
-            raise GraphError(f"{what}: unknown op {op!r}; known ops: {', '.join(sorted(known_ops()))}")
+        if op not in OPS:
+            raise GraphError(f"{what}: unknown op {op!r}; known ops: {', '.join(sorted(OPS))}")
         try:
             ids = tuple(inputs)
         except TypeError:

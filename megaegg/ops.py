@@ -11,7 +11,7 @@ import math
 from collections import Counter
 from typing import Mapping, Sequence
 
-from .dimform import canonical
+from .ir.dimform import canonical
 from .dims import Dim, DimLike, as_dim, fmt_shape
 from .dtypes import DType, as_dtype, f32, i32
 from .graph import GraphError, ShapeError, Tensor, check_static_dims

@@ -14,8 +14,8 @@ from ..dtypes import f32
 from ..graph import COLLECTIVES, IN_PLACE_OPS, LEAF_OPS, Graph, GraphError, Node
 from .encode import VIEW_OPS, base_node
 from .extract import Choice, order
-from .layout import layout_of, view_shape
-from .program import BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View, swap_last
+from ..ir.layout import layout_of, view_shape
+from ..ir.program import BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View, swap_last
 
 
 def _graph_view(n: Node) -> View:

@@ -11,7 +11,7 @@ from .cost import CostModel
 from .encode import encode
 from .extract import alternatives, choose, computing_nodes
 from .layers import Repeats, expand, find_repeats, reduce
-from .program import BlockProgram
+from ..ir.program import BlockProgram
 from .rules import fusion, lowering
 from .siblings import balance_siblings
 

@@ -20,11 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megaegg.blockops.footprint import At, Full, Span, Tile, access_range, coord, grid_coords
+from megaegg.ir.footprint import At, Full, Span, Tile, access_range, coord, grid_coords
 from megaegg.dims import as_dim, ceildiv, dmin, sym
 from megaegg.dtypes import f32
 from megaegg.lowering.barriers import BarrierPlan, derive_barriers
-from megaegg.rewrite.program import BlockOp, BlockProgram, Buffer, Operand, View
+from megaegg.ir.program import BlockOp, BlockProgram, Buffer, Operand, View
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 

@@ -30,7 +30,7 @@ from megaegg.blockops import REGISTRY, CudaOperand
 from megaegg.dims import Dim, as_dim, sym
 from megaegg.blockops.matvec import runtime_mrows
 from megaegg.interpreter.render import SMEM_BYTES, THREADS
-from megaegg.rewrite.program import BlockOp, Operand, View
+from megaegg.ir.program import BlockOp, Operand, View
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "interpreter" / "cuda"
 POS = sym("pos")

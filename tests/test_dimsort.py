@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megaegg.dims import Dim, binary, ceildiv, const, dmax, dmin, sym
-from megaegg.rewrite import dimsort
-from megaegg.rewrite.dimsort import DimSimplifier, canonical, equal, from_egg, simplify, simplify_many, size, to_egg
+from megaegg.ir import dimsort
+from megaegg.ir.dimsort import DimSimplifier, canonical, equal, from_egg, simplify, simplify_many, size, to_egg
 
 S, T, U = sym("S"), sym("T"), sym("U")
 SYMS = (S, T, U)

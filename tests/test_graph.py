@@ -9,6 +9,14 @@ from megaegg import GraphError, ShapeError
 S, P = me.sym("S"), me.sym("pos")
 
 
+def test_graph_ops_are_the_reference_ops():
+    """graph.OPS (what add_node accepts) lists exactly the ops run_reference evaluates, and the leaves."""
+    from megaegg.graph import LEAF_OPS, OPS
+    from megaegg.reference import _EVAL
+
+    assert OPS == set(_EVAL) | set(LEAF_OPS)
+
+
 def test_dim_arithmetic_and_eval():
     d = me.ceildiv(S * 4 + 3, 2)
     assert d.eval({"S": 5}) == 12

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megaegg.blockops.footprint import At, Full, Span, Tile, access_range, coord
+from megaegg.ir.footprint import At, Full, Span, Tile, access_range, coord
 from megaegg.dims import Dim, const, sym
-from megaegg.rewrite.layout import (
+from megaegg.ir.layout import (
     Layout, apply_view, contiguous, index, is_contiguous_rows, layout_of, pullback, tile, view_shape,
 )
-from megaegg.rewrite.program import View
+from megaegg.ir.program import View
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

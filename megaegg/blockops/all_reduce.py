@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ..dims import ceildiv, sym
 from .base import NONE, BlockKind, Partition, Term, fields, register, term
-from .footprint import At, Full, Tile
+from ..ir.footprint import At, Full, Tile
 
 RANK = sym("rank")  # the rank running an instance (the kernel's args.rank; the simulator's device)
 

@@ -15,7 +15,7 @@ from ..dtypes import f32 as F32
 from ..graph import GraphError
 from ..sampling import NaNError
 from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 from .sample import op_name
 
 

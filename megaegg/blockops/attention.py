@@ -17,7 +17,7 @@ from ..dims import as_dim, ceildiv
 from ..dtypes import f32 as F32
 from ..dtypes import i32 as I32
 from .base import BlockKind, Partition, Term, c_call, dimc, f32, fields, register, term
-from .footprint import Full, Span, Tile
+from ..ir.footprint import Full, Span, Tile
 
 
 def kv_reads(params) -> tuple:

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 import torch
 
 from ..dims import Dim
-from .footprint import Footprint
+from ..ir.footprint import Footprint
 
 if TYPE_CHECKING:
-    from ..rewrite.program import BlockOp, Operand
+    from ..ir.program import BlockOp, Operand
 
 REGISTRY: dict[str, "BlockKind"] = {}
 TERMS: dict[str, "Term"] = {}

@@ -11,7 +11,7 @@ import torch
 from ..dims import as_dim, ceildiv, fmt_shape
 from ..graph import GraphError
 from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 
 MAX_DIMS = 4  # the CUDA body addresses its operands through Idx4 (elementwise.cuh)
 FUNCTIONS = {

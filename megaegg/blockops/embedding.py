@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .base import BlockKind, Partition, Term, fields, register, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 
 
 @register

@@ -22,7 +22,7 @@ import math
 
 from ..dims import as_dim, ceildiv
 from .base import NONE, BlockKind, Partition, Term, c_call, fields, register, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 from .matvec import gated, roles
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..dims import as_dim
 from .base import BlockKind, Partition, Term, dimc, fields, register, term
-from .footprint import At, Full
+from ..ir.footprint import At, Full
 
 
 @register

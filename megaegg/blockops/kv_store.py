@@ -10,7 +10,7 @@ heads never write the same element.
 from __future__ import annotations
 
 from .base import BlockKind, Partition, Term, fields, register, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 
 
 def row_index(op: str, what: str, value: int, hi: int) -> int:

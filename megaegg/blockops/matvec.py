@@ -20,7 +20,7 @@ import torch
 
 from ..dims import ceildiv
 from .base import NONE, BlockKind, CudaOperand, Partition, Term, c_call, f32, fields, register, rms_normed, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 
 
 def roles(op) -> dict[str, int]:

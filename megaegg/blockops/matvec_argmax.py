@@ -12,7 +12,7 @@ from ..dims import as_dim, ceildiv
 from ..dtypes import f32
 from .base import NONE, BlockKind, Partition, Term, fields, register, term
 from .argmax import nan_rows
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 from .matvec import products, roles
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ..dims import as_dim, ceildiv
 from .base import NONE, BlockKind, Partition, Term, dimc, fields, register, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 from .matvec import products, roles
 
 

@@ -21,7 +21,7 @@ from ..dims import as_dim, ceildiv
 from ..reference import expert_mlp, moe_routing
 from .base import NONE, BlockKind, Partition, Term, c_call, f32, fields, register, rms_normed, term
 from .elementwise import elementwise_params
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 from .matvec import roles
 
 

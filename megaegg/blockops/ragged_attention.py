@@ -19,7 +19,7 @@ import torch
 from ..dims import as_dim, ceildiv
 from ..dtypes import f32 as F32
 from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 from .kv_store import row_index
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..dims import ceildiv
 from .base import NONE, BlockKind, Partition, Term, dimc, f32, fields, register, rms_normed, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 from .matvec import roles
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..dims import ceildiv
 from .base import BlockKind, Partition, Term, dimc, f32, fields, register, rms_normed, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 
 
 @register

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..sampling import sample_row
 from .base import BlockKind, Partition, Term, c_call, fields, register, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 
 
 def op_name(op) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..dims import ceildiv
 from ..graph import GraphError
 from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
-from .footprint import Full, Tile
+from ..ir.footprint import Full, Tile
 
 
 @register

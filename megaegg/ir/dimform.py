@@ -1,13 +1,13 @@
 """The sum-of-products normal form of a Dim, in plain Python (no e-graph): like terms collected,
 terms in a fixed order, the constant last. The rewrite stage seeds its e-graph with it
-(rewrite/dimsort.py); the Graph API uses it to see that ``(S + 16) - S`` is 16."""
+(megaegg/ir/dimsort.py); the Graph API uses it to see that ``(S + 16) - S`` is 16."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
 
-from .dims import Dim, as_dim, binary
+from ..dims import Dim, as_dim, binary
 
 
 def size(dim: Dim, memo: dict[Dim, int] | None = None) -> int:

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..blockops.footprint import Access, At, Footprint, Full, Span, Tile, coord
+from .footprint import Access, At, Footprint, Full, Span, Tile, coord
 from ..dims import Dim, DimLike, as_dim, binary, ceildiv, const, dmin
 from .dimsort import simplify
 from .program import View

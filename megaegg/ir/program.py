@@ -3,7 +3,7 @@
 A program is a list of buffers and a list of block ops in queue (topological)
 order. Each op reads operands and writes one operand; an operand is a buffer seen
 through a chain of views (reshape, permute, slice, expand) that the layout algebra
-(:mod:`megaegg.rewrite.layout`) composes into ``shape:stride`` form.
+(:mod:`megaegg.ir.layout`) composes into ``shape:stride`` form.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..blockops.footprint import Footprint, fmt_footprint
+from .footprint import Footprint, fmt_footprint
 from ..dims import Dim, fmt_shape
 from ..dtypes import DType
 

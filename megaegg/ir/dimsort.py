@@ -2,7 +2,7 @@
 
 :class:`DimE` mirrors :class:`megaegg.dims.Dim` (``const sym + * // % min max
 ceildiv``). There is no associativity or commutativity in the e-graph (e-nodes
-grow ~3x per extra term): :func:`megaegg.dimform.canonical` puts sums of products into one normal
+grow ~3x per extra term): :func:`megaegg.ir.dimform.canonical` puts sums of products into one normal
 form in Python (like terms collected, the constant last) and that form joins each
 root's e-class; the rules then apply targeted identities. Every rule is sound for
 all integer values of the symbols, given positive divisors (floor division).
@@ -31,7 +31,7 @@ from egglog import EGraph, Expr, Schedule, StringLike, eq, i64, i64Like, ne, rew
 from egglog.declarations import CallDecl, ClassMethodRef, InitRef, LitDecl, MethodRef, TypedExprDecl
 from egglog.runtime import RuntimeExpr
 
-from ..dimform import CanonMemo, canonical, size
+from .dimform import CanonMemo, canonical, size
 from ..dims import Dim, as_dim, binary
 
 T = TypeVar("T")
