@@ -79,6 +79,7 @@ from typing import Mapping, Sequence, Union
 
 from ..ir.footprint import At, Full, Span, Tile, coord
 from ..dims import Dim, as_dim, binary, ceildiv, const, dmax, dmin
+from ..ir.dimform import CanonMemo, canonical, const_diff, from_poly, nonneg, poly
 from ..ir.dimsort import simplify_many
 from ..ir.layout import pullback
 from ..ir.program import BlockOp, BlockProgram, Buffer, Operand
@@ -269,8 +270,9 @@ def _in_buffer_coords(operand: Operand, buffer: Buffer, fp) -> tuple:
 
 
 def _simplify_many(exprs: Sequence[Dim]) -> list[Dim]:
-    """Linear parts canonicalized here (sums of ``atom * coeff``), the rest by the e-graph."""
-    tidy = [_unlin(_lin(as_dim(e))) for e in exprs]
+    """Put in normal form here (``megaegg/ir/dimform.py``), the rest by the e-graph."""
+    memo = CanonMemo()
+    tidy = [canonical(e, memo) for e in exprs]
     try:
         return simplify_many(tidy) if tidy else []
     except Exception:  # an optimization only: keep the tidy form of whatever it cannot take
@@ -328,11 +330,9 @@ def _normalize(a, extent: Dim) -> _Acc:
         axes = _coords(e)
         if not axes:
             return _Fixed(e, e + 1)
-        lin = _lin(e)
-        moving = [t for t in lin if t is not None and _coords(t)]
-        if len(moving) == 1 and moving[0].op == "sym" and lin[moving[0]] == 1:  # _iA + base: a 1-element tile
-            ax = _coords(moving[0]).pop()
-            return _Tiled(ax, 1, _unlin({t: c for t, c in lin.items() if t != moving[0]}), extent)
+        ax, size, base = _one_coord(e)
+        if size == 1:  # _iA + base: a 1-element tile
+            return _Tiled(ax, 1, base, extent)
         return _Moving(e, e + 1, frozenset(axes), True)
     if isinstance(a, Span):
         lo, hi = as_dim(a.start), as_dim(a.stop)
@@ -345,17 +345,14 @@ def _normalize(a, extent: Dim) -> _Acc:
 
 def _parse_tile(lo: Dim, hi: Dim, extent: Dim) -> _Tiled | None:
     """Recognize ``Span(b + _iA*T, min(b + _iA*T + T, L))`` (or ``... + T``) as a tile."""
-    lin = _lin(lo)
-    moving = [t for t in lin if t is not None and _coords(t)]
-    if len(moving) != 1 or moving[0].op != "sym" or lin[moving[0]] <= 0:
+    ax, size, base = _one_coord(lo)
+    if size is None or size <= 0:
         return None
-    ax, size = _coords(moving[0]).pop(), lin[moving[0]]
-    base = _unlin({t: c for t, c in lin.items() if t != moving[0]})
-    if _const_diff(hi, lo) == size:
+    if const_diff(hi, lo) == size:
         return _Tiled(ax, size, base, extent)
     if hi.op == "min":
         for x, limit in (hi.args, hi.args[::-1]):
-            if _const_diff(x, lo) == size and not _coords(limit):
+            if const_diff(x, lo) == size and not _coords(limit):
                 return _Tiled(ax, size, base, limit)
     return None
 
@@ -488,7 +485,7 @@ def _match(p: _Tiled, c: _Acc) -> _Group | None:
     """Group producer tiles along ``p.axis`` so that consumer instance ``c`` needs one group."""
     tp = p.size
     if isinstance(c, _Tiled):
-        delta = _const_diff(c.base, p.base)
+        delta = const_diff(c.base, p.base)
         if delta is None:
             return None
         tc, cc = c.size, coord(c.axis)
@@ -501,11 +498,11 @@ def _match(p: _Tiled, c: _Acc) -> _Group | None:
         return None  # non-nested tiles: the axis collapses (sound, less precise)
     # a range of constant width w at offset x from the producer's base: it lies in the group of
     # m = ceil(w / tp) tiles x // (m*tp) when x is visibly a multiple of some g >= w dividing m*tp
-    x, w = _lin(c.lo - p.base), _const_diff(c.hi, c.lo)
+    x, w = poly(c.lo - p.base), const_diff(c.hi, c.lo)
     if w is None or w < 1:
         return None
-    if not any(t is not None for t in x):  # a constant range: inside one tile?
-        x0 = x.get(None, 0)
+    if not any(x):  # a constant range: inside one tile?
+        x0 = x.get((), 0)
         if x0 // tp == (x0 + w - 1) // tp:
             return _Group(1, 0, const(x0 // tp))
     m = -(-w // tp)
@@ -514,80 +511,27 @@ def _match(p: _Tiled, c: _Acc) -> _Group | None:
     return None
 
 
-# --- small symbolic reasoning: linear forms, bounds, <= ----------------------
+# --- small symbolic reasoning on dimform's normal form: a coordinate term, bounds, <= ---
 
 
 def _coords(e: Dim) -> set[int]:
     return {int(m[1]) for s in e.symbols() if (m := _COORD.match(s))}
 
 
-def _lin(e: Dim) -> dict:
-    """``e`` as ``{atom: coeff}`` (``None`` keys the constant); atoms are canonical non-linear terms."""
-    if e.op == "const":
-        return {None: e.value} if e.value else {}
-    if e.op == "sym":
-        return {e: 1}
-    a, b = e.args
-    if e.op == "add":
-        out = dict(_lin(a))
-        for t, c in _lin(b).items():
-            out[t] = out.get(t, 0) + c
-        return {t: c for t, c in out.items() if c}
-    if e.op == "mul" and (a.is_const or b.is_const):
-        k, x = (a.value, b) if a.is_const else (b.value, a)
-        return {t: c * k for t, c in _lin(x).items()} if k else {}
-    la = _lin(a)
-    if e.op in ("floordiv", "ceildiv", "mod") and b.is_const and b.value > 0:
-        k, c0 = b.value, la.get(None, 0)
-        if all(c % k == 0 for t, c in la.items() if t is not None):  # (k*X + c) // k == X + c // k
-            if e.op == "mod":
-                return {None: c0 % k} if c0 % k else {}
-            q = {t: c // k for t, c in la.items() if t is not None}
-            c1 = c0 // k if e.op == "floordiv" else -(-c0 // k)
-            return {**q, None: c1} if c1 else q
-    return {binary(e.op, _unlin(la), _unlin(_lin(b))): 1}
-
-
-def _unlin(lin: dict) -> Dim:
-    out = const(0)
-    terms = sorted(((t, c) for t, c in lin.items() if t is not None), key=lambda tc: (bool(_coords(tc[0])), str(tc[0])))
-    for t, c in terms:  # runtime-dim terms first, then grid coordinates
-        out = out + t * c
-    return out + lin.get(None, 0)
-
-
-def _const_diff(a: Dim, b: Dim) -> int | None:
-    """``a - b`` when it is a constant."""
-    la, lb = _lin(as_dim(a)), _lin(as_dim(b))
-    diff = {t: la.get(t, 0) - lb.get(t, 0) for t in set(la) | set(lb)}
-    if any(c for t, c in diff.items() if t is not None):
-        return None
-    return diff.get(None, 0)
-
-
-def _nonneg(e: Dim) -> bool:
-    """Provably ``e >= 0`` (runtime dims and grid coordinates are non-negative)."""
-    lin = _lin(e)
-    return lin.get(None, 0) >= 0 and all(c > 0 and _nonneg_atom(t) for t, c in lin.items() if t is not None)
-
-
-def _nonneg_atom(t: Dim) -> bool:
-    if t.op in ("sym", "const"):
-        return t.op == "sym" or t.value >= 0
-    a, b = t.args
-    if t.op in ("floordiv", "ceildiv", "mod"):
-        return b.is_const and b.value > 0 and (t.op == "mod" or _nonneg(a))
-    if t.op in ("mul", "min"):
-        return _nonneg(a) and _nonneg(b)
-    if t.op == "max":
-        return _nonneg(a) or _nonneg(b)
-    return False
+def _one_coord(e: Dim) -> tuple[int | None, int | None, Dim | None]:
+    """``(A, k, base)`` when ``e == _iA * k + base`` with ``base`` free of grid coordinates, else Nones."""
+    p = poly(e)
+    moving = [m for m in p if any(_coords(a) for a in m)]
+    if len(moving) != 1 or len(moving[0]) != 1 or moving[0][0].op != "sym":
+        return None, None, None
+    (m,) = moving
+    return _coords(m[0]).pop(), p[m], from_poly({t: c for t, c in p.items() if t != m})
 
 
 def _le(a: Dim, b: Dim) -> bool:
     """Provably ``a <= b`` for all non-negative runtime dims (False may mean unknown)."""
     a, b = as_dim(a), as_dim(b)
-    if _nonneg(b - a):
+    if nonneg(b - a):
         return True
     if a.op == "min" and (_le(a.args[0], b) or _le(a.args[1], b)):
         return True
@@ -619,7 +563,7 @@ def _bounds(e: Dim, grid: Sequence[Dim]) -> tuple[Dim, Dim] | None:
     k = e.args[1]
     if e.op == "mul" and k.is_const:
         return (a[0] * k, a[1] * k) if k.value >= 0 else (a[1] * k, a[0] * k)
-    if e.op == "mul" and _nonneg(a[0]) and _nonneg(b[0]):
+    if e.op == "mul" and nonneg(a[0]) and nonneg(b[0]):
         return a[0] * b[0], a[1] * b[1]
     if e.op in ("floordiv", "ceildiv") and k.is_const and k.value > 0:
         return binary(e.op, a[0], k), binary(e.op, a[1], k)

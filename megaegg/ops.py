@@ -8,10 +8,9 @@ their shapes.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from typing import Mapping, Sequence
 
-from .ir.dimform import canonical
+from .ir.dimform import canonical, product
 from .dims import Dim, DimLike, as_dim, fmt_shape
 from .dtypes import DType, as_dtype, f32, i32
 from .graph import GraphError, ShapeError, Tensor, check_static_dims
@@ -428,32 +427,6 @@ def argmax(x: Tensor, dim: int = -1, *, name: str | None = None) -> Tensor:
 
 
 # --- views and data movement ---------------------------------------------------------
-def numel_key(shape) -> tuple[int, tuple[str, ...]]:
-    """(product of constant dims, sorted symbolic dims): equal keys mean equal element counts."""
-    c, syms = 1, []
-    stack = [as_dim(d) for d in shape]
-    while stack:
-        d = stack.pop()
-        if d.is_const:
-            c *= d.value
-        elif d.op == "mul":  # S * 128 counts as the factors S and 128
-            stack.extend(d.args)
-        else:
-            syms.append(str(d))
-    return c, tuple(sorted(syms))
-
-
-def _sym_factors(shape):
-    out, stack = [], [as_dim(d) for d in shape]
-    while stack:
-        d = stack.pop()
-        if d.op == "mul":
-            stack.extend(d.args)
-        elif not d.is_const:
-            out.append(d)
-    return out
-
-
 def reshape(x: Tensor, shape: Sequence[DimLike], *, name: str | None = None) -> Tensor:
     """A view with a new shape of the same element count; one entry may be -1."""
     shape = list(shape)
@@ -461,21 +434,14 @@ def reshape(x: Tensor, shape: Sequence[DimLike], *, name: str | None = None) -> 
     if len(holes) > 1:
         raise ShapeError(f"reshape: at most one -1 allowed, got {shape} for {_desc(x)}")
     check_static_dims(f"reshape of {_desc(x)}", shape, skip=holes)
+    numel = product(x.shape)  # element counts compared as products, up to factor order
     if holes:
-        rest = [s for i, s in enumerate(shape) if i != holes[0]]
-        cx, _ = numel_key(x.shape)
-        cr, _ = numel_key(rest)
-        left = Counter(numel_key(x.shape)[1])
-        left.subtract(numel_key(rest)[1])
-        if any(v < 0 for v in left.values()) or cr == 0 or cx % cr:
+        hole = numel.quotient(product(s for i, s in enumerate(shape) if i != holes[0]))
+        if hole is None:
             raise ShapeError(f"reshape: cannot infer -1 in {shape} for {_desc(x)}")
-        hole = as_dim(cx // cr)
-        for name, count in sorted(left.items()):  # the symbolic factors the other entries lack
-            for _ in range(count):
-                hole = hole * next(d for d in _sym_factors(x.shape) if str(d) == name)
-        shape[holes[0]] = hole
+        shape[holes[0]] = hole.dim()  # the factors the other entries lack
     shape = tuple(as_dim(s) for s in shape)
-    if numel_key(shape) != numel_key(x.shape):
+    if product(shape) != numel:
         raise ShapeError(f"reshape: {_desc(x)} cannot become {fmt_shape(shape)}: element counts differ")
     return _new("reshape", (x,), shape, x.dtype, name, shape=shape)
 

@@ -31,7 +31,7 @@ from egglog import EGraph, Expr, Schedule, StringLike, eq, i64, i64Like, ne, rew
 from egglog.declarations import CallDecl, ClassMethodRef, InitRef, LitDecl, MethodRef, TypedExprDecl
 from egglog.runtime import RuntimeExpr
 
-from .dimform import CanonMemo, canonical, size
+from .dimform import CanonMemo, canonical, same, size
 from ..dims import Dim, as_dim, binary
 
 T = TypeVar("T")
@@ -410,7 +410,7 @@ class DimSimplifier:
     def equal(self, a: Dim, b: Dim) -> bool:
         """Whether ``a`` and ``b`` simplify to the same expression (False may mean 'unknown')."""
         sa, sb = self.simplify_many([as_dim(a), as_dim(b)])
-        return sa == sb or canonical(sa) == canonical(sb)
+        return sa == sb or same(sa, sb)
 
 
 DEFAULT = DimSimplifier()  # the module's single cache; make a DimSimplifier of your own to isolate one

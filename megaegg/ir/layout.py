@@ -17,12 +17,12 @@ and the caller inserts a copy. :func:`tile` is CuTe's logical divide, and
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
 from .footprint import Access, At, Footprint, Full, Span, Tile, coord
 from ..dims import Dim, DimLike, as_dim, binary, ceildiv, const, dmin
+from .dimform import Product
 from .dimsort import simplify
 from .program import View
 
@@ -81,42 +81,11 @@ def is_contiguous_rows(layout: Layout) -> bool:
     return not layout.shape or layout.stride[-1] == ONE or layout.shape[-1] == ONE
 
 
-# --- products of dims as monomials (for reshape grouping) ----------------------
-
-
-@dataclass(frozen=True)
-class _Mono:
-    """``coef * prod(atoms)``: a product of dims, compared up to factor order."""
-
-    coef: int
-    atoms: tuple  # sorted ((str, Dim), ...) with repetition
-
-    @staticmethod
-    def of(d: DimLike) -> "_Mono":
-        d = as_dim(d)
-        if d.is_const:
-            return _Mono(d.value, ())
-        if d.op == "mul":
-            return _Mono.of(d.args[0]) * _Mono.of(d.args[1])
-        return _Mono(1, ((str(d), d),))
-
-    def __mul__(self, o: "_Mono") -> "_Mono":
-        if self.coef == 0 or o.coef == 0:  # a product with a zero (stride 0) is zero whatever the atoms
-            return _Mono(0, ())
-        return _Mono(self.coef * o.coef, tuple(sorted(self.atoms + o.atoms, key=lambda a: a[0])))
-
-    def divides(self, o: "_Mono") -> bool:
-        if self.coef == 0:
-            return o.coef == 0
-        return o.coef % self.coef == 0 and not Counter(a for a, _ in self.atoms) - Counter(a for a, _ in o.atoms)
+# --- reshape grouping: products of dims compared up to factor order (dimform.Product) --
 
 
 def _is_one(d: Dim) -> bool:
     return d.is_const and d.value == 1
-
-
-def _same(a: DimLike, b: DimLike) -> bool:
-    return _Mono.of(a) == _Mono.of(b)
 
 
 def _groups(src: Sequence[Dim], dst: Sequence[Dim]) -> list[tuple[list[int], list[int]]] | None:
@@ -129,15 +98,15 @@ def _groups(src: Sequence[Dim], dst: Sequence[Dim]) -> list[tuple[list[int], lis
     di = [i for i, d in enumerate(dst) if not _is_one(d)]
     out, i, j = [], 0, 0
     while i < len(si) or j < len(di):
-        gs, gd, ps, pd = [], [], _Mono(1, ()), _Mono(1, ())
+        gs, gd, ps, pd = [], [], Product(1, ()), Product(1, ())
         while not (gs and gd and ps == pd):
-            nxt = pd * _Mono.of(dst[di[j]]) if j < len(di) else None
+            nxt = pd * Product.of(dst[di[j]]) if j < len(di) else None
             if gs and nxt is not None and nxt.divides(ps):  # dst dims split the src product so far
                 gd.append(di[j])
                 j, pd = j + 1, nxt
             elif i < len(si):
                 gs.append(si[i])
-                i, ps = i + 1, ps * _Mono.of(src[si[i]])
+                i, ps = i + 1, ps * Product.of(src[si[i]])
             else:
                 return None  # the products never meet (not provably the same element count)
         out.append((gs, gd))
@@ -203,7 +172,7 @@ def _reshape(layout: Layout, new: tuple[Dim, ...]) -> Layout | None:
     for src, dst in groups:
         # the group's source dims must be one strided run: stride[a] == shape[b] * stride[b]
         for a, b in zip(src, src[1:]):
-            if not _same(layout.stride[a], layout.shape[b] * layout.stride[b]):
+            if Product.of(layout.stride[a]) != Product.of(layout.shape[b] * layout.stride[b]):
                 return None
         s = layout.stride[src[-1]]
         for d in reversed(dst):
