@@ -18,6 +18,7 @@ from ..ir.footprint import Full, Tile
 from ..dims import Dim
 from ..lowering.queue import QueueEntry, WorkQueue
 from ..ir.program import Operand
+from .kernel_args import c_declaration
 from .nvrtc import CUDA_DIR
 
 THREADS = 256
@@ -287,8 +288,7 @@ def render(q: WorkQueue) -> Rendered:
         "INCLUDES": "\n".join(f'#include "{f}"' for f in kinds),
         "ENTRIES": str(len(q.entries)),
         "COUNTERS": str(max(1, q.memory.counters)),
-        "NDIMS": str(max(1, len(symbols))),
-        "NPTRS": str(max(1, len(q.memory.pointer_slot))),
+        "ARGS": c_declaration(len(symbols), len(q.memory.pointer_slot)),
         "MAXWAITS": str(max([1, *(len(q.spins(e)) for e in q.entries)])),
         "PEER": peer_prologue(q),
         "PEERS": str(int(q.memory.peer is not None)),

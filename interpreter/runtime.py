@@ -3,7 +3,8 @@
 Weights and constants are bound once; the arena (scratch), the barrier counters
 and the control record are allocated once. Each call packs the runtime dims and
 the pointers of the caller's tensors into the kernel's by-value argument struct
-and launches on torch's current stream. Nothing else changes between calls.
+(``kernel_args.py``: ``MegaArgs``, written by field name) and launches on torch's
+current stream. Nothing else changes between calls.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..lowering.queue import WorkQueue
-from ..ops import MAX_RANKS  # (megakernel.cu: MEGA_MAX_RANKS, the size of MegaArgs.peers)
 from ..sampling import NaNError
+from .kernel_args import args_type
 from .render import launch_shape
 
 CONTROL_WORDS = 8
@@ -79,15 +79,14 @@ class CudaRunner:
         self.control = torch.zeros(CONTROL_WORDS, dtype=torch.int64, device=device)
         self.parity = 0
         self.bound = bound  # weights and constants, kept alive here
-        nd, np_ = max(1, len(queue.program.symbols)), max(1, len(mem.pointer_slot))
-        # MegaArgs: arena, counters, control, parity, trace, table, rank, seq, peers[8], dims[nd], ptr[np]
         self.trace = torch.zeros(4 * max(1, trace_instances), dtype=torch.int64, device=device) if trace_instances else None
         self.table = torch.tensor(table, dtype=torch.int64, device=device)
-        self.args = np.zeros(8 + MAX_RANKS + nd + np_, dtype=np.int64)
-        self.args[0:3] = [self.arena.data_ptr(), self.counters.data_ptr(), self.control.data_ptr()]
-        self.args[4] = self.trace.data_ptr() if self.trace is not None else 0
-        self.args[5] = self.table.data_ptr()
-        self.dim_base, self.ptr_base = 8 + MAX_RANKS, 8 + MAX_RANKS + nd
+        # the kernel's by-value argument struct (kernel_args.py), zeroed; launch() rewrites its fields in place
+        self.args = a = args_type(len(queue.program.symbols), len(mem.pointer_slot))()
+        a.arena, a.counters, a.control = self.arena.data_ptr(), self.counters.data_ptr(), self.control.data_ptr()
+        a.trace = self.trace.data_ptr() if self.trace is not None else 0
+        a.table = self.table.data_ptr()
+        self._dims, self._ptr = a.dims, a.ptr  # (views of a's arrays, taken once: launch() writes through them)
         # a tensor-parallel program's peer region (lowering/queue.py: PeerPlan): on its own, rank 0
         # of a group of one; megaegg/parallel.py points the peers at each other
         self.peer_region = torch.zeros(mem.peer.region_bytes, dtype=torch.uint8, device=device) if mem.peer else None
@@ -95,14 +94,14 @@ class CudaRunner:
         if self.peer_region is not None:
             self.set_peers(0, [self.peer_region.data_ptr()])
         for buf, t in bound.items():
-            self.args[self.ptr_base + mem.pointer_slot[buf]] = t.data_ptr()
-        self._param = (ctypes.c_void_p * 1)(self.args.ctypes.data)
+            self._ptr[mem.pointer_slot[buf]] = t.data_ptr()
+        self._param = (ctypes.c_void_p * 1)(ctypes.addressof(a))
         self.stats = LaunchStats()
 
     def set_peers(self, rank: int, regions: list[int]) -> None:
         """This rank's number and every rank's peer region (device addresses this GPU can reach)."""
-        self.args[6] = rank
-        self.args[8 : 8 + len(regions)] = regions
+        self.args.rank = rank
+        self.args.peers[: len(regions)] = regions
 
     def reset_peers(self) -> None:
         """Zero the peer counters and restart the launch numbers (every rank of the group at once)."""
@@ -114,12 +113,13 @@ class CudaRunner:
         from cuda.bindings import driver
 
         a = self.args
-        a[3] = self.parity
+        a.parity = self.parity
         self.seq += 1
-        a[7] = self.seq
-        a[self.dim_base : self.dim_base + len(dims)] = dims
+        a.seq = self.seq
+        self._dims[: len(dims)] = dims
+        ptr, slot = self._ptr, self.q.memory.pointer_slot
         for buf, t in tensors.items():
-            a[self.ptr_base + self.q.memory.pointer_slot[buf]] = t.data_ptr()
+            ptr[slot[buf]] = t.data_ptr()
         stream = torch.cuda.current_stream(self.device).cuda_stream
         grid, params = (self.func, self.sms, 1, 1, self.threads, 1, 1, self.smem, stream), ctypes.addressof(self._param)
         _drv(driver.cuLaunchKernel(*grid, params, 0), "cuLaunchKernel")

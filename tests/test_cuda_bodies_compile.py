@@ -501,6 +501,30 @@ def _argmax_part(v, gen):
     v[..., 1] = torch.randint(0, 1 << 20, v.shape[:-1], generator=gen).float()
 
 
+def _small_ints(v, gen):  # exact f32 sums in any order: the GPU's logits equal the CPU's, ties included
+    import torch
+
+    v.copy_(torch.randint(-3, 4, v.shape, generator=gen).to(v.dtype))
+
+
+def _plus_minus_2(v, gen):  # RMS exactly 2: the RMSNorm prologue scales by 0.5, exactly
+    import torch
+
+    v.copy_((torch.randint(0, 2, v.shape, generator=gen) * 4 - 2).to(v.dtype))
+
+
+def _distinct(hi):  # distinct indices below hi (cache positions no two rows share)
+    import torch
+
+    return lambda v, gen: v.copy_(torch.randperm(hi, generator=gen)[: v.numel()].reshape(v.shape).to(v.dtype))
+
+
+def _values(*xs):
+    import torch
+
+    return lambda v, gen: v.copy_(torch.tensor(xs, dtype=v.dtype))
+
+
 def gpu_cases(dtype: dt.DType) -> list[tuple]:
     """(label, kind, inputs, output, params, fills) at sizes a CPU reference runs quickly."""
     T, f32, i32 = dtype, dt.f32, dt.i32
@@ -605,10 +629,58 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
          ew("cast", 2, 1), {}),
         ("ew_int_add", "elementwise", [Arg((16,), i32), Arg((16,), i32)], Arg((16,), i32), ew("add", 16, 0), {}),
         ("ew_scalar", "elementwise", [Arg((), T)], Arg((), T), {"fn": "copy", "axis": 0, "tile": 1}, {}),
+        # the LM head's argmax partials (compared in f32: the logits must be exact, so the data are small
+        # integers: many ties, the lowest index wins), a ragged last tile; then with the RMSNorm prologue
+        ("mv_argmax_ties", "matvec_argmax", [Arg((1, 512), T), Arg((1000, 512), T)], Arg((1, 8, 2), f32),
+         {"rows": 128, "roles": ("x", "w"), "eps": 0.0}, {0: _small_ints, 1: _small_ints}),
+        ("mv_argmax_norm", "matvec_argmax", [Arg((1, 1024), T), Arg((700, 1024), T), Arg((1024,), T)],
+         Arg((1, 11, 2), f32), {"rows": 64, "roles": ("x", "w", "g"), "eps": 0.0},
+         {0: _plus_minus_2, 1: _small_ints, 2: _small_ints}),
+        # QKV heads: RMSNorm + RoPE into q; v straight into its KV cache row (a strided view)
+        ("mv_heads_norm_rope", "matvec_heads", [Arg((1, 1024), T), Arg((512, 1024), T), Arg((1024,), T),
+                                                Arg((32,), f32)], Arg((8, 64), T),
+         {"rows": 64, "head_dim": 64, "roles": ("x", "w", "g", "inv_freq"), "eps": 1e-5, "pos": POS},
+         {3: lambda v, g: v.copy_(v.abs() * 0.3)}),
+        ("mv_heads_cache_row", "matvec_heads", [Arg((1, 512), T), Arg((256, 512), T)],
+         Arg((2, 128), T, strides=(1024 * 128, 1)), {"rows": 128, "head_dim": 128, "roles": ("x", "w"), "eps": 0.0,
+                                                    "pos": POS}, {}),
+        # KV rows by slot and position (no two rows at one place: the order of their writes is free)
+        ("kv_store", "kv_store", [Arg((6, 8, 64), T), Arg((6,), i32), Arg((6,), i32)], Arg((4, 8, 1024, 64), T), {},
+         {1: _distinct(1024), 2: _randint(0, 4)}),
+        ("kv_store_prompt", "kv_store", [Arg((40, 2, 128), T, strides=(512, 128, 1)), Arg((40,), i32),
+                                         Arg((40,), i32)], Arg((2, 2, 300, 128), T), {},
+         {1: _distinct(300), 2: _randint(1, 2)}),
+        # ragged attention: each row its own slot and length (one split: the wrapper launches 2-d grids)
+        ("ragged_partial_d64", "ragged_partial", [Arg((6, 32, 64), T), Arg((4, 8, 1024, 64), T),
+                                                  Arg((4, 8, 1024, 64), T), Arg((6,), i32), Arg((6,), i32)],
+         Arg((6, 32, 1, 66), f32), {"chunk": 64, "group": 4, "scale": 0.125, "length": as_dim(64)},
+         {3: _randint(0, 64), 4: _randint(0, 4)}),
+        ("ragged_partial_d128_g8", "ragged_partial", [Arg((3, 64, 128), T), Arg((2, 8, 512, 128), T),
+                                                      Arg((2, 8, 512, 128), T), Arg((3,), i32), Arg((3,), i32)],
+         Arg((3, 64, 1, 130), f32), {"chunk": 256, "group": 8, "scale": 0.08838834764831845, "length": as_dim(256)},
+         {3: _randint(0, 256), 4: _randint(0, 2)}),
+        ("ragged_merge_d64", "ragged_merge", [Arg((6, 32, 16, 66), f32), Arg((6,), i32)], Arg((6, 32, 64), T),
+         {"chunk": 64, "length": L, "max_len": 1024, "rows_per": 4}, {0: _attn_part(64), 1: _randint(0, 701)}),
+        ("ragged_merge_d128", "ragged_merge", [Arg((2, 16, 4, 130), f32), Arg((2,), i32)], Arg((2, 16, 128), T),
+         {"chunk": 256, "length": as_dim(1024), "max_len": 1000, "rows_per": 1},
+         {0: _attn_part(128), 1: _randint(0, 1000)}),
+        # sampling, bit for bit: greedy, top-k, top-p and plain rows
+        ("sample", "sample", [Arg((4, 5000), T), Arg((4,), f32), Arg((4,), i32), Arg((4,), f32), Arg((4,), i32),
+                              Arg((4,), i32)], Arg((4,), i32), {},
+         {1: _values(0.0, 0.7, 1.0, 1.3), 2: _values(0, 50, 0, 5), 3: _values(1.0, 0.9, 0.5, 1.0),
+          4: _randint(0, 1 << 30), 5: _randint(0, 1000)}),
     ]
 
 
-ACCUMULATING = {"glu_down", "moe_glu_down"}  # kinds whose instances add into their output
+def test_every_kind_has_a_gpu_case():
+    """Every kind but the peer ones (run on two GPUs: tests/gpu/test_parallel_gpu.py) has a case in
+    gpu_cases(), whose body test_cuda_bodies_match_cpu checks against its cpu() on a GPU; each case
+    builds its op and renders its call."""
+    for tname, dtype in DTYPES.items():
+        for label, kind, ins, out, params, _fills in gpu_cases(dtype):
+            kernel_source(f"g_{label}_{tname}", kind, ins, out, params)
+    covered = {kind for _, kind, *_rest in gpu_cases(dt.bf16)}
+    assert covered | PEER_KINDS == set(REGISTRY), sorted(set(REGISTRY) - covered - PEER_KINDS)
 
 
 def _compare(label: str, got, want, dtype: dt.DType) -> float:
@@ -648,7 +720,7 @@ def test_cuda_bodies_match_cpu(tname):
         op = make_op(kind, ins, out, params)
         stores, views = zip(*(_strided(a, env, gen, fills.get(i)) for i, a in enumerate(ins)))
         out_store, out_view = _poisoned(out, env)
-        if kind in ACCUMULATING:  # instances add into their output: it starts at 0, as in the counter bank
+        if REGISTRY[kind].accumulates:  # instances add into their output: it starts at 0, as in the counter bank
             out_store.zero_()
         want_store = out_store.clone()
         want_view = want_store.as_strided(out_view.shape, out_view.stride())
@@ -661,7 +733,7 @@ def test_cuda_bodies_match_cpu(tname):
         torch.cuda.synchronize()
         got = dev_out.cpu().as_strided(out_view.shape, out_view.stride())
         # an f32 sum of T products: T's tolerance (a T-rounded intermediate may round the other way)
-        exact = _compare(name, got, want_view, ins[0].dtype if kind in ACCUMULATING else out.dtype)
+        exact = _compare(name, got, want_view, ins[0].dtype if REGISTRY[kind].accumulates else out.dtype)
         r = mod.resources[name]
         print(f"{name:34s} exact {exact:6.1%}  regs {r.registers}")
     assert mod.error_code() == 0

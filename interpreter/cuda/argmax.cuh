@@ -51,19 +51,19 @@ __device__ __forceinline__ void block_best(float& bv, long long& bi, char* red) 
 // the only way to win (ties keep the earlier, lower index); indices are int offsets from the chunk's
 // first column (a chunk is far below 2^31 columns), made absolute for the block-wide comparison.
 template <class T>
-__device__ __noinline__ void argmax_partial(char* smem, const T* x, long long x_s0, long long x_s1, long long M,
-                                               long long N, long long chunk, float* part, long long p_s0,
-                                               long long p_s1, long long c0) {
+__device__ __noinline__ void argmax_partial(char* smem, Mat<const T> x, long long M, long long N, long long chunk,
+                                            Mat<float> part, long long c0) {
+    in_global(x, part);
     constexpr int VEC = VecN<T>::value;
     const long long k0 = c0 * chunk;
     const int n = (int)(min_i64(k0 + chunk, N) - k0);
     long long nan_row = -1;  // a row where this thread met a NaN
     for (long long m = 0; m < M; ++m) {
-        const T* xr = x + m * x_s0 + k0 * x_s1;
+        const T* xr = x.p + m * x.s0 + k0 * x.s1;
         float bv = MEGA_NEG_INF;
         int bo = 0x7fffffff;
         bool nan = false;
-        if (x_s1 == 1 && aligned16(xr) && n % VEC == 0) {
+        if (x.s1 == 1 && aligned16(xr) && n % VEC == 0) {
 #pragma unroll 4
             for (int k = threadIdx.x * VEC; k < n; k += MEGA_THREADS * VEC) {
                 float f[VEC];
@@ -77,7 +77,7 @@ __device__ __noinline__ void argmax_partial(char* smem, const T* x, long long x_
         } else {
 #pragma unroll 4
             for (int k = threadIdx.x; k < n; k += MEGA_THREADS) {
-                const float v = ld_f32(xr + k * x_s1);
+                const float v = ld_f32(xr + k * x.s1);
                 nan |= v != v;
                 if (v > bv) bv = v, bo = k;
             }
@@ -87,21 +87,21 @@ __device__ __noinline__ void argmax_partial(char* smem, const T* x, long long x_
         __syncwarp();  // the compiler then knows the warp converged: one copy of the shuffles, not two
         argmax_impl::block_best(bv, bi, shared_ptr(smem));
         if (threadIdx.x == 0) {
-            part[m * p_s0 + c0 * p_s1] = bv;
-            part[m * p_s0 + c0 * p_s1 + 1] = (float)(bi < N ? bi : k0);  // (no value above -inf: the first column)
+            part.p[m * part.s0 + c0 * part.s1] = bv;
+            part.p[m * part.s0 + c0 * part.s1 + 1] = (float)(bi < N ? bi : k0);  // (no value above -inf: the first column)
         }
     }
     if (nan_row >= 0) mega_body_error(MEGA_ERR_NAN, nan_row);
 }
 
-__device__ __noinline__ void argmax_reduce(char* smem, const float* part, long long p_s0, long long p_s1,
-                                              long long T, int* out, long long out_s0, long long c0) {
+__device__ __noinline__ void argmax_reduce(char* smem, Mat<const float> part, long long T, Vec<int> out, long long c0) {
+    in_global(part, out);
     float bv = MEGA_NEG_INF;
     long long bi = 0x7fffffffffffffffll;  // chunk number: the first best chunk has the lowest index
     for (long long t = threadIdx.x; t < T; t += MEGA_THREADS) {
-        const float v = ld_cg(part + c0 * p_s0 + t * p_s1);
+        const float v = ld_cg(part.p + c0 * part.s0 + t * part.s1);
         if (argmax_impl::better(v, t, bv, bi)) bv = v, bi = t;
     }
     argmax_impl::block_best(bv, bi, shared_ptr(smem));
-    if (threadIdx.x == 0) out[c0 * out_s0] = bi < T ? (int)ld_cg(part + c0 * p_s0 + bi * p_s1 + 1) : 0;
+    if (threadIdx.x == 0) out.p[c0 * out.s0] = bi < T ? (int)ld_cg(part.p + c0 * part.s0 + bi * part.s1 + 1) : 0;
 }

@@ -350,34 +350,32 @@ __device__ __noinline__ void partial_generic(char* sm, int D, int G, const T* q,
 }  // namespace attn_impl
 
 template <class T, int D, int G>
-__device__ __noinline__ void attn_partial(char* smem, const T* q, long long q_s0, long long q_s1,  //
-                                          const T* kc, long long k_s0, long long k_s1, long long k_s2,  //
-                                          const T* vc, long long v_s0, long long v_s1, long long v_s2,  //
-                                          long long L, long long chunk, float scale,                   //
-                                          float* part, long long p_s0, long long p_s1, long long c0, long long c1) {
+__device__ __noinline__ void attn_partial(char* smem, Mat<const T> q, Ten3<const T> kc, Ten3<const T> vc, long long L,
+                                          long long chunk, float scale, Mat<float> part, long long c0, long long c1) {
+    in_global(q, kc, vc, part);
     using P = attn_impl::Plan<T, D, G>;
     char* sm = shared_ptr(smem);
     const long long p0 = c1 * chunk, p1 = min_i64(p0 + chunk, L);
-    const T* kh = kc + c0 * k_s0;
-    const T* vh = vc + c0 * v_s0;
+    const T* kh = kc.p + c0 * kc.s0;
+    const T* vh = vc.p + c0 * vc.s0;
     const int bytes = (int)sizeof(T);
-    const bool vec = q_s1 == 1 && k_s2 == 1 && v_s2 == 1 && aligned16(q) && aligned16(kh) && aligned16(vh) &&
-                     ((q_s0 * bytes) & 15) == 0 && ((k_s1 * bytes) & 15) == 0 && ((v_s1 * bytes) & 15) == 0;
+    const bool vec = q.s1 == 1 && kc.s2 == 1 && vc.s2 == 1 && aligned16(q.p) && aligned16(kh) && aligned16(vh) &&
+                     ((q.s0 * bytes) & 15) == 0 && ((kc.s1 * bytes) & 15) == 0 && ((vc.s1 * bytes) & 15) == 0;
     if (vec) {
         if constexpr (P::STAGES >= 2)
-            attn_impl::partial_async<T, D, G>(sm, q, q_s0, kh, k_s1, vh, v_s1, p0, p1, scale, part, p_s0, p_s1, c0, c1);
+            attn_impl::partial_async<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);
         else
-            attn_impl::partial_regs<T, D, G>(sm, q, q_s0, kh, k_s1, vh, v_s1, p0, p1, scale, part, p_s0, p_s1, c0, c1);
+            attn_impl::partial_regs<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);
     } else {
-        attn_impl::partial_generic<T>(sm, D, G, q, q_s0, q_s1, kh, k_s1, k_s2, vh, v_s1, v_s2, p0, p1, scale, part, p_s0,
-                                      p_s1, c0, c1);
+        attn_impl::partial_generic<T>(sm, D, G, q.p, q.s0, q.s1, kh, kc.s1, kc.s2, vh, vc.s1, vc.s2, p0, p1, scale, part.p, part.s0,
+                                      part.s1, c0, c1);
     }
 }
 
 template <class T, int D>
-__device__ __noinline__ void attn_merge(const float* part, long long p_s0, long long p_s1, long long L,
-                                        long long chunk, long long Hq, int rows_per, T* out, long long out_s0,
-                                        long long out_s1, long long c0) {
+__device__ __noinline__ void attn_merge(Mat<const float> part, long long L, long long chunk, long long Hq, int rows_per,
+                                        Mat<T> out, long long c0) {
+    in_global(part, out);
     constexpr int DL = cdiv(D, 32);  // output columns per lane
     constexpr int B = 16;            // splits whose rows a lane loads up front
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -385,7 +383,7 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
     for (int i = warp; i < rows_per; i += MEGA_WARPS) {
         const long long h = c0 * rows_per + i;
         if (h >= Hq) break;
-        const float* ph = part + h * p_s0;
+        const float* ph = part.p + h * part.s0;
         // One round trip for short contexts: the first B splits' rows and split `lane`'s
         // (max, sum) are all in flight at once (the loads need no weight yet).
         float rows[B][DL];
@@ -393,11 +391,11 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
         for (int t = 0; t < B; ++t)
 #pragma unroll
             for (int c = 0; c < DL; ++c)
-                rows[t][c] = t < nsplit && c * 32 + lane < D ? ld_cg(ph + t * p_s1 + c * 32 + lane) : 0.0f;
-        const float m_own = lane < nsplit ? ld_cg(ph + lane * p_s1 + D) : MEGA_NEG_INF;
-        const float l_own = lane < nsplit ? ld_cg(ph + lane * p_s1 + D + 1) : 0.0f;
+                rows[t][c] = t < nsplit && c * 32 + lane < D ? ld_cg(ph + t * part.s1 + c * 32 + lane) : 0.0f;
+        const float m_own = lane < nsplit ? ld_cg(ph + lane * part.s1 + D) : MEGA_NEG_INF;
+        const float l_own = lane < nsplit ? ld_cg(ph + lane * part.s1 + D + 1) : 0.0f;
         float mx = m_own;
-        for (long long s = lane + 32; s < nsplit; s += 32) mx = fmaxf(mx, ld_cg(ph + s * p_s1 + D));
+        for (long long s = lane + 32; s < nsplit; s += 32) mx = fmaxf(mx, ld_cg(ph + s * part.s1 + D));
         mx = warp_max(mx);
         float num[DL], den = 0.0f;
 #pragma unroll
@@ -405,8 +403,8 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
         for (long long s0 = 0; s0 < nsplit; s0 += 32) {
             // lane t weighs split s0 + t; the warp then walks the 32 splits
             const long long s = s0 + lane;
-            const float ms = s0 == 0 ? m_own : s < nsplit ? ld_cg(ph + s * p_s1 + D) : MEGA_NEG_INF;
-            const float ls = s0 == 0 ? l_own : s < nsplit ? ld_cg(ph + s * p_s1 + D + 1) : 0.0f;
+            const float ms = s0 == 0 ? m_own : s < nsplit ? ld_cg(ph + s * part.s1 + D) : MEGA_NEG_INF;
+            const float ls = s0 == 0 ? l_own : s < nsplit ? ld_cg(ph + s * part.s1 + D + 1) : 0.0f;
             const float ws = s < nsplit ? exp2f((ms - mx) * attn_impl::LOG2E) : 0.0f;
             den += ws * ls;
             const int n = (int)min_i64(32, nsplit - s0);
@@ -423,7 +421,7 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
 #pragma unroll 4
             for (; t < n; ++t) {
                 const float wt = __shfl_sync(MEGA_FULL_MASK, ws, t);
-                const float* row = ph + (s0 + t) * p_s1;
+                const float* row = ph + (s0 + t) * part.s1;
 #pragma unroll
                 for (int c = 0; c < DL; ++c)
                     if (c * 32 + lane < D) num[c] = fmaf(wt, ld_cg(row + c * 32 + lane), num[c]);
@@ -432,7 +430,7 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
         den = warp_sum(den);
 #pragma unroll
         for (int c = 0; c < DL; ++c)
-            if (c * 32 + lane < D) out[h * out_s0 + (c * 32 + lane) * out_s1] = from_f32<T>(num[c] / den);
+            if (c * 32 + lane < D) out.p[h * out.s0 + (c * 32 + lane) * out.s1] = from_f32<T>(num[c] / den);
     }
 }
 
@@ -443,15 +441,12 @@ __device__ __noinline__ void attn_merge(const float* part, long long p_s0, long 
 // releases the block's stores, and the instance that sees nsplit - 1 acquires every other
 // split's (docs/barriers.md). Only that instance writes out; the op's own signal follows the body.
 template <class T, int D, int G>
-__device__ __noinline__ void attn_partial_merge(char* smem, const T* q, long long q_s0, long long q_s1,  //
-                                                const T* kc, long long k_s0, long long k_s1, long long k_s2,  //
-                                                const T* vc, long long v_s0, long long v_s1, long long v_s2,  //
-                                                long long L, long long chunk, float scale,                   //
-                                                float* part, long long p_s0, long long p_s1, unsigned* arrive,
-                                                T* out, long long out_s0, long long out_s1, long long c0, long long c1) {
+__device__ __noinline__ void attn_partial_merge(char* smem, Mat<const T> q, Ten3<const T> kc, Ten3<const T> vc,
+                                                long long L, long long chunk, float scale, Mat<float> part,
+                                                unsigned* arrive, Mat<T> out, long long c0, long long c1) {
+    in_global(q, kc, vc, part, out);
     __shared__ int last;
-    attn_partial<T, D, G>(smem, q, q_s0, q_s1, kc, k_s0, k_s1, k_s2, vc, v_s0, v_s1, v_s2, L, chunk, scale, part, p_s0,
-                          p_s1, c0, c1);
+    attn_partial<T, D, G>(smem, q, kc, vc, L, chunk, scale, part, c0, c1);
     mega_sync();  // every thread's partial stores before thread 0's arrival
     if (threadIdx.x == 0) {
         unsigned before;
@@ -460,7 +455,7 @@ __device__ __noinline__ void attn_partial_merge(char* smem, const T* q, long lon
     }
     mega_sync();
     // (c0 + 1) * G: the merge's bound on query heads, never reached (the head's G query heads exist)
-    if (last) attn_merge<T, D>(part, p_s0, p_s1, L, chunk, (c0 + 1) * G, G, out, out_s0, out_s1, c0);
+    if (last) attn_merge<T, D>(Mat<const float>{part.p, part.s0, part.s1}, L, chunk, (c0 + 1) * G, G, out, c0);
 }
 
 // Ragged attention (blockops/ragged_attention.py): row c0 of q attends cache rows [0, pos[c0]] of
@@ -473,25 +468,22 @@ __device__ __forceinline__ bool ragged_row_ok(long long p, long long max_len, lo
 }
 
 template <class T, int D, int G>
-__device__ __noinline__ void ragged_partial(char* smem, const T* q, long long q_s0, long long q_s1, long long q_s2,  //
-                                            const T* kc, long long k_s0, long long k_s1, long long k_s2, long long k_s3,
-                                            const T* vc, long long v_s0, long long v_s1, long long v_s2, long long v_s3,
-                                            const int* pos, long long pos_s0, const int* slot, long long slot_s0,
-                                            long long slots, long long max_len, long long chunk, float scale,
-                                            float* part, long long p_s0, long long p_s1, long long p_s2, long long c0,
-                                            long long c1, long long c2) {
-    const long long p = pos[c0 * pos_s0], s = slot[c0 * slot_s0];
+__device__ __noinline__ void ragged_partial(char* smem, Ten3<const T> q, Ten4<const T> kc, Ten4<const T> vc,
+                                            Vec<const int> pos, Vec<const int> slot, long long slots, long long max_len,
+                                            long long chunk, float scale, Ten3<float> part, long long c0, long long c1,
+                                            long long c2) {
+    in_global(q, kc, vc, pos, slot, part);
+    const long long p = pos.p[c0 * pos.s0], s = slot.p[c0 * slot.s0];
     if (!ragged_row_ok(p, max_len, s, slots)) return;
-    attn_partial<T, D, G>(smem, q + c0 * q_s0, q_s1, q_s2, kc + s * k_s0, k_s1, k_s2, k_s3, vc + s * v_s0, v_s1, v_s2,
-                          v_s3, p + 1, chunk, scale, part + c0 * p_s0, p_s1, p_s2, c1, c2);
+    attn_partial<T, D, G>(smem, q.at(c0), kc.at(s), vc.at(s), p + 1, chunk, scale, part.at(c0), c1, c2);
 }
 
 template <class T, int D>
-__device__ __noinline__ void ragged_merge(const float* part, long long p_s0, long long p_s1, long long p_s2,
-                                          const int* pos, long long pos_s0, long long max_len, long long chunk,
-                                          long long Hq, int rows_per, T* out, long long out_s0, long long out_s1,
-                                          long long out_s2, long long c0, long long c1) {
-    const long long p = pos[c0 * pos_s0];
+__device__ __noinline__ void ragged_merge(Ten3<const float> part, Vec<const int> pos, long long max_len,
+                                          long long chunk, long long Hq, int rows_per, Ten3<T> out, long long c0,
+                                          long long c1) {
+    in_global(part, pos, out);
+    const long long p = pos.p[c0 * pos.s0];
     if (!ragged_row_ok(p, max_len, 0, 1)) return;
-    attn_merge<T, D>(part + c0 * p_s0, p_s1, p_s2, p + 1, chunk, Hq, rows_per, out + c0 * out_s0, out_s1, out_s2, c1);
+    attn_merge<T, D>(part.at(c0), p + 1, chunk, Hq, rows_per, out.at(c0), c1);
 }

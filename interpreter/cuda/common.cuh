@@ -64,6 +64,49 @@ template <class A, class C> struct Cond<false, A, C> { using type = C; };
 template <class A, class B> struct SameType { static constexpr bool value = false; };
 template <class A> struct SameType<A, A> { static constexpr bool value = true; };
 
+// --- operand views -------------------------------------------------------------------
+// A tensor operand as a body takes it: the base pointer and the per-dim strides, in elements
+// (element [i, j] of a Mat is p[i * s0 + j * s1]); its extents are the body's shape arguments.
+// The generated calls build them (blockops/base.py: CudaOperand.view renders `Mat<const T>{p, s0, s1}`);
+// an absent operand is the empty view, `Mat<const T>{}` (nullptr, zero strides). Passed by value:
+// out of line (__noinline__ bodies) a view takes the registers its pointer and strides took as
+// separate parameters. (No extents and no rank template argument: the entry table's literals
+// must not reach a template argument list, interpreter/render.py: _holes.)
+template <class T> struct Vec {
+    T* p;
+    long long s0;
+};
+template <class T> struct Mat {
+    T* p;
+    long long s0, s1;
+    // row i as a Vec (its elements s1 apart)
+    __device__ __forceinline__ Vec<T> row(long long i) const { return {p + i * s0, s1}; }
+};
+template <class T> struct Ten3 {
+    T* p;
+    long long s0, s1, s2;
+    // [i, :, :] as a Mat
+    __device__ __forceinline__ Mat<T> at(long long i) const { return {p + i * s0, s1, s2}; }
+};
+template <class T> struct Ten4 {
+    T* p;
+    long long s0, s1, s2, s3;
+    // [i, :, :, :] as a Ten3
+    __device__ __forceinline__ Ten3<T> at(long long i) const { return {p + i * s0, s1, s2, s3}; }
+};
+
+// Views whose pointers the caller placed in global memory (a body the interpreter calls gets only
+// such operands: the arena, the weights, the counter bank, the peer region; not shared memory):
+// plain loads and stores through them compile to LDG / STG, not generic LD / ST. (A pointer passed
+// as a separate parameter of an out-of-line body had that inferred from its callers; inside a view
+// it is not, so a body says it: `in_global(x, out);` first thing. Never an optional operand's view:
+// an absent one is nullptr, and assuming that global is undefined behaviour.)
+template <class T> __device__ __forceinline__ T* global_ptr(T* p) {
+    __builtin_assume(__isGlobal(p));
+    return p;
+}
+template <class... V> __device__ __forceinline__ void in_global(V&... v) { ((v.p = global_ptr(v.p)), ...); }
+
 // --- dim expressions (Dim.to_c emits min_i64 / max_i64) ----------------------------
 __device__ __forceinline__ long long min_i64(long long a, long long b) { return a < b ? a : b; }
 __device__ __forceinline__ long long max_i64(long long a, long long b) { return a > b ? a : b; }

@@ -28,10 +28,10 @@ __device__ __forceinline__ void glu_down_add(float* acc, const float (&sum)[cdiv
 }
 
 template <class T, int K, int N, int ROWS, bool NORM>
-__device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, const T* g, long long g_s0, float eps,
-                                      const T* w, long long w_s0, const T* w2, long long w2_s0, const T* wd,
-                                      long long wd_s0, float* acc, long long F, long long n_tile, const MegaWaits wl,
-                                      float scale) {
+__device__ __noinline__ void glu_down(char* smem, Vec<const T> x, Vec<const T> g, float eps, Mat<const T> w,
+                                      Mat<const T> w2, Mat<const T> wd, float* acc, long long F, long long n_tile,
+                                      const MegaWaits wl, float scale) {
+    in_global(x, w, w2, wd);  // (not the optional g: an absent view is nullptr)
     constexpr int VEC = VecN<T>::value;
     static_assert(K % VEC == 0 && N % VEC == 0, "glu_down: weight rows must be whole 16-byte vectors");
     static_assert(ROWS * (int)sizeof(T) <= MEGA_SMEM_RESERVED, "glu_down: h tile does not fit the reserved smem");
@@ -48,19 +48,19 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
 
     // phase 1: the gated matvec (it waits for x itself, after its first weight loads); an x
     // it cannot read as vectors (never the compiler's) takes the generic body
-    const bool ok = matvec_impl::stage_vec_ok<T, 1, K, NORM, false>(x, 0, x_s1, g, g_s0, {})
+    const Mat<const T> xm{x.p, 0, x.s0};  // x as the matvec body's one row
+    const Mat<T> h{hs - row0, 0, 1};
+    const bool ok = matvec_impl::stage_vec_ok<T, 1, K, NORM, false>(xm, g, {})
         ? matvec_impl::run_vec_regs<typename matvec_impl::PlanFor<T, 1, K, ROWS, true, NORM>::type, T, 1, K, NORM, true,
-                                    false>(smem, x, 0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0, nullptr, 0, 0, {},
-                                           hs - row0, 0, 1, F, n_tile, ROWS, wl)
-        : matvec_impl::run_generic<T>(smem, 1, K, ROWS, matvec_impl::FL_GLU | (NORM ? matvec_impl::FL_NORM : 0u), x, 0,
-                                      x_s1, g, g_s0, eps, w, w_s0, 1, w2, w2_s0, 1, nullptr, 0, 0, {}, hs - row0, 0, 1,
-                                      F, n_tile, wl, 1);
+                                    false>(smem, xm, g, eps, w, w2, Mat<const T>{}, {}, h, F, n_tile, ROWS, wl)
+        : matvec_impl::run_generic<T>(smem, 1, K, ROWS, matvec_impl::FL_GLU | (NORM ? matvec_impl::FL_NORM : 0u), xm, g,
+                                      eps, w, w2, Mat<const T>{}, {}, h, F, n_tile, wl, 1);
     if (!ok) return;
 
     // phase 2. Starting its loads from phase 1's last steps instead measured slower
     // (perf-notes #32: register loads 1.22 ms vs 1.13; plus an L2 prefetch 1.25)
     const int tid = threadIdx.x;
-    const T* base = wd + row0 * wd_s0;
+    const T* base = wd.p + row0 * wd.s0;
     uint4 b0[RB][VPT], b1[RB][VPT];
     // rows past a ragged last tile (F % ROWS) re-read its last row (h is 0 there): no zeroing
     auto load = [&](uint4 (&b)[RB][VPT], int j0) {
@@ -70,7 +70,7 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
             for (int v = 0; v < VPT; ++v) {
                 const int vi = v * MEGA_THREADS + tid;
                 const long long j = min(j0 + r, rows - 1);
-                b[r][v] = NV % MEGA_THREADS == 0 || vi < NV ? ldw16(base + j * wd_s0 + vi * VEC) : make_uint4(0, 0, 0, 0);
+                b[r][v] = NV % MEGA_THREADS == 0 || vi < NV ? ldw16(base + j * wd.s0 + vi * VEC) : make_uint4(0, 0, 0, 0);
             }
     };
     load(b0, 0);
@@ -104,9 +104,10 @@ __device__ __noinline__ void glu_down(char* smem, const T* x, long long x_s1, co
 }
 
 template <class T>
-__device__ __noinline__ void acc_residual(const T* r, long long r_s1, const float* acc, T* out, long long out_s1,
-                                          long long n, long long tile, long long c1) {
+__device__ __noinline__ void acc_residual(Vec<const T> r, const float* acc, Vec<T> out, long long n, long long tile,
+                                          long long c1) {
+    in_global(r, out);
     const long long end = min_i64(n, c1 * tile + tile);
     for (long long i = c1 * tile + threadIdx.x; i < end; i += MEGA_THREADS)
-        out[i * out_s1] = from_f32<T>(round_to<T>(ld_f32(r + i * r_s1) + round_to<T>(ld_cg(acc + i))));
+        out.p[i * out.s0] = from_f32<T>(round_to<T>(ld_f32(r.p + i * r.s0) + round_to<T>(ld_cg(acc + i))));
 }

@@ -49,10 +49,7 @@ namespace matvec_impl {
 // The f32 sums added to x and r as they are read (when the body takes SUMS: a runtime choice, so
 // the layers with and without them share one instantiation); absent: nullptr.
 struct Sums {
-    const float* x;
-    long long x_s0, x_s1;
-    const float* r;
-    long long r_s0, r_s1;
+    Mat<const float> x, r;
 };
 
 // The code shape of the register body (run_vec_regs): everything that changes its instructions.
@@ -128,29 +125,27 @@ template <int N, class T> __device__ __forceinline__ void xs_store(T* p, const f
 // Whether stage() can read x (and g, and the x sums) as 16-byte vectors; else the caller takes
 // run_generic.
 template <class T, int M, int K, bool NORM, bool SUMS>
-__device__ __forceinline__ bool stage_vec_ok(const T* x, long long x_s0, long long x_s1, const T* g, long long g_s0,
-                                             const Sums& sums) {
-    return K % VecN<T>::value == 0 && (M == 1 ? (x_s1 == 1 && aligned16(x)) : vec_rows_ok(x, x_s0, x_s1, K)) &&
-           (!NORM || (g_s0 == 1 && aligned16(g))) &&
-           (!(SUMS && sums.x) || (sums.x_s1 == 1 && aligned16(sums.x) && (M == 1 || sums.x_s0 % 4 == 0)));
+__device__ __forceinline__ bool stage_vec_ok(Mat<const T> x, Vec<const T> g, const Sums& sums) {
+    return K % VecN<T>::value == 0 && (M == 1 ? (x.s1 == 1 && aligned16(x.p)) : vec_rows_ok(x.p, x.s0, x.s1, K)) &&
+           (!NORM || (g.s0 == 1 && aligned16(g.p))) &&
+           (!(SUMS && sums.x.p) || (sums.x.s1 == 1 && aligned16(sums.x.p) && (M == 1 || sums.x.s0 % 4 == 0)));
 }
 
 // Stage x (normalised when NORM) into xs[M][K] and the residual tile into rt[M][rows]; x as
 // stage_vec_ok checked. All threads call it; ends with a block barrier.
 template <class T, class XS, int M, int K, bool NORM, bool RES, bool SUMS>
-__device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x, long long x_s0, long long x_s1,
-                                      const T* g, long long g_s0, float eps, const T* r, long long r_s0,
-                                      long long r_s1, const Sums& sums, long long row0, int rows, long long N, int mv = M) {
+__device__ __forceinline__ void stage(XS* xs, float* rt, float* red, Mat<const T> x, Vec<const T> g, float eps,
+                                      Mat<const T> r, const Sums& sums, long long row0, int rows, long long N, int mv = M) {
     constexpr int VEC = VecN<T>::value, KV = K / VEC, NVX = cdiv(KV, MEGA_THREADS) > 0 ? cdiv(KV, MEGA_THREADS) : 1;  // (K < VEC: not run, the array needs a size)
     const int tid = threadIdx.x;
-    const bool xacc = SUMS && sums.x, racc = SUMS && sums.r;
+    const bool xacc = SUMS && sums.x.p, racc = SUMS && sums.r.p;
     if (RES) {
         for (int m = 0; m < mv; ++m)
             for (int j = tid; j < rows; j += MEGA_THREADS) {
                 const long long n = row0 + j;
                 if (n < N) {
-                    float v = ld_f32(r + m * r_s0 + n * r_s1);
-                    if (racc) v = round_to<T>(v + round_to<T>(ld_cg(sums.r + m * sums.r_s0 + n * sums.r_s1)));
+                    float v = ld_f32(r.p + m * r.s0 + n * r.s1);
+                    if (racc) v = round_to<T>(v + round_to<T>(ld_cg(sums.r.p + m * sums.r.s0 + n * sums.r.s1)));
                     rt[m * rows + j] = v;
                 }
             }
@@ -164,14 +159,14 @@ __device__ __forceinline__ void stage(XS* xs, float* rt, float* red, const T* x,
             if (kv < KV) {
 #pragma unroll
                 for (int m = 0; m < M; ++m) {  // (rows past mv: zeros, never stored)
-                    xr[m][i] = m < mv ? ldcg16(x + m * x_s0 + kv * VEC) : make_uint4(0, 0, 0, 0);
+                    xr[m][i] = m < mv ? ldcg16(x.p + m * x.s0 + kv * VEC) : make_uint4(0, 0, 0, 0);
                     if (xacc)
 #pragma unroll
                         for (int a = 0; a < AV; ++a)
                             ar[SUMS ? m : 0][SUMS ? i : 0][a] =
-                                m < mv ? ldcg16(sums.x + m * sums.x_s0 + kv * VEC + 4 * a) : make_uint4(0, 0, 0, 0);
+                                m < mv ? ldcg16(sums.x.p + m * sums.x.s0 + kv * VEC + 4 * a) : make_uint4(0, 0, 0, 0);
                 }
-                if (NORM) gr[i] = ldcg16(g + kv * VEC);
+                if (NORM) gr[i] = ldcg16(g.p + kv * VEC);
             }
         }
         if (xacc) {  // x <- T(x + T(sum)), as acc_residual rounds
@@ -242,11 +237,11 @@ struct Rows {
 // The fused epilogue for output element (m, n) of tile-local row `local`.
 template <class T, bool GLU, bool RES>
 __device__ __forceinline__ void finish(float dot, float dot2, const float* rt, int rows, int m, int local, long long n,
-                                       T* out, long long out_s0, long long out_s1) {
+                                       Mat<T> out) {
     float y = round_to<T>(dot);
     if (GLU) y = round_to<T>(round_to<T>(silu_f32(y)) * round_to<T>(dot2));
     if (RES) y = round_to<T>(rt[m * rows + local] + y);
-    out[m * out_s0 + n * out_s1] = from_f32<T>(y);
+    out.p[m * out.s0 + n * out.s1] = from_f32<T>(y);
 }
 
 // Issue the 16-byte weight loads of step s of row group gi into wa (and wb), row slots [RB0, RB1).
@@ -257,15 +252,15 @@ __device__ __forceinline__ void finish(float dot, float dot2, const float* rt, i
 // re-reads a row.
 template <class P, class T, bool GLU, int RB0 = 0, int RB1 = P::RB>
 __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
-                                          const T* w, long long w_s0, const T* w2, long long w2_s0, long long row0,
-                                          const Rows<P::RB>& rr, long long N, int gi, int s, int warp, int lane) {
+                                          Mat<const T> w, Mat<const T> w2, long long row0, const Rows<P::RB>& rr, long long N,
+                                          int gi, int s, int warp, int lane) {
     constexpr bool WHOLE = P::KV % (32 * P::U * P::STEPS) == 0;  // every step's vectors lie in the row
     const long long last = min_i64(row0 + rr.rows, N) - 1;
 #pragma unroll
     for (int rb = RB0; rb < RB1; ++rb) {
         const long long n = min_i64(row0 + rr.local(gi, rb, warp), last);
-        const T* wr = w + n * w_s0;
-        const T* wr2 = GLU ? w2 + n * w2_s0 : nullptr;
+        const T* wr = w.p + n * w.s0;
+        const T* wr2 = GLU ? w2.p + n * w2.s0 : nullptr;
 #pragma unroll
         for (int u = 0; u < P::U; ++u) {
             const int kv = (s * P::U + u) * 32 + lane;
@@ -283,21 +278,20 @@ __device__ __forceinline__ void load_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[
 // sees a short memory queue (perf-notes #39: unpaced, the bytes trade one for one).
 template <class P, class T, bool GLU, int RB0>
 __device__ __forceinline__ void paced_first_step(uint4 (&wa)[P::RB][P::U], uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
-                                                 const T* w, long long w_s0, const T* w2, long long w2_s0,
-                                                 long long row0, const Rows<P::RB>& rr, long long N, int warp,
-                                                 int lane, const MegaWaits& wl, float* red) {
+                                                 Mat<const T> w, Mat<const T> w2, long long row0, const Rows<P::RB>& rr,
+                                                 long long N, int warp, int lane, const MegaWaits& wl, float* red) {
     if constexpr (RB0 < P::RB) {
-        load_step<P, T, GLU, RB0, RB0 + 1>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, 0, 0, warp, lane);
+        load_step<P, T, GLU, RB0, RB0 + 1>(wa, wb, w, w2, row0, rr, N, 0, 0, warp, lane);
         if (RB0 + 1 == P::RB) return;
         if (mega_waits_met(wl)) {
-            load_step<P, T, GLU, RB0 + 1, P::RB>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, 0, 0, warp, lane);
+            load_step<P, T, GLU, RB0 + 1, P::RB>(wa, wb, w, w2, row0, rr, N, 0, 0, warp, lane);
             return;
         }
         unsigned dep = 0;  // reading the slot's registers waits for its loads to land
 #pragma unroll
         for (int u = 0; u < P::U; ++u) dep |= wa[RB0][u].x;
         red[threadIdx.x % MEGA_WARPS] = __uint_as_float(dep);  // (scratch: the stage after the wait rewrites it)
-        paced_first_step<P, T, GLU, RB0 + 1>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, warp, lane, wl, red);
+        paced_first_step<P, T, GLU, RB0 + 1>(wa, wb, w, w2, row0, rr, N, warp, lane, wl, red);
     }
 }
 
@@ -343,8 +337,8 @@ __device__ __forceinline__ void mac_step(const uint4 (&wa)[P::RB][P::U], const u
 // Reduce row group gi's dots across the warp and write its outputs (fused epilogue).
 template <class P, class T, int M, bool GLU, bool RES>
 __device__ __forceinline__ void write_group(float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const float* rt,
-                                            T* out, long long out_s0, long long out_s1, long long row0,
-                                            const Rows<P::RB>& rr, long long N, int gi, int warp, int lane, int mv = M) {
+                                            Mat<T> out, long long row0, const Rows<P::RB>& rr, long long N, int gi,
+                                            int warp, int lane, int mv = M) {
 #pragma unroll
     for (int rb = 0; rb < P::RB; ++rb) {
         const int local = rr.local(gi, rb, warp);
@@ -354,7 +348,7 @@ __device__ __forceinline__ void write_group(float (&acc)[P::RB][M], float (&acc2
             const float d = warp_sum(acc[rb][m]);
             const float d2 = GLU ? warp_sum(acc2[GLU ? rb : 0][m]) : 0.0f;
             if (lane == (rb * M + m) % 32 && local < rr.rows && n < N && m < mv)
-                finish<T, GLU, RES>(d, d2, rt, rr.rows, m, local, n, out, out_s0, out_s1);
+                finish<T, GLU, RES>(d, d2, rt, rr.rows, m, local, n, out);
         }
     }
 }
@@ -364,23 +358,21 @@ __device__ __forceinline__ void write_group(float (&acc)[P::RB][M], float (&acc2
 template <class P, class T, class XS, int M, int K, bool GLU, bool RES>
 __device__ __forceinline__ void step(const uint4 (&wa)[P::RB][P::U], const uint4 (&wb)[GLU ? P::RB : 1][GLU ? P::U : 1],
                                      float (&acc)[P::RB][M], float (&acc2)[GLU ? P::RB : 1][M], const XS* xs,
-                                     const float* rt, T* out, long long out_s0, long long out_s1, long long row0,
-                                     const Rows<P::RB>& rr, long long N, int t, int warp, int lane, int mv) {
+                                     const float* rt, Mat<T> out, long long row0, const Rows<P::RB>& rr, long long N, int t,
+                                     int warp, int lane, int mv) {
     const int gi = t / P::STEPS, s = t % P::STEPS;
     if (s == 0) zero_acc<P, M, GLU>(acc, acc2);
     mac_step<P, T, XS, M, K, GLU>(wa, wb, acc, acc2, xs, s, lane);
     if (s == P::STEPS - 1)
-        write_group<P, T, M, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, rr, N, gi, warp, lane, mv);
+        write_group<P, T, M, GLU, RES>(acc, acc2, rt, out, row0, rr, N, gi, warp, lane, mv);
 }
 
 // Rows [n_tile * rows, ...) of out, in the code shape P (PlanFor). False when the wait gave up
 // (abort or timeout): nothing was written.
 template <class P, class T, int M, int K, bool NORM, bool GLU, bool RES, bool SUMS = false>
-__device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
-                                        long long g_s0, float eps, const T* w, long long w_s0, const T* w2,
-                                        long long w2_s0, const T* r, long long r_s0, long long r_s1, const Sums& sums, T* out,
-                                        long long out_s0, long long out_s1, long long N, long long n_tile, int rows,
-                                        const MegaWaits& wl, int mv = M) {
+__device__ __forceinline__ bool run_vec_regs(char* smem, Mat<const T> x, Vec<const T> g, float eps, Mat<const T> w,
+                                             Mat<const T> w2, Mat<const T> r, const Sums& sums, Mat<T> out, long long N,
+                                             long long n_tile, int rows, const MegaWaits& wl, int mv = M) {
     using XS = typename P::XS;
     float* red = P::red(smem);
     float* rt = P::rt(smem);
@@ -397,23 +389,20 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         uint4 wa0[P::RB][P::U], wa1[P::RB][P::U];
         uint4 wb0[GLU ? P::RB : 1][GLU ? P::U : 1], wb1[GLU ? P::RB : 1][GLU ? P::U : 1];
         float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
-        load_step<P, T, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, rr, N, 0, 0, warp, lane);
+        load_step<P, T, GLU>(wa0, wb0, w, w2, row0, rr, N, 0, 0, warp, lane);
         if (!mega_wait_all(wl)) return false;
         if (t_steps > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
-            load_step<P, T, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, rr, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
-        stage<T, XS, M, K, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, rows, N, mv);
+            load_step<P, T, GLU>(wa1, wb1, w, w2, row0, rr, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
+        stage<T, XS, M, K, NORM, RES, SUMS>(xs, rt, red, x, g, eps, r, sums, row0, rows, N, mv);
 #pragma unroll 1
         for (int t = 0; t < t_steps; t += 2) {
-            step<P, T, XS, M, K, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, out_s0, out_s1, row0, rr, N, t, warp, lane, mv);
+            step<P, T, XS, M, K, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, row0, rr, N, t, warp, lane, mv);
             if (t + 2 < t_steps)
-                load_step<P, T, GLU>(wa0, wb0, w, w_s0, w2, w2_s0, row0, rr, N, (t + 2) / P::STEPS, (t + 2) % P::STEPS,
-                                     warp, lane);
+                load_step<P, T, GLU>(wa0, wb0, w, w2, row0, rr, N, (t + 2) / P::STEPS, (t + 2) % P::STEPS, warp, lane);
             if (t + 1 < t_steps) {
-                step<P, T, XS, M, K, GLU, RES>(wa1, wb1, acc, acc2, xs, rt, out, out_s0, out_s1, row0, rr, N, t + 1, warp,
-                                               lane, mv);
+                step<P, T, XS, M, K, GLU, RES>(wa1, wb1, acc, acc2, xs, rt, out, row0, rr, N, t + 1, warp, lane, mv);
                 if (t + 3 < t_steps)
-                    load_step<P, T, GLU>(wa1, wb1, w, w_s0, w2, w2_s0, row0, rr, N, (t + 3) / P::STEPS,
-                                         (t + 3) % P::STEPS, warp, lane);
+                    load_step<P, T, GLU>(wa1, wb1, w, w2, row0, rr, N, (t + 3) / P::STEPS, (t + 3) % P::STEPS, warp, lane);
             }
         }
     } else {
@@ -424,11 +413,11 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
         uint4 wb[GLU ? P::RB : 1][GLU ? P::U : 1];
         // in flight while the inputs' producers finish and x stages
         if (!GLU && P::RB > 1)  // an unpipelined, ungated tile paces its pre-wait loads
-            paced_first_step<P, T, GLU, 0>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, warp, lane, wl, red);
+            paced_first_step<P, T, GLU, 0>(wa, wb, w, w2, row0, rr, N, warp, lane, wl, red);
         else
-            load_step<P, T, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, 0, 0, warp, lane);
+            load_step<P, T, GLU>(wa, wb, w, w2, row0, rr, N, 0, 0, warp, lane);
         if (!mega_wait_all(wl)) return false;
-        stage<T, XS, M, K, NORM, RES, SUMS>(xs, rt, red, x, x_s0, x_s1, g, g_s0, eps, r, r_s0, r_s1, sums, row0, rows, N, mv);
+        stage<T, XS, M, K, NORM, RES, SUMS>(xs, rt, red, x, g, eps, r, sums, row0, rows, N, mv);
 
 #pragma unroll 1
         for (int gi = 0; gi < rr.ng; ++gi) {
@@ -436,10 +425,10 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
             zero_acc<P, M, GLU>(acc, acc2);
 #pragma unroll 1
             for (int s = 0; s < P::STEPS; ++s) {
-                if (gi | s) load_step<P, T, GLU>(wa, wb, w, w_s0, w2, w2_s0, row0, rr, N, gi, s, warp, lane);
+                if (gi | s) load_step<P, T, GLU>(wa, wb, w, w2, row0, rr, N, gi, s, warp, lane);
                 mac_step<P, T, XS, M, K, GLU>(wa, wb, acc, acc2, xs, s, lane);
             }
-            write_group<P, T, M, GLU, RES>(acc, acc2, rt, out, out_s0, out_s1, row0, rr, N, gi, warp, lane, mv);
+            write_group<P, T, M, GLU, RES>(acc, acc2, rt, out, row0, rr, N, gi, warp, lane, mv);
         }
     }
     return true;
@@ -454,19 +443,23 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, const T* x, long long x
 enum : unsigned { FL_NORM = 1, FL_GLU = 2, FL_RES = 4 };
 
 template <class T>
-__device__ __noinline__ bool run_generic(char* smem, int M, long long K, int ROWS, unsigned fl, const T* x, long long x_s0,
-                                         long long x_s1, const T* g, long long g_s0, float eps, const T* w, long long w_s0,
-                                         long long w_s1, const T* w2, long long w2_s0, long long w2_s1, const T* r,
-                                         long long r_s0, long long r_s1, const Sums& sums, T* out, long long out_s0,
-                                         long long out_s1, long long N, long long n_tile, const MegaWaits& wl, int mv) {
+__device__ __noinline__ bool run_generic_body(char* smem, int M, long long K, int ROWS, unsigned fl, const T* xp,
+                                              long long x_s0, long long x_s1, const T* gp, long long g_s0, float eps,
+                                              const T* wp, long long w_s0, long long w_s1, const T* w2p, long long w2_s0,
+                                              long long w2_s1, const T* rp, long long r_s0, long long r_s1,
+                                              const Sums& sums, T* outp, long long out_s0, long long out_s1, long long N,
+                                              long long n_tile, const MegaWaits& wl, int mv) {
+    const Mat<const T> x{xp, x_s0, x_s1}, w{wp, w_s0, w_s1}, w2{w2p, w2_s0, w2_s1}, r{rp, r_s0, r_s1};
+    const Vec<const T> g{gp, g_s0};
+    const Mat<T> out{outp, out_s0, out_s1};
     if (!mega_wait_all(wl)) return false;
     float* red = reinterpret_cast<float*>(smem);        // [MEGA_WARPS]
     float* rinv = red + MEGA_WARPS;                      // [M]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // x[m, k] as read: T(x + T(xa)) when the sums are given (as stage() rounds)
     auto xv = [&](int m, long long k) {
-        float v = ld_f32(x + m * x_s0 + k * x_s1);
-        return sums.x ? round_to<T>(v + round_to<T>(ld_cg(sums.x + m * sums.x_s0 + k * sums.x_s1))) : v;
+        float v = ld_f32(x.p + m * x.s0 + k * x.s1);
+        return sums.x.p ? round_to<T>(v + round_to<T>(ld_cg(sums.x.p + m * sums.x.s0 + k * sums.x.s1))) : v;
     };
 #pragma unroll 1
     for (int m = 0; m < mv; ++m) {  // rinv[m] (1 without the norm)
@@ -488,9 +481,9 @@ __device__ __noinline__ bool run_generic(char* smem, int M, long long K, int ROW
 #pragma unroll 1
         for (long long k = lane; k < K; k += 32) {
             float v = xv(m, k);
-            if (fl & FL_NORM) v = round_to<T>(round_to<T>(v * rinv[m]) * ld_f32(g + k * g_s0));
-            d = fmaf(ld_f32(w + n * w_s0 + k * w_s1), v, d);
-            if (fl & FL_GLU) d2 = fmaf(ld_f32(w2 + n * w2_s0 + k * w2_s1), v, d2);
+            if (fl & FL_NORM) v = round_to<T>(round_to<T>(v * rinv[m]) * ld_f32(g.p + k * g.s0));
+            d = fmaf(ld_f32(w.p + n * w.s0 + k * w.s1), v, d);
+            if (fl & FL_GLU) d2 = fmaf(ld_f32(w2.p + n * w2.s0 + k * w2.s1), v, d2);
         }
         d = warp_sum(d);
         d2 = warp_sum(d2);
@@ -498,13 +491,24 @@ __device__ __noinline__ bool run_generic(char* smem, int M, long long K, int ROW
         float y = round_to<T>(d);
         if (fl & FL_GLU) y = round_to<T>(round_to<T>(silu_f32(y)) * round_to<T>(d2));
         if (fl & FL_RES) {
-            float rv = ld_f32(r + m * r_s0 + n * r_s1);
-            if (sums.r) rv = round_to<T>(rv + round_to<T>(ld_cg(sums.r + m * sums.r_s0 + n * sums.r_s1)));
+            float rv = ld_f32(r.p + m * r.s0 + n * r.s1);
+            if (sums.r.p) rv = round_to<T>(rv + round_to<T>(ld_cg(sums.r.p + m * sums.r.s0 + n * sums.r.s1)));
             y = round_to<T>(rv + y);
         }
-        out[m * out_s0 + n * out_s1] = from_f32<T>(y);
+        out.p[m * out.s0 + n * out.s1] = from_f32<T>(y);
     }
     return true;
+}
+
+// (out of line, the views' fields are separate parameters: a view passed by value to a call from a
+// body that also uses it inline keeps it in local memory, and its pointers lose their address space)
+template <class T>
+__device__ __forceinline__ bool run_generic(char* smem, int M, long long K, int ROWS, unsigned fl, Mat<const T> x,
+                                            Vec<const T> g, float eps, Mat<const T> w, Mat<const T> w2, Mat<const T> r,
+                                            const Sums& sums, Mat<T> out, long long N, long long n_tile,
+                                            const MegaWaits& wl, int mv) {
+    return run_generic_body<T>(smem, M, K, ROWS, fl, x.p, x.s0, x.s1, g.p, g.s0, eps, w.p, w.s0, w.s1, w2.p, w2.s0,
+                               w2.s1, r.p, r.s0, r.s1, sums, out.p, out.s0, out.s1, N, n_tile, wl, mv);
 }
 
 // --- several x rows on tensor cores (M a multiple of 8: a batch, a prompt) -------------------
@@ -550,9 +554,8 @@ struct MmaPlan {
 };
 
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
-__device__ bool run_mma(char* smem, const T* x, long long x_s0, const T* g, float eps, const T* w, long long w_s0,
-                        const T* w2, long long w2_s0, const T* r, long long r_s0, long long r_s1, T* out, long long out_s0,
-                        long long out_s1, long long N, long long n_tile, const MegaWaits& wl, int mv) {
+__device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, Mat<const T> w, Mat<const T> w2,
+                        Mat<const T> r, Mat<T> out, long long N, long long n_tile, const MegaWaits& wl, int mv) {
     using P = MmaPlan<T, M, K, ROWS, NORM, GLU>;
     constexpr int VEC = VecN<T>::value, KV = K / VEC;
     T* xs = reinterpret_cast<T*>(smem);
@@ -564,10 +567,10 @@ __device__ bool run_mma(char* smem, const T* x, long long x_s0, const T* g, floa
     const int rg = warp / P::KS, ks = warp % P::KS;
     const int la = rg * 16 + gq, lb = la + 8;  // tile-local weight rows of this lane
     const bool oka = active && la < ROWS && row0 + la < N, okb = active && lb < ROWS && row0 + lb < N;
-    const T* wa_p = w + (row0 + la) * w_s0 + t4 * 8;
-    const T* wb_p = w + (row0 + lb) * w_s0 + t4 * 8;
-    const T* va_p = GLU ? w2 + (row0 + la) * w2_s0 + t4 * 8 : nullptr;
-    const T* vb_p = GLU ? w2 + (row0 + lb) * w2_s0 + t4 * 8 : nullptr;
+    const T* wa_p = w.p + (row0 + la) * w.s0 + t4 * 8;
+    const T* wb_p = w.p + (row0 + lb) * w.s0 + t4 * 8;
+    const T* va_p = GLU ? w2.p + (row0 + la) * w2.s0 + t4 * 8 : nullptr;
+    const T* vb_p = GLU ? w2.p + (row0 + lb) * w2.s0 + t4 * 8 : nullptr;
     const int kb0 = ks * P::KPS, kb1 = cmin(P::KB, kb0 + P::KPS);
     float acc[P::NT][4], acc2[GLU ? P::NT : 1][4];
 #pragma unroll
@@ -582,7 +585,7 @@ __device__ bool run_mma(char* smem, const T* x, long long x_s0, const T* g, floa
             ss[m] = 0.0f;
             for (int kv = tid; kv < KV && m < mv; kv += MEGA_THREADS) {
                 float f[VEC];
-                unpack16<T>(ldcg16(x + m * x_s0 + kv * VEC), f);
+                unpack16<T>(ldcg16(x.p + m * x.s0 + kv * VEC), f);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) ss[m] += f[e] * f[e];
             }
@@ -594,8 +597,8 @@ __device__ bool run_mma(char* smem, const T* x, long long x_s0, const T* g, floa
             for (int kv = tid; kv < KV; kv += MEGA_THREADS) {
                 float f[VEC], gf[VEC];
                 if (m < mv) {
-                    unpack16<T>(ldcg16(x + m * x_s0 + kv * VEC), f);
-                    unpack16<T>(ldcg16(g + kv * VEC), gf);
+                    unpack16<T>(ldcg16(x.p + m * x.s0 + kv * VEC), f);
+                    unpack16<T>(ldcg16(g.p + kv * VEC), gf);
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) f[e] = round_to<T>(round_to<T>(f[e] * rinv) * gf[e]);
                 } else {
@@ -628,7 +631,7 @@ __device__ bool run_mma(char* smem, const T* x, long long x_s0, const T* g, floa
                     if (NORM)
                         xv[u][n] = in ? *reinterpret_cast<const uint4*>(xs + m * P::XS + k + t4 * 8) : z;
                     else
-                        xv[u][n] = in && m < mv ? ldcg16(x + m * x_s0 + k + t4 * 8) : z;
+                        xv[u][n] = in && m < mv ? ldcg16(x.p + m * x.s0 + k + t4 * 8) : z;
                 }
             }
 #pragma unroll
@@ -674,8 +677,8 @@ __device__ bool run_mma(char* smem, const T* x, long long x_s0, const T* g, floa
         }
         float y = round_to<T>(d);
         if (GLU) y = round_to<T>(round_to<T>(silu_f32(y)) * round_to<T>(d2));
-        if (RES) y = round_to<T>(ld_f32(r + m * r_s0 + n * r_s1) + y);
-        out[m * out_s0 + n * out_s1] = from_f32<T>(y);
+        if (RES) y = round_to<T>(ld_f32(r.p + m * r.s0 + n * r.s1) + y);
+        out.p[m * out.s0 + n * out.s1] = from_f32<T>(y);
     }
     return true;
 }
@@ -691,85 +694,83 @@ __host__ __device__ constexpr bool use_mma() {
     return M % 8 == 0 && K % 32 == 0 && !SUMS && MmaKind<T>::ok;
 }
 
+// The out-of-line bodies take matvec()'s views as their fields (xp, x_s0, x_s1, ...) and rebuild them:
+// passed by value, the views changed the registers these bodies' parameters arrive in and, in the
+// largest, their spills (qwen3-1.7b's residual tile: 32/16 -> 40/40 bytes), and their pointers lost
+// the address space the callers give them (the out stores went generic).
+
 // The register body and its generic fallback, for tiles of code shape P: one copy per shape, however
 // many tile heights use it. `rows` must be a height PlanFor was given for P (its shared memory bound).
 template <class P, class T, int M, int K, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS>
-__device__ __noinline__ void matvec_regs(char* smem, const T* x, long long x_s0, long long x_s1,  //
-                                         const T* g, long long g_s0, float eps,                    //
-                                         const T* w, long long w_s0, long long w_s1,               //
-                                         const T* w2, long long w2_s0, long long w2_s1,            //
-                                         const T* r, long long r_s0, long long r_s1,               //
-                                         const float* xa, long long xa_s0, long long xa_s1,        //
-                                         const float* ra, long long ra_s0, long long ra_s1,        //
-                                         T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
-                                         int rows, long long mvalid, const MegaWaits wl) {
+__device__ __noinline__ void matvec_regs(char* smem, const T* xp, long long x_s0, long long x_s1, const T* gp,
+                                         long long g_s0, float eps, const T* wp, long long w_s0, long long w_s1,
+                                         const T* w2p, long long w2_s0, long long w2_s1, const T* rp, long long r_s0,
+                                         long long r_s1, const float* xap, long long xa_s0, long long xa_s1,
+                                         const float* rap, long long ra_s0, long long ra_s1, T* outp, long long out_s0,
+                                         long long out_s1, long long N, long long n_tile, int rows, long long mvalid,
+                                         const MegaWaits wl) {
+    const Mat<const T> x{xp, x_s0, x_s1}, w{wp, w_s0, w_s1}, w2{w2p, w2_s0, w2_s1}, r{rp, r_s0, r_s1};
+    const Vec<const T> g{gp, g_s0};
+    const Mat<T> out{outp, out_s0, out_s1};
+    const Sums sums{{xap, xa_s0, xa_s1}, {rap, ra_s0, ra_s1}};
     smem = shared_ptr(smem);
-    const Sums sums{xa, xa_s0, xa_s1, ra, ra_s0, ra_s1};
-    bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w, w_s0, w_s1, K) &&
-               stage_vec_ok<T, M, K, HAS_NORM, SUMS>(x, x_s0, x_s1, g, g_s0, sums);
-    if (HAS_GLU) vec = vec && vec_rows_ok(w2, w2_s0, w2_s1, K);
+    bool vec = K % VecN<T>::value == 0 && vec_rows_ok(w.p, w.s0, w.s1, K) && stage_vec_ok<T, M, K, HAS_NORM, SUMS>(x, g, sums);
+    if (HAS_GLU) vec = vec && vec_rows_ok(w2.p, w2.s0, w2.s1, K);
     if constexpr (K % VecN<T>::value == 0) {
         if (vec) {
-            run_vec_regs<P, T, M, K, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w2, w2_s0,
-                                                                       r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile,
-                                                                       rows, wl, (int)mvalid);
+            run_vec_regs<P, T, M, K, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(smem, x, g, eps, w, w2, r, sums, out, N, n_tile, rows,
+                                                                       wl, (int)mvalid);
             return;
         }
     }
-    run_generic<T>(smem, M, K, rows, (HAS_NORM ? FL_NORM : 0u) | (HAS_GLU ? FL_GLU : 0u) | (HAS_RES ? FL_RES : 0u), x, x_s0,
-                   x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, sums, out, out_s0, out_s1, N, n_tile,
-                   wl, (int)mvalid);
+    run_generic<T>(smem, M, K, rows, (HAS_NORM ? FL_NORM : 0u) | (HAS_GLU ? FL_GLU : 0u) | (HAS_RES ? FL_RES : 0u), x, g,
+                   eps, w, w2, r, sums, out, N, n_tile, wl, (int)mvalid);
 }
 
 // The body whose code depends on the tile height: the tensor-core one.
 template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS>
-__device__ __noinline__ void matvec_fixed_rows(char* smem, const T* x, long long x_s0, long long x_s1,  //
-                                         const T* g, long long g_s0, float eps,                    //
-                                         const T* w, long long w_s0, long long w_s1,               //
-                                         const T* w2, long long w2_s0, long long w2_s1,            //
-                                         const T* r, long long r_s0, long long r_s1,               //
-                                         const float* xa, long long xa_s0, long long xa_s1,        //
-                                         const float* ra, long long ra_s0, long long ra_s1,        //
-                                         T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
-                                         long long mvalid, const MegaWaits wl) {
+__device__ __noinline__ void matvec_fixed_rows(char* smem, const T* xp, long long x_s0, long long x_s1, const T* gp,
+                                               long long g_s0, float eps, const T* wp, long long w_s0, long long w_s1,
+                                               const T* w2p, long long w2_s0, long long w2_s1, const T* rp,
+                                               long long r_s0, long long r_s1, const float* xap, long long xa_s0,
+                                               long long xa_s1, const float* rap, long long ra_s0, long long ra_s1,
+                                               T* outp, long long out_s0, long long out_s1, long long N,
+                                               long long n_tile, long long mvalid, const MegaWaits wl) {
+    const Mat<const T> x{xp, x_s0, x_s1}, w{wp, w_s0, w_s1}, w2{w2p, w2_s0, w2_s1}, r{rp, r_s0, r_s1};
+    const Vec<const T> g{gp, g_s0};
+    const Mat<T> out{outp, out_s0, out_s1};
     smem = shared_ptr(smem);
     if constexpr (use_mma<T, M, K, SUMS>()) {
         // x rows in tiles of 8: tensor cores. The compiler's operands are contiguous rows; anything
         // else is reported, not computed wrongly.
-        const bool rows_ok = vec_rows_ok(w, w_s0, w_s1, K) && (!HAS_GLU || vec_rows_ok(w2, w2_s0, w2_s1, K)) &&
-                             vec_rows_ok(x, x_s0, x_s1, K) && (!HAS_NORM || (g_s0 == 1 && aligned16(g)));
+        const bool rows_ok = vec_rows_ok(w.p, w.s0, w.s1, K) && (!HAS_GLU || vec_rows_ok(w2.p, w2.s0, w2.s1, K)) &&
+                             vec_rows_ok(x.p, x.s0, x.s1, K) && (!HAS_NORM || (g.s0 == 1 && aligned16(g.p)));
         if (!rows_ok) {
             if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
             return;
         }
-        run_mma<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, x_s0, g, eps, w, w_s0, w2, w2_s0, r, r_s0, r_s1, out,
-                                                          out_s0, out_s1, N, n_tile, wl, (int)mvalid);
+        run_mma<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(smem, x, g, eps, w, w2, r, out, N, n_tile, wl, (int)mvalid);
     }
 }
 
 }  // namespace matvec_impl
 
-// One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N]. Absent operands
-// (g, w2, r) are nullptr with zero strides. `wl`: the instance's barrier waits (n = 0: none).
-// Picks the body; the register body takes ROWS as a runtime value (matvec_regs).
+// One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N], x, r, xa, ra and out
+// already advanced to the instance's first x row. Absent operands (g, w2, r, xa, ra) are empty
+// views (nullptr, zero strides). `wl`: the instance's barrier waits (n = 0: none). Picks the body;
+// the register body takes ROWS as a runtime value (matvec_regs).
 template <class T, int M, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES, bool SUMS>
-__device__ __forceinline__ void matvec(char* smem, const T* x, long long x_s0, long long x_s1,  //
-                                       const T* g, long long g_s0, float eps,                    //
-                                       const T* w, long long w_s0, long long w_s1,               //
-                                       const T* w2, long long w2_s0, long long w2_s1,            //
-                                       const T* r, long long r_s0, long long r_s1,               //
-                                       const float* xa, long long xa_s0, long long xa_s1,        //
-                                       const float* ra, long long ra_s0, long long ra_s1,        //
-                                       T* out, long long out_s0, long long out_s1, long long N, long long n_tile,
-                                       long long mvalid, const MegaWaits wl) {
+__device__ __forceinline__ void matvec(char* smem, Mat<const T> x, Vec<const T> g, float eps, Mat<const T> w,
+                                       Mat<const T> w2, Mat<const T> r, Mat<const float> xa, Mat<const float> ra,
+                                       Mat<T> out, long long N, long long n_tile, long long mvalid, const MegaWaits wl) {
     static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
+#define MEGA_MATVEC_FIELDS x.p, x.s0, x.s1, g.p, g.s0, eps, w.p, w.s0, w.s1, w2.p, w2.s0, w2.s1, r.p, r.s0, r.s1, xa.p, \
+    xa.s0, xa.s1, ra.p, ra.s0, ra.s1, out.p, out.s0, out.s1
     if constexpr (matvec_impl::use_mma<T, M, K, SUMS>())
-        matvec_impl::matvec_fixed_rows<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(
-            smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1, r, r_s0, r_s1, xa, xa_s0, xa_s1, ra, ra_s0,
-            ra_s1, out, out_s0, out_s1, N, n_tile, mvalid, wl);
+        matvec_impl::matvec_fixed_rows<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(smem, MEGA_MATVEC_FIELDS, N, n_tile,
+                                                                                     mvalid, wl);
     else
         matvec_impl::matvec_regs<typename matvec_impl::PlanFor<T, M, K, ROWS, HAS_GLU, HAS_NORM>::type, T, M, K, HAS_NORM,
-                                 HAS_GLU, HAS_RES, SUMS>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, w2, w2_s0, w2_s1,
-                                                         r, r_s0, r_s1, xa, xa_s0, xa_s1, ra, ra_s0, ra_s1, out, out_s0,
-                                                         out_s1, N, n_tile, ROWS, mvalid, wl);
+                                 HAS_GLU, HAS_RES, SUMS>(smem, MEGA_MATVEC_FIELDS, N, n_tile, ROWS, mvalid, wl);
+#undef MEGA_MATVEC_FIELDS
 }

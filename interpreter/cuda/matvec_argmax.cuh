@@ -12,13 +12,12 @@
 #endif
 
 template <class T, int K, int ROWS, bool HAS_NORM>
-__device__ __noinline__ void matvec_argmax(char* smem, const T* x, long long x_s0, long long x_s1,  //
-                                           const T* g, long long g_s0, float eps,                    //
-                                           const T* w, long long w_s0, long long w_s1,               //
-                                           float* part, long long p_s1, long long N, long long n_tile) {
+__device__ __noinline__ void matvec_argmax(char* smem, Mat<const T> x, Vec<const T> g, float eps, Mat<const T> w,
+                                           Vec<float> part, long long N, long long n_tile) {
+    in_global(x, w, part);  // (not the optional g: an absent view is nullptr)
     __shared__ float warp_best[MEGA_THREADS / 32];
     __shared__ int warp_index[MEGA_THREADS / 32];
-    const T* tile = matvec_to_tile<T, K, ROWS, HAS_NORM>(smem, x, x_s0, x_s1, g, g_s0, eps, w, w_s0, w_s1, N, n_tile);
+    const T* tile = matvec_to_tile<T, K, ROWS, HAS_NORM>(smem, x, g, eps, w, N, n_tile);
     const long long n0 = n_tile * ROWS;
     const int nrows = (int)min_i64(ROWS, N - n0);
     float best = MEGA_NEG_INF;
@@ -40,8 +39,8 @@ __device__ __noinline__ void matvec_argmax(char* smem, const T* x, long long x_s
     if (threadIdx.x == 0) {
         for (int i = 1; i < MEGA_THREADS / 32; ++i)
             if (warp_best[i] > best || (warp_best[i] == best && warp_index[i] < index)) best = warp_best[i], index = warp_index[i];
-        part[n_tile * p_s1] = best;
-        part[n_tile * p_s1 + 1] = (float)(n0 + (index < nrows ? index : 0));
+        part.p[n_tile * part.s0] = best;
+        part.p[n_tile * part.s0 + 1] = (float)(n0 + (index < nrows ? index : 0));
     }
     mega_sync();  // the tile is reused by the next instance
 }

@@ -37,18 +37,8 @@
 #define MEGA_CONSTS_AT (2 * MEGA_ENTRIES + (1 + MEGA_LAUNCHES) * (MEGA_ENTRIES + 1))  // table: the constants
 #define MEGA_MAX_RANKS 8  // GPUs of a tensor-parallel group (megaegg/ops.py: MAX_RANKS)
 
-struct MegaArgs {
-  char* arena;
-  unsigned* counters;              // 2 * MEGA_COUNTERS
-  unsigned long long* control;     // see runtime.cuh
-  long long parity;
-  unsigned long long* trace;       // MEGA_TRACE builds: 4 words per instance
-  const long long* table;          // render.py: EntryTable.words
-  long long rank, seq;             // tensor parallel: this GPU's rank; this launch's number (1, 2, ...)
-  char* peers[MEGA_MAX_RANKS];     // every rank's peer region (peer-to-peer addresses), by rank
-  long long dims[/*@NDIMS@*/];
-  void* ptr[/*@NPTRS@*/];
-};
+// struct MegaArgs, the by-value argument struct, and the static_asserts of its layout: interpreter/kernel_args.py
+/*@ARGS@*/
 
 extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
   extern __shared__ __align__(16) char smem[];

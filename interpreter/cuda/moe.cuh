@@ -13,13 +13,13 @@ namespace moe_impl {
 // The expert and routing weight of `slot` among the top_k of softmax(logits[0, :E]).
 // Uses smem[0, 4 * E + 256); every thread gets the result.
 template <class T, class TL>
-__device__ void route(char* smem, const TL* logits, long long l_s1, int E, int top_k, bool normalize, long long slot,
-                      int& expert, float& weight) {
+__device__ void route(char* smem, Vec<const TL> logits, int E, int top_k, bool normalize, long long slot, int& expert,
+                      float& weight) {
     float* p = shared_ptr<float>(smem);
     char* red = smem + ((4 * E + 15) & ~15);
     float m = MEGA_NEG_INF;
     for (int i = threadIdx.x; i < E; i += MEGA_THREADS) {
-        p[i] = ld_f32(logits + i * l_s1);
+        p[i] = ld_f32(logits.p + i * logits.s0);
         m = fmaxf(m, p[i]);
     }
     m = block_reduce_max(m, reinterpret_cast<float*>(red));
@@ -52,16 +52,15 @@ __device__ void route(char* smem, const TL* logits, long long l_s1, int E, int t
 }  // namespace moe_impl
 
 template <class T, class TL, int K, int N, int ROWS, bool NORM>
-__device__ __noinline__ void moe_glu_down(char* smem, const T* x, long long x_s1, const T* g, long long g_s0, float eps,
-                                          const TL* logits, long long logits_s1, int E, int top_k, bool normalize,
-                                          long long slot, const T* w, long long w_se, long long w_s0, const T* w2,
-                                          long long w2_se, long long w2_s0, const T* wd, long long wd_se,
-                                          long long wd_s0, float* acc, long long F, long long n_tile) {
+__device__ __noinline__ void moe_glu_down(char* smem, Vec<const T> x, Vec<const T> g, float eps, Vec<const TL> logits,
+                                          int E, int top_k, bool normalize, long long slot, Ten3<const T> w,
+                                          Ten3<const T> w2, Ten3<const T> wd, float* acc, long long F,
+                                          long long n_tile) {
+    in_global(x, logits, w, w2, wd);  // (not the optional g)
     int e;
     float weight;
-    moe_impl::route<T>(shared_ptr(smem), logits, logits_s1, E, top_k, normalize, slot, e, weight);
+    moe_impl::route<T>(shared_ptr(smem), logits, E, top_k, normalize, slot, e, weight);
     MegaWaits none;
     none.n = 0;  // (waited for by the interpreter)
-    glu_down<T, K, N, ROWS, NORM>(smem, x, x_s1, g, g_s0, eps, w + e * w_se, w_s0, w2 + e * w2_se, w2_s0,
-                                  wd + e * wd_se, wd_s0, acc, F, n_tile, none, weight);
+    glu_down<T, K, N, ROWS, NORM>(smem, x, g, eps, w.at(e), w2.at(e), wd.at(e), acc, F, n_tile, none, weight);
 }

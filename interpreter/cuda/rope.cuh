@@ -10,23 +10,23 @@
 #include "common.cuh"
 
 template <class T, int D, bool NORM>
-__device__ __noinline__ void rope_rows(const T* x, long long x_s0, long long x_s1, const float* inv_freq,
-                                       const int* pos_ids, long long pos_s0, long long pos, long long group,
-                                       const T* g, long long g_s0, float eps, T* out, long long out_s0,
-                                       long long out_s1, long long rows, int rows_per, long long c0) {
+__device__ __noinline__ void rope_rows(Mat<const T> x, const float* inv_freq, Vec<const int> pos_ids, long long pos,
+                                       long long group, Vec<const T> g, float eps, Mat<T> out, long long rows,
+                                       int rows_per, long long c0) {
+    in_global(x, out);  // (not the optional pos_ids and g: an absent view is nullptr)
     static_assert(D % 2 == 0, "rope: head dim must be even");
     constexpr int H = D / 2, PL = cdiv(H, 32);  // rotation pairs per lane
     const int lane = threadIdx.x & 31;
     const long long r0 = c0 * rows_per, r1 = min_i64(r0 + rows_per, rows);
 #pragma unroll 1
     for (long long r = r0 + (threadIdx.x >> 5); r < r1; r += MEGA_WARPS) {
-        const long long p = pos_ids ? (long long)ld_cg(pos_ids + (r / group) * pos_s0) : pos;
+        const long long p = pos_ids.p ? (long long)ld_cg(pos_ids.p + (r / group) * pos_ids.s0) : pos;
         float x1[PL], x2[PL], ss = 0.0f;
 #pragma unroll
         for (int t = 0; t < PL; ++t) {
             const int j = t * 32 + lane;
-            x1[t] = j < H ? ld_f32(x + r * x_s0 + j * x_s1) : 0.0f;
-            x2[t] = j < H ? ld_f32(x + r * x_s0 + (j + H) * x_s1) : 0.0f;
+            x1[t] = j < H ? ld_f32(x.p + r * x.s0 + j * x.s1) : 0.0f;
+            x2[t] = j < H ? ld_f32(x.p + r * x.s0 + (j + H) * x.s1) : 0.0f;
             ss += x1[t] * x1[t] + x2[t] * x2[t];
         }
         if (NORM) {
@@ -35,8 +35,8 @@ __device__ __noinline__ void rope_rows(const T* x, long long x_s0, long long x_s
             for (int t = 0; t < PL; ++t) {
                 const int j = t * 32 + lane;
                 if (j >= H) continue;
-                x1[t] = round_to<T>(round_to<T>(x1[t] * rinv) * ld_f32(g + j * g_s0));
-                x2[t] = round_to<T>(round_to<T>(x2[t] * rinv) * ld_f32(g + (j + H) * g_s0));
+                x1[t] = round_to<T>(round_to<T>(x1[t] * rinv) * ld_f32(g.p + j * g.s0));
+                x2[t] = round_to<T>(round_to<T>(x2[t] * rinv) * ld_f32(g.p + (j + H) * g.s0));
             }
         }
 #pragma unroll
@@ -45,8 +45,8 @@ __device__ __noinline__ void rope_rows(const T* x, long long x_s0, long long x_s
             if (j >= H) continue;
             float sn, cs;
             sincosf(__fmul_rn((float)p, ld_cg(inv_freq + j)), &sn, &cs);
-            out[r * out_s0 + j * out_s1] = from_f32<T>(__fsub_rn(__fmul_rn(x1[t], cs), __fmul_rn(x2[t], sn)));
-            out[r * out_s0 + (j + H) * out_s1] = from_f32<T>(__fadd_rn(__fmul_rn(x2[t], cs), __fmul_rn(x1[t], sn)));
+            out.p[r * out.s0 + j * out.s1] = from_f32<T>(__fsub_rn(__fmul_rn(x1[t], cs), __fmul_rn(x2[t], sn)));
+            out.p[r * out.s0 + (j + H) * out.s1] = from_f32<T>(__fadd_rn(__fmul_rn(x2[t], cs), __fmul_rn(x1[t], sn)));
         }
     }
 }

@@ -74,13 +74,13 @@ __device__ __forceinline__ void rows(float* red, const T* x, long long x_s0, lon
 }  // namespace rownorm_impl
 
 template <class T, int D>
-__device__ __noinline__ void rms_norm_rows(char* smem, const T* x, long long x_s0, long long x_s1, const T* g,
-                                              long long g_s0, float eps, T* out, long long out_s0, long long out_s1,
-                                              long long rows, int rows_per, long long c0) {
+__device__ __noinline__ void rms_norm_rows(char* smem, Mat<const T> x, Vec<const T> g, float eps, Mat<T> out,
+                                           long long rows, int rows_per, long long c0) {
+    in_global(x, g, out);
     const long long r0 = c0 * rows_per, r1 = min_i64(r0 + rows_per, rows);
-    const bool vec = D % VecN<T>::value == 0 && vec_rows_ok(x, x_s0, x_s1, D) && vec_rows_ok(out, out_s0, out_s1, D) &&
-                     g_s0 == 1 && aligned16(g);
+    const bool vec = D % VecN<T>::value == 0 && vec_rows_ok(x.p, x.s0, x.s1, D) && vec_rows_ok(out.p, out.s0, out.s1, D) &&
+                     g.s0 == 1 && aligned16(g.p);
     float* red = shared_ptr<float>(smem);
-    rownorm_impl::rows<T, D, (D <= 1024 ? 32 : MEGA_THREADS)>(red, x, x_s0, x_s1, g, g_s0, eps, out, out_s0, out_s1, r0,
+    rownorm_impl::rows<T, D, (D <= 1024 ? 32 : MEGA_THREADS)>(red, x.p, x.s0, x.s1, g.p, g.s0, eps, out.p, out.s0, out.s1, r0,
                                                          r1, vec);
 }

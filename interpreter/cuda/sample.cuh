@@ -105,21 +105,21 @@ __device__ unsigned radix_threshold(long long V, unsigned long long need, Key ke
 }  // namespace sample_impl
 
 template <class T>
-__device__ __noinline__ void sample_row(char* smem, const T* logits, long long l_s0, long long l_s1, long long V,
-                                        const float* temperature, long long t_s0, const int* top_k, long long k_s0,
-                                        const float* top_p, long long p_s0, const int* seed, long long s_s0,
-                                        const int* counter, long long n_s0, int* out, long long out_s0, long long c0) {
+__device__ __noinline__ void sample_row(char* smem, Mat<const T> logits, long long V, Vec<const float> temperature,
+                                        Vec<const int> top_k, Vec<const float> top_p, Vec<const int> seed,
+                                        Vec<const int> counter, Vec<int> out, long long c0) {
+    in_global(logits, temperature, top_k, top_p, seed, counter, out);
     using namespace sample_impl;
     char* sm = shared_ptr(smem);
     unsigned long long* hist = reinterpret_cast<unsigned long long*>(sm);          // 256
     unsigned long long* red = hist + 256;                                          // MEGA_WARPS
     unsigned* words = reinterpret_cast<unsigned*>(red + MEGA_WARPS);               // 4
     float* fred = reinterpret_cast<float*>(words + 4);                             // 2 * MEGA_WARPS
-    const T* row = logits + c0 * l_s0;
-    const float temp = temperature[c0 * t_s0], p = top_p[c0 * p_s0];
-    const int k = top_k[c0 * k_s0];
+    const T* row = logits.p + c0 * logits.s0;
+    const float temp = temperature.p[c0 * temperature.s0], p = top_p.p[c0 * top_p.s0];
+    const int k = top_k.p[c0 * top_k.s0];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int* const dst = out + c0 * out_s0;
+    int* const dst = out.p + c0 * out.s0;
     if (temp != temp || p != p) {  // (the same in every thread)
         if (tid == 0) {
             mega_body_error(MEGA_ERR_NAN_SETTING, 2 * c0 + (temp != temp ? 0 : 1));
@@ -133,7 +133,7 @@ __device__ __noinline__ void sample_row(char* smem, const T* logits, long long l
     long long at = V;
     bool nan = false;
     for (long long i = tid; i < V; i += MEGA_THREADS) {
-        const float v = ld_f32(row + i * l_s1);
+        const float v = ld_f32(row + i * logits.s1);
         nan |= v != v;
         if (v > best) best = v, at = i;
     }
@@ -175,7 +175,7 @@ __device__ __noinline__ void sample_row(char* smem, const T* logits, long long l
     };
     // top-k and top-p select by the logits' order (the scores' too): keys of the logits, -0 as +0
     auto lkey = [](float v) { return order_key(v == 0.0f ? 0.0f : v); };
-    auto key = [&](long long i) { return lkey(ld_f32(row + i * l_s1)); };
+    auto key = [&](long long i) { return lkey(ld_f32(row + i * logits.s1)); };
     auto all = [&](long long, unsigned) { return true; };
     // top-k: the k-th largest logit (ties kept)
     unsigned kth = 0;
@@ -187,7 +187,7 @@ __device__ __noinline__ void sample_row(char* smem, const T* logits, long long l
     if (p < 1.0f) {
         unsigned long long own = 0;
         for (long long i = tid; i < V; i += MEGA_THREADS) {
-            const float v = ld_f32(row + i * l_s1);
+            const float v = ld_f32(row + i * logits.s1);
             if (lkey(v) >= kth) own += weight(score(v));
         }
         const unsigned long long total = block_sum_u64(own, red);  // >= 2^32: the maxima are kept
@@ -200,7 +200,7 @@ __device__ __noinline__ void sample_row(char* smem, const T* logits, long long l
     // the draw: the first index (vocabulary order) where the running kept weight exceeds
     // floor(total * u / 2^24); thread t walks its own contiguous chunk. total <= V * 2^32 < 2^63
     auto kept_weight = [&](long long i) {
-        const float v = ld_f32(row + i * l_s1);
+        const float v = ld_f32(row + i * logits.s1);
         return lkey(v) >= t ? weight(score(v)) : 0ull;
     };
     const long long chunk = (V + MEGA_THREADS - 1) / MEGA_THREADS, lo = tid * chunk, hi = min_i64(V, lo + chunk);
@@ -221,7 +221,7 @@ __device__ __noinline__ void sample_row(char* smem, const T* logits, long long l
         total += red[w];
     }
     const unsigned long long excl = base + incl - own;
-    const unsigned long long u = draw_bits(seed[c0 * s_s0], counter[c0 * n_s0]);
+    const unsigned long long u = draw_bits(seed.p[c0 * seed.s0], counter.p[c0 * counter.s0]);
     const unsigned long long target = (total >> 24) * u + (((total & 0xFFFFFFull) * u) >> 24);  // < total
     if (excl <= target && target < excl + own) {  // exactly one thread: the weights are exact, total > 0
         unsigned long long acc = excl;

@@ -33,13 +33,13 @@ __device__ __forceinline__ void rows(float* red, const T* x, long long x_s0, lon
 }  // namespace softmax_impl
 
 template <class T>
-__device__ __noinline__ void softmax_rows(char* smem, const T* x, long long x_s0, long long x_s1, T* out,
-                                             long long out_s0, long long out_s1, long long D, long long rows,
-                                             int rows_per, long long c0) {
+__device__ __noinline__ void softmax_rows(char* smem, Mat<const T> x, Mat<T> out, long long D, long long rows,
+                                          int rows_per, long long c0) {
+    in_global(x, out);
     const long long r0 = c0 * rows_per, r1 = min_i64(r0 + rows_per, rows);
     float* red = shared_ptr<float>(smem);
     if (D <= 1024)
-        softmax_impl::rows<T, 32>(red, x, x_s0, x_s1, out, out_s0, out_s1, D, r0, r1);
+        softmax_impl::rows<T, 32>(red, x.p, x.s0, x.s1, out.p, out.s0, out.s1, D, r0, r1);
     else
-        softmax_impl::rows<T, MEGA_THREADS>(red, x, x_s0, x_s1, out, out_s0, out_s1, D, r0, r1);
+        softmax_impl::rows<T, MEGA_THREADS>(red, x.p, x.s0, x.s1, out.p, out.s0, out.s1, D, r0, r1);
 }

@@ -1,11 +1,21 @@
-"""Block-op kinds and their rewrite terms. Importing this package registers every kind in
-``REGISTRY`` and every term in ``TERMS``."""
+"""The block-op registry: every kind in ``REGISTRY``, every rewrite term in ``TERMS`` (importing
+this package registers them all).
+
+One module a block op (``base.py``: :class:`BlockKind`, :class:`Term`, ``register``, ``term``,
+``fields``): ``matvec`` (+ ``matmul_rows``), ``matvec_heads`` (QKV + RoPE + KV append),
+``matvec_argmax`` (LM head + argmax partials), ``glu_down`` (gated MLP + down projection as an f32
+sum, ``acc_residual``), ``moe`` (routed experts), ``attention`` (split-KV decode attention),
+``ragged_attention`` (batches and prompts), ``rownorm``, ``rope``, ``softmax``, ``argmax``,
+``embedding``, ``kv_append``, ``kv_store``, ``sample``, ``elementwise`` (+ ``concat``, copies:
+``materialize``), ``all_reduce`` (tensor-parallel peer ops). docs/pipeline.md, "Adding a block op".
+"""
 
 from . import (  # noqa: F401
     all_reduce, argmax, attention, elementwise, embedding, glu_down, kv_append, kv_store, matvec, matvec_argmax, matvec_heads, moe,
     ragged_attention, rope, rownorm, sample, softmax,
 )
-from .base import REGISTRY, TERMS, BlockKind, CudaOperand, Partition, Term
+from .base import NONE, REGISTRY, TERMS, BlockKind, CudaOperand, Partition, Term, fields, register, term
 from .elementwise import materialize
 
-__all__ = ["REGISTRY", "TERMS", "BlockKind", "CudaOperand", "Partition", "Term", "materialize"]
+__all__ = ["NONE", "REGISTRY", "TERMS", "BlockKind", "CudaOperand", "Partition", "Term", "fields", "materialize",
+           "register", "term"]

@@ -21,7 +21,7 @@ from ``recv`` would read one source's row, which a peer family (derived for rank
 from __future__ import annotations
 
 from ..dims import ceildiv, sym
-from .base import NONE, BlockKind, Partition, Term, fields, register, term
+from .base import NONE, BlockKind, Partition, Term, c_call, fields, no_view, register, term
 from ..ir.footprint import At, Full, Tile
 
 RANK = sym("rank")  # the rank running an instance (the kernel's args.rank; the simulator's device)
@@ -46,8 +46,9 @@ class AllReduceSend(BlockKind):
 
     def cuda_call(self, op, ins, out):
         x, n = ins[0], op.inputs[0].shape[0].value
-        args = [x.ptr, x.strides[0], out.ptr, f"{n}LL", f"{op.params['tile']}LL", "c0", "args.peers", "(int)D_rank"]
-        return f"allreduce_send<{x.ctype}, {out.ctype}, {op.params['ranks']}>({', '.join(args)})"
+        args = [("x", x.view(0)), ("recv", out.ptr), ("n", f"{n}LL"), ("tile", f"{op.params['tile']}LL"), ("c0", "c0"),
+                ("peers", "args.peers"), ("rank", "(int)D_rank")]
+        return c_call("allreduce_send", [x.ctype, out.ctype, op.params["ranks"]], args)
 
 
 @register
@@ -73,9 +74,9 @@ class AllReduceSum(BlockKind):
     def cuda_call(self, op, ins, out):
         recv, n = ins[0], op.output.shape[0].value
         r = ins[1] if len(ins) > 1 else None
-        args = [recv.ptr, r.ptr if r else "nullptr", r.strides[0] if r else "0", out.ptr, out.strides[0], f"{n}LL",
-                f"{op.params['tile']}LL", "c0"]
-        return f"allreduce_sum<{out.ctype}, {op.params['ranks']}>({', '.join(args)})"
+        args = [("recv", recv.ptr), ("r", r.view(0) if r else no_view(1, out.ctype)), ("out", out.view(0, const=False)),
+                ("n", f"{n}LL"), ("tile", f"{op.params['tile']}LL"), ("c0", "c0")]
+        return c_call("allreduce_sum", [out.ctype, op.params["ranks"]], args)
 
 
 @register
@@ -93,8 +94,9 @@ class AllGatherCopy(BlockKind):
 
     def cuda_call(self, op, ins, out):
         recv, n = ins[0], op.inputs[0].shape[1].value
-        args = [recv.ptr, out.ptr, out.strides[0], out.strides[1], f"{n}LL", f"{op.params['tile']}LL", "c0"]
-        return f"allgather_copy<{out.ctype}, {op.params['ranks']}>({', '.join(args)})"
+        args = [("recv", recv.ptr), ("out", out.view(0, 1, const=False)), ("n", f"{n}LL"),
+                ("tile", f"{op.params['tile']}LL"), ("c0", "c0")]
+        return c_call("allgather_copy", [out.ctype, op.params["ranks"]], args)
 
 
 @term

@@ -14,7 +14,7 @@ from ..dims import as_dim, ceildiv
 from ..dtypes import f32 as F32
 from ..graph import GraphError
 from ..sampling import NaNError
-from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
+from .base import BlockKind, Partition, Term, c_call, dimc, f32, fields, register, term
 from ..ir.footprint import Full, Tile
 from .sample import op_name
 
@@ -50,13 +50,9 @@ class ArgmaxPartial(BlockKind):
     def cuda_call(self, op, ins, out):
         x = ins[0]
         m, n = op.inputs[0].shape
-        args = [
-            "smem",
-            x.ptr, x.strides[0], x.strides[1], m.to_c(dimc), n.to_c(dimc), f"{op.params['chunk']}LL",
-            out.ptr, out.strides[0], out.strides[1],
-            "c0",
-        ]
-        return f"argmax_partial<{x.ctype}>({', '.join(args)})"
+        args = [("smem", "smem"), ("x", x.view()), ("M", m.to_c(dimc)), ("N", n.to_c(dimc)),
+                ("chunk", f"{op.params['chunk']}LL"), ("part", out.view(0, 1, const=False)), ("c0", "c0")]
+        return c_call("argmax_partial", [x.ctype], args)
 
 
 @register
@@ -75,8 +71,9 @@ class ArgmaxReduce(BlockKind):
 
     def cuda_call(self, op, ins, out):
         p = ins[0]
-        args = ["smem", p.ptr, p.strides[0], p.strides[1], op.inputs[0].shape[1].to_c(dimc), out.ptr, out.strides[0], "c0"]
-        return f"argmax_reduce({', '.join(args)})"
+        args = [("smem", "smem"), ("part", p.view(0, 1)), ("T", op.inputs[0].shape[1].to_c(dimc)),
+                ("out", out.view(const=False)), ("c0", "c0")]
+        return c_call("argmax_reduce", [], args)
 
 
 @term

@@ -54,10 +54,8 @@ def merge(part: torch.Tensor) -> torch.Tensor:
 def partial_args(op, q, kc, vc) -> list[tuple[str, str]]:
     """The labelled arguments ``attn_partial`` and ``attn_partial_merge`` share, up to the partials."""
     p = op.params
-    return [("smem", "smem"), ("q", q.ptr), ("q_s0", q.strides[0]), ("q_s1", q.strides[1]),
-            ("kc", kc.ptr), *zip(("k_s0", "k_s1", "k_s2"), kc.strides), ("vc", vc.ptr),
-            *zip(("v_s0", "v_s1", "v_s2"), vc.strides), ("L", p["length"].to_c(dimc)), ("chunk", f"{p['chunk']}LL"),
-            ("scale", f"{float(p['scale'])!r}f")]
+    return [("smem", "smem"), ("q", q.view()), ("kc", kc.view()), ("vc", vc.view()), ("L", p["length"].to_c(dimc)),
+            ("chunk", f"{p['chunk']}LL"), ("scale", f"{float(p['scale'])!r}f")]
 
 
 def attention_bytes(hq: int, hkv: int, d: int, item: int, length: int, chunk: int, *, splits: bool, merges: bool) -> int:
@@ -89,8 +87,7 @@ class AttnPartial(BlockKind):
     def cuda_call(self, op, ins, out):
         q, kc, vc = ins
         d = op.inputs[0].shape[1].value
-        args = [*partial_args(op, q, kc, vc), ("part", out.ptr), ("p_s0", out.strides[0]), ("p_s1", out.strides[1]),
-                ("c0", "c0"), ("c1", "c1")]
+        args = [*partial_args(op, q, kc, vc), ("part", out.view(0, 1, const=False)), ("c0", "c0"), ("c1", "c1")]
         return c_call("attn_partial", [q.ctype, d, op.params["group"]], args)
 
     def bytes_moved(self, op, env):
@@ -123,13 +120,9 @@ class AttnMerge(BlockKind):
         part = ins[0]
         p = op.params
         hq, d = (x.value for x in op.output.shape)
-        args = [
-            part.ptr, part.strides[0], part.strides[1],
-            p["length"].to_c(dimc), f"{p['chunk']}LL", f"{hq}LL", str(p["rows_per"]),
-            out.ptr, out.strides[0], out.strides[1],
-            "c0",
-        ]
-        return f"attn_merge<{out.ctype}, {d}>({', '.join(args)})"
+        args = [("part", part.view(0, 1)), ("L", p["length"].to_c(dimc)), ("chunk", f"{p['chunk']}LL"), ("Hq", f"{hq}LL"),
+                ("rows_per", str(p["rows_per"])), ("out", out.view(const=False)), ("c0", "c0")]
+        return c_call("attn_merge", [out.ctype, d], args)
 
     def bytes_moved(self, op, env):
         hq, d = (x.value for x in op.output.shape)
@@ -168,9 +161,8 @@ class AttnPartialMerge(BlockKind):
     def cuda_call(self, op, ins, out):
         q, kc, vc, part, arrive = ins
         d = op.inputs[0].shape[1].value
-        args = [*partial_args(op, q, kc, vc), ("part", f"(float*){part.ptr}"), ("p_s0", part.strides[0]),
-                ("p_s1", part.strides[1]), ("arrive", f"(unsigned*){arrive.ptr}"), ("out", out.ptr),
-                ("out_s0", out.strides[0]), ("out_s1", out.strides[1]), ("c0", "c0"), ("c1", "c1")]
+        args = [*partial_args(op, q, kc, vc), ("part", part.view(0, 1, ptr=f"(float*){part.ptr}", const=False)),
+                ("arrive", f"(unsigned*){arrive.ptr}"), ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1")]
         return c_call("attn_partial_merge", [q.ctype, d, op.params["group"]], args)
 
     def bytes_moved(self, op, env):

@@ -126,6 +126,20 @@ class Partition:
     writes: Footprint
 
 
+# The operand views of interpreter/cuda/common.cuh by rank: a pointer and per-dim strides.
+VIEWS = {1: "Vec", 2: "Mat", 3: "Ten3", 4: "Ten4"}
+
+
+def view_type(rank: int, ctype: str, const: bool = True) -> str:
+    """C++ type of a rank-``rank`` view of ``ctype`` elements: ``Mat<const __nv_bfloat16>``."""
+    return f"{VIEWS[rank]}<{'const ' if const else ''}{ctype}>"
+
+
+def no_view(rank: int, ctype: str, const: bool = True) -> str:
+    """An absent operand: the empty view (nullptr, zero strides), ``Mat<const T>{}``."""
+    return view_type(rank, ctype, const) + "{}"
+
+
 @dataclass(frozen=True)
 class CudaOperand:
     """How generated CUDA addresses one operand: base pointer and per-dim strides (C exprs)."""
@@ -134,6 +148,15 @@ class CudaOperand:
     strides: tuple[str, ...]
     shape: tuple[str, ...]
     ctype: str
+
+    def view(self, *dims: int, ptr: str | None = None, const: bool = True) -> str:
+        """The operand as a view struct (common.cuh) over the strides of ``dims`` (default: every dim):
+        ``Mat<const T>{in0, 2048LL, 1LL}`` for a 2-d input; ``o.view(1)``, the elements of its rows,
+        ``Vec<const T>{in0, 1LL}``. ``ptr``: another base (the instance's first row, say);
+        ``const=False``: an operand the body writes."""
+        dims = dims or tuple(range(len(self.strides)))
+        fields = [ptr or self.ptr, *(str(self.strides[d]) for d in dims)]
+        return f"{view_type(len(dims), self.ctype, const)}{{{', '.join(fields)}}}"
 
 
 class BlockKind:
@@ -150,6 +173,9 @@ class BlockKind:
     # Instances whose write footprints overlap hand the region to the last of them to finish (an
     # arrival counter in the body, attn_partial_merge): it is ready once all of them have run.
     last_writer: ClassVar[bool] = False
+    # Instances add into their output, an f32 ``accum`` sum that every launch zeroes (glu_down): a test
+    # of the body starts the output at 0 (not NaN: NaN + x compares equal to NaN + y and would pass).
+    accumulates: ClassVar[bool] = False
 
     def internal_inputs(self, op: "BlockOp") -> tuple[int, ...]:
         """Inputs only this op's own instances write and read, ordered by its body's protocol (an

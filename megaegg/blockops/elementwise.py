@@ -10,7 +10,7 @@ import torch
 
 from ..dims import as_dim, ceildiv, fmt_shape
 from ..graph import GraphError
-from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
+from .base import BlockKind, Partition, Term, c_call, dimc, f32, fields, register, term
 from ..ir.footprint import Full, Tile
 
 MAX_DIMS = 4  # the CUDA body addresses its operands through Idx4 (elementwise.cuh)
@@ -54,10 +54,11 @@ class Elementwise(BlockKind):
 
         shape = [d.to_c(dimc) for d in op.output.shape] or ["1"]
         types = ", ".join([out.ctype] + [o.ctype for o in ins])
-        args = [idx(shape), str(op.params["axis"]), f"{op.params['tile']}LL", "c0", out.ptr, idx(out.strides)]
-        for o in ins:
-            args += [o.ptr, idx(o.strides)]
-        return f"elementwise<Ew{op.params['fn'].capitalize()}, {max(nd, 1)}, {types}>({', '.join(args)})"
+        args = [("shape", idx(shape)), ("axis", str(op.params["axis"])), ("tile", f"{op.params['tile']}LL"), ("c0", "c0"),
+                ("out", out.ptr), ("out_st", idx(out.strides))]
+        for name, o in zip("ab", ins):
+            args += [(name, o.ptr), (f"{name}_st", idx(o.strides))]
+        return c_call("elementwise", [f"Ew{op.params['fn'].capitalize()}", max(nd, 1), types], args)
 
 
 def elementwise_params(fn: str, shape, env: dict[str, int], tile: int = 8192) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import BlockKind, Partition, Term, fields, register, term
+from .base import BlockKind, Partition, Term, c_call, fields, register, term
 from ..ir.footprint import Full, Tile
 
 
@@ -28,13 +28,10 @@ class Embedding(BlockKind):
     def cuda_call(self, op, ins, out):
         table, ids = ins
         d = op.inputs[0].shape[1].value
-        args = [  # (the table may be an activation of runtime rows: a gather of chosen rows)
-            table.ptr, table.strides[0], table.strides[1],
-            ids.ptr, ids.strides[0], f"({table.shape[0]})", f"{d}LL",
-            out.ptr, out.strides[0], out.strides[1],
-            "c0",
-        ]
-        return f"embedding_row<{table.ctype}, {ids.ctype}>({', '.join(args)})"
+        # (the table may be an activation of runtime rows: a gather of chosen rows)
+        args = [("table", table.view()), ("ids", ids.view()), ("V", f"({table.shape[0]})"), ("D", f"{d}LL"),
+                ("out", out.view(const=False)), ("c0", "c0")]
+        return c_call("embedding_row", [table.ctype, ids.ctype], args)
 
 
 @term

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from ..dims import as_dim, ceildiv
-from .base import NONE, BlockKind, Partition, Term, c_call, fields, register, term
+from .base import NONE, BlockKind, Partition, Term, c_call, fields, no_view, register, term
 from ..ir.footprint import Full, Tile
 from .matvec import gated, roles
 
@@ -30,6 +30,7 @@ from .matvec import gated, roles
 class GluDown(BlockKind):
     name = "glu_down"
     cuda_file = "glu_down.cuh"
+    accumulates = True  # every instance adds its rows' share into the sum
     waits_in_body = True  # the gated weights' first loads are in flight while it waits
 
     def build(self, inputs, output, params) -> Partition:
@@ -51,12 +52,12 @@ class GluDown(BlockKind):
     def cuda_call(self, op, ins, out) -> str:
         k, p = roles(op), op.params
         x, w, w2, wd = (ins[k[r]] for r in ("x", "w", "w2", "wd"))
-        g = [("g", ins[k["g"]].ptr), ("g_s0", ins[k["g"]].strides[0])] if "g" in k else [("g", "nullptr"), ("g_s0", "0")]
+        g = ins[k["g"]].view() if "g" in k else no_view(1, x.ctype)
         f, kdim = (d.value for d in op.inputs[k["w"]].shape)
         n = op.inputs[k["wd"]].shape[1].value
-        args = [("smem", "smem"), ("x", x.ptr), ("x_s1", x.strides[1]), *g, ("eps", f"{float(p.get('eps', 0.0))!r}f"),
-                ("w", w.ptr), ("w_s0", w.strides[0]), ("w2", w2.ptr), ("w2_s0", w2.strides[0]), ("wd", wd.ptr),
-                ("wd_s0", wd.strides[0]), ("acc", out.ptr), ("F", f"{f}LL"), ("n_tile", "c1"), ("wl", "wl"), ("scale", "1.0f")]
+        args = [("smem", "smem"), ("x", x.view(1)), ("g", g), ("eps", f"{float(p.get('eps', 0.0))!r}f"), ("w", w.view()),
+                ("w2", w2.view()), ("wd", wd.view()), ("acc", out.ptr), ("F", f"{f}LL"), ("n_tile", "c1"), ("wl", "wl"),
+                ("scale", "1.0f")]
         return c_call("glu_down", [x.ctype, kdim, n, p["rows"], "true" if "g" in k else "false"], args)
 
     def bytes_moved(self, op, env):
@@ -86,8 +87,9 @@ class AccResidual(BlockKind):
     def cuda_call(self, op, ins, out) -> str:
         r, acc = ins
         n = op.output.shape[1].value
-        args = [r.ptr, r.strides[1], acc.ptr, out.ptr, out.strides[1], f"{n}LL", f"{op.params['tile']}LL", "c1"]
-        return f"acc_residual<{out.ctype}>({', '.join(args)})"
+        args = [("r", r.view(1)), ("acc", acc.ptr), ("out", out.view(1, const=False)), ("n", f"{n}LL"),
+                ("tile", f"{op.params['tile']}LL"), ("c1", "c1")]
+        return c_call("acc_residual", [out.ctype], args)
 
 
 ACC_RESIDUAL_TILE = 1024  # elements per acc_residual instance: a few instances, one round trip each

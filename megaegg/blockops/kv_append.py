@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..dims import as_dim
-from .base import BlockKind, Partition, Term, dimc, fields, register, term
+from .base import BlockKind, Partition, Term, c_call, dimc, fields, register, term
 from ..ir.footprint import At, Full
 
 
@@ -29,12 +29,9 @@ class KvAppend(BlockKind):
     def cuda_call(self, op, ins, out):
         new = ins[0]
         hkv, smax, d = (x.value for x in op.output.shape)
-        args = [
-            new.ptr, new.strides[0], new.strides[1],
-            out.ptr, out.strides[0], out.strides[1], out.strides[2],
-            f"{hkv}LL", f"{smax}LL", f"{d}LL", op.params["pos"].to_c(dimc),
-        ]
-        return f"kv_append<{new.ctype}>({', '.join(args)})"
+        args = [("src", new.view()), ("cache", out.view(const=False)), ("Hkv", f"{hkv}LL"), ("Smax", f"{smax}LL"),
+                ("D", f"{d}LL"), ("pos", op.params["pos"].to_c(dimc))]
+        return c_call("kv_append", [new.ctype], args)
 
 
 @term

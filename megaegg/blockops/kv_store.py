@@ -9,7 +9,7 @@ heads never write the same element.
 
 from __future__ import annotations
 
-from .base import BlockKind, Partition, Term, fields, register, term
+from .base import BlockKind, Partition, Term, c_call, fields, register, term
 from ..ir.footprint import Full, Tile
 
 
@@ -45,11 +45,10 @@ class KvStore(BlockKind):
     def cuda_call(self, op, ins, out):
         new, pos, slot = ins
         slots, _, max_len, d = (x.value for x in op.output.shape)
-        args = [
-            new.ptr, *new.strides, pos.ptr, pos.strides[0], slot.ptr, slot.strides[0], new.shape[0],
-            out.ptr, *out.strides, f"{slots}LL", f"{max_len}LL", f"{d}LL", "c0",
-        ]
-        return f"kv_store<{new.ctype}>({', '.join(args)})"
+        args = [("src", new.view()), ("pos", pos.view()), ("slot", slot.view()), ("n", new.shape[0]),
+                ("cache", out.view(const=False)), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL"), ("D", f"{d}LL"),
+                ("c0", "c0")]
+        return c_call("kv_store", [new.ctype], args)
 
 
 @term

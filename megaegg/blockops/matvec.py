@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..dims import ceildiv
-from .base import NONE, BlockKind, CudaOperand, Partition, Term, c_call, f32, fields, register, rms_normed, term
+from .base import NONE, BlockKind, CudaOperand, Partition, Term, c_call, f32, fields, no_view, register, rms_normed, term
 from ..ir.footprint import Full, Tile
 
 
@@ -99,13 +99,12 @@ class MatVec(BlockKind):
         def rows_of(o: CudaOperand) -> str:  # the operand advanced to this instance's first x row
             return f"({o.ptr} + {cm} * {mrows} * {o.strides[0]})"
 
-        def operand(role: str, n_strides: int) -> list[tuple[str, str]]:  # absent: nullptr, zero strides
-            strides = [f"{role}_s{d}" for d in range(n_strides)]
+        def operand(role: str) -> tuple[str, str]:  # absent: the empty view
+            ctype = "float" if role in ("xa", "ra") else ins[k["x"]].ctype
             if role not in k:
-                return [(role, "nullptr"), *((s, "0") for s in strides)]
+                return role, no_view(1 if role == "g" else 2, ctype)
             o = ins[k[role]]
-            ptr = rows_of(o) if role in ("x", "r", "xa", "ra") else o.ptr
-            return [(role, ptr), *zip(strides, o.strides[:n_strides])]
+            return role, o.view(ptr=rows_of(o) if role in ("x", "r", "xa", "ra") else None)
 
         kdim = op.inputs[k["w"]].shape[1].value
         n = op.inputs[k["w"]].shape[0].value
@@ -113,9 +112,8 @@ class MatVec(BlockKind):
         # SUMS: whether xa / ra may be given (a runtime choice in the body). Always for one x row,
         # so the layers with and without them share one instantiation (matvec.cuh)
         flags.append("true" if mrows == 1 or "xa" in k or "ra" in k else "false")
-        args = [("smem", "smem"), *operand("x", 2), *operand("g", 1), ("eps", f"{float(p.get('eps', 0.0))!r}f"),
-                *operand("w", 2), *operand("w2", 2), *operand("r", 2), *operand("xa", 2), *operand("ra", 2),
-                ("out", rows_of(out)), ("out_s0", out.strides[0]), ("out_s1", out.strides[1]),
+        args = [("smem", "smem"), operand("x"), operand("g"), ("eps", f"{float(p.get('eps', 0.0))!r}f"), operand("w"),
+                operand("w2"), operand("r"), operand("xa"), operand("ra"), ("out", out.view(ptr=rows_of(out), const=False)),
                 ("N", f"{n}LL"), ("n_tile", cn), ("mvalid", f"min_i64({mrows}LL, ({out.shape[0]}) - {cm} * {mrows})"),
                 ("wl", "wl")]
         return c_call("matvec", [ins[k["x"]].ctype, mrows, kdim, p["rows"], *flags], args)

@@ -10,7 +10,7 @@ import torch
 
 from ..dims import as_dim, ceildiv
 from ..dtypes import f32
-from .base import NONE, BlockKind, Partition, Term, fields, register, term
+from .base import NONE, BlockKind, Partition, Term, c_call, fields, no_view, register, term
 from .argmax import nan_rows
 from ..ir.footprint import Full, Tile
 from .matvec import products, roles
@@ -43,11 +43,11 @@ class MatVecArgmax(BlockKind):
     def cuda_call(self, op, ins, out) -> str:
         k, p = roles(op), op.params
         x, w = ins[k["x"]], ins[k["w"]]
-        g = [ins[k["g"]].ptr, ins[k["g"]].strides[0]] if "g" in k else ["nullptr", "0"]
+        g = ins[k["g"]].view() if "g" in k else no_view(1, x.ctype)
         kdim, n = op.inputs[k["w"]].shape[1].value, op.inputs[k["w"]].shape[0].value
-        args = ["smem", x.ptr, x.strides[0], x.strides[1], *g, f"{float(p.get('eps', 0.0))!r}f",
-                w.ptr, w.strides[0], w.strides[1], out.ptr, out.strides[1], f"{n}LL", "c1"]
-        return f"matvec_argmax<{x.ctype}, {kdim}, {p['rows']}, {'true' if 'g' in k else 'false'}>({', '.join(args)})"
+        args = [("smem", "smem"), ("x", x.view()), ("g", g), ("eps", f"{float(p.get('eps', 0.0))!r}f"), ("w", w.view()),
+                ("part", out.view(1, const=False)), ("N", f"{n}LL"), ("n_tile", "c1")]
+        return c_call("matvec_argmax", [x.ctype, kdim, p["rows"], "true" if "g" in k else "false"], args)
 
     def bytes_moved(self, op, env):
         w = op.inputs[roles(op)["w"]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..dims import as_dim, ceildiv
-from .base import NONE, BlockKind, Partition, Term, dimc, fields, register, term
+from .base import NONE, BlockKind, Partition, Term, c_call, dimc, fields, no_view, register, term
 from ..ir.footprint import Full, Tile
 from .matvec import products, roles
 
@@ -51,14 +51,14 @@ class MatVecHeads(BlockKind):
     def cuda_call(self, op, ins, out) -> str:
         k, p = roles(op), op.params
         x, w = ins[k["x"]], ins[k["w"]]
-        g = [ins[k["g"]].ptr, ins[k["g"]].strides[0]] if "g" in k else ["nullptr", "0"]
+        g = ins[k["g"]].view() if "g" in k else no_view(1, x.ctype)
         inv = ins[k["inv_freq"]].ptr if "inv_freq" in k else "nullptr"
         pos = p["pos"].to_c(dimc) if "inv_freq" in k else "0"
         kdim, n = op.inputs[k["w"]].shape[1].value, op.inputs[k["w"]].shape[0].value
-        flags = f"{'true' if 'g' in k else 'false'}, {'true' if 'inv_freq' in k else 'false'}"
-        args = ["smem", x.ptr, x.strides[0], x.strides[1], *g, f"{float(p.get('eps', 0.0))!r}f",
-                w.ptr, w.strides[0], w.strides[1], inv, pos, out.ptr, out.strides[0], out.strides[1], f"{n}LL", "c1"]
-        return f"matvec_heads<{x.ctype}, {kdim}, {p['rows']}, {p['head_dim']}, {flags}>({', '.join(args)})"
+        flags = ["true" if "g" in k else "false", "true" if "inv_freq" in k else "false"]
+        args = [("smem", "smem"), ("x", x.view()), ("g", g), ("eps", f"{float(p.get('eps', 0.0))!r}f"), ("w", w.view()),
+                ("inv_freq", inv), ("pos", pos), ("out", out.view(const=False)), ("N", f"{n}LL"), ("n_tile", "c1")]
+        return c_call("matvec_heads", [x.ctype, kdim, p["rows"], p["head_dim"], *flags], args)
 
     def bytes_moved(self, op, env):
         k = roles(op)

@@ -19,7 +19,7 @@ import math
 
 from ..dims import as_dim, ceildiv
 from ..reference import expert_mlp, moe_routing
-from .base import NONE, BlockKind, Partition, Term, c_call, f32, fields, register, rms_normed, term
+from .base import NONE, BlockKind, Partition, Term, c_call, f32, fields, no_view, register, rms_normed, term
 from .elementwise import elementwise_params
 from ..ir.footprint import Full, Tile
 from .matvec import roles
@@ -29,6 +29,7 @@ from .matvec import roles
 class MoeGluDown(BlockKind):
     name = "moe_glu_down"
     cuda_file = "moe.cuh"
+    accumulates = True  # every instance adds its rows' share into the sum
 
     def build(self, inputs, output, params) -> Partition:
         rows = params["rows"]
@@ -53,16 +54,13 @@ class MoeGluDown(BlockKind):
     def cuda_call(self, op, ins, out) -> str:
         k, p = roles(op), op.params
         x, logits, w, w2, wd = (ins[k[r]] for r in ("x", "logits", "w", "w2", "wd"))
-        g = [("g", ins[k["g"]].ptr), ("g_s0", ins[k["g"]].strides[0])] if "g" in k else [("g", "nullptr"), ("g_s0", "0")]
+        g = ins[k["g"]].view() if "g" in k else no_view(1, x.ctype)
         experts, f, kdim = (d.value for d in op.inputs[k["w"]].shape)
         n = op.inputs[k["wd"]].shape[2].value
-        args = [("smem", "smem"), ("x", x.ptr), ("x_s1", x.strides[1]), *g, ("eps", f"{float(p.get('eps', 0.0))!r}f"),
-                ("logits", logits.ptr), ("logits_s1", logits.strides[1]), ("E", str(experts)),
-                ("top_k", str(p["top_k"])), ("normalize", "true" if p["normalize"] else "false"), ("slot", "c0"),
-                ("w", w.ptr), ("w_se", w.strides[0]), ("w_s0", w.strides[1]),
-                ("w2", w2.ptr), ("w2_se", w2.strides[0]), ("w2_s0", w2.strides[1]),
-                ("wd", wd.ptr), ("wd_se", wd.strides[0]), ("wd_s0", wd.strides[1]),
-                ("acc", out.ptr), ("F", f"{f}LL"), ("n_tile", "c1")]
+        args = [("smem", "smem"), ("x", x.view(1)), ("g", g), ("eps", f"{float(p.get('eps', 0.0))!r}f"),
+                ("logits", logits.view(1)), ("E", str(experts)), ("top_k", str(p["top_k"])),
+                ("normalize", "true" if p["normalize"] else "false"), ("slot", "c0"), ("w", w.view()), ("w2", w2.view()),
+                ("wd", wd.view()), ("acc", out.ptr), ("F", f"{f}LL"), ("n_tile", "c1")]
         norm = "true" if "g" in k else "false"
         return c_call("moe_glu_down", [x.ctype, logits.ctype, kdim, n, p["rows"], norm], args)
 

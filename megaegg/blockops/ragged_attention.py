@@ -18,7 +18,7 @@ import torch
 
 from ..dims import as_dim, ceildiv
 from ..dtypes import f32 as F32
-from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
+from .base import BlockKind, Partition, Term, c_call, dimc, f32, fields, register, term
 from ..ir.footprint import Full, Tile
 from .kv_store import row_index
 
@@ -77,12 +77,11 @@ class RaggedPartial(BlockKind):
         p = op.params
         d = op.inputs[0].shape[2].value
         slots, _, max_len, _ = (x.value for x in op.inputs[1].shape)
-        args = [
-            "smem", q.ptr, *q.strides, kc.ptr, *kc.strides, vc.ptr, *vc.strides,
-            pos.ptr, pos.strides[0], slot.ptr, slot.strides[0], f"{slots}LL", f"{max_len}LL",
-            f"{p['chunk']}LL", f"{float(p['scale'])!r}f", out.ptr, *out.strides[:3], "c0", "c1", "c2",
-        ]
-        return f"ragged_partial<{q.ctype}, {d}, {p['group']}>({', '.join(args)})"
+        args = [("smem", "smem"), ("q", q.view()), ("kc", kc.view()), ("vc", vc.view()), ("pos", pos.view(0)),
+                ("slot", slot.view(0)), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL"), ("chunk", f"{p['chunk']}LL"),
+                ("scale", f"{float(p['scale'])!r}f"), ("part", out.view(0, 1, 2, const=False)), ("c0", "c0"), ("c1", "c1"),
+                ("c2", "c2")]
+        return c_call("ragged_partial", [q.ctype, d, p["group"]], args)
 
 
 @register
@@ -118,11 +117,10 @@ class RaggedMerge(BlockKind):
         p = op.params
         hq, d = (x.value for x in op.output.shape[1:])
         bound = f"min_i64({p['max_len']}LL, {p['length'].to_c(dimc)})"  # (rows past it: an error, as in cpu)
-        args = [
-            part.ptr, *part.strides[:3], pos.ptr, pos.strides[0], bound, f"{p['chunk']}LL",
-            f"{hq}LL", str(p["rows_per"]), out.ptr, *out.strides, "c0", "c1",
-        ]
-        return f"ragged_merge<{out.ctype}, {d}>({', '.join(args)})"
+        args = [("part", part.view(0, 1, 2)), ("pos", pos.view(0)), ("max_len", bound), ("chunk", f"{p['chunk']}LL"),
+                ("Hq", f"{hq}LL"), ("rows_per", str(p["rows_per"])), ("out", out.view(const=False)), ("c0", "c0"),
+                ("c1", "c1")]
+        return c_call("ragged_merge", [out.ctype, d], args)
 
 
 @term

@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..dims import ceildiv
-from .base import NONE, BlockKind, Partition, Term, dimc, f32, fields, register, rms_normed, term
+from .base import NONE, BlockKind, Partition, Term, c_call, dimc, f32, fields, no_view, register, rms_normed, term
 from ..ir.footprint import Full, Tile
 from .matvec import roles
 
@@ -52,18 +52,15 @@ class Rope(BlockKind):
     def cuda_call(self, op, ins, out):
         k, p = roles(op), op.params
         x, inv = ins[k["x"]], ins[k["inv_freq"]]
-        pos_ids = [ins[k["pos_ids"]].ptr, ins[k["pos_ids"]].strides[0]] if "pos_ids" in k else ["nullptr", "0"]
-        g = [ins[k["g"]].ptr, ins[k["g"]].strides[0]] if "g" in k else ["nullptr", "0"]
+        pos_ids = ins[k["pos_ids"]].view() if "pos_ids" in k else no_view(1, "int")
+        g = ins[k["g"]].view() if "g" in k else no_view(1, x.ctype)
         pos = p["pos"].to_c(dimc) if p.get("pos") is not None else "0"
-        args = [
-            x.ptr, x.strides[0], x.strides[1], inv.ptr,
-            *pos_ids, pos, f"{p.get('group', 1)}LL",
-            *g, f"{float(p.get('eps', 0.0))!r}f",
-            out.ptr, out.strides[0], out.strides[1],
-            op.inputs[0].shape[0].to_c(dimc), str(p["rows_per"]), "c0",
-        ]
+        args = [("x", x.view()), ("inv_freq", inv.ptr), ("pos_ids", pos_ids), ("pos", pos),
+                ("group", f"{p.get('group', 1)}LL"), ("g", g), ("eps", f"{float(p.get('eps', 0.0))!r}f"),
+                ("out", out.view(const=False)), ("rows", op.inputs[0].shape[0].to_c(dimc)),
+                ("rows_per", str(p["rows_per"])), ("c0", "c0")]
         norm = "true" if "g" in k else "false"
-        return f"rope_rows<{x.ctype}, {op.inputs[0].shape[1].value}, {norm}>({', '.join(args)})"
+        return c_call("rope_rows", [x.ctype, op.inputs[0].shape[1].value, norm], args)
 
 
 @term

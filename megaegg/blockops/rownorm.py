@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..dims import ceildiv
-from .base import BlockKind, Partition, Term, dimc, f32, fields, register, rms_normed, term
+from .base import BlockKind, Partition, Term, c_call, dimc, f32, fields, register, rms_normed, term
 from ..ir.footprint import Full, Tile
 
 
@@ -26,13 +26,10 @@ class RmsNorm(BlockKind):
     def cuda_call(self, op, ins, out):
         x, g = ins
         p = op.params
-        args = [
-            "smem",
-            x.ptr, x.strides[0], x.strides[1], g.ptr, g.strides[0], f"{float(p['eps'])!r}f",
-            out.ptr, out.strides[0], out.strides[1],
-            op.inputs[0].shape[0].to_c(dimc), str(p["rows_per"]), "c0",
-        ]
-        return f"rms_norm_rows<{x.ctype}, {op.inputs[0].shape[1].value}>({', '.join(args)})"
+        args = [("smem", "smem"), ("x", x.view()), ("g", g.view()), ("eps", f"{float(p['eps'])!r}f"),
+                ("out", out.view(const=False)), ("rows", op.inputs[0].shape[0].to_c(dimc)), ("rows_per", str(p["rows_per"])),
+                ("c0", "c0")]
+        return c_call("rms_norm_rows", [x.ctype, op.inputs[0].shape[1].value], args)
 
 
 @term

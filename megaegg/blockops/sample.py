@@ -37,11 +37,9 @@ class Sample(BlockKind):
 
     def cuda_call(self, op, ins, out):
         logits, temperature, top_k, top_p, seed, counter = ins
-        args = [("smem", "smem"), ("logits", logits.ptr), ("l_s0", logits.strides[0]), ("l_s1", logits.strides[1]),
-                ("V", f"{op.inputs[0].shape[1].value}LL"), ("temperature", temperature.ptr), ("t_s0", temperature.strides[0]),
-                ("top_k", top_k.ptr), ("k_s0", top_k.strides[0]), ("top_p", top_p.ptr), ("p_s0", top_p.strides[0]),
-                ("seed", seed.ptr), ("s_s0", seed.strides[0]), ("counter", counter.ptr), ("n_s0", counter.strides[0]),
-                ("out", out.ptr), ("out_s0", out.strides[0]), ("c0", "c0")]
+        args = [("smem", "smem"), ("logits", logits.view()), ("V", f"{op.inputs[0].shape[1].value}LL"),
+                ("temperature", temperature.view()), ("top_k", top_k.view()), ("top_p", top_p.view()), ("seed", seed.view()),
+                ("counter", counter.view()), ("out", out.view(const=False)), ("c0", "c0")]
         return c_call("sample_row", [logits.ctype], args)
 
 

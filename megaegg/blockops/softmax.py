@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..dims import ceildiv
 from ..graph import GraphError
-from .base import BlockKind, Partition, Term, dimc, f32, fields, register, term
+from .base import BlockKind, Partition, Term, c_call, dimc, f32, fields, register, term
 from ..ir.footprint import Full, Tile
 
 
@@ -26,13 +26,9 @@ class Softmax(BlockKind):
     def cuda_call(self, op, ins, out):
         x = ins[0]
         rows, d = op.inputs[0].shape
-        args = [
-            "smem",
-            x.ptr, x.strides[0], x.strides[1],
-            out.ptr, out.strides[0], out.strides[1],
-            d.to_c(dimc), rows.to_c(dimc), str(op.params["rows_per"]), "c0",
-        ]
-        return f"softmax_rows<{x.ctype}>({', '.join(args)})"
+        args = [("smem", "smem"), ("x", x.view()), ("out", out.view(const=False)), ("D", d.to_c(dimc)),
+                ("rows", rows.to_c(dimc)), ("rows_per", str(op.params["rows_per"])), ("c0", "c0")]
+        return c_call("softmax_rows", [x.ctype], args)
 
 
 @term

@@ -44,18 +44,32 @@
 #define MEGA_CONSTS_AT (2 * MEGA_ENTRIES + (1 + MEGA_LAUNCHES) * (MEGA_ENTRIES + 1))  // table: the constants
 #define MEGA_MAX_RANKS 8  // GPUs of a tensor-parallel group (megaegg/ops.py: MAX_RANKS)
 
+// struct MegaArgs, the by-value argument struct, and the static_asserts of its layout: interpreter/kernel_args.py
 struct MegaArgs {
-  char* arena;
-  unsigned* counters;              // 2 * MEGA_COUNTERS
-  unsigned long long* control;     // see runtime.cuh
-  long long parity;
-  unsigned long long* trace;       // MEGA_TRACE builds: 4 words per instance
-  const long long* table;          // render.py: EntryTable.words
-  long long rank, seq;             // tensor parallel: this GPU's rank; this launch's number (1, 2, ...)
-  char* peers[MEGA_MAX_RANKS];     // every rank's peer region (peer-to-peer addresses), by rank
-  long long dims[1];
-  void* ptr[27];
+  char* arena;                    // scratch (lowering/queue.py: MemoryPlan.arena_bytes)
+  unsigned* counters;             // 2 * MEGA_COUNTERS
+  unsigned long long* control;    // see runtime.cuh
+  long long parity;               // which counter set this launch uses (0, 1)
+  unsigned long long* trace;      // MEGA_TRACE builds: 4 words per instance
+  const long long* table;         // render.py: EntryTable.words
+  long long rank;                 // tensor parallel: this GPU's rank
+  long long seq;                  // tensor parallel: this launch's number (1, 2, ...)
+  char* peers[MEGA_MAX_RANKS];    // every rank's peer region (peer-to-peer addresses), by rank
+  long long dims[1];              // the runtime dims, in Program.symbols order
+  void* ptr[27];                  // every buffer outside the arena, by MemoryPlan.pointer_slot
 };
+static_assert(__builtin_offsetof(MegaArgs, arena) == 0, "MegaArgs.arena: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, counters) == 8, "MegaArgs.counters: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, control) == 16, "MegaArgs.control: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, parity) == 24, "MegaArgs.parity: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, trace) == 32, "MegaArgs.trace: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, table) == 40, "MegaArgs.table: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, rank) == 48, "MegaArgs.rank: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, seq) == 56, "MegaArgs.seq: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, peers) == 64, "MegaArgs.peers: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, dims) == 128, "MegaArgs.dims: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, ptr) == 136, "MegaArgs.ptr: offset differs from interpreter/kernel_args.py");
+static_assert(sizeof(MegaArgs) == 352, "MegaArgs: size differs from interpreter/kernel_args.py");
 
 extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
   extern __shared__ __align__(16) char smem[];
@@ -141,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         int* const in1 = ((int*)args.ptr[1]);
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 0));
         MEGA_TRACE_WAITED();
-        embedding_row<__nv_bfloat16, int>(in0, 256LL, 1LL, in1, 1LL, (1024LL), 256LL, out, 256LL, 1LL, c0);
+        embedding_row<__nv_bfloat16, int>(/*table*/ Mat<const __nv_bfloat16>{in0, 256LL, 1LL}, /*ids*/ Vec<const int>{in1, 1LL}, /*V*/ (1024LL), /*D*/ 256LL, /*out*/ Mat<__nv_bfloat16>{out, 256LL, 1LL}, /*c0*/ c0);
         mega_sync();
         if (threadIdx.x == 0) {
           mega_red_release(&ctr[0 + (0LL)], 1u);
@@ -162,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{(in0 + c0 * 1 * 256LL), 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{in2, 1LL}, /*eps*/ 1e-05f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{}, /*r*/ Mat<const __nv_bfloat16>{}, /*xa*/ Mat<const float>{}, /*ra*/ Mat<const float>{}, /*out*/ Mat<__nv_bfloat16>{(out + c0 * 1 * e6), e7, 1LL}, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -184,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[0 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{(in0 + c0 * 1 * 256LL), 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{in2, 1LL}, /*eps*/ 1e-05f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{}, /*r*/ Mat<const __nv_bfloat16>{}, /*xa*/ Mat<const float>{}, /*ra*/ Mat<const float>{}, /*out*/ Mat<__nv_bfloat16>{(out + c0 * 1 * 128LL), 128LL, 1LL}, /*N*/ 128LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -204,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[e2 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        rope_rows<__nv_bfloat16, 64, false>(in0, 64LL, 1LL, in1, nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, out, 64LL, 1LL, 4LL, 1, c0);
+        rope_rows<__nv_bfloat16, 64, false>(/*x*/ Mat<const __nv_bfloat16>{in0, 64LL, 1LL}, /*inv_freq*/ in1, /*pos_ids*/ Vec<const int>{}, /*pos*/ D_pos, /*group*/ 1LL, /*g*/ Vec<const __nv_bfloat16>{}, /*eps*/ 0.0f, /*out*/ Mat<__nv_bfloat16>{out, 64LL, 1LL}, /*rows*/ 4LL, /*rows_per*/ 1, /*c0*/ c0);
         mega_sync();
         if (threadIdx.x == 0) {
           mega_red_release(&ctr[e3 + ((D__i0 / 2LL))], 1u);
@@ -222,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[e2 + (D__i0)]; wl.expected[0] = (unsigned)(8LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        rope_rows<__nv_bfloat16, 64, false>(in0, 64LL, 1LL, in1, nullptr, 0, D_pos, 1LL, nullptr, 0, 0.0f, out, 65536LL, 1LL, 2LL, 1, c0);
+        rope_rows<__nv_bfloat16, 64, false>(/*x*/ Mat<const __nv_bfloat16>{in0, 64LL, 1LL}, /*inv_freq*/ in1, /*pos_ids*/ Vec<const int>{}, /*pos*/ D_pos, /*group*/ 1LL, /*g*/ Vec<const __nv_bfloat16>{}, /*eps*/ 0.0f, /*out*/ Mat<__nv_bfloat16>{out, 65536LL, 1LL}, /*rows*/ 2LL, /*rows_per*/ 1, /*c0*/ c0);
         mega_sync();
         if (threadIdx.x == 0) {
           mega_red_release(&ctr[e3 + (D__i0)], 1u);
@@ -239,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[e2 + (0LL)]; wl.expected[0] = (unsigned)(16LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        kv_append<__nv_bfloat16>(in0, 64LL, 1LL, out, 65536LL, 64LL, 1LL, 2LL, 1024LL, 64LL, D_pos);
+        kv_append<__nv_bfloat16>(/*src*/ Mat<const __nv_bfloat16>{in0, 64LL, 1LL}, /*cache*/ Ten3<__nv_bfloat16>{out, 65536LL, 64LL, 1LL}, /*Hkv*/ 2LL, /*Smax*/ 1024LL, /*D*/ 64LL, /*pos*/ D_pos);
         mega_sync();
         if (threadIdx.x == 0) {
           mega_red_release(&ctr[e3 + (0LL)], 1u);
@@ -263,7 +277,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[2] = &ctr[e8 + (0LL)]; wl.expected[2] = (unsigned)(min_i64(max_i64((min_i64(((D__i1 * 64LL) + 64LL), (D_pos + 1LL)) + (D_pos * -1LL)), 0LL), 1LL));
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        attn_partial_merge<__nv_bfloat16, 64, 2>(/*smem*/ smem, /*q*/ in0, /*q_s0*/ 64LL, /*q_s1*/ 1LL, /*kc*/ in1, /*k_s0*/ 65536LL, /*k_s1*/ 64LL, /*k_s2*/ 1LL, /*vc*/ in2, /*v_s0*/ 65536LL, /*v_s1*/ 64LL, /*v_s2*/ 1LL, /*L*/ (D_pos + 1LL), /*chunk*/ 64LL, /*scale*/ 0.125f, /*part*/ (float*)in3, /*p_s0*/ 1056LL, /*p_s1*/ 66LL, /*arrive*/ (unsigned*)in4, /*out*/ out, /*out_s0*/ 64LL, /*out_s1*/ 1LL, /*c0*/ c0, /*c1*/ c1);
+        attn_partial_merge<__nv_bfloat16, 64, 2>(/*smem*/ smem, /*q*/ Mat<const __nv_bfloat16>{in0, 64LL, 1LL}, /*kc*/ Ten3<const __nv_bfloat16>{in1, 65536LL, 64LL, 1LL}, /*vc*/ Ten3<const __nv_bfloat16>{in2, 65536LL, 64LL, 1LL}, /*L*/ (D_pos + 1LL), /*chunk*/ 64LL, /*scale*/ 0.125f, /*part*/ Mat<float>{(float*)in3, 1056LL, 66LL}, /*arrive*/ (unsigned*)in4, /*out*/ Mat<__nv_bfloat16>{out, 64LL, 1LL}, /*c0*/ c0, /*c1*/ c1);
         mega_sync();
         if (threadIdx.x == 0) {
           mega_red_release(&ctr[e9 + (0LL)], 1u);
@@ -284,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[13 + (0LL)]; wl.expected[0] = (unsigned)((((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
         wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{(in0 + c0 * 1 * 256LL), 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{}, /*eps*/ 0.0f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{}, /*r*/ Mat<const __nv_bfloat16>{(in2 + c0 * 1 * 256LL), 256LL, 1LL}, /*xa*/ Mat<const float>{}, /*ra*/ Mat<const float>{}, /*out*/ Mat<__nv_bfloat16>{(out + c0 * 1 * 256LL), 256LL, 1LL}, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -310,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[e8 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
-        glu_down<__nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ in0, /*x_s1*/ 1LL, /*g*/ in1, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in2, /*w_s0*/ 256LL, /*w2*/ in3, /*w2_s0*/ 256LL, /*wd*/ in4, /*wd_s0*/ 256LL, /*acc*/ out, /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl, /*scale*/ 1.0f);
+        glu_down<__nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ Vec<const __nv_bfloat16>{in0, 1LL}, /*g*/ Vec<const __nv_bfloat16>{in1, 1LL}, /*eps*/ 1e-05f, /*w*/ Mat<const __nv_bfloat16>{in2, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{in3, 256LL, 1LL}, /*wd*/ Mat<const __nv_bfloat16>{in4, 256LL, 1LL}, /*acc*/ out, /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl, /*scale*/ 1.0f);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -334,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * e6), /*out_s0*/ e7, /*out_s1*/ 1LL, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{(in0 + c0 * 1 * 256LL), 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{in2, 1LL}, /*eps*/ 1e-05f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{}, /*r*/ Mat<const __nv_bfloat16>{}, /*xa*/ Mat<const float>{(in3 + c0 * 1 * 256LL), 256LL, 1LL}, /*ra*/ Mat<const float>{}, /*out*/ Mat<__nv_bfloat16>{(out + c0 * 1 * e6), e7, 1LL}, /*N*/ e8, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -357,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         }
         MegaWaits wl; wl.n = 1;
         wl.ctr[0] = &ctr[15 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ in2, /*g_s0*/ 1LL, /*eps*/ 1e-05f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ nullptr, /*r_s0*/ 0, /*r_s1*/ 0, /*xa*/ (in3 + c0 * 1 * 256LL), /*xa_s0*/ 256LL, /*xa_s1*/ 1LL, /*ra*/ nullptr, /*ra_s0*/ 0, /*ra_s1*/ 0, /*out*/ (out + c0 * 1 * 128LL), /*out_s0*/ 128LL, /*out_s1*/ 1LL, /*N*/ 128LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, true, false, false, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{(in0 + c0 * 1 * 256LL), 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{in2, 1LL}, /*eps*/ 1e-05f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{}, /*r*/ Mat<const __nv_bfloat16>{}, /*xa*/ Mat<const float>{(in3 + c0 * 1 * 256LL), 256LL, 1LL}, /*ra*/ Mat<const float>{}, /*out*/ Mat<__nv_bfloat16>{(out + c0 * 1 * 128LL), 128LL, 1LL}, /*N*/ 128LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -381,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[28 + (0LL)]; wl.expected[0] = (unsigned)((((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
         wl.ctr[1] = &ctr[15 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true>(/*smem*/ smem, /*x*/ (in0 + c0 * 1 * 256LL), /*x_s0*/ 256LL, /*x_s1*/ 1LL, /*g*/ nullptr, /*g_s0*/ 0, /*eps*/ 0.0f, /*w*/ in1, /*w_s0*/ 256LL, /*w_s1*/ 1LL, /*w2*/ nullptr, /*w2_s0*/ 0, /*w2_s1*/ 0, /*r*/ (in2 + c0 * 1 * 256LL), /*r_s0*/ 256LL, /*r_s1*/ 1LL, /*xa*/ nullptr, /*xa_s0*/ 0, /*xa_s1*/ 0, /*ra*/ (in3 + c0 * 1 * 256LL), /*ra_s0*/ 256LL, /*ra_s1*/ 1LL, /*out*/ (out + c0 * 1 * 256LL), /*out_s0*/ 256LL, /*out_s1*/ 1LL, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{(in0 + c0 * 1 * 256LL), 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{}, /*eps*/ 0.0f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{}, /*r*/ Mat<const __nv_bfloat16>{(in2 + c0 * 1 * 256LL), 256LL, 1LL}, /*xa*/ Mat<const float>{}, /*ra*/ Mat<const float>{(in3 + c0 * 1 * 256LL), 256LL, 1LL}, /*out*/ Mat<__nv_bfloat16>{(out + c0 * 1 * 256LL), 256LL, 1LL}, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -401,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[30 + (0LL)]; wl.expected[0] = (unsigned)(64LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        acc_residual<__nv_bfloat16>(in0, 1LL, in1, out, 1LL, 256LL, 1024LL, c1);
+        acc_residual<__nv_bfloat16>(/*r*/ Vec<const __nv_bfloat16>{in0, 1LL}, /*acc*/ in1, /*out*/ Vec<__nv_bfloat16>{out, 1LL}, /*n*/ 256LL, /*tile*/ 1024LL, /*c1*/ c1);
         mega_sync();
         if (threadIdx.x == 0) {
           mega_red_release(&ctr[31 + (0LL)], 1u);
@@ -423,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[31 + (0LL)]; wl.expected[0] = (unsigned)(1LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        matvec_argmax<__nv_bfloat16, 256, 8, true>(smem, in0, 256LL, 1LL, in2, 1LL, 1e-05f, in1, 256LL, 1LL, out, 2LL, 1024LL, c1);
+        matvec_argmax<__nv_bfloat16, 256, 8, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{in0, 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{in2, 1LL}, /*eps*/ 1e-05f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*part*/ Vec<float>{out, 2LL}, /*N*/ 1024LL, /*n_tile*/ c1);
         mega_sync();
         if (threadIdx.x == 0) {
           mega_red_release(&ctr[32 + (0LL)], 1u);
@@ -439,7 +453,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         wl.ctr[0] = &ctr[32 + (0LL)]; wl.expected[0] = (unsigned)(128LL);
         if (!mega_wait_all(wl)) break;
         MEGA_TRACE_WAITS_PASSED();
-        argmax_reduce(smem, in0, 256LL, 2LL, 128LL, out, 1LL, c0);
+        argmax_reduce(/*smem*/ smem, /*part*/ Mat<const float>{in0, 256LL, 2LL}, /*T*/ 128LL, /*out*/ Vec<int>{out, 1LL}, /*c0*/ c0);
       } break;
       default: break;
     }
