@@ -158,13 +158,9 @@ def run(a: argparse.Namespace) -> dict:
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
 
     def mega_step(ins: dict, dims: dict):
-        """The launch alone (as bench_decode times it), after one checked call for the logits."""
+        """The launch alone (as bench_decode times it: ``kernel.launcher``), after one checked call for the logits."""
         logits = kernel(**ins, **caches, **dims)["logits"]
-        if not cuda:
-            return logits, lambda: kernel(**ins, **caches, **dims)
-        tensors, d = kernel._split_args({**ins, **caches, **dims})
-        order = [d[s] for s in kernel.program.symbols]
-        return logits, lambda: kernel._runner.launch(order, tensors)
+        return logits, kernel.launcher(**ins, **caches, **dims)
 
     def compiled(fn, mode):
         if not cuda:
@@ -183,14 +179,12 @@ def run(a: argparse.Namespace) -> dict:
         row = {"kind": "decode", "batch": b}
         got, step = mega_step(ins, {"n": b, "r": b, "ctx": a.context + 1})
         row["megakernel_ms"] = timed(step, a.iters, a.warmup, cuda)
+        step.check()  # raises if a timed launch hit a device-side error
         if b == 1 and decode_one is not None:
             views = {n: c[0] for n, c in caches.items()}
-            if cuda:
-                tensors, d = decode_one._split_args({"token": ins["token"], "pos": a.context, **views})
-                one = lambda: decode_one._runner.launch([d[s] for s in decode_one.program.symbols], tensors)  # noqa: E731
-            else:
-                one = lambda: decode_one(token=ins["token"], pos=a.context, **views)  # noqa: E731
+            one = decode_one.launcher(token=ins["token"], pos=a.context, **views)
             row["decode_graph_ms"] = timed(one, a.iters, a.warmup, cuda)
+            one.check()
         fn = compiled(peer.decode, "reduce-overhead")
         pos = torch.full((b,), a.context, dtype=torch.int64, device=device)
 
@@ -210,6 +204,7 @@ def run(a: argparse.Namespace) -> dict:
         row = {"kind": "prefill", "tokens": t}
         got, step = mega_step(ins, {"n": t, "r": 1, "ctx": t})
         row["megakernel_ms"] = timed(step, *prefill_iters(a), cuda)
+        step.check()  # raises if a timed launch hit a device-side error
         fn = compiled(peer.prefill, "default")
         want = fn(toks)[0].clone()
         row["torch_compile_ms"] = timed(lambda: fn(toks), *prefill_iters(a), cuda)

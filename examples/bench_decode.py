@@ -14,7 +14,8 @@ What it does (docs/design.md, "Performance facts"):
    KV caches filled with random data (``max_len = context + 1``, the step runs at
    ``pos = context`` and reads ``context + 1`` rows);
 4. median ms/step (CUDA events around each single step, steps back to back, after
-   warm-up) of the megakernel (``kernel._runner.launch``) and two families of PyTorch peers:
+   warm-up) of the megakernel (``kernel.launcher(...)``: the call checked once, then bare launches) and
+   two families of PyTorch peers:
 
    - "ref-rounding ...": :class:`~megaegg.models.torch_decode.TorchDecoder`, which rounds
      like the reference (norms / RoPE in fp32 with a rounding after each, fused q/k/v and
@@ -630,20 +631,11 @@ def megakernel(b: Bench) -> dict:
                 b.extra["correctness"][key] = rel_errs(out["logits"], b.eager_logits[family])
     del out
 
-    if b.cuda:
-        buffers = {bf.name: bf for bf in kernel.program.buffers if bf.kind in ("input", "state")}
-        named = {"token": b.token, **caches}
-        missing = sorted(set(buffers) - set(named))
-        if missing:
-            raise RuntimeError(f"megakernel inputs not bound: {missing}")
-        tensors = {bf.id: named[name] for name, bf in buffers.items()}
-        dims = [{"pos": b.context}[s] for s in kernel.program.symbols]
-        runner = kernel._runner
-        res = b.timed(lambda: runner.launch(dims, tensors))
-        runner.check()  # syncs; raises if any timed launch hit a device-side error
-    else:  # the CPU simulator: the whole call (seconds each; a smoke test, not a timing)
-        res = time_steps(lambda: kernel(token=b.token, pos=b.context, **caches), iters=b.args.iters,
-                         warmup=b.args.warmup, cuda=False)
+    # the step's arguments checked once; each timed launch is the launch alone (on the CPU simulator a
+    # whole simulated step, seconds each: a smoke test, not a timing)
+    launch = kernel.launcher(token=b.token, pos=b.context, **caches)
+    res = b.timed(launch)
+    launch.check()  # syncs; raises if any timed launch hit a device-side error
     return {**res, **info}
 
 

@@ -1,8 +1,8 @@
 """A CPU simulator of the megakernel: the same queue, barriers and expressions.
 
 Simulated SMs claim instances in queue order, wait on the derived barrier
-counters, run each instance's CPU semantics (the kind's ``cpu``) and signal. The
-scheduler picks which SM moves next at random, or adversarially (one chosen op's
+counters, run each instance's CPU semantics (the kind's ``cpu``) and signal. An
+:class:`Interleaving` picks which SM moves next at random, or adversarially (one chosen op's
 instances are delayed as long as anything else can move). Scratch buffers start
 as NaN, and every element an instance reads must already have been written in
 this launch (or come from outside it): a barrier that lets a consumer in early
@@ -16,7 +16,7 @@ Simulation a rank and launch, each rank with its own SMs and claim order and its
 the other, as on its stream: an instance that writes a ``peer`` buffer writes its row into every
 rank's copy (the half of the launch's parity) and signals every rank's counter of its source rank;
 peer counters count across launches, and a wait on a peer family waits for every source rank to
-reach the launch number times its count. The scheduler interleaves the ranks at random, or delays
+reach the launch number times its count. The interleaving mixes the ranks at random, or delays
 one rank (and one op) as long as anything else can move, so the others run ahead into their next
 launches; a rank that writes into a half another rank's earlier launch still reads fails the run.
 """
@@ -39,7 +39,11 @@ class SimulationError(AssertionError):
 
 
 @dataclass(frozen=True)
-class Schedule:
+class Interleaving:
+    """How the simulated SMs interleave: ``sms`` of them, the random order drawn from ``seed``;
+    ``adversarial``: one op's instances (and, across ranks, one rank) delayed as long as anything
+    else can move. (Not the rewrite stage's ``schedule.py``, the order of its passes.)"""
+
     sms: int = 8
     seed: int = 0
     adversarial: bool = False  # delay one op's instances as long as possible
@@ -196,11 +200,11 @@ class Simulation:
                 key = (s.id, s.signal.eval(env))
                 self.counters[key] = self.counters.get(key, 0) + 1
 
-    # --- the scheduler ------------------------------------------------------------------
-    def run(self, schedule: Schedule) -> None:
-        rng = random.Random(schedule.seed)
-        victim = rng.randrange(len(self.q.entries)) if schedule.adversarial and self.q.entries else None
-        held: list[tuple[int, int] | None] = [None] * schedule.sms
+    # --- the interleaving ------------------------------------------------------------------
+    def run(self, interleaving: Interleaving) -> None:
+        rng = random.Random(interleaving.seed)
+        victim = rng.randrange(len(self.q.entries)) if interleaving.adversarial and self.q.entries else None
+        held: list[tuple[int, int] | None] = [None] * interleaving.sms
         nxt = 0
         while nxt < len(self.instances) or any(h is not None for h in held):
             movable = [s for s, h in enumerate(held) if (h is None and nxt < len(self.instances)) or (h is not None and self.waits_met(*h))]
@@ -219,10 +223,10 @@ class Simulation:
                 held[s] = None
 
 
-def run_launches(launches: list[list[Simulation]], schedule: Schedule) -> None:
+def run_launches(launches: list[list[Simulation]], interleaving: Interleaving) -> None:
     """Launches of a tensor-parallel group, ``launches[t][r]`` rank ``r``'s launch ``t`` (numbered
     ``t + 1``, sharing the rank's ``state``): each rank claims its own instances in queue order on
-    ``schedule.sms`` SMs and starts its next launch once the last one finished; the next move is a
+    ``interleaving.sms`` SMs and starts its next launch once the last one finished; the next move is a
     random SM of a random rank, or, adversarially, anything but one victim rank and one victim op
     while anything else can move. Fails on an early read, a double write, a peer half overwritten
     early or a deadlock, naming the rank."""
@@ -230,12 +234,12 @@ def run_launches(launches: list[list[Simulation]], schedule: Schedule) -> None:
     for group in launches:
         for s in group:
             s.group = group
-    rng = random.Random(schedule.seed)
+    rng = random.Random(interleaving.seed)
     entries = len(launches[0][0].q.entries)
-    victim_op = rng.randrange(entries) if schedule.adversarial and entries else None
-    victim_rank = rng.randrange(ranks) if schedule.adversarial else None
+    victim_op = rng.randrange(entries) if interleaving.adversarial and entries else None
+    victim_rank = rng.randrange(ranks) if interleaving.adversarial else None
     cur = [0] * ranks  # each rank's current launch
-    held = [[None] * schedule.sms for _ in range(ranks)]
+    held = [[None] * interleaving.sms for _ in range(ranks)]
     nxt = [0] * ranks
 
     def sim(r: int) -> Simulation:

@@ -428,10 +428,11 @@ def _canon(v: Any) -> Any:
 @lru_cache(maxsize=1)
 def code_version() -> str:
     """Hash of the compiler's own source (Python and CUDA): a changed compiler never reuses an artifact."""
-    from . import interpreter, lowering, rewrite
+    from importlib.util import find_spec
 
-    h = hashlib.sha256()
-    roots = [Path(__file__).parent, *(Path(m.__file__).parent for m in (rewrite, lowering, interpreter))]
+    h = hashlib.sha256()  # (the stages' folders found without importing them: no import cycle)
+    roots = [Path(__file__).parent, *(Path(find_spec(f"megaegg.{m}").origin).parent
+                                      for m in ("rewrite", "lowering", "interpreter"))]
     for root in roots:
         for p in sorted(root.rglob("*")):
             if p.suffix in (".py", ".cuh", ".cu") and "models" not in p.relative_to(root).parts:

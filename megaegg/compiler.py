@@ -12,6 +12,7 @@ True
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import logging
 import math
@@ -24,8 +25,7 @@ import torch
 from .artifact import Artifact, artifact_key, load_cached, store_cached
 from .dims import evaluate_shape, fmt_shape
 from .graph import IN_PLACE_OPS, Graph, GraphError, fmt_bytes
-from .rewrite import schedule
-from .rewrite.cost import CostModel
+from .rewrite import CostModel  # (the stage's passes are imported by build_artifact, on first use)
 from .ir.program import Operand, swap_last
 
 DEFAULT_MAX_DIM = 8192
@@ -68,14 +68,15 @@ def build_artifact(
     dims_hint: Mapping[str, int] | None = None, compile_cuda: bool = True,
 ) -> Artifact:
     """Compile ``graph`` from scratch (no artifact cache): rewrite, queue, CUDA source [, cubin]."""
-    from .interpreter.render import defines, render
-    from .lowering.queue import build_queue
+    from .interpreter import defines, render
+    from .lowering import build_queue
+    from .rewrite import RewriteStats, rewrite
 
     opts = compile_options(graph, max_dims, dims_hint, cost_model)
-    stats = schedule.RewriteStats()
+    stats = RewriteStats()
     log.info("rewrite: %d graph nodes ...", len(graph.nodes))
     t0 = time.perf_counter()
-    program = schedule.rewrite(graph, cost_model=opts["cost_model"], dims_hint=opts["dims_hint"], stats=stats)
+    program = rewrite(graph, cost_model=opts["cost_model"], dims_hint=opts["dims_hint"], stats=stats)
     t1 = time.perf_counter()
     queue = build_queue(program, opts["max_dims"])
     t2 = time.perf_counter()
@@ -99,7 +100,7 @@ def build_artifact(
 
 def compile_kernel(art: Artifact) -> None:
     """Give ``art`` its cubin (NVRTC, or the cubin cache)."""
-    from .interpreter.nvrtc import compile_cubin
+    from .interpreter import compile_cubin
 
     log.info("nvrtc: compiling %d KB of CUDA (cold: ~10-60 s; cached cubins load at once) ...", len(art.source) // 1024)
     out = compile_cubin(art.source, defines=art.defines)
@@ -114,7 +115,7 @@ def cached_artifact(graph: Graph, *, max_dims=None, cost_model=None, dims_hint=N
     compiled before with the same options and code version is loaded, not rebuilt."""
     t0 = time.perf_counter()
     opts = compile_options(graph, max_dims, dims_hint, cost_model)
-    from .interpreter.render import defines
+    from .interpreter import defines
 
     key = artifact_key(graph, {**opts, "defines": defines()})
     art = load_cached(key, graph)  # None: absent, caching off, or a bad entry (warned about once): rebuilt
@@ -136,7 +137,7 @@ CONTROL_BYTES = 64  # the control record (interpreter/runtime.py: CONTROL_WORDS 
 
 def tensor_bytes(shape, dtype, max_dims: Mapping[str, int]) -> int:
     """Bytes of a tensor of ``shape`` (runtime dims at most ``max_dims``) and ``dtype``, at its largest."""
-    from .lowering.queue import upper_bound
+    from .lowering import upper_bound
 
     return dtype.itemsize * math.prod(upper_bound(d, max_dims) for d in shape)
 
@@ -331,7 +332,8 @@ def _check_has_data(what: str, t: torch.Tensor) -> None:
 
 
 class Kernel:
-    """A compiled graph. ``kernel(**inputs, **dims)`` returns the outputs by name."""
+    """A compiled graph. ``kernel(**inputs, **dims)`` returns the outputs by name; ``kernel.launcher(**inputs,
+    **dims)`` checks a call once and launches it again and again without checks (:class:`Launcher`)."""
 
     def __init__(self, artifact: Artifact, weights: Mapping[str, torch.Tensor], *, backend: str | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -354,7 +356,7 @@ class Kernel:
             if self._written else None
         self._runner = None
         if backend == "cuda":
-            from .interpreter.runtime import CudaRunner
+            from .interpreter import CudaRunner
 
             if artifact.cubin is None:
                 raise GraphError("artifact was built without a cubin (compile_cuda=False): build it for backend 'cuda'")
@@ -468,6 +470,8 @@ class Kernel:
 
     # --- running ----------------------------------------------------------------------
     def __call__(self, *, check: bool = True, **kwargs) -> dict[str, torch.Tensor]:
+        """Run once: the outputs by name. ``check=False``: on the cuda backend, return without waiting for
+        the launch (the outputs are queued on the current stream); :meth:`check` raises its errors later."""
         self._one_rank()
         tensors, dims = self._split_args(kwargs)
         if self.backend == "sim":
@@ -477,6 +481,28 @@ class Kernel:
         if check:
             self._runner.check()
         return outs
+
+    def launcher(self, **kwargs) -> "Launcher":
+        """The call ``kernel(**kwargs)`` checked once (inputs, dims, bounds, aliasing): a :class:`Launcher`
+        that launches it again and again without any check, for benchmarks and tight loops."""
+        self._one_rank()
+        tensors, dims = self._split_args(kwargs)
+        return Launcher(self, tensors, dims)
+
+    def check(self) -> None:
+        """Wait for this kernel's launches so far and raise the error they recorded, if any
+        (``megaegg.interpreter.MegakernelError``: a barrier wait timed out, an index out of range, NaN
+        logits), after which the kernel is usable again. The sim backend raises at once: nothing to do."""
+        if self._runner is not None:
+            self._runner.check()
+
+    @property
+    def launches(self) -> int:
+        """How many times this kernel ran (device launches on the cuda backend, ``trace()``'s not counted;
+        simulator runs on the sim backend)."""
+        return self._runner.stats.launches if self._runner is not None else self._sim_runs
+
+    _sim_runs = 0  # (the sim backend's launches)
 
     def _read_cuda(self, o: Operand, dims, tensors) -> torch.Tensor:
         lay = self.queue.layout(o)
@@ -490,11 +516,12 @@ class Kernel:
         return base.as_strided([d.eval(dims) for d in lay.shape], [d.eval(dims) for d in lay.stride],
                                base.storage_offset() + lay.offset.eval(dims)).clone()
 
-    def _run_sim(self, tensors, dims, schedule=None) -> dict[str, torch.Tensor]:
-        from .interpreter.simulator import Schedule, Simulation
+    def _run_sim(self, tensors, dims, interleaving=None) -> dict[str, torch.Tensor]:
+        from .interpreter import Interleaving, Simulation
 
         sim = Simulation(self.queue, self._sim_buffers(tensors, dims), dims)
-        sim.run(schedule or self.schedule or Schedule())
+        self._sim_runs += 1
+        sim.run(interleaving or self.interleaving or Interleaving())
         return {name: sim.view(o, dims).clone() for name, o in self.program.outputs.items()}
 
     def _sim_buffers(self, tensors, dims) -> dict[int, torch.Tensor]:
@@ -517,10 +544,8 @@ class Kernel:
         """Run once with per-instance timestamps (a separately compiled traced kernel); returns a Trace."""
         import numpy as np
 
-        from .interpreter.nvrtc import compile_cubin
-        from .interpreter.runtime import CudaRunner
-        from .interpreter.trace import Trace
-        from .lowering.queue import upper_bound
+        from .interpreter import CudaRunner, Trace, compile_cubin
+        from .lowering import upper_bound
 
         if self.backend != "cuda":
             raise GraphError("trace() needs the cuda backend")
@@ -541,13 +566,76 @@ class Kernel:
         raw = run.trace[: 4 * total].cpu().numpy().view(np.uint64).reshape(total, 4)
         return Trace(self.queue, raw)
 
-    schedule = None  # the simulator's schedule; set a megaegg.interpreter.simulator.Schedule to vary it
+    interleaving = None  # how the simulator interleaves the SMs; set a megaegg.interpreter.Interleaving to vary it
 
-    def simulate(self, schedule, **kwargs) -> dict[str, torch.Tensor]:
-        """Run on the CPU simulator with a given schedule (random seed, SM count, adversarial)."""
+    def simulate(self, interleaving, **kwargs) -> dict[str, torch.Tensor]:
+        """Run on the CPU simulator under ``interleaving`` (a megaegg.interpreter.Interleaving: SM count,
+        random seed, adversarial)."""
         self._one_rank()
         tensors, dims = self._split_args(kwargs)
-        return self._run_sim(tensors, dims, schedule)
+        return self._run_sim(tensors, dims, interleaving)
+
+    # --- tensor-parallel peers (megaegg.parallel.ParallelKernel wires its ranks' kernels together) ---
+    def _peer_region(self) -> torch.Tensor:
+        return self._runner.peer_region
+
+    def _set_peers(self, rank: int, regions: list[int]) -> None:
+        self._runner.set_peers(rank, regions)
+
+    def _reset_peers(self) -> None:
+        self._runner.reset_peers()
+
+
+class Launcher:
+    """One call of a :class:`Kernel`, checked once by ``kernel.launcher(**inputs, **dims)``: ``launcher()``
+    launches it again with no check at all (on the cuda backend it queues one launch on torch's current
+    stream and returns; on the sim backend it runs the simulator). ``check()`` waits and raises a kernel
+    error the launches recorded (:meth:`Kernel.check`); ``outputs()`` reads what the last launch wrote.
+
+    It launches on the tensors it was given every time (an input on another device, or not contiguous,
+    is copied once, when the launcher is made): update them in place between launches (``copy_``; the
+    kernel itself updates its caches), never rebind or free them; the runtime dims are fixed too.
+
+    >>> import torch, megaegg as me
+    >>> g = me.Graph(); x = g.input("x", [1, 64], me.f32)
+    >>> _ = g.output("y", me.silu(me.linear(x, g.weight("w", [32, 64], me.f32))))
+    >>> kernel = me.compile(g, {"w": torch.randn(32, 64)}, backend="sim")
+    >>> x0 = torch.randn(1, 64)
+    >>> launch = kernel.launcher(x=x0)
+    >>> for _ in range(3):
+    ...     launch()
+    >>> launch.check()
+    >>> bool(torch.equal(launch.outputs()["y"], kernel(x=x0)["y"])), kernel.launches
+    (True, 4)
+    """
+
+    def __init__(self, kernel: Kernel, tensors: dict[int, torch.Tensor], dims: dict[str, int]) -> None:
+        self.kernel, self.dims = kernel, dims
+        self._tensors, self._last = tensors, None
+        if kernel.backend == "cuda":  # (bound once: a launch is one call into the runtime)
+            self._launch = functools.partial(kernel._runner.launch, [dims[s] for s in kernel.program.symbols], tensors)
+        else:
+            self._launch = self._simulate
+
+    def __call__(self) -> None:
+        self._launch()
+
+    def _simulate(self) -> None:
+        self._last = self.kernel._run_sim(self._tensors, self.dims)
+
+    def check(self) -> None:
+        """Wait for the launches and raise the error they recorded, if any (:meth:`Kernel.check`)."""
+        self.kernel.check()
+
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """The outputs by name as the last launch wrote them (copies; on the cuda backend, queued on the
+        current stream after it)."""
+        k = self.kernel
+        if k.backend == "sim":
+            if self._last is None:
+                raise GraphError("launcher.outputs(): nothing was launched yet")
+            return dict(self._last)
+        return {name: k._read_cuda(o, self.dims, self._tensors) for name, o in k.program.outputs.items()}
 
 
 def resolve_backend(backend: str | None) -> str:

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 import torch
 
 from .artifact import Artifact
-from .compiler import AliasGuard, Kernel, check_fits, kernel_memory, resolve_backend
+from .compiler import AliasGuard, Kernel, Launcher, check_fits, kernel_memory, resolve_backend
 from .graph import GraphError
 
 
@@ -41,7 +41,7 @@ class ParallelKernel:
             raise GraphError(f"the graph spans {self.ranks} ranks (all_reduce, all_gather): give one weights dict per rank "
                              f"(got {'a dict' if isinstance(weights, Mapping) else len(weights)})")
         self.backend = resolve_backend(backend)
-        self.schedule = None  # the simulator's schedule (interpreter/simulator.py: Schedule)
+        self.interleaving = None  # how the simulator interleaves SMs and ranks (megaegg.interpreter.Interleaving)
         if self.backend == "cuda":
             devices = [torch.device("cuda", r) for r in range(self.ranks)] if devices is None else \
                 [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
@@ -67,28 +67,27 @@ class ParallelKernel:
                                   for what, t in k._alias.bound_named]) if k0._state_ids else None
         self._alias_labels = [f"rank {r}'s {label}" for r in range(self.ranks) for label in k0._state_labels]
         if self.backend == "cuda":
-            regions = [k._runner.peer_region.data_ptr() for k in self.kernels]
+            regions = [k._peer_region().data_ptr() for k in self.kernels]
             for r, k in enumerate(self.kernels):
-                k._runner.set_peers(r, regions)
+                k._set_peers(r, regions)
 
     def __call__(self, inputs: Sequence[Mapping[str, torch.Tensor]], *, check: bool = True,
                  **dims: int) -> list[dict[str, torch.Tensor]]:
+        launch = self.launcher(inputs, **dims)
+        launch()
+        outs = launch.outputs()
+        if check:
+            self.check()
+        return outs
+
+    def launcher(self, inputs: Sequence[Mapping[str, torch.Tensor]], **dims: int) -> "ParallelLauncher":
+        """The call ``kernel(inputs, **dims)`` checked once: a :class:`ParallelLauncher` that launches
+        every rank again and again without any check (``Kernel.launcher``'s contract, per rank)."""
         if isinstance(inputs, Mapping) or len(inputs) != self.ranks:
             raise GraphError(f"inputs: one dict per rank wanted ({self.ranks})")
         split = [k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)]
         self._check_aliasing(split)
-        if self.backend == "sim":
-            return self._run_sim([split], self.schedule)[0]
-        for k, d, (tensors, env) in zip(self.kernels, self.devices, split):  # every rank's kernel, then wait
-            with _on(d):
-                k._runner.launch([env[s] for s in k.program.symbols], tensors)
-        outs = []
-        for k, d, (tensors, env) in zip(self.kernels, self.devices, split):
-            with _on(d):
-                outs.append({name: k._read_cuda(o, env, tensors) for name, o in k.program.outputs.items()})
-        if check:
-            self.check()
-        return outs
+        return ParallelLauncher(self, split)
 
     def check(self) -> None:
         """Wait for every rank; raise the first rank's error, after resetting every rank's peer counters."""
@@ -99,20 +98,21 @@ class ParallelKernel:
         errors = []
         for r, k in enumerate(self.kernels):
             try:
-                k._runner.check()
+                k.check()
             except Exception as e:  # noqa: BLE001 - reported below, once every rank stopped
                 errors.append((r, e))
         if errors:
             for k in self.kernels:  # (the group restarts from launch 1 together)
-                k._runner.reset_peers()
+                k._reset_peers()
             r, e = errors[0]
             raise type(e)(f"rank {r}: {e}") from e
 
-    def simulate(self, schedule, inputs: Sequence[Mapping[str, torch.Tensor]], **dims: int) -> list[dict]:
-        """Run every rank on the CPU simulator together (interpreter/simulator.py: run_launches)."""
-        return self.simulate_launches(schedule, [(inputs, dims)])[0]
+    def simulate(self, interleaving, inputs: Sequence[Mapping[str, torch.Tensor]], **dims: int) -> list[dict]:
+        """Run every rank on the CPU simulator together under ``interleaving`` (megaegg.interpreter:
+        Interleaving, run_launches)."""
+        return self.simulate_launches(interleaving, [(inputs, dims)])[0]
 
-    def simulate_launches(self, schedule, steps: Sequence[tuple[Sequence[Mapping[str, torch.Tensor]], Mapping[str, int]]],
+    def simulate_launches(self, interleaving, steps: Sequence[tuple[Sequence[Mapping[str, torch.Tensor]], Mapping[str, int]]],
                           *, halves: int = 2) -> list[list[dict]]:
         """Several launches in a row on the simulator, ``steps[t] = (inputs of every rank, dims)``, each
         rank starting its next launch as soon as its last one ended (others may still run theirs); the
@@ -121,7 +121,7 @@ class ParallelKernel:
         split = [[k._split_args({**i, **dims}) for k, i in zip(self.kernels, inputs)] for inputs, dims in steps]
         for s in split:
             self._check_aliasing(s)
-        return self._run_sim(split, schedule, halves)
+        return self._run_sim(split, interleaving, halves)
 
     def _check_aliasing(self, split) -> None:
         """Across the ranks of one launch (each rank's own tensors were checked by its Kernel)."""
@@ -134,8 +134,9 @@ class ParallelKernel:
         self._alias.check(self._alias_labels, written, others,
                           tuple(tuple(env.values()) for _, env in split) if self.kernels[0]._state_symbolic else ())
 
-    def _run_sim(self, launches, schedule, halves: int = 2) -> list[list[dict[str, torch.Tensor]]]:
-        from .interpreter.simulator import RankState, Schedule, Simulation, poison, run_launches
+    def _run_sim(self, launches, interleaving, halves: int = 2) -> list[list[dict[str, torch.Tensor]]]:
+        from .interpreter import Interleaving, Simulation, run_launches
+        from .interpreter.simulator import RankState, poison
 
         peers = [b for b in self.kernels[0].program.buffers if b.kind == "peer"]
         copies = []  # per rank: each peer buffer's halves (static shapes), kept across launches like the GPU's region
@@ -152,9 +153,45 @@ class ParallelKernel:
                 flat = k._sim_buffers(tensors, env) | {b: c[(seq - 1) % halves] for b, c in copies[r].items()}
                 group.append(Simulation(k.queue, flat, env, rank=r, seq=seq, state=states[r], halves=halves))
             sims.append(group)
-        run_launches(sims, schedule or self.schedule or Schedule())
+        run_launches(sims, interleaving or self.interleaving or Interleaving())
         return [[{name: s.view(o, env).clone() for name, o in k.program.outputs.items()}
                  for s, k, (_, env) in zip(group, self.kernels, split)] for group, split in zip(sims, launches)]
+
+
+class ParallelLauncher:
+    """One call of a :class:`ParallelKernel`, checked once by ``kernel.launcher(inputs, **dims)``:
+    ``launcher()`` launches every rank (each on its GPU's current stream; the sim backend runs them
+    together), ``check()`` waits for all and raises the first rank's error (:meth:`ParallelKernel.check`),
+    ``outputs()`` reads each rank's outputs of the last launch. As :class:`~megaegg.compiler.Launcher`,
+    it launches on the tensors it was given: update them in place, never rebind them."""
+
+    def __init__(self, kernel: ParallelKernel, split: list) -> None:
+        self.kernel, self._split, self._last = kernel, split, None
+        self._ranks = [Launcher(k, tensors, env) for k, (tensors, env) in zip(kernel.kernels, split)] \
+            if kernel.backend == "cuda" else None
+
+    def __call__(self) -> None:
+        if self._ranks is None:
+            self._last = self.kernel._run_sim([self._split], self.kernel.interleaving)[0]
+            return
+        for launch, d in zip(self._ranks, self.kernel.devices):  # every rank's kernel, then wait
+            with _on(d):
+                launch()
+
+    def check(self) -> None:
+        self.kernel.check()
+
+    def outputs(self) -> list[dict[str, torch.Tensor]]:
+        """Each rank's outputs by name, as the last launch wrote them (copies)."""
+        if self._ranks is None:
+            if self._last is None:
+                raise GraphError("launcher.outputs(): nothing was launched yet")
+            return [dict(o) for o in self._last]
+        outs = []
+        for launch, d in zip(self._ranks, self.kernel.devices):
+            with _on(d):
+                outs.append(launch.outputs())
+        return outs
 
 
 def _on(device: torch.device):

@@ -11,7 +11,7 @@ import torch
 from tiny_checkpoints import save_tiny
 
 import megaegg as me
-from megaegg.interpreter.simulator import Schedule, SimulationError
+from megaegg.interpreter import Interleaving, SimulationError
 from megaegg.models import ModelConfig, build_step_graph, load_checkpoint, random_weights, read_config
 from megaegg.models.batch import Batcher, Request, Sampling, kernel_batch_step, reference_batch_step
 from megaegg.sampling import draw_bits, sample_row
@@ -38,7 +38,7 @@ def test_batch_on_the_simulator_matches_transformers_prompt_by_prompt(tmp_path, 
     graph, spec = build_step_graph(cfg, max_len=32, slots=2)
     weights = load_checkpoint(path, spec)
     kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 6, "r": 2, "ctx": 32})
-    kernel.schedule = Schedule(sms=5, seed=1, adversarial=True)
+    kernel.interleaving = Interleaving(sms=5, seed=1, adversarial=True)
     batcher = Batcher(kernel_batch_step(kernel, spec.new_caches()), slots=2, max_len=32, max_tokens=6)
     outs = batcher.run([Request(p, 6) for p in PROMPTS])
     for prompt, out in zip(PROMPTS, outs):
@@ -120,7 +120,7 @@ def test_the_draw_is_a_uniform_hash_of_seed_and_counter():
     assert {sample_row(logits, 1.0, 1, 1.0, s, 0) for s in range(50)} <= {1, 2}  # top_k 1 keeps ties of the k-th
 
 
-def test_kv_store_and_ragged_attention_on_adversarial_schedules():
+def test_kv_store_and_ragged_attention_on_adversarial_interleavings():
     """Rows of three sequences (one prefilling four tokens that attend each other) write their K and V and
     attend their own slot's rows; a dropped wait lets attention read the cache before the write."""
     n = me.sym("n")
@@ -141,14 +141,14 @@ def test_kv_store_and_ragged_attention_on_adversarial_schedules():
     fresh = lambda: {k: c.clone() for k, c in caches.items()}  # noqa: E731
     ref = me.run_reference(g, {**ins, **fresh()}, {}, {"n": rows})
     for seed in range(4):
-        out = kernel.simulate(Schedule(sms=4, seed=seed, adversarial=seed % 2 == 1), **ins, **fresh(), n=rows)
+        out = kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=seed % 2 == 1), **ins, **fresh(), n=rows)
         assert torch.allclose(out["o"], ref["o"], atol=1e-5, rtol=1e-5)
     q0 = kernel.queue
     kernel.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_partial"
                                                          else e for e in q0.entries))
     with pytest.raises(SimulationError, match=r"ragged_partial .* read unwritten elements of buffer 'kc'"):
         for seed in range(8):
-            kernel.simulate(Schedule(sms=4, seed=seed, adversarial=True), **ins, **fresh(), n=rows)
+            kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=True), **ins, **fresh(), n=rows)
     kernel.queue = q0
 
 

@@ -294,17 +294,17 @@ class ByteTokenizer:
 
 
 def test_stream_prints_each_tokens_new_text_as_it_comes():
-    from megaegg.models.cli import Stream
+    from megaegg.models.cli import TokenPrinter
 
     out = io.StringIO()
-    stream = Stream(ByteTokenizer(), out)
+    stream = TokenPrinter(ByteTokenizer(), out)
     seen = []
     for b in "hé!".encode():  # é is two bytes: nothing is printed for its first
         stream(b)
         seen.append(out.getvalue())
     stream.finish()
     assert seen == ["h", "h", "hé", "hé!"] and out.getvalue() == "hé!\n"
-    ids = Stream(None, out := io.StringIO())
+    ids = TokenPrinter(None, out := io.StringIO())
     for t in (5, 17):
         ids(t)
     ids.finish()

@@ -10,7 +10,7 @@ import torch
 from op_cases import MOE_WEIGHTS, moe
 
 import megaegg as me
-from megaegg.interpreter.simulator import Schedule
+from megaegg.interpreter import Interleaving
 from megaegg.models import (
     CheckpointError, Generator, ModelConfig, UnsupportedConfig, build_decode_graph, kernel_step, load_checkpoint,
     read_config, reference_step,
@@ -88,7 +88,7 @@ def test_only_the_chosen_experts_are_read():
         poisoned[name] = w
     want = me.run_reference(g, {"x": x}, weights)["y"]
     k = me.compile(g, poisoned, backend="sim")
-    for sch in (Schedule(sms=1), Schedule(sms=6, seed=4, adversarial=True)):
+    for sch in (Interleaving(sms=1), Interleaving(sms=6, seed=4, adversarial=True)):
         got = k.simulate(sch, x=x.clone())["y"]
         assert torch.isfinite(got).all()
         assert ((got - want).norm() / want.norm()).item() < 1e-5

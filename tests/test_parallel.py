@@ -11,7 +11,7 @@ import megaegg as me
 from megaegg.compiler import build_artifact
 from megaegg.graph import GraphError
 from megaegg.interpreter.render import render
-from megaegg.interpreter.simulator import Schedule, SimulationError
+from megaegg.interpreter import Interleaving, SimulationError
 from megaegg.models import ModelConfig, UnsupportedConfig, build_decode_graph, random_weights
 from megaegg.models.decoder import shard_caches, shard_weights
 from megaegg.parallel import ParallelKernel
@@ -52,7 +52,7 @@ def test_simulated_ranks_match_reference(model, seed, adversarial):
     shards = [shard_weights(s, W, r) for r in range(TP)]
     kernel = ParallelKernel(art, shards, backend="sim")
     tok = torch.tensor([4], dtype=torch.int32)
-    ours = kernel.simulate(Schedule(sms=3, seed=seed, adversarial=adversarial), rank_inputs(caches, s, tok), pos=11)
+    ours = kernel.simulate(Interleaving(sms=3, seed=seed, adversarial=adversarial), rank_inputs(caches, s, tok), pos=11)
     ref = me.run_reference_ranks(g, rank_inputs(caches, s, tok), shards, {"pos": 11})
     for r in range(TP):
         torch.testing.assert_close(ours[r]["logits"], ref[r]["logits"], atol=1e-5, rtol=1e-5)
@@ -69,7 +69,7 @@ def test_simulated_launches_carry_peer_counters_and_halves(model):
         ours_c, ref_c = rank_inputs(caches, s, None), rank_inputs(caches, s, None)
         feeds = [([{**{n: c for n, c in ours_c[r].items() if n != "token"}, "token": torch.tensor([t], dtype=torch.int32)}
                    for r in range(TP)], {"pos": p}) for t, p in steps]
-        outs = kernel.simulate_launches(Schedule(sms=2, seed=seed, adversarial=adversarial), feeds)
+        outs = kernel.simulate_launches(Interleaving(sms=2, seed=seed, adversarial=adversarial), feeds)
         for (t, p), ours in zip(steps, outs):
             ref = me.run_reference_ranks(g, [{**{n: c for n, c in ref_c[r].items() if n != "token"},
                                               "token": torch.tensor([t], dtype=torch.int32)} for r in range(TP)],
@@ -88,7 +88,7 @@ def test_one_half_of_peer_buffers_is_caught(model):
                for r in range(TP)], {"pos": p}) for p in (5, 6, 7)]
     with pytest.raises(SimulationError, match="still reads"):
         for seed in range(8):
-            kernel.simulate_launches(Schedule(sms=2, seed=seed, adversarial=True), feeds, halves=1)
+            kernel.simulate_launches(Interleaving(sms=2, seed=seed, adversarial=True), feeds, halves=1)
 
 
 def test_peer_barriers_are_per_source_and_static(model):
@@ -133,7 +133,7 @@ def test_dropped_cross_rank_wait_fails(model, kind):
     tok = torch.tensor([4], dtype=torch.int32)
     with pytest.raises(SimulationError, match=f"rank .*{kind}.*early"):
         for seed in range(6):  # (some interleaving lets a sum in before the other rank's send)
-            kernel.simulate(Schedule(sms=2, seed=seed, adversarial=True), rank_inputs(caches, s, tok), pos=3)
+            kernel.simulate(Interleaving(sms=2, seed=seed, adversarial=True), rank_inputs(caches, s, tok), pos=3)
 
 
 def test_user_errors():
@@ -161,7 +161,7 @@ def test_user_errors():
     with pytest.raises(GraphError, match="ParallelKernel"):
         me.Kernel(art, {}, backend="sim")(x=torch.ones(1, 8))
     with pytest.raises(GraphError, match="ParallelKernel"):
-        me.Kernel(art, {}, backend="sim").simulate(Schedule(), x=torch.ones(1, 8))
+        me.Kernel(art, {}, backend="sim").simulate(Interleaving(), x=torch.ones(1, 8))
     _, (_, s1), (_, s) = tiny(2)
     W = random_weights(s1, seed=1)
     with pytest.raises(GraphError, match="missing weight"):
@@ -179,7 +179,7 @@ def test_all_gather_concatenates_in_rank_order():
     with pytest.raises(GraphError, match="run_reference_ranks"):
         me.run_reference(g, {"x": xs[0]})
     art = build_artifact(g, compile_cuda=False)
-    ours = ParallelKernel(art, [{}, {}], backend="sim").simulate(Schedule(sms=2, seed=5, adversarial=True),
+    ours = ParallelKernel(art, [{}, {}], backend="sim").simulate(Interleaving(sms=2, seed=5, adversarial=True),
                                                                  [{"x": t} for t in xs])
     for out in ours:
         torch.testing.assert_close(out["y"], want)
@@ -209,7 +209,7 @@ def test_ragged_vocabulary_parallel_lm_head_on_simulated_ranks():
     feeds = [([{**{n: x for n, x in c[r].items() if n != "token"}, "token": torch.tensor([t], dtype=torch.int32)}
                for r in range(TP)], {"pos": p}) for t, p in ((5, 3), (77, 4))]
     ref_c = rank_inputs(caches, s, None)
-    for (t, p), ours in zip(((5, 3), (77, 4)), kernel.simulate_launches(Schedule(sms=3, seed=1, adversarial=True), feeds)):
+    for (t, p), ours in zip(((5, 3), (77, 4)), kernel.simulate_launches(Interleaving(sms=3, seed=1, adversarial=True), feeds)):
         one = me.run_reference(g1, {"token": torch.tensor([t], dtype=torch.int32), **{n: x for n, x in caches.items()}}, W, {"pos": p})
         ref = me.run_reference_ranks(g, [{**{n: x for n, x in ref_c[r].items() if n != "token"},
                                           "token": torch.tensor([t], dtype=torch.int32)} for r in range(TP)], shards, {"pos": p})

@@ -1,4 +1,4 @@
-"""The compiled queue on the CPU simulator: random and adversarial schedules, poisoned buffers."""
+"""The compiled queue on the CPU simulator: random and adversarial interleavings, poisoned buffers."""
 
 import dataclasses
 import zlib
@@ -12,16 +12,16 @@ from test_reference import WEIGHTS, build_layer
 
 import megaegg as me
 from megaegg.dims import as_dim
-from megaegg.interpreter.simulator import Schedule, SimulationError
+from megaegg.interpreter import Interleaving, SimulationError
 
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def compare(kernel, graph, inputs, weights, dims, tol, schedules=(Schedule(),)):
+def compare(kernel, graph, inputs, weights, dims, tol, interleavings=(Interleaving(),)):
     ref = me.run_reference(graph, {n: t.clone() for n, t in inputs.items()}, weights, dims)
-    for sch in schedules:
+    for sch in interleavings:
         out = kernel.simulate(sch, **{n: t.clone() for n, t in inputs.items()}, **dims)
         for name, r in ref.items():
             if r.is_floating_point():
@@ -30,8 +30,8 @@ def compare(kernel, graph, inputs, weights, dims, tol, schedules=(Schedule(),)):
                 assert torch.equal(out[name], r), f"{name} under {sch}"
 
 
-SCHEDULES = [Schedule(sms=1), Schedule(sms=4, seed=1), Schedule(sms=16, seed=2, adversarial=True),
-             Schedule(sms=3, seed=3, adversarial=True)]
+INTERLEAVINGS = [Interleaving(sms=1), Interleaving(sms=4, seed=1), Interleaving(sms=16, seed=2, adversarial=True),
+                 Interleaving(sms=3, seed=3, adversarial=True)]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -42,7 +42,7 @@ def test_op_on_simulator(case):
     build(g)
     dims = {"pos": 9} if g.symbols() else {}
     k = me.compile(g, {n: torch.randn(s) for n, s in ws.items()}, backend="sim", max_dims={s: 64 for s in g.symbols()})
-    compare(k, g, {n: torch.randn(s) for n, s in ins.items()}, k.weights, dims, 1e-5, SCHEDULES)
+    compare(k, g, {n: torch.randn(s) for n, s in ins.items()}, k.weights, dims, 1e-5, INTERLEAVINGS)
 
 
 def test_layer_20_decode_steps_one_compile():
@@ -55,7 +55,7 @@ def test_layer_20_decode_steps_one_compile():
     kc2, vc2 = kc.clone(), vc.clone()
     for pos in range(20):
         x = torch.randn(1, 64)
-        out = k.simulate(SCHEDULES[pos % len(SCHEDULES)], x=x, k_cache=kc, v_cache=vc, pos=pos)["y"]
+        out = k.simulate(INTERLEAVINGS[pos % len(INTERLEAVINGS)], x=x, k_cache=kc, v_cache=vc, pos=pos)["y"]
         ref = me.run_reference(g, {"x": x, "k_cache": kc2, "v_cache": vc2}, W, {"pos": pos})["y"]
         assert rel(out, ref) < 1e-5
         assert torch.allclose(kc, kc2, atol=1e-6) and torch.allclose(vc, vc2, atol=1e-6)
@@ -69,7 +69,7 @@ def test_simulator_catches_a_missing_barrier():
     k.queue = dataclasses.replace(k.queue, entries=entries)
     with pytest.raises(SimulationError, match="read unwritten elements"):
         for seed in range(10):
-            k.simulate(Schedule(sms=8, seed=seed, adversarial=True), x=torch.randn(1, 64),
+            k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), x=torch.randn(1, 64),
                        k_cache=torch.randn(2, 32, 16), v_cache=torch.randn(2, 32, 16), pos=3)
 
 
@@ -80,7 +80,7 @@ def test_simulator_reports_deadlock():
     bad = tuple(dataclasses.replace(w, expected=w.expected + 1) for w in e.waits)  # a count no one reaches
     k.queue = dataclasses.replace(k.queue, entries=k.queue.entries[:-1] + (dataclasses.replace(e, waits=bad),))
     with pytest.raises(SimulationError, match="deadlock"):
-        k.simulate(Schedule(), x=torch.randn(1, 64), k_cache=torch.randn(2, 32, 16), v_cache=torch.randn(2, 32, 16), pos=3)
+        k.simulate(Interleaving(), x=torch.randn(1, 64), k_cache=torch.randn(2, 32, 16), v_cache=torch.randn(2, 32, 16), pos=3)
 
 
 def test_attention_output_waits_for_every_split():
@@ -97,8 +97,8 @@ def test_attention_output_waits_for_every_split():
     assert kinds == ["attn_partial_merge", "matvec"]
     chunk = k.queue.entries[0].op.params["chunk"]
     args = dict(q=torch.randn(8, 16), k_cache=torch.randn(2, 1024, 16), v_cache=torch.randn(2, 1024, 16))
-    dims = {"pos": 3 * chunk + 5}  # 4 splits a KV head: which one writes depends on the schedule
-    compare(k, g, args, k.weights, dims, 1e-5, SCHEDULES)
+    dims = {"pos": 3 * chunk + 5}  # 4 splits a KV head: which one writes depends on the interleaving
+    compare(k, g, args, k.weights, dims, 1e-5, INTERLEAVINGS)
     reader = k.queue.entries[1]
     assert [w.expected.eval(dims) for w in reader.waits] == [8]  # 2 KV heads x 4 splits
     early = tuple(dataclasses.replace(w, expected=w.expected - 1) for w in reader.waits)
@@ -106,7 +106,7 @@ def test_attention_output_waits_for_every_split():
     name = k.queue.program.buffers[k.queue.entries[0].op.output.buffer].name
     with pytest.raises(SimulationError, match=f"read unwritten elements of buffer '{name}'"):
         for seed in range(10):
-            k.simulate(Schedule(sms=8, seed=seed, adversarial=True), **args, **dims)
+            k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), **args, **dims)
 
 
 # --- random graphs ------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def test_random_graphs_on_simulator(case, seed):
     g = case[0]
     dims, inputs, weights = case_data(case, seed)
     k = me.compile(g, weights, backend="sim", max_dims={s: 64 for s in g.symbols()})
-    compare(k, g, inputs, k.weights, dims, 1e-4, (Schedule(sms=5, seed=seed, adversarial=seed % 2 == 0),))
+    compare(k, g, inputs, k.weights, dims, 1e-4, (Interleaving(sms=5, seed=seed, adversarial=seed % 2 == 0),))
 
 
 def test_token_only_graph_fuses_lm_head_with_argmax_partials():
@@ -188,7 +188,7 @@ def test_token_only_graph_fuses_lm_head_with_argmax_partials():
     caches, ref_caches = spec.new_caches(), spec.new_caches()
     for pos, tok in enumerate([5, 9, 11, 200, 7]):
         t = torch.tensor([tok], dtype=torch.int32)
-        out = k.simulate(SCHEDULES[pos % len(SCHEDULES)], token=t, pos=pos, **caches)["next_token"]
+        out = k.simulate(INTERLEAVINGS[pos % len(INTERLEAVINGS)], token=t, pos=pos, **caches)["next_token"]
         assert torch.equal(out, me.run_reference(g, {"token": t, **ref_caches}, weights, {"pos": pos})["next_token"])
     # with logits also an output, fusing would compute the LM head twice: the extractor keeps it unfused
     g2, _ = build_decode_graph(cfg, max_len=16)
@@ -212,14 +212,14 @@ def test_gated_mlp_sums_wait_for_every_adder():
     assert [e.op.kind for e in k.queue.entries] == ["glu_down", "acc_residual"]
     assert torch.equal(k.weights["wd"], W["wd"])
     x = torch.randn(1, 128)
-    compare(k, g, {"x": x}, k.weights, {}, 1e-5, SCHEDULES)
+    compare(k, g, {"x": x}, k.weights, {}, 1e-5, INTERLEAVINGS)
     # one adder's wait is not enough: with the reader's expected count cut to 1 it must fail
     reader = k.queue.entries[1]
     early = tuple(dataclasses.replace(w, expected=as_dim(1)) for w in reader.waits)
     k.queue = dataclasses.replace(k.queue, entries=(k.queue.entries[0], dataclasses.replace(reader, waits=early)))
     with pytest.raises(SimulationError, match="read unwritten elements of buffer 'mlp_acc"):
         for seed in range(10):
-            k.simulate(Schedule(sms=8, seed=seed, adversarial=True), x=x)
+            k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), x=x)
 
 
 def test_mlp_sum_is_read_by_its_matvecs_without_acc_residual():
@@ -232,13 +232,13 @@ def test_mlp_sum_is_read_by_its_matvecs_without_acc_residual():
     assert [e.op.params["roles"] for e in entries[1:]] == [("x", "w", "g", "xa"), ("x", "w", "r", "ra")]
     adders = entries[0].launch.eval({})
     assert adders > 1 and [w.expected.eval({}) for w in entries[1].waits] == [adders]  # the second reader's is implied
-    compare(k, g, {"x": torch.randn(1, 128)}, k.weights, {}, 1e-5, SCHEDULES)
+    compare(k, g, {"x": torch.randn(1, 128)}, k.weights, {}, 1e-5, INTERLEAVINGS)
     # a second reader that is not a matvec (the sum as an output) keeps acc_residual
     g2 = me.Graph("sum_output")
     mlp_sum_readers(g2, me.f32, sum_output=True)
     k2 = me.compile(g2, W, backend="sim")
     assert "acc_residual" in [e.op.kind for e in k2.queue.entries]
-    compare(k2, g2, {"x": torch.randn(1, 128)}, k2.weights, {}, 1e-5, SCHEDULES)
+    compare(k2, g2, {"x": torch.randn(1, 128)}, k2.weights, {}, 1e-5, INTERLEAVINGS)
 
 
 def test_rope_takes_the_head_norm_and_writes_the_cache_row():
@@ -265,7 +265,7 @@ def test_gated_mlp_through_a_weight_view_stays_unfused():
     W = {"wg_t": torch.randn(64, 96), "wu": torch.randn(96, 64), "wd": torch.randn(64, 96)}
     k = me.compile(g, W, backend="sim")
     assert "glu_down" not in {e.op.kind for e in k.queue.entries}
-    compare(k, g, {"x": torch.randn(1, 64)}, k.weights, {}, 1e-5, SCHEDULES)
+    compare(k, g, {"x": torch.randn(1, 64)}, k.weights, {}, 1e-5, INTERLEAVINGS)
 
 
 def test_a_view_with_no_strides_is_copied_once_through_its_layout_part():
@@ -277,7 +277,7 @@ def test_a_view_with_no_strides_is_copied_once_through_its_layout_part():
     W = {"t": torch.randn(50, 16)}
     k = me.compile(g, W, backend="sim")
     assert [e.op.kind for e in k.queue.entries] == ["elementwise", "embedding"]
-    compare(k, g, {"ids": torch.randint(0, 50, (4, 3), dtype=torch.int32)}, W, {}, 1e-6, SCHEDULES)
+    compare(k, g, {"ids": torch.randint(0, 50, (4, 3), dtype=torch.int32)}, W, {}, 1e-6, INTERLEAVINGS)
 
 
 @pytest.mark.parametrize("build, pattern", [

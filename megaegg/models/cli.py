@@ -280,7 +280,7 @@ class Output:
         self.a, self.prompts, self.tokenizer, self.backend, self.engine = a, prompts, tokenizer, backend, engine
         self.stop_tokens = tuple(stop_tokens)
         self.batch = len(prompts) > 1
-        self.streams = [BatchStream(tokenizer, i, a.max_new_tokens, stop_tokens) if self.batch else Stream(tokenizer)
+        self.streams = [BatchPrinter(tokenizer, i, a.max_new_tokens, stop_tokens) if self.batch else TokenPrinter(tokenizer)
                         for i in range(len(prompts))]
         self.first_token: list[float | None] = [None] * len(prompts)  # seconds from the start of generation
         self.t0: float | None = None
@@ -631,7 +631,7 @@ def show_compiler_log() -> None:
     log.setLevel(logging.INFO)
 
 
-class Stream:
+class TokenPrinter:
     """An ``on_token`` callback printing to stdout as tokens come: the new text with a tokenizer, else the ids."""
 
     def __init__(self, tokenizer, out=None) -> None:
@@ -666,7 +666,7 @@ class Stream:
         self.out.flush()
 
 
-class BatchStream(Stream):
+class BatchPrinter(TokenPrinter):
     """One sequence of a batch: its line ``generated[i]: ...`` (text, or ids without a tokenizer) goes to stdout
     as soon as it finishes (``max_new_tokens`` or a stop token), or at the end of the run if cut short."""
 

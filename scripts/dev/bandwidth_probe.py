@@ -1,12 +1,20 @@
-"""Dev probe (GPU): achieved bandwidth of the matvec and attention bodies. Prints numbers; checks nothing.
+"""Dev probe (GPU): achieved bandwidth of the matvec and attention bodies, alone or as one op in the
+megakernel. Prints numbers; checks nothing.
 
-    python3 scripts/dev/bandwidth_probe.py
+    python3 scripts/dev/bandwidth_probe.py                        # the bodies alone
+    python3 scripts/dev/bandwidth_probe.py op [N,K,GLU,NORM[,SMS] ...]   # one op in the megakernel
 
-The matvec body in a persistent one-block-per-SM loop over 1 GiB of bf16 weights, with
-cuBLAS gemv and a device copy as the references measured in the same run; split-KV
-attention (one block per instance, and persistent) over 32768 cached rows of 8 KV heads.
-The bodies are wrapped and compiled as in tests/test_cuda_bodies_compile.py, whose
-helpers this imports.
+The bodies alone: the matvec body in a persistent one-block-per-SM loop over 1 GiB of bf16 weights,
+with cuBLAS gemv and a device copy as the references measured in the same run; split-KV attention
+(one block per instance, and persistent) over 32768 cached rows of 8 KV heads. The bodies are
+wrapped and compiled as in tests/test_cuda_bodies_compile.py, whose helpers this imports.
+
+``op``: one bf16 matvec ``[N, K]`` (GLU=1: a gated MLP's two, NORM=1: with the RMSNorm prologue)
+alone in the megakernel, compiled for a cost model of SMS SMs (default: the GPU's; fewer SMs,
+fewer and larger instances): TB/s of the launch (``kernel.launcher``, CUDA events), and, from
+traced launches with L2 flushed before each, the wall time, TB/s and GB/s per busy SM (per-SM
+against chip-wide limits), busy and waiting %. NO_TRACE=1 skips the traced launches (a second
+NVRTC compile). (It replaces matvec_probe.py and wave_probe.py.)
 """
 
 from __future__ import annotations
@@ -70,9 +78,56 @@ def shape_of(a: Arg) -> list[int]:
     return [as_dim(s).value for s in a.shape]
 
 
+OP_CONFIGS = [(65536, 2048, 0, 0, 0), (8192, 2048, 1, 1, 0), (2048, 8192, 0, 0, 0), (131072, 2048, 1, 1, 0),
+              (8192, 2048, 1, 1, 64)]
+
+
+def op_probe(n: int, k: int, glu: bool, norm: bool, sms: int) -> None:
+    import os
+
+    import megaegg as me
+    from megaegg.rewrite import CostModel
+
+    g = me.Graph()
+    x = g.input("x", [1, k], me.bf16)
+    if norm:
+        x = me.rms_norm(x, g.weight("g", [k], me.bf16), 1e-5)
+    y = me.linear(x, g.weight("w", [n, k], me.bf16))
+    if glu:
+        y = me.silu(y) * me.linear(x, g.weight("w2", [n, k], me.bf16))
+    g.output("y", y)
+    weights = {name: torch.randn(shape_of(t), device="cuda").to(torch.bfloat16) for name, t in g.weights.items()}
+    chip = torch.cuda.get_device_properties(0).multi_processor_count
+    kern = me.compile(g, weights, backend="cuda", cost_model=CostModel(sms=sms or chip))
+    xin = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    ops = [(e.op.kind, e.op.params.get("rows"), e.launch.eval({})) for e in kern.queue.entries]
+    launch = kern.launcher(x=xin)
+    ms = median_ms(launch, reps=30)
+    launch.check()
+    nbytes = n * k * 2 * (2 if glu else 1)
+    line = f"n={n} k={k} glu={glu:d} norm={norm:d} sms={sms or chip} ops={ops}: {ms * 1e3:.1f} us, {nbytes / ms / 1e9:.2f} TB/s"
+    if not os.environ.get("NO_TRACE"):
+        flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # > L2: no weight stays resident
+        runs = []
+        for _ in range(7):
+            flush.add_(1)
+            runs.append(kern.trace(x=xin).summary())
+        tr = sorted(runs, key=lambda r: r["wall_us"])[len(runs) // 2]
+        wall, inst = tr["wall_us"], max(o[2] for o in ops)
+        line += (f"; traced wall {wall:.1f} us, {nbytes / wall / 1e6:.2f} TB/s, "
+                 f"{nbytes / min(inst, chip) / (wall * 1e-6) / 1e9:.1f} GB/s per busy SM, busy {tr['busy_pct']:.0f}% "
+                 f"wait {tr['waiting_pct']:.0f}%")
+    print(line, flush=True)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("error: this probe needs a CUDA GPU")
+    if sys.argv[1:2] == ["op"]:
+        for cfg in [tuple(int(v) for v in a.split(",")) for a in sys.argv[2:]] or OP_CONFIGS:
+            n, k, glu, norm, sms = (*cfg, 0) if len(cfg) == 4 else cfg
+            op_probe(n, k, bool(glu), bool(norm), sms)
+        return
     torch.empty(1, device="cuda")  # the primary context exists before cuModuleLoadData
     T, L = dt.bf16, 32768
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -134,7 +134,7 @@ def probe(preset: str) -> list[dict]:
     for _ in range(ROUNDS):
         for name, run in runs.items():
             ms[name].append(timed(run, sync))
-    k1._runner.check()
+    k1.check()
     for kt in kts.values():
         kt.check()
     med = {name: statistics.median(v) for name, v in ms.items()}
