@@ -204,7 +204,7 @@ class EntryTable:
     def consts_at(self) -> int:
         """Where the constants start in :meth:`words` (megakernel.cu: MEGA_CONSTS_AT)."""
         entries = len(self.variant)
-        return 2 * entries + (1 + len(self.prefix.launches)) * (entries + 1)
+        return 2 * entries + (1 + self.prefix.rows) * (entries + 1)
 
     def words(self) -> list[int]:
         """The table as the kernel reads it (int64): variants, offsets, the prefix base
@@ -212,6 +212,7 @@ class EntryTable:
         kernel prefetches words [0, 16) of the next entry's constants into L1, which for the last
         entries (few or no constants of their own) lie past the constants."""
         counts = [c for row in self.prefix.counts for c in row]
+        counts += [0] * (len(self.prefix.base) * (self.prefix.rows - len(self.prefix.counts)))  # (no runtime launch count: one zero row)
         pad = [0] * PREFETCH_PAD
         return [*self.variant, *self.offset, *self.prefix.base, *counts, *self.consts, *pad]
 
@@ -224,6 +225,12 @@ class LaunchPrefix:
     launches: tuple[str, ...]
     base: tuple[int, ...]
     counts: tuple[tuple[int, ...], ...]
+
+    @property
+    def rows(self) -> int:
+        """Count rows the kernel reads (MEGA_LAUNCHES): at least one, a zero row when every launch
+        count is a constant (the kernel's arrays cannot be empty)."""
+        return max(1, len(self.launches))
 
     @staticmethod
     def of(q: WorkQueue) -> "LaunchPrefix":
@@ -293,7 +300,7 @@ def render(q: WorkQueue) -> Rendered:
         "PEER": peer_prologue(q),
         "PEERS": str(int(q.memory.peer is not None)),
         "DIMS": " ".join(f"const long long {dimc(s)} = args.dims[{k}];" for k, s in enumerate(symbols)),
-        "LAUNCHES": str(max(1, len(table.prefix.launches))),
+        "LAUNCHES": str(table.prefix.rows),
         "LAUNCH_VALUES": ", ".join(f"max_i64(0LL, {x})" for x in table.prefix.launches) or "0LL",
         "CASES": "\n".join(cases),
     }

@@ -111,7 +111,13 @@ def test_next_entry_prefetch_stays_in_the_table():
     graphs = [g, build_decode_graph(ModelConfig.preset("tiny"), max_len=64, logits=False)[0]]
     for graph in graphs:
         queue = build_artifact(graph, max_dims={s: 63 for s in graph.symbols()}, compile_cuda=False).queue
-        table = render(queue).table
-        words = table.words()
-        assert words[table.consts_at:][:len(table.consts)] == list(table.consts), graph.name  # (MEGA_CONSTS_AT)
+        rendered = render(queue)
+        table, words = rendered.table, rendered.table.words()
+        # the kernel finds the constants at MEGA_CONSTS_AT, evaluated from the rendered source's own #defines
+        # (a graph whose launch counts are all constants once read them 5 words early: every random graph
+        # without runtime dims that shared a case faulted or timed out on the GPU)
+        macros = dict(re.findall(r"#define (MEGA_\w+) ([^/\n]+)", rendered.source))
+        expr = re.sub(r"MEGA_\w+", lambda m: f"({macros[m.group()]})", macros["MEGA_CONSTS_AT"])
+        assert eval(expr) == table.consts_at, graph.name
+        assert words[table.consts_at:][:len(table.consts)] == list(table.consts), graph.name
         assert max(table.consts_at + off + 15 for off in table.offset) < len(words), graph.name

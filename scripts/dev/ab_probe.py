@@ -186,10 +186,11 @@ def load_any_artifact(path: str):
 
     with zipfile.ZipFile(path) as z:
         meta = json.loads(z.read("artifact.json"))
+        body = json.loads(meta["body"]) if "body" in meta else meta  # (format 2 nests them in a JSON string)
         blob = z.read("constants.safetensors")
         constants = {int(k): t for k, t in load_tensors(blob).items()} if blob else {}
-        return Artifact(queue=decode(meta["queue"]), source=z.read("kernel.cu").decode(), table=meta["table"],
-                        cubin=z.read("kernel.cubin"), constants=constants, defines=meta["defines"])
+        return Artifact(queue=decode(body["queue"]), source=z.read("kernel.cu").decode(), table=body["table"],
+                        cubin=z.read("kernel.cubin"), constants=constants, defines=body["defines"])
 
 
 if __name__ == "__main__":
