@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .dims import Dim, DimLike, as_dim, fmt_shape
 from .dtypes import DType, as_dtype, bf16
@@ -63,6 +63,9 @@ def fmt_bytes(n: int) -> str:
             return f"{n / scale:.1f} {unit}"
     return f"{n} bytes"
 
+
+# Tensor's operators (+, *, @, .reshape, .transpose) by name: filled by megaegg/ops.py's @operator functions.
+OPERATORS: dict[str, Callable[..., "Tensor"]] = {}
 
 # The ops a graph may hold: the leaves and every op ``run_reference`` (and the compiler) knows
 # (tests/test_graph.py checks this list against reference.py's evaluators).
@@ -141,30 +144,22 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor({self.node.label}: {self.dtype}{fmt_shape(self.shape)})"
 
+    # The operators are megaegg.ops' functions, which register themselves in OPERATORS (ops.py builds
+    # graph nodes, so it imports this module, not the other way round).
     def __add__(self, other: "Tensor") -> "Tensor":
-        from .ops import add
-
-        return add(self, other)
+        return OPERATORS["add"](self, other)
 
     def __mul__(self, other: "Tensor") -> "Tensor":
-        from .ops import mul
-
-        return mul(self, other)
+        return OPERATORS["mul"](self, other)
 
     def __matmul__(self, other: "Tensor") -> "Tensor":
-        from .ops import matmul
-
-        return matmul(self, other)
+        return OPERATORS["matmul"](self, other)
 
     def reshape(self, *shape) -> "Tensor":
-        from .ops import reshape
-
-        return reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (list, tuple)) else shape)
+        return OPERATORS["reshape"](self, shape[0] if len(shape) == 1 and isinstance(shape[0], (list, tuple)) else shape)
 
     def transpose(self, d0: int, d1: int) -> "Tensor":
-        from .ops import transpose
-
-        return transpose(self, d0, d1)
+        return OPERATORS["transpose"](self, d0, d1)
 
 
 class Graph:

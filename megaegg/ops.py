@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 from .ir.dimform import canonical, product
 from .dims import Dim, DimLike, as_dim, fmt_shape
 from .dtypes import DType, as_dtype, f32, i32
-from .graph import GraphError, ShapeError, Tensor, check_static_dims
+from .graph import OPERATORS, GraphError, ShapeError, Tensor, check_static_dims
 
 __all__ = [
     "matmul", "linear", "add", "mul", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
@@ -79,6 +79,15 @@ def broadcast_shapes(op: str, a: Tensor, b: Tensor) -> tuple[Dim, ...]:
 
 
 # --- arithmetic ----------------------------------------------------------------
+
+
+def operator(fn):
+    """Make ``fn`` the Tensor operator of its name (graph.OPERATORS: ``a + b``, ``a @ b``, ``x.reshape``...)."""
+    OPERATORS[fn.__name__] = fn
+    return fn
+
+
+@operator
 def matmul(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
     """``a @ b`` with ``a: [..., M, K]`` (or ``[K]``) and ``b: [K, N]``."""
     _check_float("matmul", a, b)
@@ -110,11 +119,13 @@ def _binary(op: str, a: Tensor, b: Tensor, name: str | None) -> Tensor:
     return _new(op, (a, b), broadcast_shapes(op, a, b), a.dtype, name)
 
 
+@operator
 def add(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
     """Elementwise ``a + b`` with NumPy broadcasting."""
     return _binary("add", a, b, name)
 
 
+@operator
 def mul(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
     """Elementwise ``a * b`` with NumPy broadcasting."""
     return _binary("mul", a, b, name)
@@ -427,6 +438,7 @@ def argmax(x: Tensor, dim: int = -1, *, name: str | None = None) -> Tensor:
 
 
 # --- views and data movement ---------------------------------------------------------
+@operator
 def reshape(x: Tensor, shape: Sequence[DimLike], *, name: str | None = None) -> Tensor:
     """A view with a new shape of the same element count; one entry may be -1."""
     shape = list(shape)
@@ -453,6 +465,7 @@ def permute(x: Tensor, dims: Sequence[int], *, name: str | None = None) -> Tenso
     return _new("permute", (x,), tuple(x.shape[d] for d in dims), x.dtype, name, dims=dims)
 
 
+@operator
 def transpose(x: Tensor, d0: int, d1: int, *, name: str | None = None) -> Tensor:
     dims = list(range(x.ndim))
     a, b = _norm_dim("transpose", x, d0), _norm_dim("transpose", x, d1)
