@@ -108,6 +108,8 @@ class Artifact:
                 raise ArtifactError(f"{where}: {parent} is not a folder")
             if path.is_dir():
                 raise ArtifactError(f"{where}: {path} is a folder")
+            if path.exists() and not path.is_file():  # (a device or a pipe: the rename would replace it)
+                raise ArtifactError(f"{where}: {path} is not a regular file")
         except OSError as e:  # a parent we may not even look into
             raise ArtifactError(f"{where}: {e.strerror or e}") from None
         constants = {str(k): t.contiguous() for k, t in self.constants.items()}

@@ -714,7 +714,9 @@ def test_save_to_a_bad_place_is_one_clear_error_and_leaves_nothing(tmp_path, mon
     art = build_artifact(_small_graph(), compile_cuda=False)
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("x")
+    os.mkfifo(tmp_path / "pipe")  # (like /dev/null: a rename onto it would replace the device node)
     cases = {
+        tmp_path / "pipe": r"cannot save artifact to .*pipe: .*pipe is not a regular file",
         tmp_path / "missing" / "a.megaegg": rf"cannot save artifact to .*a\.megaegg: folder .*missing does not exist",
         tmp_path / "dir": r"cannot save artifact to .*dir: .*dir is a folder",
         tmp_path / "file" / "a.megaegg": r"cannot save artifact to .*a\.megaegg: .*file is not a folder",
@@ -722,15 +724,15 @@ def test_save_to_a_bad_place_is_one_clear_error_and_leaves_nothing(tmp_path, mon
     for path, pattern in cases.items():
         with pytest.raises(ArtifactError, match=pattern):
             art.save(path)
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["dir", "file"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["dir", "file", "pipe"]
     monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
     with pytest.raises(ArtifactError, match=r"cannot save artifact to .*b\.megaegg: Permission denied"):
         art.save(tmp_path / "dir" / "b.megaegg")
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["dir", "file"]  # the temp file went too
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["dir", "file", "pipe"]  # the temp file went too
     monkeypatch.undo()
     art.save(tmp_path / "dir" / "b.megaegg")
     art.save(tmp_path / "dir" / "b.megaegg")  # overwriting is fine
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["b.megaegg", "dir", "file"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["b.megaegg", "dir", "file", "pipe"]
     assert Artifact.load(tmp_path / "dir" / "b.megaegg").queue == art.queue
 
 
