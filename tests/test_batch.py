@@ -167,7 +167,7 @@ def test_a_position_outside_the_cache_is_an_error_naming_the_op(tiny):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -1.0}, "temperature must be >= 0"), ({"top_k": -2}, "top_k must be an int >= 0"),
+    ({"temperature": -1.0}, "temperature must be >= 0"), ({"top_k": -2}, r"top_k must be an int in \[0, 2\*\*31\)"), ({"top_k": 2**31}, r"top_k must be an int in \[0, 2\*\*31\)"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"), ({"seed": 2**40}, "seed must be a 32-bit int"),
 ])
 def test_bad_sampling_settings(kwargs, message):

@@ -392,7 +392,8 @@ def test_a_text_prompt_file_needs_a_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("flag, value, message", [("--temperature", "-1", "must be >= 0"),
                                                   ("--top-p", "0", r"must be in \(0, 1\]"),
-                                                  ("--top-k", "-3", "must be >= 0")])
+                                                  ("--top-k", "-3", r"must be in \[0, 2147483647\]"),
+                                                  ("--top-k", "99999999999", r"must be in \[0, 2147483647\]")])
 def test_bad_sampling_flags(flag, value, message):
     import re
 

@@ -46,8 +46,9 @@ class Sampling:
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not self.temperature >= 0.0:
             raise GraphError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise GraphError(f"top_k must be an int >= 0 (0: every token), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            raise GraphError(f"top_k must be an int in [0, 2**31) (0, or the vocabulary size or more: every token), "
+                             f"got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise GraphError(f"top_p must be in (0, 1] (1: every token), got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**31 <= self.seed < 2**31:

@@ -115,6 +115,7 @@ non_negative_int = number_arg(int, ">= 0", lambda v: v >= 0)
 non_negative_float = number_arg(float, ">= 0", lambda v: v >= 0)
 positive_float = number_arg(float, "> 0", lambda v: v > 0)
 seed_int = number_arg(int, f"in [{-2**31}, {2**31 - 1}]", lambda v: -2**31 <= v < 2**31)  # Sampling's seed
+top_k_int = number_arg(int, f"in [0, {2**31 - 1}]", lambda v: 0 <= v < 2**31)  # (an i32 on the device)
 unit_float = number_arg(float, "in (0, 1]", lambda v: 0 < v <= 1)
 
 
@@ -139,7 +140,8 @@ def parse(arch: str, argv=None) -> argparse.Namespace:
                         help="a text file of prompts, one a line (needs a tokenizer in --model): run them as one batch")
     p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="sample at this temperature (default: %(default)s, greedy)")
-    p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (default: 0, all)")
+    p.add_argument("--top-k", type=top_k_int, default=0,
+                   help="sample from the k most likely tokens (default: 0, all; k past the vocabulary: all)")
     p.add_argument("--top-p", type=unit_float, default=1.0,
                    help="sample from the fewest tokens whose probability reaches p (default: %(default)s, all)")
     p.add_argument("--seed", type=seed_int, default=0, help="the sampling seed: the same seed, the same tokens (default: 0)")
