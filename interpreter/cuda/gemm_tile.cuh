@@ -1,0 +1,294 @@
+// One output tile of a bf16 linear on Hopper tensor cores (issue 38, first step): TMA bulk tensor
+// copies into an mbarrier-guarded shared-memory ring, warpgroup MMA (wgmma, sm_90a) through CuTe's
+// SM90 GMMA atoms, f32 accumulation, bf16 stores.
+//
+//   out[m0:m0+BM, n0:n0+BN] = x[m0:m0+BM, :K] @ w[n0:n0+BN, :K]^T
+//
+// x [M, K] and w [N, K] are row-major bf16 (w: the PyTorch Linear weight layout), out [M, N] bf16 with
+// row stride ldo. Both operands are K-major, the layout wgmma reads without a transpose.
+//
+// Needs the CUTLASS headers (the `nvidia-cutlass` wheel: cutlass_library/source/include), the CUDA
+// toolkit's include/cccl (libcu++, which CuTe includes under NVRTC), -std=c++17, sm_90a and, under NVRTC,
+// -default-device (CUTLASS has unannotated constexpr helpers). No
+// megakernel kind includes this file yet: only scripts/dev/gemm_probe.py and
+// tests/test_gemm_tile_compiles.py do.
+//
+// Tile shape (fixed BM = 128, BK = 64; BN a template parameter, 128 or 256):
+// - BM = 128: the block's 256 threads are two warpgroups, each owning a 64-row half of the tile with
+//   one wgmma m64nBNk16 per 16 of K (CuTe tiled MMA: the atom SM90_64xBNx16_F32BF16BF16_SS, 2x1x1).
+// - BK = 64: 64 bf16 = 128 bytes, one row of the 128-byte swizzle (GMMA::Layout_K_SW128_Atom; the
+//   tensor maps use CU_TENSOR_MAP_SWIZZLE_128B, whose inner box may not exceed 128 bytes). A stage is
+//   one TMA box per operand: x's {64, 128} (16 KB) and w's {64, BN} (BN * 128 bytes).
+// - STAGES: as many as fit MEGA_SMEM after 1 KB of alignment slack and the barriers: with 120 KB,
+//   BN = 128 -> 3 stages of 32 KB (96 KB), BN = 256 -> 2 stages of 48 KB (96 KB). At least 2.
+//   Accumulators: BN / 2 f32 registers a thread (64 or 128).
+//
+// Pipeline (no producer warpgroup: the megakernel block is 256 threads, all of them consumers). Thread
+// 0 issues the TMA copies. k-tile kt lives in slot kt % STAGES; each slot has two mbarriers:
+// - full[s] (count 1): thread 0's arrive.expect_tx(bytes of both boxes) + the two copies' complete_tx.
+//   k-tile kt completes phase kt / STAGES of full[kt % STAGES] (0-based): its consumers wait on that parity.
+// - empty[s] (count MEGA_WARPS): lane 0 of each warp arrives once its warpgroup's wgmma of that k-tile
+//   completed (wgmma.wait_group). Thread 0 loads k-tile j >= STAGES into slot s = j % STAGES only after
+//   the release of k-tile j - STAGES, which completes phase (j - STAGES) / STAGES of empty[s]: it waits
+//   on that parity.
+// Iteration kt: wait full[kt]; issue the 4 wgmmas of k-tile kt (async); wait until at most 1 wgmma group
+// is pending (so k-tile kt - 1's are done while kt's run); release slot (kt - 1) % STAGES; thread 0
+// refills it with k-tile kt - 1 + STAGES. Parity waits cannot alias (a barrier two phases ahead of its
+// waiter): a slot is only refilled after its release, and only released after it was waited full.
+// The expect-tx count is always the full boxes: TMA counts a box's zero-filled out-of-bounds bytes
+// too (ragged M, N and K edges; a ragged K reads zeros for both operands, adding nothing).
+//
+// __forceinline__, not __noinline__ like most bodies: out of line, ptxas serialises every wgmma ("C7510:
+// wgmma pipeline crossing function boundary"). ptxas' C7517 note (an injected wgmma.wait_group) comes
+// from the timeout's __trap path only (the main loop's SASS: TRYWAIT, WARPGROUP.ARRIVE, 4 HGMMA,
+// WARPGROUP.DEPBAR.LE gsb0 1, the empty arrive, the refill).
+//
+// The barriers live for one call: initialised at the start, invalidated at the end, so a persistent
+// loop over tiles (or another body using this shared memory next) starts clean. The cost: the ring
+// drains at each tile's end (no overlap of the next tile's first loads with this tile's epilogue).
+//
+// Requirements (the host's tensor maps must satisfy them anyway): K % 8 == 0 (row strides a multiple
+// of 16 bytes), x and w 16-byte aligned, each tensor map 64-byte aligned in global memory and encoded as
+// gemm_probe.py's encode_tmap does (bf16, 2-D {K, rows}, box {64, 128} for x / {64, BN} for w,
+// SWIZZLE_128B, zero out-of-bounds fill).
+#pragma once
+#include "common.cuh"
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+// CuTe turns its TMA / wgmma / mbarrier wrappers into no-ops (or traps) when the target lacks them:
+// make a build for anything but sm_90a fail here instead of hanging on a barrier at run time.
+#if defined(__CUDA_ARCH__) && !(defined(CUTE_ARCH_TMA_SM90_ENABLED) && defined(CUTE_ARCH_MMA_SM90A_ENABLED))
+#error "gemm_tile.cuh needs sm_90a (compute_90a): TMA and wgmma"
+#endif
+
+// The driver's tensor map type. NVRTC has no <cuda.h>; this is its layout (128 bytes, 64-byte aligned).
+#if !defined(__cuda_cuda_h__)
+typedef struct CUtensorMap_st {
+    alignas(64) unsigned long long opaque[16];
+} CUtensorMap;
+#endif
+
+// A barrier wait that has not completed after this long is a bug (a wrong expect-tx count, a tensor
+// map the TMA unit rejected): fail loudly instead of hanging the GPU.
+#ifndef GEMM_TILE_TIMEOUT_NS
+#define GEMM_TILE_TIMEOUT_NS 2000000000ULL
+#endif
+#ifndef GEMM_TILE_ON_TIMEOUT
+#define GEMM_TILE_ON_TIMEOUT() __trap()
+#endif
+
+namespace gemm_tile_detail {
+
+constexpr int BM = 128;  // two warpgroups x 64 rows
+constexpr int BK = 64;   // 64 bf16 = 128 bytes: one 128-byte swizzle row
+
+// Bytes of one ring slot (both operands' boxes) and the most stages MEGA_SMEM holds.
+__host__ __device__ constexpr int stage_bytes(int bn) { return (BM + bn) * BK * 2; }
+__host__ __device__ constexpr int smem_needed(int bn, int stages) {
+    return 1024 /* align the ring to 1024 */ + stages * stage_bytes(bn) + 2 * stages * 8 /* mbarriers */;
+}
+__host__ __device__ constexpr int max_stages(int bn) {
+    return cmin(8, (MEGA_SMEM - 1024 - 2 * 8 * 8) / stage_bytes(bn));  // (barriers: at most 8 stages)
+}
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// --- mbarriers (shared::cta addresses) ---------------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_inval(uint32_t bar) {
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// One arrival (the producer's) that also raises the phase's expected transaction bytes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t ok;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+    return ok != 0;
+}
+// Wait until the phase of parity `parity` has completed (acquire: the TMA writes it counted are visible).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    if (mbar_try_wait(bar, parity)) return;
+    const unsigned long long t0 = globaltimer();
+    while (!mbar_try_wait(bar, parity)) {
+        if (globaltimer() - t0 > GEMM_TILE_TIMEOUT_NS) GEMM_TILE_ON_TIMEOUT();
+    }
+}
+
+// The tiled MMA: two warpgroups stacked along M, each a 64 x BN x 16 wgmma reading A and B from
+// shared memory (SS), both K-major.
+template <int BN> struct Mma;
+template <> struct Mma<128> {
+    using Atom = cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>;
+};
+template <> struct Mma<256> {
+    using Atom = cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>;
+};
+
+}  // namespace gemm_tile_detail
+
+// The block's 256 threads (two warpgroups) compute one output tile; all must call it with the same
+// arguments. `smem`: the dynamic shared memory (MEGA_SMEM bytes; used whole for the call's duration).
+// tmap_x / tmap_w: tensor maps of x [M, K] (box {64, 128}) and w [N, K] (box {64, BN}) in global memory.
+// Rows m0 + r >= M and columns n0 + c >= N of the tile are not stored. K == 0 stores zeros.
+template <int BN, int STAGES = gemm_tile_detail::max_stages(BN)>
+__device__ __forceinline__ void gemm_tile(const CUtensorMap* tmap_x, const CUtensorMap* tmap_w, __nv_bfloat16* out,
+                                       long long ldo, int M, int N, int K, int m0, int n0, char* smem) {
+    using namespace cute;
+    using namespace gemm_tile_detail;
+    static_assert(MEGA_THREADS == 256, "gemm_tile: two warpgroups, 256 threads");
+    static_assert(BN == 128 || BN == 256, "gemm_tile: BN is 128 or 256");
+    static_assert(STAGES >= 2, "gemm_tile: the ring needs 2 stages (refill of slot kt-1 waits on iteration kt)");
+    static_assert(smem_needed(BN, STAGES) <= MEGA_SMEM, "gemm_tile: the ring does not fit MEGA_SMEM");
+    using T = cute::bfloat16_t;
+    constexpr uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+    constexpr uint32_t TX_BYTES = A_BYTES + B_BYTES;  // full boxes, zero-filled parts included
+
+    // --- shared memory: [pad to 1024][A ring: STAGES x 16 KB][B ring: STAGES x BN*128][full][empty] ---
+    // 128-byte swizzle is a function of the shared address bits 4-9: each operand buffer must start
+    // 1024-byte aligned for the TMA's swizzle and the wgmma descriptors' (base offset 0) to agree.
+    const uint32_t s0 = (uint32_t)__cvta_generic_to_shared(smem);
+    char* base = smem + ((1024u - (s0 & 1023u)) & 1023u);
+    T* ring_a = reinterpret_cast<T*>(base);
+    T* ring_b = reinterpret_cast<T*>(base + STAGES * A_BYTES);
+    uint64_t* bar_ptr = reinterpret_cast<uint64_t*>(base + STAGES * (A_BYTES + B_BYTES));  // full[STAGES], empty[STAGES]
+    const uint32_t bars = (uint32_t)__cvta_generic_to_shared(bar_ptr);
+    auto full = [&](int s) { return bars + 8u * (uint32_t)s; };  // shared::cta addresses
+    auto empty = [&](int s) { return bars + 8u * (uint32_t)(STAGES + s); };
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int KT = (K + BK - 1) / BK;  // k-tiles; the last may be ragged (zero-filled by the TMA)
+
+    // Order this block's earlier generic-proxy accesses of this shared memory (another body, the last
+    // tile's epilogue) before the TMA's async-proxy writes into it.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), MEGA_WARPS);
+        }
+        // make the initialised barriers visible to the async proxy (the TMA unit's complete_tx)
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_x));
+        cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_w));
+    }
+    mega_sync();
+
+    // k-tile kt -> slot kt % STAGES: one arrive.expect_tx, then both boxes (coordinates innermost first:
+    // {k, row}). Thread 0 only.
+    auto issue = [&](int kt) {
+        const int s = kt % STAGES;
+        mbar_arrive_expect_tx(full(s), TX_BYTES);
+        const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+        SM90_TMA_LOAD_2D::copy(tmap_x, bar_ptr + s, hint, ring_a + s * (BM * BK), kt * BK, m0);
+        SM90_TMA_LOAD_2D::copy(tmap_w, bar_ptr + s, hint, ring_b + s * (BN * BK), kt * BK, n0);
+    };
+    if (tid == 0) {
+        for (int kt = 0; kt < cmin(STAGES, KT); ++kt) issue(kt);
+    }
+
+    // --- CuTe views: the rings as swizzled K-major tensors, the tiled MMA, this thread's fragments ---
+    using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, make_shape(Int<BM>{}, Int<BK>{}, Int<STAGES>{})));
+    using LayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, make_shape(Int<BN>{}, Int<BK>{}, Int<STAGES>{})));
+    static_assert(cosize_v<LayoutA> == STAGES * BM * BK && cosize_v<LayoutB> == STAGES * BN * BK,
+                  "gemm_tile: the smem layouts must be the dense rings the TMA fills");
+    // What the TMA writes with SWIZZLE_128B: box row r (128 bytes) at r * 128 bytes, its 16-byte chunks
+    // permuted by address bits [4:6] ^= [7:9]; boxes (stages) one after another. CuTe's form of it: the
+    // unswizzled layout dense in that order, composed with Swizzle<3,4,3> applied to byte addresses
+    // (smem_ptr_flag; CuTe's own TMA code maps Swizzle<3,4,3> to SWIZZLE_128B: get_tma_swizzle_bits).
+    static_assert(is_same_v<remove_cvref_t<decltype(LayoutA{}.layout_a())>, Swizzle<3, 4, 3>> &&
+                      is_same_v<remove_cvref_t<decltype(LayoutB{}.layout_a())>, Swizzle<3, 4, 3>>,
+                  "gemm_tile: the smem layouts must use the 128-byte swizzle (the tensor maps' SWIZZLE_128B)");
+    static_assert(LayoutA{}.layout_b()(1, 0, 0) == BK && LayoutA{}.layout_b()(9, 5, 0) == 9 * BK + 5 &&
+                      LayoutA{}.layout_b()(BM - 1, BK - 1, 1) == 2 * BM * BK - 1 &&
+                      LayoutB{}.layout_b()(1, 0, 0) == BK && LayoutB{}.layout_b()(BN - 1, BK - 1, 1) == 2 * BN * BK - 1,
+                  "gemm_tile: the smem layouts must be the TMA boxes' order: rows of BK, then stages");
+    Tensor sA = make_tensor(make_smem_ptr(ring_a), LayoutA{});  // (BM, BK, STAGES)
+    Tensor sB = make_tensor(make_smem_ptr(ring_b), LayoutB{});  // (BN, BK, STAGES)
+    auto tiled_mma = make_tiled_mma(typename Mma<BN>::Atom{}, Layout<Shape<_2, _1, _1>>{});
+    auto thr_mma = tiled_mma.get_thread_slice(tid);
+    Tensor tCsA = thr_mma.partition_A(sA);          // (MMA, MMA_M, MMA_K, STAGES)
+    Tensor tCsB = thr_mma.partition_B(sB);          // (MMA, MMA_N, MMA_K, STAGES)
+    Tensor tCrA = thr_mma.make_fragment_A(tCsA);    // wgmma smem descriptors
+    Tensor tCrB = thr_mma.make_fragment_B(tCsB);
+    Tensor acc = partition_fragment_C(tiled_mma, make_shape(Int<BM>{}, Int<BN>{}));  // (MMA, MMA_M, MMA_N) f32
+    static_assert(size<2>(tCrA) == BK / 16, "gemm_tile: 4 wgmma k-blocks a stage");
+    clear(acc);
+
+    // --- main loop ---------------------------------------------------------------------------------
+    for (int kt = 0; kt < KT; ++kt) {
+        const int s = kt % STAGES;
+        mbar_wait(full(s), (uint32_t)((kt / STAGES) & 1));
+        // (no __syncwarp here: every lane reads the same barrier phase, and one made ptxas serialise the
+        // wgmmas, C7518, over the timeout's divergent __trap path; CUTLASS's consumer_wait has none either)
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();  // wgmma.fence: acc's (and the descriptors') register writes before the wgmmas
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tCrA); ++kb)
+            cute::gemm(tiled_mma, tCrA(_, _, kb, s), tCrB(_, _, kb, s), acc);
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();  // k-tile kt - 1's wgmmas are done (kt's may still run)
+        warpgroup_fence_operand(acc);
+        if (kt > 0) {
+            const int sp = (kt - 1) % STAGES;
+            if (lane == 0) mbar_arrive(empty(sp));  // this warp no longer reads slot sp
+            if (tid == 0 && kt - 1 + STAGES < KT) {
+                mbar_wait(empty(sp), (uint32_t)(((kt - 1) / STAGES) & 1));  // all 8 warps released k-tile kt - 1
+                issue(kt - 1 + STAGES);
+            }
+            __syncwarp();  // reconverge warp 0 before the next .aligned wgmma instructions
+        }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+
+    // --- epilogue: f32 -> bf16, straight from the accumulators to global memory --------------------
+    // A thread holds pairs of adjacent columns (c, c + 1) of one row: one 4-byte store each where out
+    // allows it. (Each quad of lanes writes 16 contiguous bytes of a row; a shared-memory staged,
+    // 16-byte-per-lane or TMA store is the next step.)
+    Tensor cC = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
+    Tensor tCcC = thr_mma.partition_C(cC);  // the (row, col) of each accumulator
+    const int rows = M - m0, cols = N - n0;
+    const bool vec = (ldo % 2 == 0) && ((reinterpret_cast<unsigned long long>(out) & 3ull) == 0);
+    static_assert(decltype(size(acc))::value % 2 == 0, "gemm_tile: accumulators come in column pairs");
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+        const int r = get<0>(tCcC(i)), c = get<1>(tCcC(i));
+        const int r1 = get<0>(tCcC(i + 1)), c1 = get<1>(tCcC(i + 1));
+        __nv_bfloat16* p = out + (long long)(m0 + r) * ldo + (n0 + c);
+        if (vec && c % 2 == 0 && r1 == r && c1 == c + 1 && r < rows && c1 < cols) {
+            *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(acc(i), acc(i + 1));
+        } else {
+            if (r < rows && c < cols) *p = __float2bfloat16_rn(acc(i));
+            if (r1 < rows && c1 < cols) out[(long long)(m0 + r1) * ldo + (n0 + c1)] = __float2bfloat16_rn(acc(i + 1));
+        }
+    }
+
+    // Every warp's wgmmas are done and every barrier wait passed: retire the barriers, free the memory.
+    mega_sync();
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_inval(full(s));
+            mbar_inval(empty(s));
+        }
+    }
+    mega_sync();
+}
