@@ -137,7 +137,7 @@ class CudaRunner:
         self.reset_peers()
         code, entry, inst, detail = rec[3], rec[4], rec[5], rec[6]
         op = self.q.entries[entry].op if 0 <= entry < len(self.q.entries) else None
-        what = f"op{op.id} {op.kind} (graph nodes {list(op.sources)})" if op else f"entry {entry}"
+        what = op.label if op else f"entry {entry}"
         if code == ERR_TIMEOUT:
             w, rank = self.q.spins(self.q.entries[entry])[detail]
             src = f" of rank {rank}" if rank is not None else ""

@@ -132,9 +132,6 @@ def cached_artifact(graph: Graph, *, max_dims=None, cost_model=None, dims_hint=N
 
 
 # --- memory: what a kernel holds, and whether it fits ---------------------------------------------
-CONTROL_BYTES = 64  # the control record (interpreter/runtime.py: CONTROL_WORDS int64)
-
-
 def tensor_bytes(shape, dtype, max_dims: Mapping[str, int]) -> int:
     """Bytes of a tensor of ``shape`` (runtime dims at most ``max_dims``) and ``dtype``, at its largest."""
     from .lowering import upper_bound
@@ -154,12 +151,14 @@ def kernel_memory(artifact: Artifact) -> list[tuple[str, str, int]]:
     constant it binds, each input and cache a call passes, and its work area (the arena of intermediate
     tensors, the barrier counters and accumulators of both parities, the control record and the op table,
     a tensor-parallel peer region). The one place these sizes are computed (``Kernel`` checks them)."""
+    from .interpreter.runtime import CONTROL_WORDS
+
     queue = artifact.queue
     kinds = {"weight": "weight", "constant": "constant", "input": "input", "state": "cache"}
     leaves = [(kinds[b.kind], b.name, b.dtype, swap_last(b.shape) if b.transposed else b.shape)
               for b in queue.program.buffers if b.kind in kinds]
     mem = queue.memory
-    work = (mem.arena_bytes + 2 * 4 * max(1, mem.counters) + CONTROL_BYTES + 8 * len(artifact.table or ())
+    work = (mem.arena_bytes + 2 * 4 * max(1, mem.counters) + 8 * CONTROL_WORDS + 8 * len(artifact.table or ())
             + (mem.peer.region_bytes if mem.peer else 0))
     dims = ", ".join(f"{k}={v}" for k, v in queue.max_dims.items() if k in queue.program.symbols)
     what = f"work area (arena and counters{f' at max_dims {dims}' if dims else ''})"
@@ -348,7 +347,8 @@ class Kernel:
         buffers = self.program.buffers
         self._state_ids = tuple(b.id for b in buffers if b.kind == "state")  # inputs updated in place
         self._written = frozenset(self._state_ids)
-        self._labels = {b.id: f"input {b.name!r}" for b in buffers if b.kind in ("input", "state")}
+        self._inputs = {b.name: b for b in buffers if b.kind in ("input", "state")}  # what a call passes, by name
+        self._labels = {b.id: f"input {name!r}" for name, b in self._inputs.items()}
         self._state_labels = [self._labels[i] for i in self._state_ids]
         # the written inputs' byte ranges follow from their addresses, and from the runtime dims if their shapes hold any
         self._state_symbolic = any(not d.is_const for i in self._state_ids for d in buffers[i].shape)
@@ -426,7 +426,7 @@ class Kernel:
     def _split_args(self, kwargs: dict) -> tuple[dict[int, torch.Tensor], dict[str, int]]:
         symbols = self.program.symbols
         dims = {k: v for k, v in kwargs.items() if k in symbols}
-        inputs = {b.name: b for b in self.program.buffers if b.kind in ("input", "state")}
+        inputs = self._inputs
         unknown = sorted(set(kwargs) - set(dims) - set(inputs) - set(self.program.unused_leaves))
         if unknown:
             raise GraphError(f"unknown argument(s) {unknown}; inputs: {sorted(inputs)}, runtime dims: {list(symbols)}")

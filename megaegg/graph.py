@@ -76,7 +76,6 @@ OPS = frozenset({
 })
 
 
-
 def leaf_shape(what: str, shape) -> tuple[Dim, ...]:
     """A leaf's shape as dims; not a sequence of ints and dims (``g.input("x", 4)``): a ShapeError naming ``what``."""
     try:
@@ -261,7 +260,7 @@ class Graph:
             dtype = as_dtype(dtype)
         except TypeError as e:
             raise GraphError(f"{what}: {e}") from None
-        check_size(f"{what}" if name is None else f"{op} {name!r}", dims, dtype)
+        check_size(what if name is None else f"{op} {name!r}", dims, dtype)
         node = Node(len(self.nodes), op, ids, dims, dtype, dict(attrs or {}), name)
         self.nodes.append(node)
         return Tensor(self, node.id)

@@ -487,7 +487,7 @@ def test_fan_in_concat_halves_as_spans():
     assert len(plan.waits[2]) == 2  # fan-in: one wait per piece
 
 
-# --- views (through rewrite.layout.pullback) -----------------------------------
+# --- views (through megaegg.ir.layout.pullback) --------------------------------
 
 
 def test_fan_in_concat_halves_via_slice_views():

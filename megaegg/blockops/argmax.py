@@ -16,14 +16,13 @@ from ..graph import GraphError
 from ..sampling import NaNError
 from .base import BlockKind, Partition, Term, c_call, dimc, f32, fields, register, term
 from ..ir.footprint import Full, Tile
-from .sample import op_name
 
 
 def nan_rows(x: torch.Tensor, op) -> None:
     """Raise NaNError naming the first row of ``x [M, n]`` that holds a NaN."""
     bad = torch.isnan(x).any(-1).nonzero()
     if bad.numel():
-        raise NaNError(f"NaN logits in row {int(bad[0])} of {op_name(op)}")
+        raise NaNError(f"NaN logits in row {int(bad[0])} of {op.label}")
 
 
 @register

@@ -11,11 +11,6 @@ from .base import BlockKind, Partition, Term, c_call, fields, register, term
 from ..ir.footprint import Full, Tile
 
 
-def op_name(op) -> str:
-    """How errors name a block op (interpreter/runtime.py: CudaRunner.check names it the same way)."""
-    return f"op{op.id} {op.kind} (graph nodes {list(op.sources)})"
-
-
 @register
 class Sample(BlockKind):
     name = "sample"
@@ -29,7 +24,7 @@ class Sample(BlockKind):
         logits, temperature, top_k, top_p, seed, counter = ins
         i = env["_i0"]
         out[i] = sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]), int(seed[i]), int(counter[i]),
-                            row=i, where=op_name(op))
+                            row=i, where=op.label)
 
     def bytes_moved(self, op, env):
         rows, vocab = (d.eval(env) for d in op.inputs[0].shape)

@@ -102,6 +102,11 @@ class BlockOp:
             n = n * g
         return n
 
+    @property
+    def label(self) -> str:
+        """How errors name the op (the CPU bodies, ``CudaRunner.check``): ``op3 sample (graph nodes [41])``."""
+        return f"op{self.id} {self.kind} (graph nodes {list(self.sources)})"
+
     def __str__(self) -> str:
         ins = ", ".join(f"{o}{fmt_footprint(fp)}" for o, fp in zip(self.inputs, self.reads))
         ps = ", ".join(f"{k}={v}" for k, v in self.params.items())
