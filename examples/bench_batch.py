@@ -13,8 +13,12 @@ compiled once for every B) against ``torch.compile(mode="reduce-overhead")`` of
 :class:`~megaegg.models.torch_batch.PlainBatch`'s step at that B. The batch-1 row also times the
 megakernel of the batch-1 decode graph (what a lone sequence decodes with). Prefill of T tokens:
 one prompt into slot 0, time to its first token (the last row's logits and argmax), the megakernel
-in one launch against ``torch.compile`` of the peer's prefill (default mode, a trace per T). Logits
-are checked against the peer's in the same run. A table is printed last; ``--json PATH`` keeps it.
+in one launch against ``torch.compile`` of the peer's prefill (default mode, a trace per T), with the
+FLOP rate each reaches (``prefill_flops``) as a share of the dense bf16 rate measured in the same run
+(an 8192-cube ``torch.matmul``). A mixed step: the largest batch decoding while a prompt of the first
+prefill length joins (a chunked-prefill step, one launch), against the two as separate launches.
+Logits are checked against the peer's in the same run. A table is printed last; ``--json PATH``
+keeps it.
 """
 
 from __future__ import annotations
@@ -131,6 +135,25 @@ def timed(fn, iters: int, warmup: int, cuda: bool) -> float:
     return sorted(ms)[len(ms) // 2]
 
 
+def prefill_flops(cfg: ModelConfig, t: int) -> float:
+    """FLOPs of a t-token prefill that yields one token: every linear of every row (2 per weight
+    element), causal attention (QK^T and PV over t (t + 1) / 2 pairs a head), the LM head of one row."""
+    h, d = cfg.hidden, cfg.head_dim
+    per_layer = h * d * (2 * cfg.heads + 2 * cfg.kv_heads) + 3 * h * cfg.intermediate
+    attention = 2 * 2 * cfg.heads * d * t * (t + 1) / 2
+    return cfg.layers * (2.0 * per_layer * t + attention) + 2.0 * h * cfg.vocab
+
+
+def dense_rate(cuda: bool) -> float | None:
+    """TFLOP/s of an 8192-cube bf16 torch.matmul on this GPU (median of 5), None on the CPU."""
+    if not cuda:
+        return None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = timed(lambda: a @ b, 5, 2, True)
+    return 2 * 8192 ** 3 / ms / 1e9
+
+
 def run(a: argparse.Namespace) -> dict:
     cuda = not a.dry_run
     device = "cuda" if cuda else "cpu"
@@ -138,16 +161,18 @@ def run(a: argparse.Namespace) -> dict:
     if a.dry_run:
         cfg = dataclasses.replace(cfg, dtype=me.f32)  # the CPU simulator has no fast bf16 matmul
     torch.set_grad_enabled(False)
-    slots, longest = max(a.batch), max(a.prefill)
+    slots, longest = max(a.batch) + 1, max(a.prefill)  # (+1: the mixed step's prompt joins the largest batch)
     max_len = max(a.context + 1, longest)
     graph, spec = build_step_graph(cfg, max_len=max_len, slots=slots)
     weights = random_weights(spec, seed=0, device=device)
     backend = "cuda" if cuda else "sim"
     t0 = time.perf_counter()
-    kernel = me.compile(graph, weights, backend=backend, max_dims={"n": max(longest, slots), "r": slots, "ctx": max_len},
+    kernel = me.compile(graph, weights, backend=backend,
+                        max_dims={"n": max(longest, min(a.prefill) + max(a.batch)), "r": slots, "ctx": max_len},
                         dims_hint={"n": 16, "r": 16, "ctx": a.context + 1})
     report = {"preset": f"{a.preset} (dry run)" if a.dry_run else a.preset, "context": a.context, "rows": [],
-              "step_compile_s": time.perf_counter() - t0}
+              "step_compile_s": time.perf_counter() - t0, "dense_tflops": dense_rate(cuda),
+              "regime": str(kernel.program.regime) if kernel.program.regime else None}
     log(f"step graph compiled in {report['step_compile_s']:.1f} s ({len(kernel.queue.entries)} queue entries)")
     gen = torch.Generator(device=device).manual_seed(1)
     caches = {n: (torch.randn(s, generator=gen, device=device) * 0.5).to(cfg.dtype.torch) for n, s in spec.caches.items()}
@@ -209,23 +234,54 @@ def run(a: argparse.Namespace) -> dict:
         want = fn(toks)[0].clone()
         row["torch_compile_ms"] = timed(lambda: fn(toks), *prefill_iters(a), cuda)
         row["rel_err"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        row["flops"] = prefill_flops(cfg, t)
         report["rows"].append(row)
         log(f"prefill {t}: megakernel {row['megakernel_ms']:.3f} ms, torch.compile {row['torch_compile_ms']:.3f} ms")
+    # a mixed step: the largest batch decodes one token each while a prompt joins in slot B, in one launch
+    b, t = max(a.batch), min(a.prefill)
+    toks = [TOKEN % cfg.vocab] * b + [int(x) for x in (torch.arange(t) * 7919) % cfg.vocab]
+    ins = {"token": i32(toks), "pos": i32([a.context] * b + list(range(t))), "slot": i32(list(range(b)) + [b] * t),
+           "out": i32(list(range(b)) + [b + t - 1])}
+    _, step = mega_step(ins, {"n": b + t, "r": b + 1, "ctx": max(a.context + 1, t)})
+    row = {"kind": "mixed", "batch": b, "tokens": t, "megakernel_ms": timed(step, *prefill_iters(a), cuda)}
+    step.check()
+    apart = [r["megakernel_ms"] for r in report["rows"] if (r["kind"], r.get("batch"), r.get("tokens")) in
+             (("decode", b, None), ("prefill", None, t))]
+    row["apart_ms"] = sum(apart) if len(apart) == 2 else None
+    report["rows"].append(row)
+    log(f"mixed step (batch {b} + a {t}-token prompt): megakernel {row['megakernel_ms']:.3f} ms")
     return report
 
 
 def table(report: dict) -> str:
+    peak = report.get("dense_tflops")
     lines = [f"{report['preset']}, decode at context {report['context']}; torch.compile = PlainBatch "
-             "(reduce-overhead for decode, default for prefill)",
+             "(reduce-overhead for decode, default for prefill); row regime: " + str(report.get("regime")),
              "| step | megakernel ms | tokens/s | torch.compile ms | tokens/s | vs torch.compile | rel err |",
              "|---|---|---|---|---|---|---|"]
     one = next((r for r in report["rows"] if r["kind"] == "decode" and r["batch"] == 1), None)
     for r in report["rows"]:
+        if r["kind"] == "mixed":
+            continue
         n = r["batch"] if r["kind"] == "decode" else r["tokens"]
         what = f"decode batch {n}" if r["kind"] == "decode" else f"prefill {n} tokens"
         lines.append(f"| {what} | {r['megakernel_ms']:.3f} | {1e3 * n / r['megakernel_ms']:.0f} | "
                      f"{r['torch_compile_ms']:.3f} | {1e3 * n / r['torch_compile_ms']:.0f} | "
                      f"{r['torch_compile_ms'] / r['megakernel_ms']:.2f}x | {r['rel_err']:.1e} |")
+    prefills = [r for r in report["rows"] if r["kind"] == "prefill"]
+    if prefills:
+        rate = f"{peak:.0f} TFLOP/s (8192-cube torch.matmul, this run)" if peak else "not measured"
+        lines.append(f"prefill FLOP rate (dense bf16 rate: {rate}):")
+        for r in prefills:
+            mega, torch_ = r["flops"] / r["megakernel_ms"] / 1e9, r["flops"] / r["torch_compile_ms"] / 1e9
+            pct = (lambda x: f" ({100 * x / peak:.0f}%)") if peak else (lambda x: "")
+            lines.append(f"  {r['tokens']} tokens: megakernel {mega:.0f} TFLOP/s{pct(mega)}, torch.compile "
+                         f"{torch_:.0f} TFLOP/s{pct(torch_)}; time to first token {r['megakernel_ms']:.2f} ms")
+    for r in report["rows"]:
+        if r["kind"] == "mixed":
+            apart = f"; as two launches {r['apart_ms']:.3f} ms" if r.get("apart_ms") else ""
+            lines.append(f"mixed step, batch {r['batch']} decoding + a {r['tokens']}-token prompt: "
+                         f"{r['megakernel_ms']:.3f} ms{apart}")
     if one and "decode_graph_ms" in one:
         lines.append(f"batch-1 decode graph (a lone sequence): {one['decode_graph_ms']:.3f} ms")
         for r in report["rows"]:

@@ -28,10 +28,10 @@ Its modules:
 """
 
 from .nvrtc import compile_cubin
-from .render import Rendered, defines, render
+from .render import Rendered, defines, image_defines, render
 from .runtime import CudaRunner, MegakernelError
 from .simulator import Interleaving, Simulation, SimulationError, run_launches
 from .trace import Trace
 
 __all__ = ["CudaRunner", "Interleaving", "MegakernelError", "Rendered", "Simulation", "SimulationError", "Trace",
-           "compile_cubin", "defines", "render", "run_launches"]
+           "compile_cubin", "defines", "image_defines", "render", "run_launches"]

@@ -35,6 +35,7 @@ FIELDS = (
     Field("parity", "long long", comment="which counter set this launch uses (0, 1)"),
     Field("trace", "unsigned long long*", comment="MEGA_TRACE builds: 4 words per instance"),
     Field("table", "const long long*", comment="render.py: EntryTable.words"),
+    Field("tmaps", "const char*", comment="TMA tensor maps, 128 bytes each (tensor_maps.py)"),
     Field("rank", "long long", comment="tensor parallel: this GPU's rank"),
     Field("seq", "long long", comment="tensor parallel: this launch's number (1, 2, ...)"),
     Field("peers", "char*", "MEGA_MAX_RANKS", "every rank's peer region (peer-to-peer addresses), by rank"),

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -112,10 +113,72 @@ def include_dirs() -> list[str]:
     return [str(CUDA_DIR), found]
 
 
+class MissingHeaders(CompileError):
+    """A header directory a body needs is not there: the message is the one line to print."""
+
+
+def cutlass_include() -> str:
+    """CUTLASS's include directory (CuTe: the tensor-core bodies' TMA and wgmma atoms): ``$CUTLASS_INCLUDE``,
+    else the nvidia-cutlass wheel's (``cutlass_library/source/include``), found by importlib."""
+    import importlib.util
+
+    env = os.environ.get("CUTLASS_INCLUDE")
+    if env:
+        d, how = Path(env), "$CUTLASS_INCLUDE"
+    else:
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or not spec.submodule_search_locations:
+            raise MissingHeaders("CUTLASS headers not found: pip install nvidia-cutlass (or set CUTLASS_INCLUDE "
+                                 "to a folder holding cute/ and cutlass/)")
+        d, how = Path(list(spec.submodule_search_locations)[0]) / "source" / "include", "the cutlass_library package"
+    if not (d / "cute" / "tensor.hpp").is_file() or not (d / "cutlass" / "cutlass.h").is_file():
+        raise MissingHeaders(f"CUTLASS headers not found: {d} (from {how}) has no cute/tensor.hpp and cutlass/cutlass.h")
+    return str(d)
+
+
+def cccl_include() -> str:
+    """libcu++'s include directory (cuda/std/...), which CuTe includes under NVRTC: ``$CCCL_INCLUDE``, else
+    the nvidia-cuda-cccl wheel's or the CUDA toolkit's."""
+    env = os.environ.get("CCCL_INCLUDE")
+    cands = [env] if env else []
+    if not env:
+        try:
+            from cuda.pathfinder import find_nvidia_header_directory
+
+            cands.append(find_nvidia_header_directory("cccl"))
+        except Exception:
+            pass
+        cands += [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include", "cccl")]
+    for d in cands:
+        if d and os.path.isfile(os.path.join(d, "cuda", "std", "cstdint")):
+            return d
+    raise MissingHeaders(f"libcu++ headers (cuda/std/cstdint) not found in {[c for c in cands if c]}: install the "
+                         "nvidia-cuda-cccl wheel or a CUDA toolkit, or set CCCL_INCLUDE")
+
+
+def cute_options() -> list[str]:
+    """What a source including CuTe needs besides :func:`include_dirs`: CUTLASS's and libcu++'s include
+    paths (CUTLASS includes libcu++ both as cuda/std/... and as cccl/cuda/std/...: both roots) and
+    -default-device (CUTLASS has unannotated constexpr helpers)."""
+    cccl = cccl_include()
+    return ["-default-device", "-DNDEBUG"] + [f"-I{d}" for d in (cutlass_include(), cccl, os.path.dirname(cccl))]
+
+
+def uses_cute(source: str, defines: dict[str, int] | None = None) -> bool:
+    """Whether the source includes CuTe (a gemm body): not when its only include is guarded out for this
+    regime's image (render.py: regime_guard)."""
+    for m in re.finditer(r'(?:#if MEGA_REGIME != (\d)\n)?#include "gemm(?:_tile)?\.cuh"', source):
+        if m.group(1) is None or (defines or {}).get("MEGA_REGIME", -1) != int(m.group(1)):
+            return True
+    return False
+
+
 def compile_cubin(source: str, *, arch: str = "sm_90a", defines: dict[str, int] | None = None,
                   use_cache: bool = True) -> CompiledCubin:
     opts = [f"--gpu-architecture={arch}", "-std=c++17", "-lineinfo", "--ptxas-options=-v"]
     opts += [f"-I{d}" for d in include_dirs()]
+    if uses_cute(source, defines):
+        opts += cute_options()
     opts += [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
     headers = "".join(p.read_text() for p in sorted(CUDA_DIR.glob("*.cuh")))
     fields = [source, headers, *opts, str(nvrtc_version())]

@@ -18,6 +18,7 @@ from ..ir.footprint import Full, Tile
 from ..dims import Dim
 from ..lowering.queue import QueueEntry, WorkQueue
 from ..ir.program import Operand
+from . import tensor_maps
 from .kernel_args import c_declaration
 from .nvrtc import CUDA_DIR
 
@@ -33,6 +34,41 @@ def defines() -> dict[str, int]:
 
     extra = dict(kv.split("=") for kv in os.environ.get("MEGAEGG_DEFINES", "").split(",") if kv)
     return {**DEFINES, **{k: int(v) for k, v in extra.items()}}
+
+
+# A program with two row regimes (ir/program.py: Regime) compiles into two kernel images from one source:
+# each holds the cases of one regime (MEGA_REGIME), so neither's register allocation pays for the other's
+# bodies. An image with tensor-core tiles (gemm) gets the shared memory they pipeline through (4 stages
+# of a 128 x 256 tile instead of 2); the others keep 120 KB, which the decode path wants (L1).
+TILE_SMEM = 200 * 1024
+
+
+def image_defines(q: WorkQueue, defs: dict[str, int]) -> list[dict[str, int]]:
+    """The defines of each kernel image of ``q``: one, or one per row regime."""
+    regime = q.program.regime
+    images = [None] if regime is None else [0, 1]
+    out = []
+    for r in images:
+        d = dict(defs) if r is None else {**defs, "MEGA_REGIME": r}
+        tiles = any(e.op.kind == "gemm" and (r is None or e.op.regime in (None, r)) for e in q.entries)
+        if tiles and "MEGA_SMEM" not in _env_defines():
+            d["MEGA_SMEM"] = TILE_SMEM
+        out.append(d)
+    return out
+
+
+def _env_defines() -> dict[str, int]:
+    import os
+
+    return dict(kv.split("=") for kv in os.environ.get("MEGAEGG_DEFINES", "").split(",") if kv)
+
+
+def regime_guard(regimes: set) -> tuple[str, str]:
+    """``#if`` / ``#endif`` lines around code that only entries of ``regimes`` run (None: every regime)."""
+    if None in regimes or regimes == {0, 1} or not regimes:
+        return "", ""
+    (r,) = regimes
+    return f"#if MEGA_REGIME != {1 - r}", "#endif"
 
 
 def launch_shape(defs: dict[str, int]) -> tuple[int, int]:
@@ -92,8 +128,9 @@ def grid_coordinates(op) -> list[str]:
     return lines
 
 
-def case_body(q: WorkQueue, e: QueueEntry) -> list[str]:
-    """The C++ of one queue entry's instance: grid coordinates, prefetches, waits, the body, signals."""
+def case_body(q: WorkQueue, e: QueueEntry, tmaps: dict[tuple[int, int], int] | None = None) -> list[str]:
+    """The C++ of one queue entry's instance: grid coordinates, prefetches, waits, the body, signals.
+    ``tmaps``: the tensor maps' indices by (op id, input) (``tensor_maps.plan``)."""
     op = e.op
     kind = REGISTRY[op.kind]
     lines = grid_coordinates(op)
@@ -104,6 +141,10 @@ def case_body(q: WorkQueue, e: QueueEntry) -> list[str]:
     for name, o in zip(names, [*ins, out]):
         lines.append(f"        {o.ctype}* const {name} = {o.ptr};")
     ins = [dataclasses.replace(o, ptr=name) for o, name in zip(ins, names)]
+    for k in kind.tma_inputs(op):
+        if tmaps is None:
+            tmaps = tensor_maps.plan(q)[1]
+        ins[k] = dataclasses.replace(ins[k], tmap=tensor_maps.c_ref(tmaps[(op.id, k)]))
     out = dataclasses.replace(out, ptr="out")
     prefetch = weight_prefetches(q, op)
     if prefetch:
@@ -111,8 +152,19 @@ def case_body(q: WorkQueue, e: QueueEntry) -> list[str]:
         lines += [f"          {p}" for p in prefetch]
         lines.append("        }")
     waits, expected, sys = wait_list(q, e)
+    if kind.deferred:  # thread 0 fills the job (shared memory); it runs after the switch (render.py: deferred_slots)
+        if any(s.peer for s in e.signals):
+            raise ValueError(f"{op.label}: a deferred body cannot signal peer counters")
+        job = kind.deferred.var
+        lines += [f"        {job}_pending = true;", "        if (threadIdx.x == 0) {",
+                  f"          MegaWaits& wl = {job}.wl; wl.n = {len(waits)};" + (f" wl.sys = {sys}u;" if q.memory.peer else "")]
+        lines += [f"          wl.ctr[{i}] = {c}; wl.expected[{i}] = {x};" for i, (c, x) in enumerate(zip(waits, expected))]
+        lines += [f"          {kind.cuda_call(op, ins, out)};", f"          {job}.nsig = {len(e.signals)};"]
+        lines += [f"          {job}.sig[{i}] = &ctr[{q.memory.counter_base[s.id]} + ({c_expr(s.signal)})];"
+                  for i, s in enumerate(e.signals)]
+        return lines + ["        }"]
     if waits or kind.waits_in_body:  # the wait list (runtime.cuh: mega_wait_all)
-        lines.append(f"        MegaWaits wl; wl.n = {len(waits)};" + (f" wl.sys = {sys}u;" if q.memory.peer else ""))
+        lines.append("        MegaWaits wl; wl.n = " + f"{len(waits)};" + (f" wl.sys = {sys}u;" if q.memory.peer else ""))
         lines += [f"        wl.ctr[{i}] = {c}; wl.expected[{i}] = {x};" for i, (c, x) in enumerate(zip(waits, expected))]
     call = f"        {kind.cuda_call(op, ins, out)};"
     traced = "        MEGA_TRACE_WAITS_PASSED();" if waits else "        MEGA_TRACE_WAITED();"
@@ -254,8 +306,13 @@ def shared_cases(q: WorkQueue) -> tuple[list[str], EntryTable]:
     """One ``case`` per distinct entry code, literals that differ between its entries read from the table."""
     groups: dict[str, list[int]] = {}
     holes: list[list[str]] = []
+    tmaps = tensor_maps.plan(q)[1]
+    regime_dims = regime_dim_refs(q)
     for k, e in enumerate(q.entries):
-        skeleton, literals = _holes("\n".join(case_body(q, e)))
+        text = "\n".join(case_body(q, e, tmaps))
+        for name, ref in regime_dims.items():
+            text = re.sub(rf"\b{dimc(name)}\b", ref, text)
+        skeleton, literals = _holes(text)
         groups.setdefault(skeleton, []).append(k)
         holes.append(literals)
     cases, variant, offset, consts = [], [0] * len(q.entries), [0] * len(q.entries), []
@@ -271,8 +328,19 @@ def shared_cases(q: WorkQueue) -> tuple[list[str], EntryTable]:
             consts += [int(holes[k][j].removesuffix("LL")) for j in varying]
         ops = ", ".join(f"op{q.entries[k].op.id}" for k in members[:6]) + (" ..." if len(members) > 6 else "")
         head = f"      case {g}: {{  // {q.entries[members[0]].op.kind}: {ops} ({len(members)} entries)\n"
-        cases.append(head + body + "\n      } break;")
+        open_, close = regime_guard({q.entries[k].op.regime for k in members})
+        cases.append((open_ + "\n" if open_ else "") + head + body + "\n      } break;" + ("\n" + close if close else ""))
     return cases, EntryTable(tuple(variant), tuple(offset), LaunchPrefix.of(q), tuple(consts))
+
+
+def regime_dim_refs(q: WorkQueue) -> dict[str, str]:
+    """A row regime's derived dims as ``args.dims[k]`` in the cases: the index is a literal, so the
+    two regimes' copies of an op (the same code over another dim) share one case, their indices in
+    the table (ir/program.py: Regime)."""
+    p = q.program
+    if p.regime is None:
+        return {}
+    return {name: f"args.dims[{p.symbols.index(name)}]" for name in p.regime.derived}
 
 
 def peer_prologue(q: WorkQueue) -> str:
@@ -285,14 +353,34 @@ def peer_prologue(q: WorkQueue) -> str:
             "  const unsigned seq = (unsigned)args.seq;  (void)seq;")
 
 
+def deferred_slots(q: WorkQueue) -> dict[str, str]:
+    """The jobs of the deferred kinds present (BlockKind.deferred): in shared memory, filled by thread 0
+    of the case that ran (which also sets the ``_pending`` flag in every thread), run after the switch."""
+    kinds = sorted({e.op.kind for e in q.entries if REGISTRY[e.op.kind].deferred}, key=str)
+    jobs = [REGISTRY[k].deferred for k in kinds]
+    slots = {"DEFERRED_SHARED": [], "DEFERRED_DECL": [], "DEFERRED_RUN": []}
+    for k, j in zip(kinds, jobs):
+        open_, close = regime_guard({e.op.regime for e in q.entries if e.op.kind == k})
+        code = {"DEFERRED_SHARED": f"__shared__ {j.struct} {j.var};",
+                "DEFERRED_DECL": f"bool {j.var}_pending = false;",
+                # (the barrier: thread 0 filled the job)
+                "DEFERRED_RUN": f"if ({j.var}_pending) {{ mega_sync(); {j.run}({j.var}, smem); }}"}
+        for name, text in code.items():
+            slots[name].append(f"\n{open_}\n    {text}\n{close}\n" if open_ else text)
+    return {name: " ".join(texts) for name, texts in slots.items()}
+
+
 def render(q: WorkQueue) -> Rendered:
     """The kernel's source and entry table."""
     src = (CUDA_DIR / "megakernel.cu").read_text()
     cases, table = shared_cases(q)
-    kinds = sorted({REGISTRY[e.op.kind].cuda_file for e in q.entries if REGISTRY[e.op.kind].cuda_file})
+    kinds = []  # the bodies' files, each guarded by the regimes whose entries call it
+    for f in sorted({REGISTRY[e.op.kind].cuda_file for e in q.entries if REGISTRY[e.op.kind].cuda_file}):
+        open_, close = regime_guard({e.op.regime for e in q.entries if REGISTRY[e.op.kind].cuda_file == f})
+        kinds.append(f'{open_}\n#include "{f}"\n{close}' if open_ else f'#include "{f}"')
     symbols = q.program.symbols
     slots = {
-        "INCLUDES": "\n".join(f'#include "{f}"' for f in kinds),
+        "INCLUDES": "\n".join(kinds),
         "ENTRIES": str(len(q.entries)),
         "COUNTERS": str(max(1, q.memory.counters)),
         "ARGS": c_declaration(len(symbols), len(q.memory.pointer_slot)),
@@ -303,6 +391,8 @@ def render(q: WorkQueue) -> Rendered:
         "LAUNCHES": str(table.prefix.rows),
         "LAUNCH_VALUES": ", ".join(f"max_i64(0LL, {x})" for x in table.prefix.launches) or "0LL",
         "CASES": "\n".join(cases),
+        "MAXSIGNALS": str(max([1, *(len(e.signals) for e in q.entries)])),
+        **deferred_slots(q),
     }
     for name, text in slots.items():
         src = src.replace(f"/*@{name}@*/", text)

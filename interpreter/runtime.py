@@ -16,8 +16,9 @@ import torch
 
 from ..lowering.queue import WorkQueue
 from ..sampling import NaNError
+from . import tensor_maps
 from .kernel_args import args_type
-from .render import launch_shape
+from .render import image_defines, launch_shape
 
 CONTROL_WORDS = 8
 ERR_TIMEOUT, ERR_INDEX, ERR_LAYOUT = 1, 2, 3
@@ -50,22 +51,22 @@ class LaunchStats:
 
 class CudaRunner:
     def __init__(self, queue: WorkQueue, cubin: bytes, bound: dict[int, torch.Tensor], device: torch.device,
-                 *, defines: dict[str, int], table: list[int], trace_instances: int = 0) -> None:
-        from cuda.bindings import driver
-
+                 *, defines: dict[str, int], table: list[int], trace_instances: int = 0,
+                 cubin_large: bytes | None = None) -> None:
         self.q = queue
         self.device = device
         torch.empty(1, device=device)  # torch creates the primary context lazily: touch it first
-        self.module = _drv(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-        self.func = _drv(driver.cuModuleGetFunction(self.module, b"megakernel"), "cuModuleGetFunction")
         props = torch.cuda.get_device_properties(device)
         self.sms = props.multi_processor_count
-        self.threads, self.smem = launch_shape(defines)  # launch what was compiled
-        if smem_bytes(device) < self.smem:
-            raise RuntimeError(f"the megakernel needs {self.smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
-        _drv(driver.cuFuncSetAttribute(
-            self.func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem),
-            "cuFuncSetAttribute")
+        # the kernel image, or one a row regime (render.py: image_defines), each launched as compiled
+        regime = queue.program.regime
+        cubins = [cubin] if regime is None else [cubin, cubin_large]
+        if any(c is None for c in cubins):
+            raise RuntimeError("a program with row regimes needs both kernel images (compile_cuda builds them)")
+        self.images = [KernelImage.load(c, d, device) for c, d in zip(cubins, image_defines(queue, defines))]
+        if regime is not None:
+            self._large_dim = queue.program.symbols.index(regime.derived[1])
+        self.func, self.threads, self.smem = self.images[0].func, self.images[0].threads, self.images[0].smem
         mem = queue.memory
         try:  # (megaegg.compiler.Kernel checked these fit; another process may have taken the memory since)
             self.arena = torch.empty(mem.arena_bytes, dtype=torch.uint8, device=device)
@@ -95,6 +96,12 @@ class CudaRunner:
             self.set_peers(0, [self.peer_region.data_ptr()])
         for buf, t in bound.items():
             self._ptr[mem.pointer_slot[buf]] = t.data_ptr()
+        # TMA tensor maps of the tensor-core bodies (none without a gemm op)
+        self.tmaps = None
+        if tensor_maps.plan(queue)[0]:
+            self.tmaps = tensor_maps.TensorMapTable(queue, device, self.arena.data_ptr(),
+                                                    {b: t.data_ptr() for b, t in bound.items()})
+            a.tmaps = self.tmaps.ptr
         self._param = (ctypes.c_void_p * 1)(ctypes.addressof(a))
         self.stats = LaunchStats()
 
@@ -120,8 +127,11 @@ class CudaRunner:
         ptr, slot = self._ptr, self.q.memory.pointer_slot
         for buf, t in tensors.items():
             ptr[slot[buf]] = t.data_ptr()
+        if self.tmaps is not None and self.tmaps.per_call:
+            self.tmaps.update({buf: t.data_ptr() for buf, t in tensors.items()}, dict(zip(self.q.program.symbols, dims)))
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        grid, params = (self.func, self.sms, 1, 1, self.threads, 1, 1, self.smem, stream), ctypes.addressof(self._param)
+        img = self.images[1 if len(self.images) > 1 and dims[self._large_dim] > 0 else 0]
+        grid, params = (img.func, self.sms, 1, 1, img.threads, 1, 1, img.smem, stream), ctypes.addressof(self._param)
         _drv(driver.cuLaunchKernel(*grid, params, 0), "cuLaunchKernel")
         self.parity ^= 1
         self.stats.launches += 1
@@ -154,6 +164,29 @@ class CudaRunner:
             raise MegakernelError(f"unsupported operand layout in {what}, instance {inst}: its body takes "
                                   "contiguous, 16-byte aligned rows")
         raise MegakernelError(f"megakernel error code {code} in {what}, instance {inst}")
+
+
+@dataclass
+class KernelImage:
+    """One loaded cubin's ``megakernel`` and the block shape it was compiled for."""
+
+    module: object
+    func: object
+    threads: int
+    smem: int
+
+    @staticmethod
+    def load(cubin: bytes, defines: dict[str, int], device: torch.device) -> "KernelImage":
+        from cuda.bindings import driver
+
+        module = _drv(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        func = _drv(driver.cuModuleGetFunction(module, b"megakernel"), "cuModuleGetFunction")
+        threads, smem = launch_shape(defines)  # launch what was compiled
+        if smem_bytes(device) < smem:
+            raise RuntimeError(f"the megakernel needs {smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
+        _drv(driver.cuFuncSetAttribute(
+            func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem), "cuFuncSetAttribute")
+        return KernelImage(module, func, threads, smem)
 
 
 def smem_bytes(device: torch.device) -> int:

@@ -183,6 +183,8 @@ def derive_barriers(program: BlockProgram) -> BarrierPlan:
             for producer in program.ops[:pos]:  # queue order: only earlier ops (liveness)
                 if producer.output.buffer != operand.buffer:
                     continue
+                if None not in (producer.regime, consumer.regime) and producer.regime != consumer.regime:
+                    continue  # two row regimes never run in one launch (ir/program.py: Regime)
                 peer = buf.kind == "peer"
                 pair = _derive_pair(_as_rank0(producer) if peer else producer, consumer, k, buf)
                 if pair is not None:

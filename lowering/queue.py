@@ -123,6 +123,9 @@ def upper_bound(d: Dim, max_env: Mapping[str, int]) -> int:
 
 
 def build_queue(program: BlockProgram, max_dims: Mapping[str, int]) -> WorkQueue:
+    if program.regime is not None:  # each derived dim is the row count itself, or 0
+        top = max_dims.get(program.regime.symbol, 0)
+        max_dims = {**max_dims, **{d: top for d in program.regime.derived}}
     missing = set(program.symbols) - set(max_dims)
     if missing:
         raise ValueError(f"no maximum given for runtime dim(s) {sorted(missing)}")

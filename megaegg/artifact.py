@@ -60,7 +60,7 @@ from .graph import Graph, GraphError
 FORMAT = "megaegg-artifact"
 FORMAT_VERSION = 2  # 2: artifact.json carries the sha256 of every part and a digest of itself
 META = "artifact.json"
-PARTS = ("constants.safetensors", "kernel.cu", "kernel.cubin")  # the parts artifact.json hashes
+PARTS = ("constants.safetensors", "kernel.cu", "kernel.cubin", "kernel.large.cubin")  # the parts artifact.json hashes
 REQUIRED = (META, "constants.safetensors", "kernel.cu")
 log = logging.getLogger("megaegg")
 
@@ -91,6 +91,14 @@ class Artifact:
     constants: dict[int, torch.Tensor]
     defines: dict[str, int] = field(default_factory=dict)  # what the source was (or is to be) compiled with
     timings: dict[str, float] = field(default_factory=dict)
+    # a program with row regimes: ``cubin`` is the image of its regime 0, this of its regime 1
+    # (interpreter/render.py: image_defines)
+    cubin_large: bytes | None = None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether every kernel image the queue needs is here."""
+        return self.cubin is not None and (self.queue.program.regime is None or self.cubin_large is not None)
 
     def save(self, path: str | Path) -> None:
         """Write the artifact to ``path`` (one zip file; written whole, then renamed into place). A folder
@@ -117,6 +125,8 @@ class Artifact:
                  "kernel.cu": self.source.encode()}
         if self.cubin is not None:
             parts["kernel.cubin"] = bytes(self.cubin)
+        if self.cubin_large is not None:
+            parts["kernel.large.cubin"] = bytes(self.cubin_large)
         body = {"defines": self.defines, "timings": self.timings, "table": list(self.table),
                 "queue": encode(self.queue)}
         meta = {
@@ -244,7 +254,8 @@ def _load(path: Path) -> Artifact:
             raise bad("constants.safetensors", f"constant {b.name!r} is {t.dtype}{list(t.shape)}, "
                                                f"the queue wants {b.dtype}{[str(d) for d in b.shape]}")
     return Artifact(queue=queue, source=source, table=list(table), cubin=cubin, constants=constants,
-                    defines=dict(defines), timings={k: float(v) for k, v in timings.items()})
+                    defines=dict(defines), timings={k: float(v) for k, v in timings.items()},
+                    cubin_large=raw.get("kernel.large.cubin"))
 
 
 def _numel(shape) -> int:
@@ -448,11 +459,11 @@ def _classes() -> dict[str, type]:
     from .ir.footprint import At, Full, Span, Tile
     from .lowering.barriers import BarrierPlan, BarrierSet, Wait
     from .lowering.queue import MemoryPlan, PeerPlan, QueueEntry, WorkQueue
-    from .ir.program import BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View
+    from .ir.program import BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, Regime, View
 
     return {c.__name__: c for c in (
         At, Full, Span, Tile, BarrierPlan, BarrierSet, Wait, MemoryPlan, PeerPlan, QueueEntry, WorkQueue,
-        BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, View)}
+        BlockOp, BlockProgram, Buffer, Estimate, Operand, RangeCheck, Regime, View)}
 
 
 class _Encoder:

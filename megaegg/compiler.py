@@ -76,7 +76,8 @@ def build_artifact(
     stats = RewriteStats()
     log.info("rewrite: %d graph nodes ...", len(graph.nodes))
     t0 = time.perf_counter()
-    program = rewrite(graph, cost_model=opts["cost_model"], dims_hint=opts["dims_hint"], stats=stats)
+    program = rewrite(graph, cost_model=opts["cost_model"], dims_hint=opts["dims_hint"], stats=stats,
+                      max_dims=opts["max_dims"])
     t1 = time.perf_counter()
     queue = build_queue(program, opts["max_dims"])
     t2 = time.perf_counter()
@@ -99,15 +100,27 @@ def build_artifact(
 
 
 def compile_kernel(art: Artifact) -> None:
-    """Give ``art`` its cubin (NVRTC, or the cubin cache)."""
-    from .interpreter import compile_cubin
-
+    """Give ``art`` its cubin(s) (NVRTC, or the cubin cache)."""
     log.info("nvrtc: compiling %d KB of CUDA (cold: ~10-60 s; cached cubins load at once) ...", len(art.source) // 1024)
-    out = compile_cubin(art.source, defines=art.defines)
-    art.cubin = out.cubin
-    art.timings["nvrtc"] = out.seconds
-    art.timings["nvrtc_cached"] = float(out.cached)
-    log.info("nvrtc: %s", "cubin cache hit" if out.cached else f"compiled in {out.seconds:.1f} s")
+    t0 = time.perf_counter()
+    images, cached = kernel_images(art.source, art.defines, art.queue)
+    art.cubin, art.cubin_large = images[0], (images[1] if len(images) > 1 else None)
+    art.timings["nvrtc"] = time.perf_counter() - t0
+    art.timings["nvrtc_cached"] = float(cached)
+    log.info("nvrtc: %s", "cubin cache hit" if cached else f"compiled in {art.timings['nvrtc']:.1f} s")
+
+
+def kernel_images(source: str, defs: Mapping[str, int], queue) -> tuple[list[bytes], bool]:
+    """The cubin of ``source``, or with row regimes one per regime (compiled side by side; their defines:
+    ``interpreter.image_defines``); and whether all came from the cubin cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .interpreter import compile_cubin, image_defines
+
+    variants = image_defines(queue, dict(defs))
+    with ThreadPoolExecutor(len(variants)) as pool:
+        outs = list(pool.map(lambda d: compile_cubin(source, defines=d), variants))
+    return [o.cubin for o in outs], all(o.cached for o in outs)
 
 
 def cached_artifact(graph: Graph, *, max_dims=None, cost_model=None, dims_hint=None, compile_cuda: bool = True) -> Artifact:
@@ -125,7 +138,7 @@ def cached_artifact(graph: Graph, *, max_dims=None, cost_model=None, dims_hint=N
         return art
     art.timings = {"cache_load": time.perf_counter() - t0}
     log.info("artifact cache hit: %d block ops loaded in %.2f s", len(art.queue.entries), art.timings["cache_load"])
-    if compile_cuda and art.cubin is None:  # cached from a simulator run: add the cubin
+    if compile_cuda and not art.compiled:  # cached from a simulator run: add the cubin(s)
         compile_kernel(art)
         store_cached(key, art)
     return art
@@ -358,10 +371,10 @@ class Kernel:
         if backend == "cuda":
             from .interpreter import CudaRunner
 
-            if artifact.cubin is None:
+            if not artifact.compiled:
                 raise GraphError("artifact was built without a cubin (compile_cuda=False): build it for backend 'cuda'")
             self._runner = CudaRunner(self.queue, artifact.cubin, bound, self.device, defines=artifact.defines,
-                                      table=artifact.table)
+                                      table=artifact.table, cubin_large=artifact.cubin_large)
 
     # --- binding and validation ----------------------------------------------------------
     def _bind_weights(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -424,7 +437,7 @@ class Kernel:
                              "megaegg.parallel.ParallelKernel, one rank a GPU")
 
     def _split_args(self, kwargs: dict) -> tuple[dict[int, torch.Tensor], dict[str, int]]:
-        symbols = self.program.symbols
+        symbols = self.program.user_symbols
         dims = {k: v for k, v in kwargs.items() if k in symbols}
         inputs = self._inputs
         unknown = sorted(set(kwargs) - set(dims) - set(inputs) - set(self.program.unused_leaves))
@@ -438,6 +451,7 @@ class Kernel:
                 raise GraphError(f"runtime dim {s!r} must be an int, got {type(v).__name__} {v!r}")
             if not 0 <= v <= self.queue.max_dims[s]:
                 raise GraphError(f"runtime dim {s!r} = {v!r} outside [0, {self.queue.max_dims[s]}] (compile with max_dims to raise it)")
+        dims = self.program.with_derived(dims)  # (a row regime's dims: ir/program.py Regime)
         for c in self.program.checks:  # the ops' own bounds (an attention within its cache, ...)
             v, lo, hi = c.value.eval(dims), c.lo.eval(dims), c.hi.eval(dims)
             if not lo <= v <= hi:
@@ -553,10 +567,11 @@ class Kernel:
         tensors, dims = self._split_args(kwargs)
         if getattr(self, "_traced", None) is None:
             traced = {**self.artifact.defines, "MEGA_TRACE": 1}
-            cubin = compile_cubin(self.artifact.source, defines=traced).cubin
+            images, _ = kernel_images(self.artifact.source, traced, self.queue)
             cap = sum(upper_bound(e.launch, self.queue.max_dims) for e in self.queue.entries)
-            self._traced = CudaRunner(self.queue, cubin, self.bound, self.device, defines=traced,
-                                      table=self.artifact.table, trace_instances=cap)
+            self._traced = CudaRunner(self.queue, images[0], self.bound, self.device, defines=traced,
+                                      table=self.artifact.table, trace_instances=cap,
+                                      cubin_large=images[1] if len(images) > 1 else None)
         run = self._traced
         dim_list = [dims[s] for s in self.program.symbols]
         run.launch(dim_list, tensors)  # warm-up: module load, caches

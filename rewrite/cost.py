@@ -26,12 +26,24 @@ class CostModel:
     # matvec): each wave of an op waits that long for its first data after the hand-off, so
     # one op streaming A then B beats two (perf-notes #32: the gated MLP with its down projection)
     ramp_bytes: int = 64 * 1024
+    # dense bf16 tensor-core FLOP/s of the chip that a tiled GEMM reaches (gemm_probe: 400-480 on H200)
+    tensor_flops: float = 4.5e14
+    # a pipelined tile's step (a k-tile through its shared-memory ring) waits this long for its copy when
+    # only `stages_in_flight` are in flight: measured ~1.9 us a 48 KB k-tile with one in flight (the
+    # gemm LM head of qwen3-8b at one row, perf-notes #69). The kernel image of a row regime's large
+    # rows has the shared memory for 3 (rewrite/regimes.py, interpreter/render.py: TILE_SMEM).
+    step_latency: float = 1.9e-6
+    stages_in_flight: int = 1
 
-    def seconds(self, nbytes: int, instances: int) -> float:
-        """Time for ``instances`` equal instances moving ``nbytes`` in all."""
+    def seconds(self, nbytes: int, instances: int, flops: float = 0.0, steps: int = 0) -> float:
+        """Time for ``instances`` equal instances moving ``nbytes`` in all, doing ``flops`` on tensor
+        cores and ``steps`` pipelined steps (an instance streams, computes and waits at once: the slowest
+        of the three counts)."""
         instances = max(1, instances)
         waves = math.ceil(instances / self.sms)
         per_sm_bw = self.bandwidth / self.sms * self.sm_bandwidth_share
-        stream = max(nbytes / self.bandwidth, waves * (nbytes / instances) / per_sm_bw)
+        stream = max(nbytes / self.bandwidth, waves * (nbytes / instances) / per_sm_bw,
+                     waves * (flops / instances) / (self.tensor_flops / self.sms),
+                     waves * (steps / instances) * self.step_latency / self.stages_in_flight)
         ramp = waves * min(nbytes / instances, self.ramp_bytes) / per_sm_bw
         return stream + ramp + waves * self.instance_overhead + self.op_overhead

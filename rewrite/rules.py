@@ -17,18 +17,19 @@ from .terms import NONE, Op, acc, node
 # 24, 48 and 96 fill 128 SMs with common widths (3072, 6144, 12288 rows: qwen3's MLPs).
 MATVEC_ROWS = (8, 16, 24, 32, 48, 64, 96, 128)
 ELEMENTWISE_TILES = (1024, 8192)
-ROW_TILES = (1, 4)
+ROW_TILES = (1, 4, 16, 64)  # (16, 64: the rows of a prompt, whose instances would otherwise be mostly overhead)
 ATTENTION_CHUNKS = (64, 256)  # KV rows per split-KV instance
 ARGMAX_CHUNKS = (1024, 4096)
 MOE_ROWS = (8, 16, 32, 64, 128)  # rows of one expert's MLP per moe_glu_down instance
 ALL_REDUCE_TILES = (1024, 4096)  # elements per all-reduce instance
+GEMM_BN = (256,)  # weight rows of a tensor-core tile (blockops/gemm.py; the term fits runtime rows only)
 
 # Graph ops with no rules of their own (``Op.other``): their terms and the tile field they share.
 OTHER_TERMS: dict[str, tuple[tuple[str, ...], str | None, tuple[int, ...]]] = {
     "rope": (("rope_ids",), "rows_per", ROW_TILES),  # positions from a tensor
     "softmax": (("softmax_rows",), "rows_per", ROW_TILES),
     "attention": (("attention_split", "attention_fold"), "chunk", ATTENTION_CHUNKS),
-    "ragged_attention": (("ragged_split",), "chunk", ATTENTION_CHUNKS),
+    "ragged_attention": (("ragged_split", "ragged_flash"), "chunk", ATTENTION_CHUNKS),  # (flash: 64 only)
     "kv_store": (("kv_store_heads",), None, ()),
     "sample": (("sample_rows",), None, ()),
     "argmax": (("argmax_chunks",), "chunk", ARGMAX_CHUNKS),
@@ -45,6 +46,11 @@ def matvec(x, w, *, w2=NONE, g=NONE, eps=0.0, r=NONE, xa=NONE, ra=NONE, rows) ->
     return Op.matvec(x=x, w=w, w2=w2, g=g, eps=eps, r=r, xa=xa, ra=ra, rows=rows)
 
 
+def gemm(x, w, *, w2=NONE, r=NONE, bn) -> Op:
+    """``Op.gemm`` with its optional fusions absent unless given."""
+    return Op.gemm(x=x, w=w, w2=w2, r=r, bn=bn)
+
+
 lowering = ruleset(name="lowering")
 fusion = ruleset(name="fusion")
 
@@ -52,6 +58,7 @@ fusion = ruleset(name="fusion")
 @lowering.register
 def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
     yield rule(eq(node(i)).to(Op.linear(x=x, w=w))).then(*(union(node(i)).with_(matvec(x, w, rows=r)) for r in MATVEC_ROWS))
+    yield rule(eq(node(i)).to(Op.linear(x=x, w=w))).then(*(union(node(i)).with_(gemm(x, w, bn=n)) for n in GEMM_BN))
     yield rule(eq(node(i)).to(Op.rms_norm(x=x, g=g, eps=eps))).then(
         *(union(node(i)).with_(Op.rms_norm_rows(node=i, rows_per=t)) for t in ROW_TILES)
     )
@@ -105,6 +112,24 @@ def _fuse(
             eq(node(b)).to(matvec(x, w, g=g, eps=eps, rows=rows)),
             eq(node(u)).to(matvec(x, w2, g=g, eps=eps, rows=rows)),
         ).then(union(node(i)).with_(matvec(x, w, w2=w2, g=g, eps=eps, rows=rows)))
+
+
+@fusion.register
+def _fuse_gemm(x: i64, w: i64, w2: i64, r: i64, a: i64, b: i64, u: i64, bn: i64, bn2: i64, i: i64):
+    # Residual epilogue: r + gemm(...) (either operand order).
+    for lhs in (Op.add(a=r, b=b, same_shape=1), Op.add(a=b, b=r, same_shape=1)):
+        yield rule(
+            eq(node(i)).to(lhs),
+            eq(node(b)).to(gemm(x, w, w2=w2, bn=bn)),
+        ).then(union(node(i)).with_(gemm(x, w, w2=w2, r=r, bn=bn)))
+    # Gated MLP: silu(x w^T) * (x w2^T) -> one tile over 128 rows of each weight.
+    for lhs in (Op.mul(a=a, b=u, same_shape=1), Op.mul(a=u, b=a, same_shape=1)):
+        yield rule(
+            eq(node(i)).to(lhs),
+            eq(node(a)).to(Op.silu(a=b)),
+            eq(node(b)).to(gemm(x, w, bn=bn)),
+            eq(node(u)).to(gemm(x, w2, bn=bn2)),
+        ).then(union(node(i)).with_(gemm(x, w, w2=w2, bn=256)))
 
 
 @fusion.register

@@ -11,7 +11,10 @@ from .cost import CostModel
 from .encode import encode
 from .extract import alternatives, choose, computing_nodes
 from .layers import Repeats, expand, find_repeats, reduce
-from ..ir.program import BlockProgram
+from ..ir.program import BlockProgram, Regime
+from ..blockops import TERMS
+from ..blockops.base import Sum
+from .regimes import large_rows_model, merge, row_symbol, threshold
 from .rules import fusion, lowering
 from .siblings import balance_siblings
 
@@ -32,8 +35,11 @@ class RewriteStats:
 
 def rewrite(
     graph: Graph, *, cost_model: CostModel | None = None, dims_hint: dict[str, int] | None = None,
-    stats: RewriteStats | None = None,
+    stats: RewriteStats | None = None, max_dims: dict[str, int] | None = None,
 ) -> BlockProgram:
+    """``graph`` as block ops chosen for the runtime dims ``dims_hint``; with ``max_dims``, and a row
+    count that may grow past its hint, a second program chosen for the most rows joins it, run past the
+    row count where the cost model says it wins (``regimes.py``)."""
     cost_model = cost_model or CostModel()
     env = {s: DEFAULT_DIM_HINT for s in graph.symbols()} | dict(dims_hint or {})
     stats = stats or RewriteStats()
@@ -51,15 +57,39 @@ def rewrite(
     alts = alternatives(egraph, small, computing_nodes(small, live))
     stats.alternatives = sum(len(a) for a in alts.values())
     t = stats.lap("alternatives", t)
-    costs, estimates = _choice_costs(small, alts, cost_model, env)
-    chosen = choose(small, alts, costs.__getitem__)  # DAG extraction by cost
-    chosen = balance_siblings(small, alts, chosen, estimates, cost_model)  # Q, K, V share one wave
-    if repeats:
-        chosen = expand(chosen, repeats)
+    rows = row_symbol(graph, env, max_dims) if max_dims else None
+
+    def extract(env):
+        """The choices at ``env``: tensor-core tiles only from their height up (``Term.min_rows``, against
+        the value's leading dim), then priced as their kernel image runs them (``large_rows_model``)."""
+        allowed = {v: [c for c in cs if TERMS[c.term].min_rows <= leading_rows(small, v, env)] for v, cs in alts.items()}
+        model = large_rows_model(cost_model) if any(TERMS[c.term].min_rows for cs in allowed.values() for c in cs) \
+            else cost_model
+        costs, estimates = _choice_costs(small, allowed, model, env)
+        chosen = choose(small, allowed, costs.__getitem__)  # DAG extraction by cost
+        chosen = balance_siblings(small, allowed, chosen, estimates, model)  # Q, K, V share one wave
+        return (expand(chosen, repeats) if repeats else chosen), model
+
+    chosen, model = extract(env)
     t = stats.lap("extract", t)
     program = build_program(graph, chosen, env)  # buffers, operands, block ops
-    stats.lap("build", t)
+    t = stats.lap("build", t)
+    if rows is not None and program.ranks == 1:  # the choices for the most rows, and where they start to win
+        env_large = {**env, rows: max_dims[rows]}
+        chosen_large, model_large = extract(env_large)
+        if chosen_large != chosen:
+            large = build_program(graph, chosen_large, env_large)
+            at = threshold(program, large, rows, env, max_dims[rows], model, model_large)
+            if at is not None:
+                program = merge(program, large, Regime(rows, at))
+        stats.lap("regimes", t)
     return program
+
+
+def leading_rows(graph: Graph, v, env) -> int:
+    """The leading dim of value ``v`` (a node id or a Sum) at ``env``: the rows its tiles span."""
+    shape = graph.nodes[v.node if isinstance(v, Sum) else v].shape
+    return shape[0].eval(env) if shape else 1
 
 
 def _choice_costs(graph, alts, model: CostModel, env) -> dict:
@@ -70,7 +100,7 @@ def _choice_costs(graph, alts, model: CostModel, env) -> dict:
         for c in cs:
             b = ProgramBuilder(graph, env)
             b.lower(c)
-            costs[c] = sum(model.seconds(op.estimate.bytes, op.estimate.instances) for op in b.ops)
+            costs[c] = sum(model.seconds(op.estimate.bytes, op.estimate.instances, op.estimate.flops, op.estimate.steps) for op in b.ops)
             if len(b.ops) == 1:
                 estimates[c] = (b.ops[0].estimate.bytes, b.ops[0].estimate.instances)
     return costs, estimates

@@ -332,6 +332,15 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
         ("sample", "sample", [Arg((4, 128256), T), Arg((4,), f32), Arg((4,), i32), Arg((4,), f32), Arg((4,), i32),
                               Arg((4,), i32)], Arg((4,), i32), {}),
     ]
+    if T == dt.bf16:  # (tensor cores: bf16 only)
+        c["batch"] += [
+            ("flash_d64", "ragged_flash", [Arg((2048, 32, 64), T), Arg((4, 8, 4096, 64), T), Arg((4, 8, 4096, 64), T),
+                                           Arg((2048,), i32), Arg((2048,), i32)], Arg((2048, 32, 64), T),
+             {"group": 4, "scale": 0.125, "length": length}),
+            ("flash_d128", "ragged_flash", [Arg((2048, 32, 128), T), Arg((4, 8, 4096, 128), T), Arg((4, 8, 4096, 128), T),
+                                            Arg((2048,), i32), Arg((2048,), i32)], Arg((2048, 32, 128), T),
+             {"group": 4, "scale": 0.08838834764831845, "length": length}),
+        ]
     ew = lambda fn, shape, tile=8192, axis=0: {"fn": fn, "axis": axis, "tile": tile}  # noqa: E731
     c["elementwise"] = [
         ("add", "elementwise", [Arg((1, 2048), T), Arg((1, 2048), T)], Arg((1, 2048), T), ew("add", (1, 2048), 1, 1)),
@@ -355,7 +364,7 @@ F16_GROUPS = {"matvec", "attention", "batch"}
 
 
 def group_source(group: str) -> tuple[str, list[str]]:
-    files = sorted({k.cuda_file for k in REGISTRY.values()})
+    files = sorted({k.cuda_file for k in REGISTRY.values() if k.name not in WHOLE_KERNEL_KINDS})
     src = [PRELUDE] + [f'#include "{f}"' for f in files] + [""]
     names = []
     for tname, T in DTYPES.items():
@@ -372,12 +381,15 @@ def test_every_kind_has_a_body_file():
     for kind in REGISTRY.values():
         assert kind.cuda_file and (CUDA_DIR / kind.cuda_file).is_file(), kind.name
     covered = {kind for g in GROUPS for (_, kind, *_rest) in cases(dt.bf16)[g]}
-    assert covered | PEER_KINDS == set(REGISTRY), set(REGISTRY) ^ (covered | PEER_KINDS)
+    assert covered | PEER_KINDS | WHOLE_KERNEL_KINDS == set(REGISTRY), set(REGISTRY) ^ (covered | PEER_KINDS | WHOLE_KERNEL_KINDS)
 
 
 # Bodies that address the other GPUs' peer regions through the kernel's arguments: compiled in a whole
 # tensor-parallel kernel (tests/test_parallel.py) and run on 2 GPUs (tests/gpu/test_parallel_gpu.py).
 PEER_KINDS = {"allreduce_send", "allreduce_sum", "allgather_copy"}
+# A deferred body (BlockKind.deferred: its case fills a job the interpreter runs after its switch) that
+# needs CuTe: compiled in whole kernels (tests/test_gemm.py) and run in them (tests/gpu/test_batch_gpu.py).
+WHOLE_KERNEL_KINDS = {"gemm"}
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -517,6 +529,12 @@ def _distinct(hi):  # distinct indices below hi (cache positions no two rows sha
     import torch
 
     return lambda v, gen: v.copy_(torch.randperm(hi, generator=gen)[: v.numel()].reshape(v.shape).to(v.dtype))
+
+
+def _arange(start):  # consecutive positions from start (a prompt's rows)
+    import torch
+
+    return lambda v, gen: v.copy_(torch.arange(start, start + v.numel(), dtype=v.dtype).reshape(v.shape))
 
 
 def _values(*xs):
@@ -664,6 +682,17 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
         ("ragged_merge_d128", "ragged_merge", [Arg((2, 16, 4, 130), f32), Arg((2,), i32)], Arg((2, 16, 128), T),
          {"chunk": 256, "length": as_dim(1024), "max_len": 1000, "rows_per": 1},
          {0: _attn_part(128), 1: _randint(0, 1000)}),
+        *([] if T != dt.bf16 else [
+            # flash attention over prompts: rows of three slots at random positions (several passes a tile),
+            # then one prompt of consecutive positions (one pass), ragged in tokens, D 64 and 128
+            ("flash_rows", "ragged_flash", [Arg((40, 16, 64), T), Arg((3, 4, 300, 64), T), Arg((3, 4, 300, 64), T),
+                                            Arg((40,), i32), Arg((40,), i32)], Arg((40, 16, 64), T),
+             {"group": 4, "scale": 0.125, "length": as_dim(300)}, {3: _randint(0, 300), 4: _randint(0, 3)}),
+            ("flash_prompt_d128", "ragged_flash", [Arg((150, 16, 128), T), Arg((2, 2, 200, 128), T),
+                                                   Arg((2, 2, 200, 128), T), Arg((150,), i32), Arg((150,), i32)],
+             Arg((150, 16, 128), T), {"group": 8, "scale": 0.08838834764831845, "length": as_dim(200)},
+             {3: _arange(30), 4: _values(*([1] * 150))}),
+        ]),
         # sampling, bit for bit: greedy, top-k, top-p and plain rows
         ("sample", "sample", [Arg((4, 5000), T), Arg((4,), f32), Arg((4,), i32), Arg((4,), f32), Arg((4,), i32),
                               Arg((4,), i32)], Arg((4,), i32), {},
@@ -680,7 +709,7 @@ def test_every_kind_has_a_gpu_case():
         for label, kind, ins, out, params, _fills in gpu_cases(dtype):
             kernel_source(f"g_{label}_{tname}", kind, ins, out, params)
     covered = {kind for _, kind, *_rest in gpu_cases(dt.bf16)}
-    assert covered | PEER_KINDS == set(REGISTRY), sorted(set(REGISTRY) - covered - PEER_KINDS)
+    assert covered | PEER_KINDS | WHOLE_KERNEL_KINDS == set(REGISTRY), sorted(set(REGISTRY) - covered - PEER_KINDS - WHOLE_KERNEL_KINDS)
 
 
 def _compare(label: str, got, want, dtype: dt.DType) -> float:
@@ -711,7 +740,7 @@ def test_cuda_bodies_match_cpu(tname):
     env = {"pos": 700}
     specs = gpu_cases(dtype)
     names = [f"g_{label}_{tname}" for label, *_ in specs]
-    files = sorted({k.cuda_file for k in REGISTRY.values()})
+    files = sorted({k.cuda_file for k in REGISTRY.values() if k.name not in WHOLE_KERNEL_KINDS})
     src = [PRELUDE] + [f'#include "{f}"' for f in files]
     src += [kernel_source(n, kind, ins, out, params) for n, (_, kind, ins, out, params, _f) in zip(names, specs)]
     mod = Module("\n".join(src))

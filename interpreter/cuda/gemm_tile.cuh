@@ -9,16 +9,15 @@
 //
 // Needs the CUTLASS headers (the `nvidia-cutlass` wheel: cutlass_library/source/include), the CUDA
 // toolkit's include/cccl (libcu++, which CuTe includes under NVRTC), -std=c++17, sm_90a and, under NVRTC,
-// -default-device (CUTLASS has unannotated constexpr helpers). No
-// megakernel kind includes this file yet: only scripts/dev/gemm_probe.py and
-// tests/test_gemm_tile_compiles.py do.
+// -default-device (CUTLASS has unannotated constexpr helpers). The megakernel's
+// gemm kind (gemm.cuh, megaegg/blockops/gemm.py) calls it; so does scripts/dev/gemm_probe.py.
 //
 // Tile shape (fixed BM = 128, BK = 64; BN a template parameter, 128 or 256):
 // - BM = 128: the block's 256 threads are two warpgroups, each owning a 64-row half of the tile with
 //   one wgmma m64nBNk16 per 16 of K (CuTe tiled MMA: the atom SM90_64xBNx16_F32BF16BF16_SS, 2x1x1).
 // - BK = 64: 64 bf16 = 128 bytes, one row of the 128-byte swizzle (GMMA::Layout_K_SW128_Atom; the
 //   tensor maps use CU_TENSOR_MAP_SWIZZLE_128B, whose inner box may not exceed 128 bytes). A stage is
-//   one TMA box per operand: x's {64, 128} (16 KB) and w's {64, BN} (BN * 128 bytes).
+//   x's box {64, 128} (16 KB) and BN / 128 weight boxes {64, 128} (BN * 128 bytes).
 // - STAGES: as many as fit MEGA_SMEM after 1 KB of alignment slack and the barriers: with 120 KB,
 //   BN = 128 -> 3 stages of 32 KB (96 KB), BN = 256 -> 2 stages of 48 KB (96 KB). At least 2.
 //   Accumulators: BN / 2 f32 registers a thread (64 or 128).
@@ -49,7 +48,7 @@
 //
 // Requirements (the host's tensor maps must satisfy them anyway): K % 8 == 0 (row strides a multiple
 // of 16 bytes), x and w 16-byte aligned, each tensor map 64-byte aligned in global memory and encoded as
-// gemm_probe.py's encode_tmap does (bf16, 2-D {K, rows}, box {64, 128} for x / {64, BN} for w,
+// gemm_probe.py's encode_tmap does (bf16, 2-D {K, rows}, box {64, 128} for every operand,
 // SWIZZLE_128B, zero out-of-bounds fill).
 #pragma once
 #include "common.cuh"
@@ -145,13 +144,87 @@ template <> struct Mma<256> {
 
 }  // namespace gemm_tile_detail
 
+// Where a tile's results go. `out` and `r` point at the tile's first element (row m0, its first output
+// column); `rows` x `cols` of it are stored (the rest of the tile lies past M or N).
+struct GemmTileOut {
+    __nv_bfloat16* out;
+    long long ldo;
+    const __nv_bfloat16* r;  // RESID: the residual, out = T(r + T(acc)); else unused
+    long long ldr;
+    int rows, cols;
+};
+
+// What the tile's epilogue computes from the f32 accumulators (rounded as the unfused ops store):
+// PLAIN out = T(acc); RESID out = T(r + T(acc)); GATED (BN = 256: columns [0, 128) are x w^T, [128, 256)
+// x w2^T for the same 128 weight rows) out = T(T(silu(T(y))) * T(u)), 128 output columns.
+enum GemmEpi { GEMM_PLAIN = 0, GEMM_RESID = 1, GEMM_GATED = 2 };
+
+namespace gemm_tile_detail {
+// The epilogue: a thread holds pairs of adjacent columns (c, c + 1) of one row: one 4-byte store each
+// where out allows it. (Each quad of lanes writes 16 contiguous bytes of a row; a shared-memory staged,
+// 16-byte-per-lane or TMA store is the next step.)
+template <int EPI, class Acc, class Coords>
+__device__ __forceinline__ void store(const Acc& acc, const Coords& tCcC, const GemmTileOut& o) {
+    using namespace cute;
+    const bool vec = (o.ldo % 2 == 0) && ((reinterpret_cast<unsigned long long>(o.out) & 3ull) == 0) &&
+                     (EPI != GEMM_RESID || ((o.ldr % 2 == 0) && ((reinterpret_cast<unsigned long long>(o.r) & 3ull) == 0)));
+    // GATED: the accumulators of columns [128, 256) are the second half of a thread's (the m64n256 atom's
+    // values run over N last: value v + size / 2 is column c + 128 of the same row; checked below)
+    constexpr int NV = EPI == GEMM_GATED ? decltype(size(acc))::value / 2 : decltype(size(acc))::value;
+    static_assert(NV % 2 == 0, "gemm_tile: accumulators come in column pairs");
+    auto value = [&](int i) -> float {
+        float y = __bfloat162float(__float2bfloat16_rn(acc(i)));
+        if constexpr (EPI == GEMM_GATED) {
+            const float u = __bfloat162float(__float2bfloat16_rn(acc(i + NV)));
+            const float sy = __bfloat162float(__float2bfloat16_rn(y / (1.0f + __expf(-y))));
+            y = sy * u;
+        }
+        return y;
+    };
+    CUTE_UNROLL
+    for (int i = 0; i < NV; i += 2) {
+        const int r = get<0>(tCcC(i)), c = get<1>(tCcC(i));
+        const int r1 = get<0>(tCcC(i + 1)), c1 = get<1>(tCcC(i + 1));
+        if constexpr (EPI == GEMM_GATED) {  // (compiles away: the layout is known at compile time)
+            if (get<1>(tCcC(i + NV)) != c + 128 || get<0>(tCcC(i + NV)) != r) __trap();
+        }
+        float v0 = value(i), v1 = value(i + 1);
+        __nv_bfloat16* p = o.out + (long long)r * o.ldo + c;
+        if (vec && c % 2 == 0 && r1 == r && c1 == c + 1 && r < o.rows && c1 < o.cols) {
+            if constexpr (EPI == GEMM_RESID) {
+                const float2 rv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o.r + (long long)r * o.ldr + c));
+                v0 += rv.x;
+                v1 += rv.y;
+            }
+            *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
+        } else {
+            if (r < o.rows && c < o.cols) {
+                if constexpr (EPI == GEMM_RESID) v0 += __bfloat162float(o.r[(long long)r * o.ldr + c]);
+                *p = __float2bfloat16_rn(v0);
+            }
+            if (r1 < o.rows && c1 < o.cols) {
+                if constexpr (EPI == GEMM_RESID) v1 += __bfloat162float(o.r[(long long)r1 * o.ldr + c1]);
+                o.out[(long long)r1 * o.ldo + c1] = __float2bfloat16_rn(v1);
+            }
+        }
+    }
+}
+}  // namespace gemm_tile_detail
+
 // The block's 256 threads (two warpgroups) compute one output tile; all must call it with the same
 // arguments. `smem`: the dynamic shared memory (MEGA_SMEM bytes; used whole for the call's duration).
-// tmap_x / tmap_w: tensor maps of x [M, K] (box {64, 128}) and w [N, K] (box {64, BN}) in global memory.
-// Rows m0 + r >= M and columns n0 + c >= N of the tile are not stored. K == 0 stores zeros.
-template <int BN, int STAGES = gemm_tile_detail::max_stages(BN)>
-__device__ __forceinline__ void gemm_tile(const CUtensorMap* tmap_x, const CUtensorMap* tmap_w, __nv_bfloat16* out,
-                                       long long ldo, int M, int N, int K, int m0, int n0, char* smem) {
+// tmap_x / tmap_w / tmap_w2: tensor maps of x [M, K] and w, w2 [N, K] in global memory, all with box
+// {64, 128}. The tile's B operand is BN weight rows: w's rows [n0, n0 + BN), or (GATED) w's and w2's
+// rows [n0, n0 + 128). K == 0 stores zeros (PLAIN).
+// `wait_inputs`: called by every thread after the weights' first copies are issued and before x's: the
+// barrier wait on x's producer (the megakernel's mega_wait_all); it returns false to abort, and then the
+// tile drains its copies and returns false without storing.
+// `epi`: a GemmEpi, a runtime value (the megakernel inlines one tile for every gemm op: one copy of
+// its code, each epilogue's store loop once); GEMM_GATED needs BN = 256.
+template <int BN, int STAGES = gemm_tile_detail::max_stages(BN), class WaitInputs>
+__device__ __forceinline__ bool gemm_tile(int epi, const CUtensorMap* tmap_x, const CUtensorMap* tmap_w,
+                                          const CUtensorMap* tmap_w2, const GemmTileOut& o, int K, int m0, int n0,
+                                          char* smem, WaitInputs&& wait_inputs) {
     using namespace cute;
     using namespace gemm_tile_detail;
     static_assert(MEGA_THREADS == 256, "gemm_tile: two warpgroups, 256 threads");
@@ -159,7 +232,7 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap* tmap_x, const CUten
     static_assert(STAGES >= 2, "gemm_tile: the ring needs 2 stages (refill of slot kt-1 waits on iteration kt)");
     static_assert(smem_needed(BN, STAGES) <= MEGA_SMEM, "gemm_tile: the ring does not fit MEGA_SMEM");
     using T = cute::bfloat16_t;
-    constexpr uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+    constexpr uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, BOX_B = 128 * BK * 2;
     constexpr uint32_t TX_BYTES = A_BYTES + B_BYTES;  // full boxes, zero-filled parts included
 
     // --- shared memory: [pad to 1024][A ring: STAGES x 16 KB][B ring: STAGES x BN*128][full][empty] ---
@@ -187,22 +260,57 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap* tmap_x, const CUten
         }
         // make the initialised barriers visible to the async proxy (the TMA unit's complete_tx)
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_x));
-        cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap_w));
+        // the host rewrites a tensor map in place when a caller's pointer changes: drop any stale copy
+        // the TMA unit cached, then fetch the current one
+        for (const CUtensorMap* m : {tmap_x, tmap_w, tmap_w2}) {
+            if (m == nullptr) continue;
+            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(m) : "memory");
+            cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(m));
+        }
     }
     mega_sync();
 
-    // k-tile kt -> slot kt % STAGES: one arrive.expect_tx, then both boxes (coordinates innermost first:
-    // {k, row}). Thread 0 only.
-    auto issue = [&](int kt) {
+    // k-tile kt -> slot kt % STAGES: one arrive.expect_tx (the whole slot), the weight boxes, and x's box
+    // (coordinates innermost first: {k, row}). Thread 0 only. The first stages' weights go out before
+    // the wait on x's producer, x's after it.
+    const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+    auto issue_w = [&](int kt) {
         const int s = kt % STAGES;
         mbar_arrive_expect_tx(full(s), TX_BYTES);
-        const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
-        SM90_TMA_LOAD_2D::copy(tmap_x, bar_ptr + s, hint, ring_a + s * (BM * BK), kt * BK, m0);
-        SM90_TMA_LOAD_2D::copy(tmap_w, bar_ptr + s, hint, ring_b + s * (BN * BK), kt * BK, n0);
+        CUTE_UNROLL
+        for (int b = 0; b < BN / 128; ++b) {
+            const bool second = BN == 256 && epi == GEMM_GATED && b == 1;  // (w2's rows of a gated tile)
+            const CUtensorMap* m = second ? tmap_w2 : tmap_w;
+            const int row = second ? n0 : n0 + 128 * b;
+            SM90_TMA_LOAD_2D::copy(m, bar_ptr + s, hint, ring_b + s * (BN * BK) + b * (BOX_B / 2), kt * BK, row);
+        }
     };
+    auto issue_x = [&](int kt) {
+        const int s = kt % STAGES;
+        SM90_TMA_LOAD_2D::copy(tmap_x, bar_ptr + s, hint, ring_a + s * (BM * BK), kt * BK, m0);
+    };
+    const int first = cmin(STAGES, KT);
     if (tid == 0) {
-        for (int kt = 0; kt < cmin(STAGES, KT); ++kt) issue(kt);
+        for (int kt = 0; kt < first; ++kt) issue_w(kt);
+    }
+    const bool go = wait_inputs();
+    if (tid == 0) {
+        // x was written by other blocks' generic stores, made visible by the wait's acquire; the TMA reads
+        // it through the async proxy
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        for (int kt = 0; kt < first; ++kt) issue_x(kt);
+    }
+    if (!go) {  // drain what was issued (a CTA must not exit with copies in flight), retire, report
+        for (int kt = 0; kt < first; ++kt) mbar_wait(full(kt), 0);
+        mega_sync();
+        if (tid == 0) {
+            for (int s = 0; s < STAGES; ++s) {
+                mbar_inval(full(s));
+                mbar_inval(empty(s));
+            }
+        }
+        mega_sync();
+        return false;
     }
 
     // --- CuTe views: the rings as swizzled K-major tensors, the tiled MMA, this thread's fragments ---
@@ -214,6 +322,7 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap* tmap_x, const CUten
     // permuted by address bits [4:6] ^= [7:9]; boxes (stages) one after another. CuTe's form of it: the
     // unswizzled layout dense in that order, composed with Swizzle<3,4,3> applied to byte addresses
     // (smem_ptr_flag; CuTe's own TMA code maps Swizzle<3,4,3> to SWIZZLE_128B: get_tma_swizzle_bits).
+    // A B slot of 256 rows is two boxes of 128 rows one after the other: the same dense order.
     static_assert(is_same_v<remove_cvref_t<decltype(LayoutA{}.layout_a())>, Swizzle<3, 4, 3>> &&
                       is_same_v<remove_cvref_t<decltype(LayoutB{}.layout_a())>, Swizzle<3, 4, 3>>,
                   "gemm_tile: the smem layouts must use the 128-byte swizzle (the tensor maps' SWIZZLE_128B)");
@@ -252,7 +361,8 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap* tmap_x, const CUten
             if (lane == 0) mbar_arrive(empty(sp));  // this warp no longer reads slot sp
             if (tid == 0 && kt - 1 + STAGES < KT) {
                 mbar_wait(empty(sp), (uint32_t)(((kt - 1) / STAGES) & 1));  // all 8 warps released k-tile kt - 1
-                issue(kt - 1 + STAGES);
+                issue_w(kt - 1 + STAGES);
+                issue_x(kt - 1 + STAGES);
             }
             __syncwarp();  // reconverge warp 0 before the next .aligned wgmma instructions
         }
@@ -261,25 +371,15 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap* tmap_x, const CUten
     warpgroup_fence_operand(acc);
 
     // --- epilogue: f32 -> bf16, straight from the accumulators to global memory --------------------
-    // A thread holds pairs of adjacent columns (c, c + 1) of one row: one 4-byte store each where out
-    // allows it. (Each quad of lanes writes 16 contiguous bytes of a row; a shared-memory staged,
-    // 16-byte-per-lane or TMA store is the next step.)
     Tensor cC = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
     Tensor tCcC = thr_mma.partition_C(cC);  // the (row, col) of each accumulator
-    const int rows = M - m0, cols = N - n0;
-    const bool vec = (ldo % 2 == 0) && ((reinterpret_cast<unsigned long long>(out) & 3ull) == 0);
-    static_assert(decltype(size(acc))::value % 2 == 0, "gemm_tile: accumulators come in column pairs");
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); i += 2) {
-        const int r = get<0>(tCcC(i)), c = get<1>(tCcC(i));
-        const int r1 = get<0>(tCcC(i + 1)), c1 = get<1>(tCcC(i + 1));
-        __nv_bfloat16* p = out + (long long)(m0 + r) * ldo + (n0 + c);
-        if (vec && c % 2 == 0 && r1 == r && c1 == c + 1 && r < rows && c1 < cols) {
-            *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(acc(i), acc(i + 1));
-        } else {
-            if (r < rows && c < cols) *p = __float2bfloat16_rn(acc(i));
-            if (r1 < rows && c1 < cols) out[(long long)(m0 + r1) * ldo + (n0 + c1)] = __float2bfloat16_rn(acc(i + 1));
-        }
+    if constexpr (BN == 256) {
+        if (epi == GEMM_GATED) gemm_tile_detail::store<GEMM_GATED>(acc, tCcC, o);
+        else if (epi == GEMM_RESID) gemm_tile_detail::store<GEMM_RESID>(acc, tCcC, o);
+        else gemm_tile_detail::store<GEMM_PLAIN>(acc, tCcC, o);
+    } else {
+        if (epi == GEMM_RESID) gemm_tile_detail::store<GEMM_RESID>(acc, tCcC, o);
+        else gemm_tile_detail::store<GEMM_PLAIN>(acc, tCcC, o);
     }
 
     // Every warp's wgmmas are done and every barrier wait passed: retire the barriers, free the memory.
@@ -291,4 +391,5 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap* tmap_x, const CUten
         }
     }
     mega_sync();
+    return true;
 }

@@ -19,6 +19,10 @@
 // expects `seq` times its count), and the peer buffers, in two halves by the parity of `seq`
 // (docs/parallel.md).
 #define MEGA_MAX_WAITS /*@MAXWAITS@*/  // the most barrier waits of one queue entry
+#ifndef MEGA_REGIME
+#define MEGA_REGIME -1  // a program with row regimes: the one regime whose cases this image holds (render.py)
+#endif
+#define MEGA_MAX_SIGNALS /*@MAXSIGNALS@*/  // the most barrier sets one entry signals
 #define MEGA_PEERS /*@PEERS@*/  // 1: a tensor-parallel kernel (peer counters, waits at system scope)
 #include "runtime.cuh"
 #include "common.cuh"
@@ -45,6 +49,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
   __shared__ long long prefix[MEGA_ENTRIES + 1];
   __shared__ int entry_case[MEGA_ENTRIES + 1], entry_consts[MEGA_ENTRIES + 1];  // (+1: a queue may be empty)
   __shared__ long long claimed;
+  /*@DEFERRED_SHARED@*/
 
   unsigned long long* control = args.control;
   const int parity = (int)args.parity;
@@ -115,10 +120,13 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       asm volatile("prefetch.global.L1 [%0];" :: "l"(next));
       asm volatile("prefetch.global.L1 [%0];" :: "l"(next + 15));  // (in the table: render.py PREFETCH_PAD)
     }
+    /*@DEFERRED_DECL@*/
     switch (entry_case[entry]) {
 /*@CASES@*/
       default: break;
     }
+    // the deferred kinds' bodies (render.py: deferred_slots): one inlined copy each, whichever entry ran
+    /*@DEFERRED_RUN@*/
     mega_sync();
 #ifdef MEGA_TRACE
     if (threadIdx.x == 0) {

@@ -88,6 +88,10 @@ class Term:
     computes: ClassVar[str] = "node"  # "node": a graph node's value; "sum": a Sum's
     tile: ClassVar[str | None] = None  # the field that alone differs between tile-size alternatives
     needs: ClassVar[str | None] = None  # what ``fits`` asks of the operands, for the error when nothing fits
+    # The fewest rows (of the graph's runtime row count, at the extraction's hint) for which this
+    # alternative may be chosen: a tensor-core tile's height. Below it the tile is mostly empty, and its
+    # kernel image's registers and shared memory would slow the memory-bound bodies beside it.
+    min_rows: ClassVar[int] = 0
 
     def refs(self, graph, args: Mapping[str, Any]) -> tuple:
         """The values this alternative reads (node ids and Sums); its own node's inputs for a term
@@ -115,6 +119,18 @@ class Term:
     def lower(self, b, value, args: Mapping[str, Any]) -> None:
         """Emit the block ops computing ``value`` (a node id, or a Sum) through ``b``, a ProgramBuilder."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A kind whose body runs after the interpreter's switch, once for all its entries: each entry's
+    case fills the job ``var`` (C++ type ``struct``: operands, ``wl`` its waits, ``sig`` / ``nsig`` its
+    signals) and ``run(var, smem)`` (false: stop the block) runs it and signals. For a body too large to
+    inline into every case that must still be inlined into the kernel (a wgmma pipeline)."""
+
+    struct: str
+    var: str
+    run: str
 
 
 @dataclass(frozen=True)
@@ -148,6 +164,8 @@ class CudaOperand:
     strides: tuple[str, ...]
     shape: tuple[str, ...]
     ctype: str
+    tmap: str | None = None  # C: its TMA tensor map, for an input in the kind's tma_inputs
+
 
     def view(self, *dims: int, ptr: str | None = None, const: bool = True) -> str:
         """The operand as a view struct (common.cuh) over the strides of ``dims`` (default: every dim):
@@ -176,6 +194,8 @@ class BlockKind:
     # Instances add into their output, an f32 ``accum`` sum that every launch zeroes (glu_down): a test
     # of the body starts the output at 0 (not NaN: NaN + x compares equal to NaN + y and would pass).
     accumulates: ClassVar[bool] = False
+    # The body runs after the switch, once in the kernel (Deferred); its cuda_call fills the job.
+    deferred: ClassVar[Deferred | None] = None
 
     def internal_inputs(self, op: "BlockOp") -> tuple[int, ...]:
         """Inputs only this op's own instances write and read, ordered by its body's protocol (an
@@ -202,6 +222,20 @@ class BlockKind:
                 n *= d.eval(env)
             total += n * operand.dtype.itemsize
         return total
+
+    def flops(self, op: "BlockOp", env: dict) -> float:
+        """Tensor-core FLOPs of the whole op that its time may be bound by (the cost model prices them
+        beside the bytes); 0 for the memory-bound kinds."""
+        return 0.0
+
+    def pipeline_steps(self, op: "BlockOp", env: dict) -> int:
+        """Steps of all instances that each wait for a copy through a shared-memory ring (k-tiles of a
+        tile), priced at ``CostModel.step_latency``; 0 where loads overlap freely."""
+        return 0
+
+    def tma_inputs(self, op: "BlockOp") -> tuple[int, ...]:
+        """The inputs the body reads through TMA tensor maps (interpreter/tensor_maps.py)."""
+        return ()
 
 
 def c_call(fn: str, template: list, args: list[tuple[str, str]]) -> str:

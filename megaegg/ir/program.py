@@ -9,7 +9,7 @@ through a chain of views (reshape, permute, slice, expand) that the layout algeb
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from .footprint import Footprint, fmt_footprint
 from ..dims import Dim, fmt_shape
@@ -69,10 +69,12 @@ class Operand:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Cost-model figures of one block op (bytes at a representative dims binding)."""
+    """Cost-model figures of one block op (bytes at a representative dims binding; tensor-core FLOPs)."""
 
     bytes: int
     instances: int
+    flops: float = 0.0
+    steps: int = 0  # pipelined steps of all instances (CostModel.step_latency)
 
 
 @dataclass
@@ -94,6 +96,9 @@ class BlockOp:
     writes: Footprint
     params: dict[str, Any] = field(default_factory=dict)
     estimate: Estimate | None = None
+    # Which of the program's two row regimes runs this op (``Regime``: 0 at most ``threshold`` rows,
+    # 1 past it), or None: always. Ops of different regimes never run in the same launch.
+    regime: int | None = None
 
     @property
     def launch_count(self) -> Dim:
@@ -134,6 +139,27 @@ class RangeCheck:
         return f"{self.what} {self.value} in [{self.lo}, {self.hi}]"
 
 
+@dataclass(frozen=True)
+class Regime:
+    """A choice by runtime row count, made on the device at no rebuild: the program holds two sets of
+    ops, one chosen for at most ``threshold`` rows of runtime dim ``symbol`` (the matvec path, say) and
+    one for more (tensor-core tiles). Each set's launch counts are expressions of its own derived dim,
+    ``symbol`` itself in its regime and 0 in the other, so the other set launches no instance."""
+
+    symbol: str
+    threshold: int
+
+    @property
+    def derived(self) -> tuple[str, str]:
+        """The two derived dims (regime 0's, regime 1's)."""
+        return (f"{self.symbol}_rows_le{self.threshold}", f"{self.symbol}_rows_gt{self.threshold}")
+
+    def values(self, dims: Mapping[str, int]) -> dict[str, int]:
+        n = dims[self.symbol]
+        small, large = self.derived
+        return {small: n if n <= self.threshold else 0, large: n if n > self.threshold else 0}
+
+
 @dataclass
 class BlockProgram:
     buffers: list[Buffer]
@@ -145,6 +171,17 @@ class BlockProgram:
     # inputs and weights the graph declares but no output reads: a call may pass them (as
     # run_reference needs them) and the kernel ignores them
     unused_leaves: tuple[str, ...] = ()
+    regime: Regime | None = None  # its derived dims come last in ``symbols``
+
+    @property
+    def user_symbols(self) -> tuple[str, ...]:
+        """The runtime dims a caller gives (``symbols`` less the regime's derived ones)."""
+        derived = self.regime.derived if self.regime else ()
+        return tuple(s for s in self.symbols if s not in derived)
+
+    def with_derived(self, dims: Mapping[str, int]) -> dict[str, int]:
+        """The caller's dims and the regime's derived ones: every dim the kernel reads."""
+        return {**dims, **self.regime.values(dims)} if self.regime else dict(dims)
 
     def __str__(self) -> str:
         lines = ["buffers:"] + [f"  {b}" for b in self.buffers]

@@ -62,8 +62,11 @@ template <int BN>
 __device__ __forceinline__ void gemm_probe(const CUtensorMap* tmap_x, const CUtensorMap* tmap_w,
                                            __nv_bfloat16* out, long long ldo, int M, int N, int K) {{
     const int tiles_m = (M + {bm} - 1) / {bm}, tiles_n = (N + BN - 1) / BN;
-    for (int t = blockIdx.x; t < tiles_m * tiles_n; t += gridDim.x)
-        gemm_tile<BN>(tmap_x, tmap_w, out, ldo, M, N, K, (t % tiles_m) * {bm}, (t / tiles_m) * BN, mega_dyn_smem);
+    for (int t = blockIdx.x; t < tiles_m * tiles_n; t += gridDim.x) {{
+        const int m0 = (t % tiles_m) * {bm}, n0 = (t / tiles_m) * BN;
+        const GemmTileOut o{{out + (long long)m0 * ldo + n0, ldo, nullptr, 0, M - m0, N - n0}};
+        gemm_tile<BN>(GEMM_PLAIN, tmap_x, tmap_w, nullptr, o, K, m0, n0, mega_dyn_smem, [] {{ return true; }});
+    }}
 }}
 {kernels}
 """
@@ -102,38 +105,19 @@ def block_shape() -> tuple[int, int]:
 
 
 def cutlass_include() -> str:
-    """CUTLASS's include directory: ``$CUTLASS_INCLUDE``, else the nvidia-cutlass wheel's, found by importlib."""
-    env = os.environ.get("CUTLASS_INCLUDE")
-    if env:
-        d, how = Path(env), "$CUTLASS_INCLUDE"
-    else:
-        spec = importlib.util.find_spec("cutlass_library")
-        if spec is None or not spec.submodule_search_locations:
-            raise MissingHeaders("CUTLASS headers not found: pip install nvidia-cutlass (or set CUTLASS_INCLUDE "
-                                 "to a folder holding cute/ and cutlass/)")
-        d, how = Path(list(spec.submodule_search_locations)[0]) / "source" / "include", "the cutlass_library package"
-    if not (d / "cute" / "tensor.hpp").is_file() or not (d / "cutlass" / "cutlass.h").is_file():
-        raise MissingHeaders(f"CUTLASS headers not found: {d} (from {how}) has no cute/tensor.hpp and cutlass/cutlass.h")
-    return str(d)
+    return _wrap(load_nvrtc_module().cutlass_include)
 
 
 def cccl_include() -> str:
-    """libcu++'s include directory (cuda/std/...), which CuTe includes under NVRTC."""
-    env = os.environ.get("CCCL_INCLUDE")
-    cands = [env] if env else []
-    if not env:
-        try:
-            from cuda.pathfinder import find_nvidia_header_directory
+    return _wrap(load_nvrtc_module().cccl_include)
 
-            cands.append(find_nvidia_header_directory("cccl"))
-        except Exception:
-            pass
-        cands += [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include", "cccl")]
-    for d in cands:
-        if d and os.path.isfile(os.path.join(d, "cuda", "std", "cstdint")):
-            return d
-    raise MissingHeaders(f"libcu++ headers (cuda/std/cstdint) not found in {[c for c in cands if c]}: install the "
-                         "nvidia-cuda-cccl wheel or a CUDA toolkit, or set CCCL_INCLUDE")
+
+def _wrap(fn):
+    nv = load_nvrtc_module()
+    try:
+        return fn()
+    except nv.MissingHeaders as e:
+        raise MissingHeaders(str(e)) from None
 
 
 def kernel_source(bns=BNS) -> tuple[str, int, int]:
@@ -146,12 +130,8 @@ def kernel_source(bns=BNS) -> tuple[str, int, int]:
 def compile_options(nv, arch: str = "sm_90a") -> list[str]:
     """interpreter/nvrtc.py's compile_cubin options and include path, plus CUTLASS and libcu++."""
     opts = [f"--gpu-architecture={arch}", "-std=c++17", "-lineinfo", "--ptxas-options=-v"]
-    # (CUTLASS has unannotated constexpr helpers: NVRTC takes them as __device__ with -default-device)
-    opts += ["-default-device", "-DNDEBUG"]
-    # (CUTLASS includes libcu++ both as cuda/std/... and, for CUDA 13, as cccl/cuda/std/...: both roots)
-    cccl = cccl_include()
-    incs = nv.include_dirs() + [cutlass_include(), cccl, os.path.dirname(cccl)]
-    return opts + [f"-I{d}" for d in incs]
+    opts += [f"-I{d}" for d in nv.include_dirs()]
+    return opts + _wrap(nv.cute_options)
 
 
 def compile_probe(bns=BNS, arch: str = "sm_90a") -> dict:
@@ -333,7 +313,7 @@ class Probe:
         import torch
         from cuda.bindings import driver
 
-        maps = torch.frombuffer(bytearray(encode_tmap(x, BM) + encode_tmap(w, bn)), dtype=torch.uint8).to("cuda")
+        maps = torch.frombuffer(bytearray(encode_tmap(x, BM) + encode_tmap(w, 128)), dtype=torch.uint8).to("cuda")
         assert maps.data_ptr() % 64 == 0, "a CUtensorMap in global memory must be 64-byte aligned"
         self.maps.append(maps)
         m, k = x.shape

@@ -129,3 +129,86 @@ def test_step_graph_prefills_and_decodes_a_batch(preset):
         assert torch.equal(out["next_token"][sure], ref["next_token"][sure]), f"step {step}"
         fed = [max(p for s, _, p in rows if s == q) + 1 for q in range(3)]
         rows = [(q, int(ref["next_token"][q]), fed[q]) for q in range(3)]
+
+
+@pytest.mark.parametrize("rows", [1, 130, 300])
+def test_tensor_core_tiles_of_a_prompt(rows):
+    """The gemm kind (TMA + wgmma tiles) on a pre-norm gated MLP with its residual and a plain projection,
+    ragged in every dim (M past a 128-row tile, N = 600 and 1000 past 256- and 128-column tiles, K = 520
+    and 1000 past 64-column k-tiles), chained so one gemm reads another's tiles: within bf16 tolerance of
+    the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    dt = me.bf16
+    g = me.Graph("gemm_mlp")
+    x = g.input("x", [N, 520], dt)
+    h = me.rms_norm(x, g.weight("g", [520], dt), 1e-5)
+    a = me.silu(me.linear(h, g.weight("wg", [1000, 520], dt))) * me.linear(h, g.weight("wu", [1000, 520], dt))
+    y = x + me.linear(a, g.weight("wd", [520, 1000], dt))
+    g.output("y", y)
+    g.output("z", me.linear(y, g.weight("w", [600, 520], dt)))
+    w = {n: rand([d.value for d in t.shape], dt, gen) * 0.3 for n, t in g.weights.items()}
+    k = me.compile(g, w, backend="cuda", max_dims={"n": 512}, dims_hint={"n": 512})
+    assert sum(e.op.kind == "gemm" for e in k.queue.entries) == 3, [e.op.kind for e in k.queue.entries]
+    for n in (rows, 7):  # and a later call with fewer rows: the same kernel, the same tensor maps
+        xs = rand([n, 520], dt, gen)
+        out, ref = k(x=xs, n=n), me.run_reference(g, {"x": xs}, w, {"n": n})
+        for name in ("y", "z"):
+            assert rel(out[name], ref[name]) < 1e-2, (n, name)
+
+
+def test_tensor_core_tiles_read_a_callers_tensor():
+    """x is the caller's tensor (its tensor map is encoded at each call whose pointer or row count
+    changed): three calls with different tensors and row counts."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    g = me.Graph("gemm_input")
+    g.output("y", me.linear(g.input("x", [N, 256], me.bf16), g.weight("w", [384, 256], me.bf16)))
+    w = {"w": rand([384, 256], me.bf16, gen)}
+    k = me.compile(g, w, backend="cuda", max_dims={"n": 1024}, dims_hint={"n": 1024})
+    assert [e.op.kind for e in k.queue.entries] == ["gemm"]
+    for n in (1000, 129, 1000):
+        xs = rand([n, 256], me.bf16, gen)
+        assert rel(k(x=xs, n=n)["y"], xs.float() @ w["w"].float().T) < 1e-2, n
+
+
+def test_one_kernel_runs_both_row_regimes():
+    """Compiled for 16 rows and up to 1024 rows: a few rows take the matvec program, many the tensor-core
+    one, alternating in one kernel."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    dt = me.bf16
+    g = me.Graph("regimes")
+    x = g.input("x", [N, 512], dt)
+    h = me.rms_norm(x, g.weight("g", [512], dt), 1e-5)
+    a = me.silu(me.linear(h, g.weight("wg", [1024, 512], dt))) * me.linear(h, g.weight("wu", [1024, 512], dt))
+    g.output("y", x + me.linear(a, g.weight("wd", [512, 1024], dt)))
+    w = {n: rand([d.value for d in t.shape], dt, gen) * 0.3 for n, t in g.weights.items()}
+    k = me.compile(g, w, backend="cuda", max_dims={"n": 1024}, dims_hint={"n": 16})
+    assert k.program.regime is not None
+    for n in (3, 1000, 16, 700, 1):
+        xs = rand([n, 512], dt, gen)
+        out, ref = k(x=xs, n=n), me.run_reference(g, {"x": xs}, w, {"n": n})
+        assert rel(out["y"], ref["y"]) < 1e-2, n
+
+
+def test_flash_attention_over_prompts():
+    """ragged_flash in a kernel: two prompts (one continuing cached rows) and decode rows of a third
+    sequence in one step, D 64 and 128."""
+    for hq, hkv, d in ((8, 2, 64), (16, 2, 128)):
+        gen = torch.Generator(device="cuda").manual_seed(d)
+        g = me.Graph("prompt_attention")
+        q, k, v = (g.input(name, [N, h, d], me.bf16) for name, h in (("q", hq), ("k", hkv), ("v", hkv)))
+        pos, slot = g.input("pos", [N], me.i32), g.input("slot", [N], me.i32)
+        kc = me.kv_store(g.input("kc", [3, hkv, 160, d], me.bf16), k, pos, slot)
+        vc = me.kv_store(g.input("vc", [3, hkv, 160, d], me.bf16), v, pos, slot)
+        g.output("o", me.ragged_attention(q, kc, vc, pos, slot))
+        kern = me.compile(g, {}, backend="cuda", max_dims={"n": 512}, dims_hint={"n": 512})
+        assert any(e.op.kind == "ragged_flash" for e in kern.queue.entries)
+        p = list(range(20, 120)) + list(range(30)) + [7, 150, 33, 159, 0]
+        s = [1] * 100 + [0] * 30 + [2] * 5
+        n = len(p)
+        ins = {"q": rand([n, hq, d], me.bf16, gen), "k": rand([n, hkv, d], me.bf16, gen), "v": rand([n, hkv, d], me.bf16, gen),
+               "pos": torch.tensor(p, dtype=torch.int32, device="cuda"), "slot": torch.tensor(s, dtype=torch.int32, device="cuda")}
+        caches = {"kc": rand([3, hkv, 160, d], me.bf16, gen), "vc": rand([3, hkv, 160, d], me.bf16, gen)}
+        mine = {name: c.clone() for name, c in caches.items()}
+        out = kern(**ins, **mine, n=n)
+        ref = me.run_reference(g, {**ins, **{name: c.clone() for name, c in caches.items()}}, {}, {"n": n})
+        assert rel(out["o"], ref["o"]) < 2e-2, d

@@ -19,6 +19,10 @@
 // expects `seq` times its count), and the peer buffers, in two halves by the parity of `seq`
 // (docs/parallel.md).
 #define MEGA_MAX_WAITS 3  // the most barrier waits of one queue entry
+#ifndef MEGA_REGIME
+#define MEGA_REGIME -1  // a program with row regimes: the one regime whose cases this image holds (render.py)
+#endif
+#define MEGA_MAX_SIGNALS 1  // the most barrier sets one entry signals
 #define MEGA_PEERS 0  // 1: a tensor-parallel kernel (peer counters, waits at system scope)
 #include "runtime.cuh"
 #include "common.cuh"
@@ -52,6 +56,7 @@ struct MegaArgs {
   long long parity;               // which counter set this launch uses (0, 1)
   unsigned long long* trace;      // MEGA_TRACE builds: 4 words per instance
   const long long* table;         // render.py: EntryTable.words
+  const char* tmaps;              // TMA tensor maps, 128 bytes each (tensor_maps.py)
   long long rank;                 // tensor parallel: this GPU's rank
   long long seq;                  // tensor parallel: this launch's number (1, 2, ...)
   char* peers[MEGA_MAX_RANKS];    // every rank's peer region (peer-to-peer addresses), by rank
@@ -64,18 +69,20 @@ static_assert(__builtin_offsetof(MegaArgs, control) == 16, "MegaArgs.control: of
 static_assert(__builtin_offsetof(MegaArgs, parity) == 24, "MegaArgs.parity: offset differs from interpreter/kernel_args.py");
 static_assert(__builtin_offsetof(MegaArgs, trace) == 32, "MegaArgs.trace: offset differs from interpreter/kernel_args.py");
 static_assert(__builtin_offsetof(MegaArgs, table) == 40, "MegaArgs.table: offset differs from interpreter/kernel_args.py");
-static_assert(__builtin_offsetof(MegaArgs, rank) == 48, "MegaArgs.rank: offset differs from interpreter/kernel_args.py");
-static_assert(__builtin_offsetof(MegaArgs, seq) == 56, "MegaArgs.seq: offset differs from interpreter/kernel_args.py");
-static_assert(__builtin_offsetof(MegaArgs, peers) == 64, "MegaArgs.peers: offset differs from interpreter/kernel_args.py");
-static_assert(__builtin_offsetof(MegaArgs, dims) == 128, "MegaArgs.dims: offset differs from interpreter/kernel_args.py");
-static_assert(__builtin_offsetof(MegaArgs, ptr) == 136, "MegaArgs.ptr: offset differs from interpreter/kernel_args.py");
-static_assert(sizeof(MegaArgs) == 352, "MegaArgs: size differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, tmaps) == 48, "MegaArgs.tmaps: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, rank) == 56, "MegaArgs.rank: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, seq) == 64, "MegaArgs.seq: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, peers) == 72, "MegaArgs.peers: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, dims) == 136, "MegaArgs.dims: offset differs from interpreter/kernel_args.py");
+static_assert(__builtin_offsetof(MegaArgs, ptr) == 144, "MegaArgs.ptr: offset differs from interpreter/kernel_args.py");
+static_assert(sizeof(MegaArgs) == 360, "MegaArgs: size differs from interpreter/kernel_args.py");
 
 extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
   extern __shared__ __align__(16) char smem[];
   __shared__ long long prefix[MEGA_ENTRIES + 1];
   __shared__ int entry_case[MEGA_ENTRIES + 1], entry_consts[MEGA_ENTRIES + 1];  // (+1: a queue may be empty)
   __shared__ long long claimed;
+  
 
   unsigned long long* control = args.control;
   const int parity = (int)args.parity;
@@ -146,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       asm volatile("prefetch.global.L1 [%0];" :: "l"(next));
       asm volatile("prefetch.global.L1 [%0];" :: "l"(next + 15));  // (in the table: render.py PREFETCH_PAD)
     }
+    
     switch (entry_case[entry]) {
       case 0: {  // embedding: op0 (1 entries)
         unsigned rem = (unsigned)local;
@@ -457,6 +465,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       } break;
       default: break;
     }
+    // the deferred kinds' bodies (render.py: deferred_slots): one inlined copy each, whichever entry ran
+    
     mega_sync();
 #ifdef MEGA_TRACE
     if (threadIdx.x == 0) {

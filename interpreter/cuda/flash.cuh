@@ -1,0 +1,279 @@
+// ragged_flash (megaegg/blockops/flash_attention.py): attention over a prompt on tensor cores.
+//
+// Instance (c0, c1): tokens [c0*BT, c0*BT + BT) of q [N, Hq, D] (BT = 128 / G) and the G query heads of
+// KV head c1: 128 tile rows, row r = token c0*BT + r / G, head c1*G + r % G. Warp w owns rows
+// [16w, 16w + 16): one m16 tile of mma.sync m16n8k16 (bf16 in, f32 accumulators).
+//
+// Rows attend cache rows [0, pos] of their slot. The tile runs one pass per distinct slot of its rows
+// (a prompt: one pass); a pass streams K/V blocks of 64 cache rows through a 2-stage cp.async ring in
+// shared memory (rows padded to D + 8 elements: 16-byte aligned, ldmatrix without bank conflicts) and
+// keeps, per row, the running max and sum (online softmax, base 2) and the f32 output in registers.
+//
+// Fragments (PTX ISA, mma.m16n8k16 .bf16; g = lane / 4, t = lane % 4):
+//   A (16 x 16): {a0 a1} row g, cols 2t, 2t+1; {a2 a3} row g+8; {a4 a5} row g, cols 2t+8, 2t+9; {a6 a7} row g+8
+//   B (16 x 8):  {b0 b1} k 2t, 2t+1, col g; {b2 b3} k 2t+8, 2t+9
+//   C (16 x 8):  {c0 c1} row g, cols 2t, 2t+1; {c2 c3} row g+8
+// S = Q K^T: A from q (pairs along D: one 32-bit load each), B from K with ldmatrix (rows = cache rows).
+// O += P V: A is P, the S accumulators rounded to bf16 (the C layout of two n8 tiles is the A layout of
+// one k16 tile), B from V with ldmatrix.trans.
+#pragma once
+#include "common.cuh"
+
+namespace flash_detail {
+
+constexpr int ROWS = 128;  // tile rows: 8 warps x m16
+constexpr int BLOCK = 64;  // cache rows a K/V block
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&v);
+}
+
+__device__ __forceinline__ float exp2f_fast(float x) {  // 2^x (2^-inf = 0)
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+}  // namespace flash_detail
+
+template <int D, int G>
+__device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> q, Ten4<const __nv_bfloat16> kc,
+                                          Ten4<const __nv_bfloat16> vc, Vec<const int> pos, Vec<const int> slot,
+                                          long long N, long long slots, long long max_len, float scale,
+                                          Ten3<__nv_bfloat16> out, long long c0, long long c1) {
+    using namespace flash_detail;
+    static_assert(D % 16 == 0 && D <= 128, "ragged_flash: head dim a multiple of 16, at most 128");
+    static_assert(G >= 1 && G <= ROWS, "ragged_flash: 1 to 128 query heads a KV head");
+    constexpr int BT = ROWS / G;       // tokens a tile
+    constexpr int LD = D + 8;          // smem row stride, elements
+    constexpr int KV_BYTES = BLOCK * LD * 2;
+    static_assert(4 * KV_BYTES + 3 * BT * 4 <= MEGA_SMEM, "ragged_flash: the K/V ring does not fit");
+    in_global(q, kc, vc, pos, slot, out);
+    if (q.s2 != 1 || kc.s3 != 1 || vc.s3 != 1 || out.s2 != 1) {  // (the rewrite gives contiguous heads)
+        if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
+        return;
+    }
+    __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(smem);             // [2][BLOCK][LD]
+    __nv_bfloat16* vs = reinterpret_cast<__nv_bfloat16*>(smem + 2 * KV_BYTES);  // [2][BLOCK][LD]
+    int* tpos = reinterpret_cast<int*>(smem + 4 * KV_BYTES);                 // [BT] the tokens' positions
+    int* tslot = tpos + BT;                                                 // [BT] their slots (-1: no token)
+    int* tpass = tslot + BT;                                                // [BT] the pass that runs the token
+    __shared__ int pass_slot, pass_end, bad;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const long long tok0 = c0 * BT;
+    if (tid == 0) bad = -1;
+    mega_sync();
+    for (int i = tid; i < BT; i += MEGA_THREADS) {
+        const long long tk = tok0 + i;
+        int p = -1, s = -1;
+        if (tk < N) {
+            p = pos.p[tk * pos.s0];
+            s = slot.p[tk * slot.s0];
+            if (p < 0 || p >= max_len || s < 0 || s >= slots) atomicCAS(&bad, -1, (p < 0 || p >= max_len) ? p : s);
+        }
+        tpos[i] = p;
+        tslot[i] = (tk < N) ? s : -1;
+        tpass[i] = -1;
+    }
+    mega_sync();
+    if (bad != -1) {
+        if (tid == 0) mega_body_error(MEGA_ERR_INDEX, bad);
+        return;  // (uniform: every thread read the same flag)
+    }
+
+    // this thread's two rows (g and g + 8 of the warp's m16 tile): token index in the tile and head
+    const int r0 = warp * 16 + g, r1 = r0 + 8;
+    const int i0 = r0 / G, i1 = r1 / G;
+    const bool in0 = r0 < BT * G, in1 = r1 < BT * G;
+    const long long h0 = c1 * G + r0 % G, h1 = c1 * G + r1 % G;
+
+    // Q fragments, loaded once (rows past N or past the tile: zeros)
+    unsigned qa[D / 16][4];
+    {
+        const bool v0 = in0 && tok0 + i0 < N, v1 = in1 && tok0 + i1 < N;
+        const __nv_bfloat16* q0 = q.p + (tok0 + i0) * q.s0 + h0 * q.s1;
+        const __nv_bfloat16* q1 = q.p + (tok0 + i1) * q.s0 + h1 * q.s1;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int d = 16 * kk + 2 * t;
+            qa[kk][0] = v0 ? __ldcg(reinterpret_cast<const unsigned*>(q0 + d)) : 0u;
+            qa[kk][1] = v1 ? __ldcg(reinterpret_cast<const unsigned*>(q1 + d)) : 0u;
+            qa[kk][2] = v0 ? __ldcg(reinterpret_cast<const unsigned*>(q0 + d + 8)) : 0u;
+            qa[kk][3] = v1 ? __ldcg(reinterpret_cast<const unsigned*>(q1 + d + 8)) : 0u;
+        }
+    }
+    const float sl2 = scale * 1.4426950408889634f;  // scores in base 2
+
+    for (int pass = 0;; ++pass) {
+        // thread 0: the first token no pass has run picks the slot; every token of that slot joins
+        if (tid == 0) {
+            int s = -1, end = 0;
+            for (int i = 0; i < BT; ++i) {
+                if (tslot[i] < 0 || tpass[i] >= 0) continue;
+                if (s < 0) s = tslot[i];
+                if (tslot[i] == s) {
+                    tpass[i] = pass;
+                    end = max(end, tpos[i] + 1);
+                }
+            }
+            pass_slot = s;
+            pass_end = end;
+        }
+        mega_sync();
+        const int s = pass_slot, end = pass_end;
+        if (s < 0) break;
+        const bool a0 = in0 && tpass[i0] == pass, a1 = in1 && tpass[i1] == pass;
+        const int p0 = a0 ? tpos[i0] : -1, p1 = a1 ? tpos[i1] : -1;  // the last cache row each row attends
+        const int warp_last = __reduce_max_sync(0xffffffffu, max(p0, p1));  // (-1: the warp has no row here)
+        const __nv_bfloat16* kbase = kc.p + s * kc.s0 + c1 * kc.s1;
+        const __nv_bfloat16* vbase = vc.p + s * vc.s0 + c1 * vc.s1;
+        const int nblocks = (end + BLOCK - 1) / BLOCK;
+
+        // K/V block b -> stage b % 2: 16-byte cp.async chunks, rows past `end` zero-filled
+        auto issue = [&](int b) {
+            if (b < nblocks) {
+                __nv_bfloat16* kd = ks + (b & 1) * BLOCK * LD;
+                __nv_bfloat16* vd = vs + (b & 1) * BLOCK * LD;
+                constexpr int CHUNKS = BLOCK * D / 8;  // 16-byte chunks of one of K, V
+                for (int c = tid; c < 2 * CHUNKS; c += MEGA_THREADS) {
+                    const bool isv = c >= CHUNKS;
+                    const int cc = isv ? c - CHUNKS : c, row = cc / (D / 8), col = (cc % (D / 8)) * 8;
+                    const int kv = b * BLOCK + row;
+                    const bool ok = kv < end;
+                    const __nv_bfloat16* src = (isv ? vbase + (long long)(ok ? kv : 0) * vc.s2 : kbase + (long long)(ok ? kv : 0) * kc.s2) + col;
+                    cp_async16((isv ? vd : kd) + row * LD + col, src, ok ? 16 : 0);
+                }
+            }
+            cp_async_commit();  // (an empty group past the last block keeps the wait counts uniform)
+        };
+
+        float o[D / 8][4];
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+        float m0 = MEGA_NEG_INF, m1 = MEGA_NEG_INF, l0 = 0.0f, l1 = 0.0f;
+
+        issue(0);
+        issue(1);
+        for (int b = 0; b < nblocks; ++b) {
+            cp_async_wait<1>();  // block b landed (this thread's chunks) ...
+            mega_sync();         // ... and everyone's
+            const __nv_bfloat16* kb = ks + (b & 1) * BLOCK * LD;
+            const __nv_bfloat16* vb = vs + (b & 1) * BLOCK * LD;
+            if (warp_last >= b * BLOCK) {  // (causal: a warp whose rows all end before the block skips it)
+                // S = Q K^T for this warp's 16 rows x 64 cache rows
+                float sc[BLOCK / 8][4];
+#pragma unroll
+                for (int n = 0; n < BLOCK / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+                    for (int j = 0; j < BLOCK / 8; j += 2) {
+                        // matrices: (rows 8j.., d 16kk..), (8j.., 16kk+8..), (8j+8.., 16kk..), (8j+8.., 16kk+8..)
+                        const int mi = lane >> 3, row = 8 * (j + (mi >> 1)) + (lane & 7), col = 16 * kk + 8 * (mi & 1);
+                        unsigned kb4[4];
+                        ldmatrix_x4(kb4, kb + row * LD + col);
+                        mma16816(sc[j], qa[kk], kb4[0], kb4[1]);
+                        mma16816(sc[j + 1], qa[kk], kb4[2], kb4[3]);
+                    }
+                }
+                // mask (past the row's position, or not this pass's row) and the running max
+                float mx0 = MEGA_NEG_INF, mx1 = MEGA_NEG_INF;
+#pragma unroll
+                for (int n = 0; n < BLOCK / 8; ++n) {
+                    const int kv = b * BLOCK + 8 * n + 2 * t;
+                    sc[n][0] = kv <= p0 ? sc[n][0] * sl2 : MEGA_NEG_INF;
+                    sc[n][1] = kv + 1 <= p0 ? sc[n][1] * sl2 : MEGA_NEG_INF;
+                    sc[n][2] = kv <= p1 ? sc[n][2] * sl2 : MEGA_NEG_INF;
+                    sc[n][3] = kv + 1 <= p1 ? sc[n][3] * sl2 : MEGA_NEG_INF;
+                    mx0 = fmaxf(mx0, fmaxf(sc[n][0], sc[n][1]));
+                    mx1 = fmaxf(mx1, fmaxf(sc[n][2], sc[n][3]));
+                }
+#pragma unroll
+                for (int x = 1; x <= 2; x <<= 1) {
+                    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+                    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+                }
+                const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+                const float u0 = n0 == MEGA_NEG_INF ? 0.0f : n0, u1 = n1 == MEGA_NEG_INF ? 0.0f : n1;  // (no row seen yet)
+                const float al0 = exp2f_fast(m0 - u0), al1 = exp2f_fast(m1 - u1);
+                m0 = n0;
+                m1 = n1;
+                l0 *= al0;
+                l1 *= al1;
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    o[n][0] *= al0;
+                    o[n][1] *= al0;
+                    o[n][2] *= al1;
+                    o[n][3] *= al1;
+                }
+                // P (bf16 A fragments, 16 cache rows each) and O += P V
+#pragma unroll
+                for (int kk = 0; kk < BLOCK / 16; ++kk) {
+                    float p[2][4];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        p[h][0] = exp2f_fast(sc[2 * kk + h][0] - u0);
+                        p[h][1] = exp2f_fast(sc[2 * kk + h][1] - u0);
+                        p[h][2] = exp2f_fast(sc[2 * kk + h][2] - u1);
+                        p[h][3] = exp2f_fast(sc[2 * kk + h][3] - u1);
+                        l0 += p[h][0] + p[h][1];
+                        l1 += p[h][2] + p[h][3];
+                    }
+                    const unsigned pa[4] = {pack_bf16(p[0][0], p[0][1]), pack_bf16(p[0][2], p[0][3]),
+                                            pack_bf16(p[1][0], p[1][1]), pack_bf16(p[1][2], p[1][3])};
+#pragma unroll
+                    for (int dp = 0; dp < D / 16; ++dp) {
+                        // matrices: (rows 16kk.., d 16dp..), (16kk+8.., 16dp..), (16kk.., 16dp+8..), (16kk+8.., 16dp+8..)
+                        const int mi = lane >> 3, row = 16 * kk + 8 * (mi & 1) + (lane & 7), col = 16 * dp + 8 * (mi >> 1);
+                        unsigned vb4[4];
+                        ldmatrix_x4_trans(vb4, vb + row * LD + col);
+                        mma16816(o[2 * dp], pa, vb4[0], vb4[1]);
+                        mma16816(o[2 * dp + 1], pa, vb4[2], vb4[3]);
+                    }
+                }
+            }
+            mega_sync();  // every warp is done with stage b % 2 before it is refilled
+            issue(b + 2);
+        }
+        cp_async_wait<0>();
+
+        // the rows' sums (the four threads of a row hold parts), then out = O / l
+#pragma unroll
+        for (int x = 1; x <= 2; x <<= 1) {
+            l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+            l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+        }
+        const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+        __nv_bfloat16* o0 = out.p + (tok0 + i0) * out.s0 + h0 * out.s1;
+        __nv_bfloat16* o1 = out.p + (tok0 + i1) * out.s0 + h1 * out.s1;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            const int d = 8 * n + 2 * t;
+            if (a0) *reinterpret_cast<__nv_bfloat162*>(o0 + d) = __floats2bfloat162_rn(o[n][0] * inv0, o[n][1] * inv0);
+            if (a1) *reinterpret_cast<__nv_bfloat162*>(o1 + d) = __floats2bfloat162_rn(o[n][2] * inv1, o[n][3] * inv1);
+        }
+        mega_sync();  // (pass_slot is rewritten next)
+    }
+}

@@ -1,0 +1,134 @@
+"""gemm: ``out[M, N] = x[M, K] @ w[N, K]^T`` on Hopper tensor cores, one 128 x ``bn`` output tile an
+instance (``interpreter/cuda/gemm_tile.cuh``: TMA copies into an mbarrier ring, wgmma through CuTe).
+
+The linear of a batch or a prompt (M a runtime dim): each instance reads a 128-row tile of x and
+``bn`` weight rows once from shared memory for 128 x ``bn`` products, where the matvec reads its
+weight rows once per 16 x rows (docs/perf-notes.md #68). Its grid is ``(N tiles, M tiles)``, the
+weight tiles outermost as the runtime-M matvec's, so the instances sharing a weight tile run back to
+back and it streams from HBM about once. Its footprints are tiles, so a consumer's tile waits only
+for the producer tiles it reads.
+
+Operand roles (``params["roles"]``): ``x``, ``w`` and optionally ``w2`` (gated: ``out = silu(x w^T) *
+(x w2^T)``, 128 output columns a tile from 128 rows of each weight) and ``r`` (residual: ``out = r +
+x w^T``). x, w and w2 are read through tensor maps (``tma_inputs``): bf16, rows contiguous, 16-byte
+aligned row strides (``GemmTerm.fits``). Rounding follows the unfused ops, as the matvec's does; an
+RMSNorm before it is its own op (``rms_norm_rows``).
+"""
+
+from __future__ import annotations
+
+from ..dims import ceildiv
+from ..dtypes import bf16
+from .base import NONE, BlockKind, CudaOperand, Deferred, Partition, Term, c_call, fields, register, term
+from ..ir.footprint import Full, Tile
+from .matvec import gated, products, roles, with_sum
+
+BM = 128  # x rows a tile (gemm_tile.cuh: two warpgroups of 64)
+BK = 64  # K columns a k-tile (one 128-byte swizzle row)
+GEMM_BN = (128, 256)  # weight rows a tile (a gated tile: 128 of each weight)
+TC_FLOPS = 6.0e14  # dense bf16 tensor-core rate the cost model assumes (H100 / H200: ~600-790 TFLOP/s)
+
+
+@register
+class Gemm(BlockKind):
+    name = "gemm"
+    cuda_file = "gemm.cuh"
+    waits_in_body = True  # the first stages' weight copies are issued before the wait on x
+    deferred = Deferred("GemmJob", "gemm_job", "gemm_run")  # one tile in the kernel for every gemm op
+
+    def build(self, inputs, output, params) -> Partition:
+        n_out = out_cols(params)
+        tile_mn = (Tile(1, BM), Tile(0, n_out))
+        reads = []
+        for role in params["roles"]:
+            if role in ("w", "w2"):
+                reads.append((Tile(0, n_out), Full()))
+            elif role == "r":
+                reads.append(tile_mn)
+            else:  # x
+                reads.append((Tile(1, BM), Full()))
+        grid = (ceildiv(output.shape[1], n_out), ceildiv(output.shape[0], BM))
+        return Partition(grid=grid, reads=tuple(reads), writes=tile_mn)
+
+    def tma_inputs(self, op) -> tuple[int, ...]:
+        return tuple(k for k, role in enumerate(op.params["roles"]) if role in ("x", "w", "w2"))
+
+    def cpu(self, op, env, ins, out):
+        k = roles(op)
+        dt = out.dtype
+        n_out = out_cols(op.params)
+        m0, r0 = env["_i1"] * BM, env["_i0"] * n_out
+        m1, r1 = min(m0 + BM, out.shape[0]), min(r0 + n_out, ins[k["w"]].shape[0])
+        y = (gated if "w2" in k else products)(op, ins, slice(m0, m1), slice(r0, r1), dt).to(dt)
+        if "r" in k:
+            y = (with_sum(op, ins, "r", (slice(m0, m1), slice(r0, r1)), dt) + y.float()).to(dt)
+        out[m0:m1, r0:r1] = y
+
+    def cuda_call(self, op, ins, out: CudaOperand) -> str:
+        k = roles(op)
+        x, w = ins[k["x"]], ins[k["w"]]
+        epi = "GEMM_GATED" if "w2" in k else "GEMM_RESID" if "r" in k else "GEMM_PLAIN"
+        n_out = out_cols(op.params)
+        r = ins[k["r"]].view(0, 1) if "r" in k else "Mat<const __nv_bfloat16>{}"
+        kdim = op.inputs[k["x"]].shape[1].value
+        args = [("job", "gemm_job"), ("tmap_x", x.tmap), ("tmap_w", w.tmap),
+                ("tmap_w2", ins[k["w2"]].tmap if "w2" in k else "nullptr"), ("r", r),
+                ("out", out.view(0, 1, const=False)), ("M", out.shape[0]), ("N", out.shape[1]), ("K", f"{kdim}"),
+                ("m_tile", "c1"), ("n_tile", "c0")]
+        return c_call("gemm", [epi, n_out], args)
+
+    def bytes_moved(self, op, env):
+        k = roles(op)
+        k_dim = op.inputs[k["x"]].shape[1].value
+        n, m = op.output.shape[1].eval(env), op.output.shape[0].eval(env)
+        item = op.output.dtype.itemsize
+        # HBM bytes: the M tiles of a weight tile run back to back (L2 hits after the first), and so do x's
+        # re-reads by the N tiles, mostly
+        w_bytes = (2 if "w2" in k else 1) * n * k_dim * item
+        return w_bytes + m * k_dim * item + m * n * item * (2 if "r" in k else 1)
+
+    def pipeline_steps(self, op, env) -> int:
+        k_dim = op.inputs[roles(op)["x"]].shape[1].value
+        return -(-k_dim // BK) * op.grid[0].eval(env) * op.grid[1].eval(env)
+
+    def flops(self, op, env) -> float:
+        """Tensor-core work of the whole op, whole tiles (a ragged tile costs a full one)."""
+        k = roles(op)
+        k_dim = op.inputs[k["x"]].shape[1].value
+        tiles = op.grid[0].eval(env) * op.grid[1].eval(env)
+        return 2.0 * BM * op.params["bn"] * k_dim * tiles
+
+
+def out_cols(params) -> int:
+    """Output columns of a tile: ``bn``, or half of it for a gated tile."""
+    return params["bn"] // 2 if "w2" in params["roles"] else params["bn"]
+
+
+@term
+class GemmTerm(Term):
+    """``x @ w^T`` [* silu gate ``w2``] [+ ``r``] as 128 x ``bn`` tensor-core tiles (x rows a runtime dim)."""
+
+    name = "gemm"
+    fields = fields("x:ref w:ref w2:ref r:ref bn:int")
+    tile = "bn"
+    min_rows = BM
+    needs = "bf16 operands with 16-byte aligned rows, a weight of [N, K], and a runtime row count"
+
+    def fits(self, graph, args) -> bool:
+        x, w = graph.nodes[args["x"]], graph.nodes[args["w"]]
+        if args["bn"] not in GEMM_BN:
+            return False
+        ws = [w] + ([graph.nodes[args["w2"]]] if args["w2"] != NONE else [])
+        if x.dtype != bf16 or any(v.dtype != bf16 or v.op != "weight" or len(v.shape) != 2 for v in ws):
+            return False
+        k = x.shape[-1]
+        if not k.is_const or k.value % 8 or any(v.shape[1] != k for v in ws):
+            return False
+        return not all(d.is_const for d in x.shape[:-1])  # a batch or a prompt
+
+    def lower(self, b, value, args):
+        present = tuple(r for r in ("x", "w", "w2", "r") if args[r] != NONE)
+        inputs = [b.rows(b.operand(args[r])) if r in ("x", "r") else b.operand(args[r]) for r in present]
+        out = b.rows(b.output(value))
+        params = {"bn": args["bn"], "roles": present}
+        b.emit("gemm", b.absorbed(value, {args[r] for r in present}), inputs, out, params)

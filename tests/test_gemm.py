@@ -1,0 +1,229 @@
+"""The gemm kind (tensor-core tiles for many rows, megaegg/blockops/gemm.py) on the CPU: which linears the
+rewrite gives it, per-tile barriers, the simulator under adversarial interleavings, its tensor maps and
+its CUDA source. The GPU runs it in tests/gpu/test_batch_gpu.py."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import megaegg as me
+from megaegg.interpreter import Interleaving, SimulationError
+from megaegg.interpreter.tensor_maps import TensorMapError, plan
+from megaegg.interpreter.render import render
+from megaegg.ir.program import View
+
+N = me.sym("n")
+
+
+def mlp(dt=me.bf16, k=520, f=1000, out=600):
+    """A pre-norm gated MLP with its residual, then a projection of its output: ragged in every dim."""
+    g = me.Graph("gemm_mlp")
+    x = g.input("x", [N, k], dt)
+    h = me.rms_norm(x, g.weight("g", [k], dt), 1e-5)
+    a = me.silu(me.linear(h, g.weight("wg", [f, k], dt))) * me.linear(h, g.weight("wu", [f, k], dt))
+    y = x + me.linear(a, g.weight("wd", [k, f], dt))
+    g.output("y", y)
+    g.output("z", me.linear(y, g.weight("w", [out, k], dt)))
+    return g
+
+
+def weights(g, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn([d.value for d in t.shape], generator=gen) * 0.3).to(t.dtype.torch) for n, t in g.weights.items()}
+
+
+def kinds(k):
+    return [e.op.kind for e in k.queue.entries]
+
+
+def test_many_rows_of_bf16_take_tensor_core_tiles():
+    g = mlp()
+    k = me.compile(g, weights(g), backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
+    gemms = [e.op for e in k.queue.entries if e.op.kind == "gemm"]
+    # the gated pair in one tile (128 rows of each weight), the down projection with its residual, the last plain
+    assert [op.params["roles"] for op in gemms] == [("x", "w", "w2"), ("x", "w", "r"), ("x", "w")]
+    assert "rms_norm" in kinds(k)  # (the norm is its own op before a gemm)
+
+
+@pytest.mark.parametrize("why, build", [
+    ("f32", lambda: mlp(dt=me.f32)),
+    ("one row", lambda: _one_row()),
+])
+def test_no_tensor_core_tiles_where_they_do_not_fit(why, build):
+    g = build()
+    k = me.compile(g, weights(g), backend="sim", max_dims={"n": 512} if g.symbols() else None,
+                   dims_hint={"n": 512} if g.symbols() else None)
+    assert "gemm" not in kinds(k), why
+
+
+def _one_row():
+    g = me.Graph("one")
+    g.output("y", me.linear(g.input("x", [1, 256], me.bf16), g.weight("w", [384, 256], me.bf16)))
+    return g
+
+
+def test_a_consumer_tile_waits_only_for_the_producer_tiles_of_its_rows():
+    """z's tile of rows [128 i, 128 i + 128) waits on one counter, row tile i of the op writing y, for all of
+    that op's column tiles; not on the whole op."""
+    g = mlp()
+    k = me.compile(g, weights(g), backend="sim", max_dims={"n": 1024}, dims_hint={"n": 1024})
+    ops = [e for e in k.queue.entries if e.op.kind == "gemm"]
+    down, last = ops[1], ops[2]
+    (w,) = [w for w in last.waits if k.queue.barriers.sets[w.barrier_set].producer == down.op.id]
+    s = k.queue.barriers.sets[w.barrier_set]
+    env = {"n": 1000}
+    assert s.count.eval(env) == 8  # one counter per 128-row tile
+    assert [w.index.eval({**env, "_i0": 0, "_i1": i}) for i in range(8)] == list(range(8))
+    assert w.expected.eval({**env, "_i0": 0, "_i1": 3}) == down.op.grid[0].eval(env)  # every column tile of those rows
+
+
+def test_simulator_matches_the_reference_under_adversarial_interleavings():
+    g = mlp()
+    w = weights(g)
+    k = me.compile(g, w, backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
+    gen = torch.Generator().manual_seed(3)
+    for rows, sch in ((300, Interleaving(sms=4, seed=1, adversarial=True)), (130, Interleaving(sms=16, seed=2, adversarial=True)),
+                      (1, Interleaving(sms=3, seed=3))):
+        x = torch.randn(rows, 520, generator=gen).to(torch.bfloat16)
+        out = k.simulate(sch, x=x.clone(), n=rows)
+        ref = me.run_reference(g, {"x": x}, w, {"n": rows})
+        for name in ("y", "z"):
+            err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+            assert err < 1e-2, (rows, name, err)
+
+
+def test_a_dropped_gemm_wait_is_caught():
+    g = mlp()
+    k = me.compile(g, weights(g), backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
+    q0 = k.queue
+    k.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "gemm" else e
+                                                    for e in q0.entries))
+    with pytest.raises(SimulationError, match=r"gemm .* read unwritten elements"):
+        for seed in range(8):
+            k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), x=torch.randn(300, 520).to(torch.bfloat16), n=300)
+
+
+def test_tensor_maps_of_the_operands():
+    g = mlp()
+    k = me.compile(g, weights(g), backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
+    specs, index = plan(k.queue)
+    assert len(specs) == 3 + 2 + 2  # x, w, w2; x, w; x, w
+    first = specs[0]
+    assert (first.cols, first.row_stride, first.offset, first.itemsize) == (520, 520, 0, 2)
+    assert first.rows_dim.eval({"n": 77}) == 77
+    gemm = next(e for e in k.queue.entries if e.op.kind == "gemm")
+    assert index[(gemm.op.id, 0)] == 0 and index[(gemm.op.id, 2)] == 2
+    source = render(k.queue).source
+    assert "mega_tmap(args.tmaps, 2)" in source and source.count("gemm_run(gemm_job, smem)") == 1
+
+
+def test_an_operand_a_tensor_map_cannot_describe_is_one_error():
+    g = mlp()
+    k = me.compile(g, weights(g), backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
+    q = k.queue
+    e = next(e for e in q.entries if e.op.kind == "gemm")
+    x = e.op.inputs[0]
+    odd = dataclasses.replace(x, views=x.views + (View("slice", (1, me.dims.as_dim(1), me.dims.as_dim(133))),))
+    op = dataclasses.replace(e.op, inputs=(odd, *e.op.inputs[1:]))
+    q = dataclasses.replace(q, entries=(dataclasses.replace(e, op=op),))
+    with pytest.raises(TensorMapError, match=r"op\d+ gemm input 0 .*16-byte aligned"):
+        plan(q)
+
+
+def test_one_kernel_chooses_by_row_count():
+    """Compiled for 16 rows and up to 1024: the matvec program below the cost model's crossing, the
+    tensor-core one past it, in one kernel (no rebuild); each call launches only its own regime's ops,
+    and both match the reference under adversarial interleavings."""
+    g = mlp()
+    w = weights(g)
+    k = me.compile(g, w, backend="sim", max_dims={"n": 1024}, dims_hint={"n": 16})
+    regime = k.program.regime
+    assert regime is not None and regime.symbol == "n" and 16 <= regime.threshold < 1024
+    by = {r: {e.op.kind for e in k.queue.entries if e.op.regime == r} for r in (0, 1)}
+    assert "gemm" in by[1] and "gemm" not in by[0] and "matvec" in by[0]
+    gen = torch.Generator().manual_seed(4)
+    for rows in (5, regime.threshold, regime.threshold + 1, 700):
+        dims = k.program.with_derived({"n": rows})
+        launched = {e.op.regime for e in k.queue.entries if e.launch.eval(dims) > 0}
+        assert launched == {0 if rows <= regime.threshold else 1}, rows
+        x = torch.randn(rows, 520, generator=gen).to(torch.bfloat16)
+        out = k.simulate(Interleaving(sms=8, seed=rows, adversarial=True), x=x.clone(), n=rows)
+        ref = me.run_reference(g, {"x": x}, w, {"n": rows})
+        for name in ("y", "z"):
+            err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+            assert err < 1e-2, (rows, name, err)
+
+
+def prompt_attention(hq=8, hkv=2, d=64, slots=3, length=160):
+    g = me.Graph("prompt_attention")
+    q, k, v = (g.input(name, [N, h, d], me.bf16) for name, h in (("q", hq), ("k", hkv), ("v", hkv)))
+    pos, slot = g.input("pos", [N], me.i32), g.input("slot", [N], me.i32)
+    kc = me.kv_store(g.input("kc", [slots, hkv, length, d], me.bf16), k, pos, slot)
+    vc = me.kv_store(g.input("vc", [slots, hkv, length, d], me.bf16), v, pos, slot)
+    g.output("o", me.ragged_attention(q, kc, vc, pos, slot))
+    return g
+
+
+def prompt_rows(gen, slots=3, length=160):
+    """A prompt of 100 tokens in slot 1 (positions 20..119: it continues cached rows), a second of 30 in
+    slot 0, and 5 decode rows of slot 2 at scattered positions, interleaved as a mixed step has them."""
+    pos = list(range(20, 120)) + list(range(30)) + [7, 150, 33, 159, 0]
+    slot = [1] * 100 + [0] * 30 + [2] * 5
+    return torch.tensor(pos, dtype=torch.int32), torch.tensor(slot, dtype=torch.int32)
+
+
+def test_flash_attention_over_prompts_on_the_simulator():
+    """Prompt rows take the tensor-core flash pass (ragged_flash), matching the reference with rows of
+    several sequences in one tile under adversarial interleavings; without its waits on kv_store it reads
+    the cache before the writes."""
+    g = prompt_attention()
+    k = me.compile(g, {}, backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
+    assert "ragged_flash" in kinds(k) and "ragged_partial" not in kinds(k)
+    gen = torch.Generator().manual_seed(6)
+    pos, slot = prompt_rows(gen)
+    n = len(pos)
+    ins = {"q": torch.randn(n, 8, 64, generator=gen).bfloat16(), "k": torch.randn(n, 2, 64, generator=gen).bfloat16(),
+           "v": torch.randn(n, 2, 64, generator=gen).bfloat16(), "pos": pos, "slot": slot}
+    caches = {"kc": torch.randn(3, 2, 160, 64, generator=gen).bfloat16(), "vc": torch.randn(3, 2, 160, 64, generator=gen).bfloat16()}
+    fresh = lambda: {name: c.clone() for name, c in caches.items()}  # noqa: E731
+    ref = me.run_reference(g, {**ins, **fresh()}, {}, {"n": n})
+    for seed in range(3):
+        out = k.simulate(Interleaving(sms=6, seed=seed, adversarial=seed > 0), **ins, **fresh(), n=n)
+        err = ((out["o"].float() - ref["o"].float()).norm() / ref["o"].float().norm()).item()
+        assert err < 1e-2, err
+    q0 = k.queue
+    k.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_flash" else e
+                                                    for e in q0.entries))
+    with pytest.raises(SimulationError, match=r"ragged_flash .* read unwritten elements"):
+        for seed in range(8):
+            k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), **ins, **fresh(), n=n)
+
+
+def test_decode_rows_keep_the_split_kv_path():
+    """At a hint of fewer rows than cache slots (a decode batch) the split-KV path stays: a flash tile
+    would run one pass per sequence."""
+    g = prompt_attention(slots=64)
+    k = me.compile(g, {}, backend="sim", max_dims={"n": 64}, dims_hint={"n": 16})
+    assert "ragged_partial" in kinds(k) and "ragged_flash" not in kinds(k)
+
+
+def test_each_row_regime_compiles_into_its_own_image():
+    """A program with row regimes compiles into two kernel images from one source: the few-rows image
+    without the tensor-core tile (and its CuTe headers) at the decode path's 120 KB of shared memory, the
+    many-rows image with it and 200 KB (a 4-stage ring). NVRTC, no GPU; skipped without NVRTC or CUTLASS."""
+    nvrtc = pytest.importorskip("megaegg.interpreter.nvrtc")
+    try:
+        nvrtc.nvrtc_version()
+        nvrtc.cute_options()
+    except Exception as e:
+        pytest.skip(f"NVRTC or the CUTLASS headers are missing: {e}")
+    from megaegg.compiler import build_artifact, kernel_images
+    from megaegg.interpreter import image_defines
+
+    art = build_artifact(mlp(), max_dims={"n": 1024}, dims_hint={"n": 16}, compile_cuda=False)
+    small, large = image_defines(art.queue, art.defines)
+    assert (small["MEGA_REGIME"], small["MEGA_SMEM"], large["MEGA_REGIME"], large["MEGA_SMEM"]) == (0, 120 * 1024, 1, 200 * 1024)
+    assert not nvrtc.uses_cute(art.source, small) and nvrtc.uses_cute(art.source, large)
+    images, _ = kernel_images(art.source, art.defines, art.queue)
+    assert len(images) == 2 and all(images)
