@@ -38,7 +38,7 @@ ENCODERS: dict[str, Callable[[Graph, Node], dict | None]] = {
     "add": lambda g, n: dict(a=n.inputs[0], b=n.inputs[1], same_shape=_same_shape(g, n)),
     "mul": lambda g, n: dict(a=n.inputs[0], b=n.inputs[1], same_shape=_same_shape(g, n)),
     "silu": lambda g, n: dict(a=n.inputs[0]),
-    "rope": lambda g, n: dict(x=n.inputs[0], node=n.id) if n.attrs["pos"] is not None else None,
+    "rope": lambda g, n: dict(x=n.inputs[0], node=n.id) if n.attrs["pos"] is not None else ("rope_at_ids", dict(x=n.inputs[0], node=n.id)),
     "kv_append": lambda g, n: dict(cache=n.inputs[0], new=n.inputs[1]),
     "moe_mlp": lambda g, n: dict(x=n.inputs[0], logits=n.inputs[1], w=n.inputs[2], w2=n.inputs[3], wd=n.inputs[4],
                                  node=n.id),
@@ -49,9 +49,14 @@ ENCODERS: dict[str, Callable[[Graph, Node], dict | None]] = {
 
 
 def term_of(graph: Graph, n: Node) -> Op:
+    """The node's graph term: its encoder's fields (and, where it names one, another constructor than the
+    op's own), else ``Op.other``."""
     encoder = ENCODERS.get(n.op)
     fields = encoder(graph, n) if encoder else None
-    return getattr(Op, n.op)(**fields) if fields is not None else Op.other(op=n.op, node=n.id)
+    name = n.op
+    if isinstance(fields, tuple):
+        name, fields = fields
+    return getattr(Op, name)(**fields) if fields is not None else Op.other(op=n.op, node=n.id)
 
 
 def heads_view(graph: Graph, n: Node) -> Op | None:

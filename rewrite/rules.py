@@ -26,7 +26,6 @@ GEMM_BN = (256,)  # weight rows of a tensor-core tile (blockops/gemm.py; the ter
 
 # Graph ops with no rules of their own (``Op.other``): their terms and the tile field they share.
 OTHER_TERMS: dict[str, tuple[tuple[str, ...], str | None, tuple[int, ...]]] = {
-    "rope": (("rope_ids",), "rows_per", ROW_TILES),  # positions from a tensor
     "softmax": (("softmax_rows",), "rows_per", ROW_TILES),
     "attention": (("attention_split", "attention_fold"), "chunk", ATTENTION_CHUNKS),
     "ragged_attention": (("ragged_split", "ragged_flash"), "chunk", ATTENTION_CHUNKS),  # (flash: 64 only)
@@ -68,6 +67,9 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
         )
     yield rule(eq(node(i)).to(Op.rope(x=x, node=i))).then(
         *(union(node(i)).with_(Op.rope_rows(x=x, g=NONE, eps=0.0, rope=i, append=NONE, rows_per=t)) for t in ROW_TILES)
+    )
+    yield rule(eq(node(i)).to(Op.rope_at_ids(x=x, node=i))).then(
+        *(union(node(i)).with_(Op.rope_ids(x=x, g=NONE, eps=0.0, rope=i, rows_per=t)) for t in ROW_TILES)
     )
     yield rule(eq(node(i)).to(Op.kv_append(cache=x, new=a))).then(union(node(i)).with_(Op.kv_append_row(node=i)))
     yield rule(eq(node(i)).to(Op.moe_mlp(x=x, logits=a, w=w, w2=b, wd=s, node=i))).then(*(
@@ -235,6 +237,11 @@ def _fuse_rope(x: i64, g: i64, eps: f64, h: i64, r: i64, c: i64, t: i64, i: i64)
         eq(node(i)).to(Op.rope(x=h, node=i)),
         eq(node(h)).to(Op.rms_norm(x=x, g=g, eps=eps)),
     ).then(*(union(node(i)).with_(Op.rope_rows(x=x, g=g, eps=eps, rope=i, append=NONE, rows_per=tt)) for tt in ROW_TILES))
+    # ... and at positions from a tensor (a batch, a prompt)
+    yield rule(
+        eq(node(i)).to(Op.rope_at_ids(x=h, node=i)),
+        eq(node(h)).to(Op.rms_norm(x=x, g=g, eps=eps)),
+    ).then(*(union(node(i)).with_(Op.rope_ids(x=x, g=g, eps=eps, rope=i, rows_per=tt)) for tt in ROW_TILES))
     # RoPE + KV append: the rotated rows go straight into the cache row (one hand-off fewer
     # between the K projection and attention, perf-notes #35).
     yield rule(

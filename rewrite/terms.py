@@ -35,6 +35,7 @@ GRAPH_TERMS = {
     "silu": fields("a:ref"),
     "heads": fields("src:ref head_dim:int"),  # a reshape view [1, H*D] -> [H, D], seen so QKV fusion can look through it
     "rope": fields("x:ref node:node"),  # RoPE at a runtime-dim position
+    "rope_at_ids": fields("x:ref node:node"),  # RoPE at positions from an i32 tensor (a batch, a prompt)
     "kv_append": fields("cache:ref new:ref"),
     "argmax": fields("x:ref node:node"),  # over the last dim of a [1, N] tensor
     "moe_mlp": fields("x:ref logits:ref w:ref w2:ref wd:ref node:node"),  # top_k, normalize: the node's attrs

@@ -762,3 +762,23 @@ def test_cli_with_the_cache_on_a_file_warns_once_and_works(tmp_path):
         f"    megaegg cache: cannot use {f} (it is a file, not a folder): caching is off"], out.stderr
     assert len(json.loads(out.stdout.strip().splitlines()[-1])["generated_ids"][0]) == 2
     assert f.read_text() == "root:x:0:0::/root:/bin/sh\n"
+
+
+def test_both_kernel_images_of_a_row_regime_round_trip(tmp_path):
+    """A program with row regimes keeps its second kernel image (``cubin_large``) through save and load,
+    and an artifact missing it is not compiled for the cuda backend."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_gemm import mlp
+
+    from megaegg.artifact import Artifact
+    from megaegg.compiler import build_artifact
+
+    art = build_artifact(mlp(), max_dims={"n": 1024}, dims_hint={"n": 16}, compile_cuda=False)
+    assert art.queue.program.regime is not None and not art.compiled
+    art.cubin, art.cubin_large = b"image of few rows", b"image of many rows"
+    art.save(tmp_path / "a.megaegg")
+    back = Artifact.load(tmp_path / "a.megaegg")
+    assert (back.cubin, back.cubin_large, back.compiled) == (art.cubin, art.cubin_large, True)
+    assert back.queue.program.regime == art.queue.program.regime

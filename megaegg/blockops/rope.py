@@ -88,14 +88,22 @@ class RopeRowsTerm(Term):
 
 @term
 class RopeIdsTerm(Term):
-    """RoPE at positions read from an i32 tensor (one per group of rows)."""
+    """RoPE of node ``rope`` at positions read from its i32 tensor (one per group of rows), read from ``x``
+    [after a per-row RMSNorm(``g``): qwen3's q/k norm of a batch or a prompt]."""
 
     name = "rope_ids"
-    fields = fields("node:node rows_per:int")
+    fields = fields("x:ref g:ref eps:float rope:node rows_per:int")
+    tile = "rows_per"
+
+    def refs(self, graph, args):
+        r = graph.nodes[args["rope"]]
+        return tuple(i for i in (args["x"], args["g"], r.inputs[1], r.inputs[2]) if i != NONE)
 
     def lower(self, b, value, args):
-        n = b.graph.nodes[value]
-        x, inv, ids = (b.operand(i) for i in n.inputs)
-        group = math.prod(d.value for d in n.shape[1:-1]) if len(n.shape) > 2 else 1
-        params = {"rows_per": args["rows_per"], "pos": None, "group": group, "roles": ("x", "inv_freq", "pos_ids"), "eps": 0.0}
-        b.emit("rope", [value], [b.rows(x), inv, ids], b.rows(b.output(value)), params)
+        r = b.graph.nodes[args["rope"]]
+        operands = {"x": args["x"], "inv_freq": r.inputs[1], "pos_ids": r.inputs[2], "g": args["g"]}
+        present = tuple(k for k, v in operands.items() if v != NONE)
+        inputs = [b.rows(b.operand(operands[k])) if k == "x" else b.operand(operands[k]) for k in present]
+        group = math.prod(d.value for d in r.shape[1:-1]) if len(r.shape) > 2 else 1
+        params = {"rows_per": args["rows_per"], "pos": None, "group": group, "roles": present, "eps": args["eps"]}
+        b.emit("rope", b.absorbed(value, {v for v in operands.values() if v != NONE}), inputs, b.rows(b.output(r.id)), params)
