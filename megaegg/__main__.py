@@ -97,8 +97,18 @@ def print_timings(p, what: str, graph, timings: dict) -> None:
 def main(argv=None) -> None:
     from .models.cli import OneLineParser, non_negative_int, positive_int
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # the OpenAI-compatible server: its own flags (megaegg/serve.py)
+        from .serve import main as serve
+
+        try:
+            raise SystemExit(serve(argv[1:]))
+        except GraphError as e:
+            raise SystemExit(f"error: {'; '.join(x.strip() for x in str(e).splitlines() if x.strip())}") from None
+
     ap = OneLineParser(prog="python -m megaegg")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("serve", help="an OpenAI-compatible HTTP server (python -m megaegg serve --help)", add_help=False)
     ins = sub.add_parser("inspect", help="print the compiled block program of a preset model or a checkpoint's")
     ins.add_argument("--model", default="tiny", metavar="PRESET|DIR",
                      help=f"a preset ({', '.join(sorted(PRESETS))}) or a Hugging Face checkpoint folder "

@@ -174,6 +174,21 @@ class Batcher:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def cancel(self, index: int) -> Generation | None:
+        """Stop request ``index`` (its client went away): it leaves the queue or frees its slot before the
+        next launch; its generation so far (``finished`` False), or None if it is not waiting or running."""
+        for run in list(self.waiting):
+            if run.index == index:
+                self.waiting.remove(run)
+                return run.generation
+        for run in self.running:
+            if run.index == index:
+                self.running.remove(run)
+                self.free.append(run.slot)
+                self.free.sort()
+                return run.generation
+        return None
+
     def step(self) -> StepInfo:
         """One launch: admit waiting requests into free slots, then feed every running sequence
         (decoding ones first, one token each; prompts with what is left of the token budget).

@@ -1,0 +1,579 @@
+"""An OpenAI-compatible HTTP server over the continuous batcher: ``python -m megaegg serve``.
+
+    python -m megaegg serve --model DIR                      # a checkpoint (its tokenizer, if saved beside it)
+    python -m megaegg serve --random-weights --preset tiny   # the simulator when there is no GPU
+
+Endpoints: ``/v1/completions`` and ``/v1/chat/completions`` (whole or streamed as server-sent events;
+``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` as strings or token ids,
+``usage``; prompts as text or token ids), ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text).
+One engine thread owns the :class:`~megaegg.models.batch.Batcher`: requests join and leave the running
+batch between launches, a prompt prefills in chunks of the step's token budget beside the decoding
+sequences, and a client that disconnects frees its sequence before the next launch. A full queue
+answers 429; a bad request 400 with an OpenAI-style error naming the field; a failed launch ends the
+requests it carried with an error and the loop goes on.
+
+Not yet here (issue 40): the paged KV cache and prefix caching (every sequence holds a slot of
+``--max-len`` rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .graph import GraphError
+from .models.batch import Batcher, Request, Sampling, kernel_batch_step, reference_batch_step
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+class RequestError(ValueError):
+    """A request the server refuses: ``status`` (400, 404, 429, 503), the field it names (``param``)."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+# --- the engine: one thread, one batcher ------------------------------------------------------------------
+@dataclass
+class Stream:
+    """One request's tokens as the engine produces them, for the HTTP side (an asyncio queue fed from the
+    engine thread). ``None`` ends it; an ``Exception`` ends it with an error."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int = -1
+    submitted: float = field(default_factory=time.perf_counter)
+    last: float | None = None
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Histogram:
+    def __init__(self, buckets) -> None:
+        self.buckets, self.counts, self.sum, self.n = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, v: float) -> None:
+        self.sum, self.n = self.sum + v, self.n + 1
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+
+    def text(self, name: str, help_: str) -> list[str]:
+        out = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+        out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.sum}", f"{name}_count {self.n}"]
+
+
+class Engine:
+    """Runs a :class:`Batcher` in its own thread; :meth:`submit` a request, :meth:`cancel` one, :meth:`close`.
+
+    Only the engine thread touches the batcher: submissions and cancellations wait in small lists (the
+    HTTP side never blocks on a launch) and are applied between launches."""
+
+    def __init__(self, batcher: Batcher, *, max_queue: int = 256, vocab: int) -> None:
+        self.batcher, self.max_queue, self.vocab = batcher, max_queue, vocab
+        self.streams: dict[int, Stream] = {}  # (engine thread)
+        self.inbox: list[tuple[Request, Stream]] = []
+        self.cancels: list[Stream] = []
+        self.cond = threading.Condition()
+        self.closed = False
+        self.requests_total = self.tokens_total = self.failed_launches = 0
+        self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
+        self.thread = threading.Thread(target=self._loop, name="megaegg-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, prompt: list[int], max_tokens: int, sampling: Sampling, stop_ids: list[int], stream: Stream) -> None:
+        request = Request(prompt, max_tokens, tuple(stop_ids), sampling, on_token=lambda t, s=stream: self._token(s, t))
+        with self.cond:
+            if self.closed:
+                raise RequestError("the server is shutting down", status=503, kind="server_error")
+            if len(self.inbox) + len(self.batcher.waiting) >= self.max_queue:
+                raise RequestError(f"the queue is full ({self.max_queue} requests waiting): retry later", status=429,
+                                   kind="rate_limit_error")
+            self.inbox.append((request, stream))
+            self.requests_total += 1
+            self.cond.notify()
+
+    def cancel(self, stream: Stream) -> None:
+        """Free the request's sequence before the next launch (its client went away, or a stop string ended it)."""
+        with self.cond:
+            self.cancels.append(stream)
+            self.cond.notify()
+
+    def close(self) -> None:
+        """Stop the loop after the launch in flight; every request not finished ends with an error."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout=60)
+
+    # (engine thread)
+    def _token(self, s: Stream, tok: int) -> None:
+        now = time.perf_counter()
+        (self.ttft if s.last is None else self.itl).observe(now - (s.submitted if s.last is None else s.last))
+        s.last = now
+        self.tokens_total += 1
+        s.put(tok)
+
+    def _intake(self) -> None:
+        """Apply the submissions and cancellations that arrived (under the lock)."""
+        for request, stream in self.inbox:
+            try:
+                stream.index = self.batcher.submit(request)
+                self.streams[stream.index] = stream
+            except GraphError as e:  # (parse() checked what it could; the batcher's own checks)
+                stream.put(RequestError(str(e), param="prompt"))
+        self.inbox = []
+        for stream in self.cancels:
+            if self.streams.pop(stream.index, None) is not None:
+                self.batcher.cancel(stream.index)
+        self.cancels = []
+
+    def _fail_all(self, error: RequestError) -> None:
+        for s in self.streams.values():
+            s.put(error)
+        for _, s in self.inbox:
+            s.put(error)
+        self.streams.clear()
+        self.inbox = []
+        self.batcher.drain()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                self._intake()
+                while not self.closed and not self.batcher.busy() and not self.inbox and not self.cancels:
+                    self.cond.wait()
+                if self.closed:
+                    self._fail_all(RequestError("the server shut down before this request finished", status=503,
+                                                kind="server_error"))
+                    return
+                self._intake()
+                if not self.batcher.busy():
+                    continue
+            try:  # (outside the lock: submissions and cancellations queue up meanwhile)
+                self.batcher.step()
+            except Exception as e:  # a failed launch: its requests end with the error, the loop goes on
+                with self.cond:
+                    self.failed_launches += 1
+                    self._fail_all(RequestError(f"the launch failed: {type(e).__name__}: {e}", status=500,
+                                                kind="server_error"))
+                continue
+            for run in self.batcher.done:  # finished: end their streams
+                s = self.streams.pop(run.index, None)
+                if s is not None:
+                    s.put(None)
+            self.batcher.done = []
+
+    def metrics(self) -> str:
+        b = self.batcher
+        lines = [
+            "# HELP megaegg_requests_total Requests accepted.", "# TYPE megaegg_requests_total counter",
+            f"megaegg_requests_total {self.requests_total}",
+            "# HELP megaegg_queue_depth Requests waiting for a sequence slot.", "# TYPE megaegg_queue_depth gauge",
+            f"megaegg_queue_depth {len(b.waiting)}",
+            "# HELP megaegg_running Sequences in the running batch.", "# TYPE megaegg_running gauge",
+            f"megaegg_running {len(b.running)}",
+            "# HELP megaegg_generated_tokens_total Tokens generated.", "# TYPE megaegg_generated_tokens_total counter",
+            f"megaegg_generated_tokens_total {self.tokens_total}",
+            "# HELP megaegg_launches_total Kernel launches.", "# TYPE megaegg_launches_total counter",
+            f"megaegg_launches_total {b.launches}",
+            "# HELP megaegg_failed_launches_total Launches that raised.", "# TYPE megaegg_failed_launches_total counter",
+            f"megaegg_failed_launches_total {self.failed_launches}",
+        ]
+        lines += self.ttft.text("megaegg_time_to_first_token_seconds", "Time from a request to its first token.")
+        lines += self.itl.text("megaegg_inter_token_latency_seconds", "Time between a request's tokens.")
+        return "\n".join(lines) + "\n"
+
+
+# --- requests -------------------------------------------------------------------------------------------
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                     "n", "user", "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "echo",
+                     "logprobs", "best_of", "suffix"}
+CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "best_of", "suffix", "logprobs"}) | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+
+
+@dataclass
+class Parsed:
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop_ids: list[int]
+    stop_text: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or not ((lo < v) if lo_open else (lo <= v)) or not v <= hi:
+        kind = "an integer" if integer else "a number"
+        raise RequestError(f"'{name}' must be {kind} in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}", param=name)
+    return v
+
+
+def parse(body: Any, *, chat: bool, tokenizer, vocab: int, max_len: int) -> Parsed:
+    """A request body as the engine takes it, or a RequestError naming the field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+    if unknown:
+        raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0])
+    if _number(body, "n", 1, 1, 1, integer=True) != 1:
+        raise RequestError("'n' must be 1", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise RequestError(f"'{name}' is not supported", param=name)
+    if body.get("logit_bias") or body.get("logprobs") or body.get("echo") or body.get("suffix") or \
+            body.get("best_of") not in (None, 1):
+        name = next(n for n in ("logit_bias", "logprobs", "echo", "suffix", "best_of") if body.get(n) not in (None, 0, 1, False))
+        raise RequestError(f"'{name}' is not supported", param=name)
+    if chat:
+        prompt = _chat_prompt(body.get("messages"), tokenizer)
+    else:
+        prompt = _prompt(body.get("prompt"), tokenizer, vocab)
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    room = max_len - len(prompt) + 1
+    if room < 1:
+        raise RequestError(f"the prompt has {len(prompt)} tokens; the context holds {max_len}", param="prompt")
+    max_tokens = _number(body, name, min(16 if not chat else room, room), 1, 2**31 - 1, integer=True)
+    if max_tokens > room:
+        raise RequestError(f"'{name}' {max_tokens} and the prompt's {len(prompt)} tokens need {len(prompt) + max_tokens - 1} "
+                           f"cache rows; the context holds {max_len}", param=name)
+    sampling = Sampling(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+                        top_k=_number(body, "top_k", 0, 0, 2**31 - 1, integer=True),
+                        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
+                        seed=_number(body, "seed", 0, -2**31, 2**31 - 1, integer=True))
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) and not isinstance(stop, bool) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in stop):
+        raise RequestError("'stop' must be a string, a token id, or a list of at most 4 of them", param="stop")
+    stop_ids = [x for x in stop if isinstance(x, int)]
+    if any(not 0 <= x < vocab for x in stop_ids):
+        raise RequestError(f"'stop' token ids must be in [0, {vocab})", param="stop")
+    stop_text = [x for x in stop if isinstance(x, str) and x]
+    if stop_text and tokenizer is None:
+        raise RequestError("this model has no tokenizer: give 'stop' as token ids", param="stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise RequestError("'stream_options' must be an object", param="stream_options")
+    return Parsed(prompt, max_tokens, sampling, stop_ids, stop_text, stream, bool(opts.get("include_usage")))
+
+
+def _prompt(p, tokenizer, vocab: int) -> list[int]:
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # (a batch of one)
+    if isinstance(p, str):
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer: give 'prompt' as a list of token ids", param="prompt")
+        ids = tokenizer.encode(p, add_special_tokens=True)
+    elif isinstance(p, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        ids = list(p)
+    else:
+        raise RequestError("'prompt' must be a string or a list of token ids (one prompt a request)", param="prompt")
+    if not ids:
+        raise RequestError("'prompt' is empty", param="prompt")
+    bad = [x for x in ids if not 0 <= x < vocab]
+    if bad:
+        raise RequestError(f"'prompt' token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+    return ids
+
+
+def _chat_prompt(messages, tokenizer) -> list[int]:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise RequestError("this model has no chat template: use /v1/completions", param="messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects with string content",
+                           param="messages")
+    text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                         add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))  # (the template wrote the special tokens)
+
+
+# --- the HTTP app ---------------------------------------------------------------------------------------
+def error_body(message: str, kind: str, param: str | None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def create_app(engine: Engine, *, model: str, tokenizer=None, max_len: int, eos=()):
+    """The ASGI app (FastAPI) over ``engine``, serving ``model`` (a sequence also stops at ``eos``)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    app = FastAPI(title="megaegg", description=__doc__.split("\n")[0])
+    created = int(time.time())
+
+    def refuse(e: RequestError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), e.kind, e.param), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, exc):  # (never a bare 500 page: one JSON error)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", None), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok" if not engine.closed else "shutting down"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "megaegg"}]}
+
+    async def complete(request, chat: bool):
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (ValueError, UnicodeDecodeError) as e:
+            return refuse(RequestError(f"the request body is not JSON ({e})"))
+        try:
+            if isinstance(body, dict) and body.get("model") not in (None, model):
+                raise RequestError(f"the model '{body.get('model')}' does not exist; this server serves '{model}'",
+                                   param="model", status=404)
+            p = parse(body, chat=chat, tokenizer=tokenizer, vocab=engine.vocab, max_len=max_len)
+            p.stop_ids = p.stop_ids + [t for t in eos if t not in p.stop_ids]
+            stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
+            engine.submit(p.prompt, p.max_tokens, p.sampling, p.stop_ids, stream)
+        except RequestError as e:
+            return refuse(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        obj = "chat.completion" if chat else "text_completion"
+        gen = _Generation(p, tokenizer)
+        if not p.stream:
+            try:
+                while not gen.done:
+                    item = await _next(stream, request)
+                    gen.take(item)
+            except RequestError as e:
+                engine.cancel(stream)
+                return refuse(e)
+            except _Disconnected:
+                engine.cancel(stream)
+                return JSONResponse({}, status_code=499)
+            finally:
+                if gen.done:
+                    engine.cancel(stream)  # (a stop string ended it early: free the slot)
+            choice = {"index": 0, "finish_reason": gen.reason, "token_ids": gen.tokens}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": gen.text()}
+            else:
+                choice.update(text=gen.text(), logprobs=None)
+            return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model,
+                                 "choices": [choice], "usage": gen.usage()})
+
+        async def events():
+            sent = ""
+            try:
+                if chat:
+                    yield _sse(_chunk(rid, model, chat, {"role": "assistant", "content": ""}, None))
+                while not gen.done:
+                    try:
+                        item = await _next(stream, request)
+                    except RequestError as e:
+                        yield _sse(error_body(str(e), e.kind, e.param))
+                        return
+                    gen.take(item)
+                    text = gen.text(final=gen.done)
+                    delta = text[len(sent):]
+                    sent = text
+                    if delta or gen.done:
+                        payload = {"content": delta} if chat else delta
+                        yield _sse(_chunk(rid, model, chat, payload, gen.reason if gen.done else None))
+                if p.include_usage:
+                    yield _sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": int(time.time()),
+                                "model": model, "choices": [], "usage": gen.usage()})
+                yield "data: [DONE]\n\n"
+            except (_Disconnected, asyncio.CancelledError):
+                pass
+            finally:
+                engine.cancel(stream)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def completions(request):
+        return await complete(request, chat=False)
+
+    async def chat_completions(request):
+        return await complete(request, chat=True)
+
+    # (plain routes: the handler reads the raw body, so every field error is this module's one message)
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    return app
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _next(stream: Stream, request) -> int | None:
+    """The stream's next item (a token, or None at its end), checking the client every 0.5 s."""
+    while True:
+        try:
+            item = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise _Disconnected() from None
+            continue
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+class _Generation:
+    """A request's tokens and text so far; where it ended and why."""
+
+    def __init__(self, p: Parsed, tokenizer) -> None:
+        self.p, self.tokenizer = p, tokenizer
+        self.tokens: list[int] = []
+        self.done, self.reason, self.cut = False, None, None
+
+    def take(self, item: int | None) -> None:
+        if item is None:  # the engine ended it: a stop token or max_tokens
+            self.done = True
+            self.reason = "stop" if self.tokens and self.tokens[-1] in self.p.stop_ids else "length"
+            return
+        self.tokens.append(item)
+        if self.p.stop_text:
+            text = self._decode()
+            at = min((i for i in (text.find(s) for s in self.p.stop_text) if i >= 0), default=-1)
+            if at >= 0:
+                self.done, self.reason, self.cut = True, "stop", at
+
+    def _decode(self) -> str:
+        ids = [t for t in self.tokens if t not in self.p.stop_ids]
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def text(self, final: bool = True) -> str:
+        text = self._decode()
+        if self.cut is not None:
+            return text[:self.cut]
+        if not final and self.p.stop_text:  # hold back what may begin a stop string
+            hold = max(len(s) for s in self.p.stop_text) - 1
+            return text[:max(0, len(text) - hold)]
+        return text
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.p.prompt), "completion_tokens": len(self.tokens),
+                "total_tokens": len(self.p.prompt) + len(self.tokens)}
+
+
+def _chunk(rid: str, model: str, chat: bool, payload, reason) -> dict:
+    choice = {"index": 0, "finish_reason": reason}
+    if chat:
+        choice["delta"] = payload
+    else:
+        choice.update(text=payload, logprobs=None)
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice]}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+# --- building it from a model ---------------------------------------------------------------------------
+def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots: int, max_tokens: int,
+                 max_queue: int) -> Engine:
+    """The step graph of ``cfg`` (sampling on the device) with ``weights_for(spec)``, compiled (``backend``
+    "cuda" or "sim"; "reference": the reference executor), behind a batcher and its engine thread."""
+    import megaegg as me
+    from .models import build_step_graph
+
+    graph, spec = build_step_graph(cfg, max_len=max_len, slots=slots, sampling=True)
+    weights = weights_for(spec)
+    caches = spec.new_caches(device=device)
+    if backend == "reference":
+        step = reference_batch_step(graph, weights, caches)
+    else:
+        kernel = me.compile(graph, weights, backend=backend, max_dims={"n": max_tokens, "r": slots, "ctx": max_len},
+                            dims_hint={"n": slots, "r": slots, "ctx": min(512, max_len)})
+        step = kernel_batch_step(kernel, caches)
+    batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab)
+    return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab)
+
+
+def main(argv=None) -> int:
+    """``python -m megaegg serve``: parse the flags, build the engine, run uvicorn until SIGTERM / Ctrl-C."""
+    from pathlib import Path
+
+    from .models import PRESETS, ModelConfig, eos_token_ids, load_checkpoint, random_weights, read_config
+    from .models.cli import OneLineParser, positive_int
+
+    ap = OneLineParser(prog="python -m megaegg serve", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="a checkpoint folder (config.json, safetensors; its tokenizer if saved beside it)")
+    ap.add_argument("--random-weights", action="store_true", help="random weights for --preset instead of a checkpoint")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="the model preset of --random-weights (default tiny)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
+    ap.add_argument("--backend", choices=("cuda", "sim", "reference"), default=None,
+                    help="cuda (the default on a GPU), sim (the CPU simulator) or reference (plain torch ops)")
+    ap.add_argument("--max-len", type=positive_int, default=None,
+                    help="cache rows a sequence holds (default 2048, at most the model's context)")
+    ap.add_argument("--slots", type=positive_int, default=8, help="sequences decoding at once (default 8)")
+    ap.add_argument("--max-step-tokens", type=positive_int, default=None,
+                    help="rows of one launch: decoding tokens plus a prompt chunk (default 512)")
+    ap.add_argument("--max-queue", type=positive_int, default=256, help="requests waiting before 429 (default 256)")
+    a = ap.parse_args(argv)
+    if bool(a.model) == bool(a.random_weights):
+        ap.error("give --model DIR or --random-weights [--preset NAME]")
+    if a.preset and not a.random_weights:
+        ap.error("--preset goes with --random-weights (a checkpoint's config.json names its model)")
+    if a.backend == "cuda" and not torch.cuda.is_available():
+        ap.error("--backend cuda: no CUDA GPU is available; use --backend sim")
+    backend = a.backend or ("cuda" if torch.cuda.is_available() else "sim")
+    device = "cuda" if backend == "cuda" else "cpu"
+    if a.model:
+        if not Path(a.model).is_dir():
+            ap.error(f"--model {a.model}: no such directory")
+        cfg, name, eos = read_config(a.model), Path(a.model).name, eos_token_ids(a.model)
+        tokenizer = load_tokenizer(a.model)
+        weights_for = lambda spec: load_checkpoint(a.model, spec, device=device)  # noqa: E731
+    else:
+        name = a.preset or "tiny"
+        cfg, eos, tokenizer = ModelConfig.preset(name), (), None
+        weights_for = lambda spec: random_weights(spec, seed=0, device=device)  # noqa: E731
+    max_len = min(a.max_len or 2048, cfg.max_positions)
+    tokens = max(a.slots, min(a.max_step_tokens or 512, a.slots * max_len))
+    engine = build_engine(cfg, weights_for, backend=backend, device=device, max_len=max_len, slots=a.slots,
+                          max_tokens=tokens, max_queue=a.max_queue)
+    import uvicorn
+
+    app = create_app(engine, model=name, tokenizer=tokenizer, max_len=max_len, eos=eos)
+    try:
+        uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    finally:
+        engine.close()
+    return 0
+
+
+def load_tokenizer(path: str):
+    """The tokenizer saved beside a checkpoint (transformers), or None."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(p)

@@ -1,0 +1,243 @@
+"""The OpenAI-compatible server (megaegg/serve.py) on the CPU simulator, through the official `openai` client:
+greedy text equal to transformers' for each prompt, streamed and whole, concurrent clients, a client that
+goes away, bad requests answered with one error naming the field. Every test is bounded in time; the
+server stops at the end."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+httpx = pytest.importorskip("httpx")
+
+from tiny_checkpoints import save_tiny  # noqa: E402
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+PROMPTS = ["w1 w2 w3", "w5", "w9 w8 w7 w6", "w40 w41", "w3 w3 w3", "w60", "w11 w12 w13 w14 w15", "w2 w90"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny llama checkpoint with a word tokenizer (and a chat template), served on the simulator."""
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from megaegg.models import load_checkpoint, read_config
+    from megaegg.serve import build_engine, create_app
+
+    path = save_tiny(tmp_path_factory.mktemp("ckpt"), "llama", seed=3, tokenizer=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    cfg = read_config(path)
+    engine = build_engine(cfg, lambda spec: load_checkpoint(path, spec), backend="sim", device="cpu", max_len=48,
+                          slots=4, max_tokens=48, max_queue=64)
+    app = create_app(engine, model="tiny-llama", tokenizer=tok, max_len=48)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "the server did not start in 30 s"
+        time.sleep(0.05)
+    try:
+        yield {"url": f"http://127.0.0.1:{port}", "path": path, "tok": tok, "engine": engine}
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def greedy(served):
+    """transformers' greedy continuation (4 tokens) of each prompt, as text."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(served["path"]).float().eval()
+    tok = served["tok"]
+    out = {}
+    for p in PROMPTS:
+        ids = torch.tensor([tok.encode(p)])
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        out[p] = tok.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+    return out
+
+
+def client(served) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=served["url"] + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def test_completion_is_transformers_greedy_text(served, greedy):
+    r = client(served).completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert r.choices[0].text == greedy[PROMPTS[0]]
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 4)
+
+
+def test_streamed_completion_and_token_id_prompt(served, greedy):
+    c = client(served)
+    chunks = list(c.completions.create(model="tiny-llama", prompt=PROMPTS[2], max_tokens=4, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == greedy[PROMPTS[2]]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    ids = served["tok"].encode(PROMPTS[1])
+    r = c.completions.create(model="tiny-llama", prompt=ids, max_tokens=4, temperature=0)
+    assert r.choices[0].text == greedy[PROMPTS[1]]
+
+
+def test_chat_completion_through_the_chat_template(served, greedy):
+    c = client(served)
+    msg = [{"role": "user", "content": PROMPTS[3]}]
+    r = c.chat.completions.create(model="tiny-llama", messages=msg, max_tokens=4, temperature=0)
+    want = served["tok"].apply_chat_template(msg, add_generation_prompt=True, tokenize=False)
+    assert r.usage.prompt_tokens == len(served["tok"].encode(want))
+    assert r.choices[0].message.role == "assistant" and len(r.choices[0].message.content.split()) == 4
+    streamed = list(c.chat.completions.create(model="tiny-llama", messages=msg, max_tokens=4, temperature=0, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == r.choices[0].message.content
+
+
+def test_concurrent_streaming_clients_each_get_their_greedy_text(served, greedy):
+    def one(p):
+        chunks = client(served).completions.create(model="tiny-llama", prompt=p, max_tokens=4, temperature=0, stream=True)
+        return "".join(ch.choices[0].text for ch in chunks)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(one, PROMPTS))
+    assert got == [greedy[p] for p in PROMPTS]
+
+
+def test_stop_string_and_stop_token(served, greedy):
+    c = client(served)
+    first, second = greedy[PROMPTS[0]].split()[:2]
+    r = c.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=4, temperature=0, stop=[" " + second])
+    assert r.choices[0].text == first and r.choices[0].finish_reason == "stop"
+    stop_id = served["tok"].convert_tokens_to_ids(first)
+    r = c.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                             extra_body={"stop": [stop_id]})
+    assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop"
+
+
+def test_a_client_that_goes_away_leaves_the_others_intact(served, greedy):
+    url = served["url"] + "/v1/completions"
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", url, json={"model": "tiny-llama", "prompt": PROMPTS[4], "max_tokens": 40,
+                                         "temperature": 0, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data:"):
+                    break  # one chunk, then hang up
+    r = client(served).completions.create(model="tiny-llama", prompt=PROMPTS[5], max_tokens=4, temperature=0)
+    assert r.choices[0].text == greedy[PROMPTS[5]]
+    deadline = time.time() + 30  # the abandoned sequence's slot comes back
+    while served["engine"].batcher.running:
+        assert time.time() < deadline, "the abandoned request still runs"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "nope", "prompt": "w1"}, 404, "model"),
+    ({"model": "tiny-llama", "prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny-llama", "prompt": "w1", "max_tokens": "four"}, 400, "max_tokens"),
+    ({"model": "tiny-llama", "prompt": " ".join(["w1"] * 49)}, 400, "prompt"),
+    ({"model": "tiny-llama", "prompt": "w1", "max_tokens": 49}, 400, "max_tokens"),
+    ({"model": "tiny-llama", "prompt": [1, 2, 500]}, 400, "prompt"),
+    ({"model": "tiny-llama", "prompt": 7}, 400, "prompt"),
+    ({"model": "tiny-llama", "prompt": "w1", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny-llama", "prompt": "w1", "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny-llama", "prompt": "w1", "n": 2}, 400, "n"),
+    ({"model": "tiny-llama", "prompt": "w1", "bogus": 1}, 400, "bogus"),
+    ({"model": "tiny-llama", "prompt": "w1", "stop": [1.5]}, 400, "stop"),
+    ({"model": "tiny-llama", "messages": "hi"}, 400, "messages"),
+])
+def test_bad_requests_get_one_error_naming_the_field(served, body, status, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(served["url"] + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and "\n" not in err["message"]
+
+
+def test_a_body_that_is_not_json_is_a_400(served):
+    r = httpx.post(served["url"] + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+
+
+def test_health_models_and_metrics(served):
+    assert httpx.get(served["url"] + "/health", timeout=30).json() == {"status": "ok"}
+    assert [m.id for m in client(served).models.list().data] == ["tiny-llama"]
+    text = httpx.get(served["url"] + "/metrics", timeout=30).text
+    for name in ("megaegg_requests_total", "megaegg_queue_depth", "megaegg_running", "megaegg_generated_tokens_total",
+                 "megaegg_time_to_first_token_seconds_bucket", "megaegg_inter_token_latency_seconds_count"):
+        assert name in text
+    assert json.loads(json.dumps(text))  # (plain text)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give --model DIR or --random-weights"),
+    (["--model", "/no/such/folder"], "--model /no/such/folder: no such directory"),
+    (["--random-weights", "--preset", "nope"], "invalid choice"),
+    (["--random-weights", "--port", "0"], "--port"),
+])
+def test_serve_flags_are_checked_in_one_line(args, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "megaegg", "serve", *args], capture_output=True, text=True, timeout=120,
+                       cwd=root)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_failed_launch_ends_its_requests_with_an_error_and_the_loop_goes_on():
+    """The engine alone, over a step function that raises once: the request in that launch gets the error,
+    the next one its tokens."""
+    import asyncio
+
+    from megaegg.models.batch import Batcher, Sampling
+    from megaegg.serve import Engine, RequestError, Stream
+
+    calls = []
+
+    def step(rows):
+        calls.append(rows)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return torch.full((rows.out.numel(),), 7, dtype=torch.int32)
+
+    engine = Engine(Batcher(step, slots=2, max_len=16), max_queue=4, vocab=10)
+
+    async def run(prompt):
+        s = Stream(asyncio.get_running_loop(), asyncio.Queue())
+        engine.submit(prompt, 3, Sampling(), [], s)
+        out = []
+        while True:
+            item = await asyncio.wait_for(s.queue.get(), timeout=30)
+            if item is None or isinstance(item, Exception):
+                return out, item
+            out.append(item)
+
+    try:
+        tokens, end = asyncio.run(run([1, 2]))
+        assert tokens == [] and isinstance(end, RequestError) and "device lost" in str(end) and end.status == 500
+        assert asyncio.run(run([3])) == ([7, 7, 7], None)
+        assert engine.failed_launches == 1
+    finally:
+        engine.close()
