@@ -396,9 +396,9 @@ def create_app(engine: Engine, *, model: str, tokenizer=None, max_len: int, eos=
                     text = gen.text(final=gen.done)
                     delta = text[len(sent):]
                     sent = text
-                    if delta or gen.done:
-                        payload = {"content": delta} if chat else delta
-                        yield _sse(_chunk(rid, model, chat, payload, gen.reason if gen.done else None))
+                    payload = {"content": delta} if chat else delta  # (a chunk a token: its id rides along)
+                    yield _sse(_chunk(rid, model, chat, payload, gen.reason if gen.done else None,
+                                      [item] if item is not None and not gen.done_by_text else []))
                 if p.include_usage:
                     yield _sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": int(time.time()),
                                 "model": model, "choices": [], "usage": gen.usage()})
@@ -447,6 +447,7 @@ class _Generation:
         self.p, self.tokenizer = p, tokenizer
         self.tokens: list[int] = []
         self.done, self.reason, self.cut = False, None, None
+        self.done_by_text = False  # a stop string ended it (its last token is not part of the answer)
 
     def take(self, item: int | None) -> None:
         if item is None:  # the engine ended it: a stop token or max_tokens
@@ -458,7 +459,7 @@ class _Generation:
             text = self._decode()
             at = min((i for i in (text.find(s) for s in self.p.stop_text) if i >= 0), default=-1)
             if at >= 0:
-                self.done, self.reason, self.cut = True, "stop", at
+                self.done, self.reason, self.cut, self.done_by_text = True, "stop", at, True
 
     def _decode(self) -> str:
         ids = [t for t in self.tokens if t not in self.p.stop_ids]
@@ -478,8 +479,8 @@ class _Generation:
                 "total_tokens": len(self.p.prompt) + len(self.tokens)}
 
 
-def _chunk(rid: str, model: str, chat: bool, payload, reason) -> dict:
-    choice = {"index": 0, "finish_reason": reason}
+def _chunk(rid: str, model: str, chat: bool, payload, reason, token_ids=()) -> dict:
+    choice = {"index": 0, "finish_reason": reason, "token_ids": list(token_ids)}
     if chat:
         choice["delta"] = payload
     else:

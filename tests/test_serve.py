@@ -241,3 +241,25 @@ def test_a_failed_launch_ends_its_requests_with_an_error_and_the_loop_goes_on():
         assert engine.failed_launches == 1
     finally:
         engine.close()
+
+
+def test_streamed_chunks_carry_each_token_id(served):
+    c = client(served)
+    whole = c.completions.create(model="tiny-llama", prompt=PROMPTS[6], max_tokens=4, temperature=0)
+    chunks = list(c.completions.create(model="tiny-llama", prompt=PROMPTS[6], max_tokens=4, temperature=0, stream=True))
+    assert [t for ch in chunks for t in ch.choices[0].token_ids] == whole.choices[0].token_ids
+    assert len(whole.choices[0].token_ids) == 4
+
+
+def test_bench_serve_dry_run_loses_nothing(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "serve.json"
+    r = subprocess.run([sys.executable, "examples/bench_serve.py", "--dry-run", "--requests", "4", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert (report["completed"], report["lost_or_corrupted"]) == (4, 0) and report["output_tokens_per_s"] > 0

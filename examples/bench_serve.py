@@ -1,0 +1,233 @@
+"""The server under load: many requests through `python -m megaegg serve`'s app, measured from the client side.
+
+    python examples/bench_serve.py --preset llama-3.2-1b --requests 256 --concurrency 64
+    python examples/bench_serve.py --preset qwen3-8b --requests 256 --rate 8          (open loop: 8 requests/s)
+    python examples/bench_serve.py --dry-run                                          (CPU smoke test: tiny, sim)
+
+The server (random weights, `--slots` = the concurrency) runs in this process on a free local port;
+the clients stream completions over HTTP: closed loop (``--concurrency`` requests in flight, a new one
+as one ends) or open loop (``--rate`` arrivals a second, Poisson, seeded). Prompts are random token
+ids of lengths drawn from ``--prompt-len LO,HI``; every request asks for ``--output-len`` tokens
+(random weights have no EOS, so each must get exactly that many: anything else counts as lost or
+corrupted). Reported: output tokens/s, time to first token and inter-token latency percentiles, and,
+on a GPU, the plain torch.compile batched decode step's tokens/s at the same batch in the same run
+(``PlainBatch``, reduce-overhead), as examples/bench_batch.py measures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+def parse(argv=None) -> argparse.Namespace:
+    from megaegg.models import PRESETS
+    from megaegg.models.cli import OneLineParser, positive_int
+
+    def span(text: str) -> tuple[int, int]:
+        try:
+            lo, hi = (int(v) for v in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected LO,HI, got {text!r}") from None
+        if not 1 <= lo <= hi:
+            raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+        return lo, hi
+
+    p = OneLineParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model preset (default llama-3.2-1b; tiny dry-run)")
+    p.add_argument("--requests", type=positive_int, default=None, help="requests in all (default 256; 6 dry-run)")
+    p.add_argument("--prompt-len", type=span, default=None, help="prompt lengths LO,HI (default 128,2048; 2,6 dry-run)")
+    p.add_argument("--output-len", type=positive_int, default=None, help="tokens each request asks for (default 128; 3 dry-run)")
+    p.add_argument("--concurrency", type=positive_int, default=None, help="closed loop: requests in flight (default 64; 3 dry-run)")
+    p.add_argument("--rate", type=float, default=None, help="open loop instead: arrivals a second (Poisson)")
+    p.add_argument("--max-step-tokens", type=positive_int, default=2048, help="rows of one launch (default 2048)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--dry-run", action="store_true", help="CPU smoke test: tiny in f32 on the simulator")
+    a = p.parse_args(argv)
+    dry = a.dry_run
+    defaults = {"preset": ("llama-3.2-1b", "tiny"), "requests": (256, 6), "prompt_len": ((128, 2048), (2, 6)),
+                "output_len": (128, 3), "concurrency": (64, 3)}
+    for name, (normal, small) in defaults.items():
+        if getattr(a, name) is None:
+            setattr(a, name, small if dry else normal)
+    if a.rate is not None and not a.rate > 0:
+        p.error(f"--rate must be > 0, got {a.rate}")
+    return a
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def one_request(client, url: str, prompt: list[int], n: int) -> dict:
+    t0 = time.perf_counter()
+    stamps, ids, error = [], [], None
+    body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = chunk["error"]["message"]
+                        break
+                    now = time.perf_counter()
+                    stamps += [now] * len(chunk["choices"][0].get("token_ids", ()))
+    except Exception as e:  # (a lost response: counted, the run goes on)
+        error = f"{type(e).__name__}: {e}"
+    return {"start": t0, "stamps": stamps, "error": error, "prompt": len(prompt)}
+
+
+async def drive(a, url: str, prompts: list[list[int]]) -> list[dict]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=max(a.concurrency, 64) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        if a.rate is None:  # closed loop
+            sem = asyncio.Semaphore(a.concurrency)
+
+            async def gated(p):
+                async with sem:
+                    return await one_request(client, url, p, a.output_len)
+
+            return await asyncio.gather(*(gated(p) for p in prompts))
+        rng = random.Random(a.seed + 1)
+        tasks = []
+        for p in prompts:  # open loop: Poisson arrivals
+            tasks.append(asyncio.create_task(one_request(client, url, p, a.output_len)))
+            await asyncio.sleep(rng.expovariate(a.rate))
+        return await asyncio.gather(*tasks)
+
+
+def torch_compile_tokens_per_s(cfg, weights, batch: int, max_len: int) -> float | None:
+    """The plain torch.compile batched decode step (reduce-overhead) at ``batch``: tokens/s."""
+    if not torch.cuda.is_available():
+        return None
+    from megaegg.models.torch_batch import PlainBatch
+
+    peer = PlainBatch(cfg, weights, max_len=max_len, slots=batch, device="cuda")
+    for t in peer.caches():
+        torch._dynamo.mark_static_address(t)
+    fn = torch.compile(peer.decode, mode="reduce-overhead", fullgraph=True)
+    token = torch.full((batch,), 1234 % cfg.vocab, dtype=torch.int32, device="cuda")
+    pos = torch.full((batch,), min(512, max_len - 1), dtype=torch.int64, device="cuda")
+
+    def call():
+        torch.compiler.cudagraph_mark_step_begin()
+        return fn(token, pos)
+
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        call()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return batch / (statistics.median(times) / 1e3)
+
+
+def main(argv=None) -> dict:
+    import dataclasses
+
+    import uvicorn
+
+    import megaegg as me
+    from megaegg.models import ModelConfig, build_step_graph, random_weights
+    from megaegg.serve import build_engine, create_app
+
+    a = parse(argv)
+    cuda = torch.cuda.is_available() and not a.dry_run
+    device, backend = ("cuda", "cuda") if cuda else ("cpu", "sim")
+    cfg = ModelConfig.preset(a.preset)
+    if a.dry_run:
+        cfg = dataclasses.replace(cfg, dtype=me.f32)
+    max_len = min(cfg.max_positions, a.prompt_len[1] + a.output_len)
+    holder = {}
+
+    def weights_for(spec):
+        holder["w"] = random_weights(spec, seed=0, device=device)
+        return holder["w"]
+
+    t0 = time.perf_counter()
+    engine = build_engine(cfg, weights_for, backend=backend, device=device, max_len=max_len, slots=a.concurrency,
+                          max_tokens=max(a.concurrency, a.max_step_tokens), max_queue=a.requests + 1)
+    print(f"  engine ready in {time.perf_counter() - t0:.1f} s ({backend})", file=sys.stderr, flush=True)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model="bench", max_len=max_len), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    rng = random.Random(a.seed)
+    prompts = [[rng.randrange(cfg.vocab) for _ in range(rng.randint(*a.prompt_len))] for _ in range(a.requests)]
+    t0 = time.perf_counter()
+    try:
+        results = asyncio.run(drive(a, f"http://127.0.0.1:{port}/v1/completions", prompts))
+    finally:
+        wall = time.perf_counter() - t0
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.close()
+    ok = [r for r in results if r["error"] is None and len(r["stamps"]) == a.output_len]
+    ttft = [r["stamps"][0] - r["start"] for r in ok]
+    itl = [b - c for r in ok for c, b in zip(r["stamps"], r["stamps"][1:])]
+    out_tokens = sum(len(r["stamps"]) for r in ok)
+    peer = torch_compile_tokens_per_s(cfg, holder["w"], a.concurrency, max_len) if cuda else None
+    report = {"preset": a.preset + (" (dry run)" if a.dry_run else ""), "backend": backend, "requests": a.requests,
+              "completed": len(ok), "lost_or_corrupted": a.requests - len(ok),
+              "errors": sorted({r["error"] for r in results if r["error"]})[:5], "wall_s": wall,
+              "output_tokens_per_s": out_tokens / wall, "torch_compile_tokens_per_s": peer,
+              "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
+              "itl_s": {f"p{q}": percentile(itl, q) for q in (50, 90, 99)},
+              "mode": f"open loop, {a.rate}/s" if a.rate else f"closed loop, concurrency {a.concurrency}",
+              "prompt_len": list(a.prompt_len), "output_len": a.output_len}
+    fmt = lambda d: " / ".join("-" if v is None else f"{1e3 * v:.1f}" for v in d.values())  # noqa: E731
+    print(f"{report['preset']} ({backend}), {report['mode']}, {a.requests} requests, prompts {a.prompt_len[0]}-"
+          f"{a.prompt_len[1]} tokens, {a.output_len} out")
+    print(f"| output tokens/s | torch.compile step tokens/s (batch {a.concurrency}) | TTFT p50/p90/p99 ms | "
+          f"ITL p50/p90/p99 ms | completed | lost or corrupted |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {report['output_tokens_per_s']:.0f} | {'-' if peer is None else f'{peer:.0f}'} | {fmt(report['ttft_s'])} | "
+          f"{fmt(report['itl_s'])} | {len(ok)} | {report['lost_or_corrupted']} |")
+    if report["errors"]:
+        print("errors:", "; ".join(report["errors"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
