@@ -12,8 +12,10 @@ sequences, and a client that disconnects frees its sequence before the next laun
 answers 429; a bad request 400 with an OpenAI-style error naming the field; a failed launch ends the
 requests it carried with an error and the loop goes on.
 
-Not yet here (issue 40): the paged KV cache and prefix caching (every sequence holds a slot of
-``--max-len`` rows).
+Prefix caching by slot: a finished sequence's slot keeps its K/V rows, and a new request goes to the
+free slot sharing the longest prefix with its prompt, prefilling only the rest (a repeated system
+prompt is prefilled once per slot). Not yet here (issue 40): the paged KV cache (every sequence holds a
+slot of ``--max-len`` rows) and prefixes shared by sequences running at once.
 """
 
 from __future__ import annotations
@@ -191,6 +193,9 @@ class Engine:
             f"megaegg_launches_total {b.launches}",
             "# HELP megaegg_failed_launches_total Launches that raised.", "# TYPE megaegg_failed_launches_total counter",
             f"megaegg_failed_launches_total {self.failed_launches}",
+            "# HELP megaegg_prefix_cache_hit_tokens_total Prompt tokens not prefilled: a free slot held their rows.",
+            "# TYPE megaegg_prefix_cache_hit_tokens_total counter",
+            f"megaegg_prefix_cache_hit_tokens_total {b.prefix_hits}",
         ]
         lines += self.ttft.text("megaegg_time_to_first_token_seconds", "Time from a request to its first token.")
         lines += self.itl.text("megaegg_inter_token_latency_seconds", "Time between a request's tokens.")
@@ -510,7 +515,8 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
         kernel = me.compile(graph, weights, backend=backend, max_dims={"n": max_tokens, "r": slots, "ctx": max_len},
                             dims_hint={"n": slots, "r": slots, "ctx": min(512, max_len)})
         step = kernel_batch_step(kernel, caches)
-    batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab)
+    batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab,
+                      prefix_cache=True)
     return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab)
 
 

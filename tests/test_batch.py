@@ -260,3 +260,28 @@ def test_generator_on_step_can_stop_and_current_keeps_an_interrupted_generation(
     with pytest.raises(KeyboardInterrupt):
         gen.generate([3, 4], 5)
     assert gen.current.tokens == full.tokens[:2] and not gen.current.finished
+
+
+def test_prefix_cache_reuses_a_free_slots_rows():
+    """A request sharing a prompt prefix with a finished sequence goes to its slot and prefills only the
+    rest; its tokens are the ones a fresh prefill gives."""
+    from megaegg.models.batch import Batcher, Request, reference_batch_step
+
+    cfg = ModelConfig.preset("tiny")
+    graph, spec = build_step_graph(cfg, max_len=32, slots=2)
+    w = random_weights(spec, seed=4)
+    system = [5, 9, 2, 7, 7, 1, 3, 8]
+    prompts = [system + [11, 12], system + [40], [6, 6, 6], system + [11, 12, 13]]
+
+    def run(prefix_cache):
+        b = Batcher(reference_batch_step(graph, w, spec.new_caches()), slots=2, max_len=32, prefix_cache=prefix_cache)
+        outs = [b.run([Request(p, 3)])[0].tokens for p in prompts]  # one after another: slots free up
+        return outs, b
+
+    fresh, plain = run(False)
+    cached, b = run(True)
+    assert cached == fresh
+    # the 2nd reuses the 1st's 8 system tokens (slot 0); the 3rd shares nothing and takes the empty slot 1,
+    # so the 4th finds the system prompt in slot 0 again
+    assert b.prefix_hits == 8 + 0 + 8
+    assert sum(b.prefill_rows) == sum(plain.prefill_rows) - b.prefix_hits

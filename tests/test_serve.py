@@ -263,3 +263,27 @@ def test_bench_serve_dry_run_loses_nothing(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert (report["completed"], report["lost_or_corrupted"]) == (4, 0) and report["output_tokens_per_s"] > 0
+
+
+def test_a_shared_prompt_prefix_is_prefilled_once_per_slot(served, greedy):
+    """Two requests one after the other with the same system prefix: the second prefills only its own
+    tokens (the metric counts the reused ones), and its text is transformers' greedy text still."""
+    import re
+
+    def hits():
+        text = httpx.get(served["url"] + "/metrics", timeout=30).text
+        return int(re.search(r"^megaegg_prefix_cache_hit_tokens_total (\d+)$", text, re.M).group(1))
+
+    c = client(served)
+    system = "w21 w22 w23 w24 w25 w26"
+    c.completions.create(model="tiny-llama", prompt=system + " w30", max_tokens=2, temperature=0)
+    before = hits()
+    r = c.completions.create(model="tiny-llama", prompt=system + " " + PROMPTS[0], max_tokens=4, temperature=0)
+    assert hits() - before >= 6  # the six system tokens at least
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(served["path"]).float().eval()
+    ids = torch.tensor([served["tok"].encode(system + " " + PROMPTS[0])])
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert r.choices[0].token_ids == want

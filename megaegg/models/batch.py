@@ -135,7 +135,7 @@ class Batcher:
     """
 
     def __init__(self, step: BatchStepFn, *, slots: int, max_len: int, max_tokens: int | None = None,
-                 device="cpu", vocab: int | None = None) -> None:
+                 device="cpu", vocab: int | None = None, prefix_cache: bool = False) -> None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise GraphError(f"slots must be an int >= 1, got {slots!r}")
         self.step_fn, self.slots, self.max_len = step, slots, max_len
@@ -151,6 +151,13 @@ class Batcher:
         self.step_seconds: list[float] = []  # wall time of each launch
         self.prefill_rows: list[int] = []  # prompt tokens each launch fed (0: a pure decode step)
         self._count = 0
+        # Prefix caching by slot: the tokens whose K and V rows a free slot still holds (a finished sequence's).
+        # A request admitted to the free slot sharing the longest prefix with its prompt starts past it.
+        self.prefix_cache = prefix_cache
+        self.cached: list[list[int]] = [[] for _ in range(slots)]
+        self.released = [0] * slots  # when each slot was last released (a count)
+        self._releases = 0
+        self.prefix_hits = 0  # prompt tokens not prefilled: their rows were in the slot
 
     def submit(self, request: Request) -> int:
         """Queue a request; returns its index (the order of :meth:`run`'s results)."""
@@ -184,8 +191,7 @@ class Batcher:
         for run in self.running:
             if run.index == index:
                 self.running.remove(run)
-                self.free.append(run.slot)
-                self.free.sort()
+                self._release(run)
                 return run.generation
         return None
 
@@ -195,7 +201,8 @@ class Batcher:
         Returns what it did."""
         while self.waiting and self.free:
             run = self.waiting.popleft()
-            run.slot = self.free.pop(0)
+            run.slot, run.fed = self._admit(run.generation.prompt)
+            self.prefix_hits += run.fed
             self.running.append(run)
         decoding = [r for r in self.running if not r.prefilling]
         prefilling = [r for r in self.running if r.prefilling]
@@ -228,6 +235,35 @@ class Batcher:
                         tokens=tuple((run.index, tok) for (run, _), tok in zip(outs, new)),
                         running=len(self.running), waiting=len(self.waiting), finished=len(self.done))
 
+    def _admit(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot for ``prompt`` and the tokens of it whose rows that slot holds (at most all but the
+        last: its logits are what the first launch computes): the longest such prefix; sharing none, the
+        slot whose rows are least worth keeping (empty, else released longest ago)."""
+        if not self.prefix_cache:
+            self.free.remove(best := self.free[0])
+            return best, 0
+        best = min(self.free, key=lambda s: (len(self.cached[s]) > 0, self.released[s], s))
+        shared = 0
+        for slot in self.free:
+            cached, n = self.cached[slot], 0
+            top = min(len(cached), len(prompt) - 1)
+            while n < top and cached[n] == prompt[n]:
+                n += 1
+            if n > shared:
+                best, shared = slot, n
+        self.free.remove(best)
+        self.cached[best] = []  # (rewritten from `shared` on: known again when the slot is released)
+        return best, shared
+
+    def _release(self, run: _Running) -> None:
+        """Free the run's slot, remembering the tokens whose rows it holds."""
+        gen = run.generation
+        self.cached[run.slot] = (gen.prompt + gen.tokens)[:run.fed] if self.prefix_cache else []
+        self._releases += 1
+        self.released[run.slot] = self._releases
+        self.free.append(run.slot)
+        self.free.sort()
+
     def _emit(self, run: _Running, tok: int) -> None:
         gen, req = run.generation, run.request
         gen.tokens.append(tok)
@@ -236,8 +272,7 @@ class Batcher:
         if gen.stop_token is not None or len(gen.tokens) >= req.max_new_tokens:
             gen.finished = True
             self.running.remove(run)
-            self.free.append(run.slot)
-            self.free.sort()
+            self._release(run)
             self.done.append(run)
         if req.on_token is not None:  # last: the state is whole if it raises (a KeyboardInterrupt)
             req.on_token(tok)
@@ -283,6 +318,7 @@ class Batcher:
         runs = sorted(self.done + self.running + list(self.waiting), key=lambda r: r.index)
         self.done, self.running, self.waiting = [], [], deque()
         self.free = list(range(self.slots))
+        self.cached = [[] for _ in range(self.slots)]  # (a failed launch may have left any row half written)
         return [r.generation for r in runs]
 
 
