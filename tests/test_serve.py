@@ -287,3 +287,45 @@ def test_a_shared_prompt_prefix_is_prefilled_once_per_slot(served, greedy):
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
     assert r.choices[0].token_ids == want
+
+
+def test_sigterm_lets_a_started_stream_end_cleanly(tmp_path):
+    """`python -m megaegg serve` in its own process: SIGTERM while a response streams; the stream still
+    ends with [DONE] or an error event (never cut mid-way), and the process exits by itself, without a
+    traceback."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "megaegg", "serve", "--random-weights", "--backend", "reference",
+                             "--port", str(port), "--max-len", "64", "--slots", "2"], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        lines = []
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data:"):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        proc.send_signal(signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]" or '"error"' in lines[-1], lines[-3:]
+        # (uvicorn shuts down gracefully, then re-raises the signal: the exit status says SIGTERM)
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
