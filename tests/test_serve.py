@@ -23,7 +23,8 @@ httpx = pytest.importorskip("httpx")
 from tiny_checkpoints import save_tiny  # noqa: E402
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-PROMPTS = ["w1 w2 w3", "w5", "w9 w8 w7 w6", "w40 w41", "w3 w3 w3", "w60", "w11 w12 w13 w14 w15", "w2 w90"]
+PROMPTS = ["w1 w2 w3", "w5", "w9 w8 w7 w6", "w40 w41", "w3 w3 w3", "w60", "w11 w12 w13 w14 w15", "w2 w90",
+           "w70 w71 w72", "w33", "w17 w18", "w50 w51 w52 w53", "w88", "w4 w44 w4", "w95 w1", "w61 w62 w63 w64 w65 w66"]
 
 
 def free_port() -> int:
@@ -112,7 +113,9 @@ def test_chat_completion_through_the_chat_template(served, greedy):
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == r.choices[0].message.content
 
 
-def test_concurrent_streaming_clients_each_get_their_greedy_text(served, greedy):
+def test_sixteen_concurrent_streaming_clients_each_get_their_greedy_text(served, greedy):
+    """16 clients at once on 4 sequence slots: the rest queue, join as slots free up, and each stream is
+    transformers' greedy text for its own prompt."""
     def one(p):
         chunks = client(served).completions.create(model="tiny-llama", prompt=p, max_tokens=4, temperature=0, stream=True)
         return "".join(ch.choices[0].text for ch in chunks)
