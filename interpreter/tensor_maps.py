@@ -135,8 +135,10 @@ class TensorMapTable:
     def update(self, ptrs: Mapping[int, int], env: Mapping[str, int]) -> None:
         """Before a launch: re-encode the maps of callers' tensors whose pointer or row count changed."""
         changed = False
-        for i in self.per_call:
-            s = self.specs[i]
-            changed |= self._put(i, ptrs[s.buffer], s.rows_dim.eval(env))
-        if changed:  # (a copy in stream order: it lands after the launches that read the old maps)
-            self._upload()
+        try:
+            for i in self.per_call:
+                s = self.specs[i]
+                changed |= self._put(i, ptrs[s.buffer], s.rows_dim.eval(env))
+        finally:  # (what was encoded goes up even if a later map failed: `last` must match the device)
+            if changed:  # (a copy in stream order: it lands after the launches that read the old maps)
+                self._upload()

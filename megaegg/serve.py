@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import threading
 import time
 import uuid
@@ -56,6 +57,7 @@ class Stream:
     index: int = -1
     submitted: float = field(default_factory=time.perf_counter)
     last: float | None = None
+    checked: float = field(default_factory=time.perf_counter)  # when the HTTP side last asked if the client is there
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -166,11 +168,16 @@ class Engine:
                     continue
             try:  # (outside the lock: submissions and cancellations queue up meanwhile)
                 self.batcher.step()
-            except Exception as e:  # a failed launch: its requests end with the error, the loop goes on
+            except Exception as e:  # a failed launch: the requests it carried end with the error, the loop goes on
+                error = RequestError(f"the launch failed: {type(e).__name__}: {e}", status=500, kind="server_error")
                 with self.cond:
                     self.failed_launches += 1
-                    self._fail_all(RequestError(f"the launch failed: {type(e).__name__}: {e}", status=500,
-                                                kind="server_error"))
+                    for run in list(self.batcher.running):
+                        s = self.streams.pop(run.index, None)
+                        if s is not None:
+                            s.put(error)
+                        self.batcher.cancel(run.index)
+                    self.batcher.cached = [[] for _ in self.batcher.cached]  # (its rows may be half written)
                 continue
             for run in self.batcher.done:  # finished: end their streams
                 s = self.streams.pop(run.index, None)
@@ -241,13 +248,13 @@ def parse(body: Any, *, chat: bool, tokenizer, vocab: int, max_len: int) -> Pars
         raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0])
     if _number(body, "n", 1, 1, 1, integer=True) != 1:
         raise RequestError("'n' must be 1", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise RequestError(f"'{name}' is not supported", param=name)
-    if body.get("logit_bias") or body.get("logprobs") or body.get("echo") or body.get("suffix") or \
-            body.get("best_of") not in (None, 1):
-        name = next(n for n in ("logit_bias", "logprobs", "echo", "suffix", "best_of") if body.get(n) not in (None, 0, 1, False))
-        raise RequestError(f"'{name}' is not supported", param=name)
+    unset = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+             "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+             "best_of": (None, 1)}
+    for name, off in unset.items():  # (accepted only when they ask for nothing)
+        v = body.get(name)
+        if not any(v is o or (type(v) is type(o) and v == o) for o in off):
+            raise RequestError(f"'{name}' is not supported (got {v!r})", param=name)
     if chat:
         prompt = _chat_prompt(body.get("messages"), tokenizer)
     else:
@@ -263,7 +270,7 @@ def parse(body: Any, *, chat: bool, tokenizer, vocab: int, max_len: int) -> Pars
     sampling = Sampling(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
                         top_k=_number(body, "top_k", 0, 0, 2**31 - 1, integer=True),
                         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
-                        seed=_number(body, "seed", 0, -2**31, 2**31 - 1, integer=True))
+                        seed=_number(body, "seed", secrets.randbits(31), -2**31, 2**31 - 1, integer=True))
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) and not isinstance(stop, bool) else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in stop):
@@ -399,8 +406,11 @@ def create_app(engine: Engine, *, model: str, tokenizer=None, max_len: int, eos=
                         return
                     gen.take(item)
                     text = gen.text(final=gen.done)
-                    delta = text[len(sent):]
-                    sent = text
+                    delta = ""
+                    if text.startswith(sent):  # (else: held-back text was decoded otherwise; it comes at the end)
+                        delta, sent = text[len(sent):], text
+                    elif gen.done:
+                        delta, sent = text[len(sent):] if len(text) > len(sent) else "", text
                     payload = {"content": delta} if chat else delta  # (a chunk a token: its id rides along)
                     yield _sse(_chunk(rid, model, chat, payload, gen.reason if gen.done else None,
                                       [item] if item is not None and not gen.done_by_text else []))
@@ -432,13 +442,17 @@ class _Disconnected(Exception):
 
 
 async def _next(stream: Stream, request) -> int | None:
-    """The stream's next item (a token, or None at its end), checking the client every 0.5 s."""
+    """The stream's next item (a token, or None at its end), checking the client every 0.5 s, whether or
+    not tokens arrive meanwhile (a decode step takes milliseconds)."""
     while True:
+        now = time.perf_counter()
+        if now - stream.checked >= 0.5:
+            stream.checked = now
+            if await request.is_disconnected():
+                raise _Disconnected()
         try:
             item = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise _Disconnected() from None
             continue
         if isinstance(item, Exception):
             raise item
@@ -474,9 +488,11 @@ class _Generation:
         text = self._decode()
         if self.cut is not None:
             return text[:self.cut]
-        if not final and self.p.stop_text:  # hold back what may begin a stop string
-            hold = max(len(s) for s in self.p.stop_text) - 1
-            return text[:max(0, len(text) - hold)]
+        if not final:
+            text = text.rstrip("\ufffd")  # (a character whose bytes have not all come yet)
+            if self.p.stop_text:  # hold back what may begin a stop string
+                hold = max(len(s) for s in self.p.stop_text) - 1
+                text = text[:max(0, len(text) - hold)]
         return text
 
     def usage(self) -> dict:

@@ -111,13 +111,12 @@ def merge(small: BlockProgram, large: BlockProgram, regime: Regime) -> BlockProg
 
 
 def gated(op: BlockOp, new_id: int, regime: int, symbol: str, derived: str, moved: Callable[[Operand], Operand]) -> BlockOp:
-    """``op`` in ``regime``: its grid over the regime's derived dim (a single instance becomes a grid of
-    ``min(1, derived)``), its operands moved to the merged program's buffers."""
+    """``op`` in ``regime``: its grid over the regime's derived dim, and 0 outside the regime (a single
+    instance becomes a grid of ``min(1, derived)``); its operands moved to the merged program's buffers."""
     grid = tuple(g.subs({symbol: sym(derived)}) for g in op.grid)
-    if not grid:
-        grid = (dmin(1, sym(derived)),)
-    elif not any(symbol in g.symbols() for g in op.grid):  # a launch count that does not depend on the rows
-        grid = (grid[0] * dmin(1, sym(derived)), *grid[1:])
+    # the whole grid times min(1, derived): 0 outside the regime even where the launch count does not
+    # vanish with the rows (a grid over n + 8 rows, or none at all)
+    grid = (grid[0] * dmin(1, sym(derived)), *grid[1:]) if grid else (dmin(1, sym(derived)),)
     out = BlockOp(id=new_id, kind=op.kind, sources=op.sources, inputs=tuple(moved(o) for o in op.inputs),
                   output=moved(op.output), grid=grid, reads=op.reads, writes=op.writes, params=op.params,
                   estimate=op.estimate, regime=regime)

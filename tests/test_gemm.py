@@ -227,3 +227,24 @@ def test_each_row_regime_compiles_into_its_own_image():
     assert not nvrtc.uses_cute(art.source, small) and nvrtc.uses_cute(art.source, large)
     images, _ = kernel_images(art.source, art.defines, art.queue)
     assert len(images) == 2 and all(images)
+
+
+def test_a_regime_launches_nothing_even_where_its_rows_do_not_vanish():
+    """A linear over n + 8 rows (a concat with 8 fixed rows): its grid is not 0 at n = 0, yet outside its
+    regime it must launch nothing (the other regime's ops run unsynchronised with it)."""
+    g = me.Graph("rows_plus_8")
+    x = g.input("x", [N, 256], me.f32)
+    h = me.linear(x, g.weight("w1", [256, 256], me.f32))
+    y = me.linear(me.concat([h, g.input("c", [8, 256], me.f32)], 0), g.weight("w2", [128, 256], me.f32))
+    g.output("y", y)
+    gen = torch.Generator().manual_seed(8)
+    w = {"w1": torch.randn(256, 256, generator=gen) * 0.1, "w2": torch.randn(128, 256, generator=gen) * 0.1}
+    k = me.compile(g, w, backend="sim", max_dims={"n": 4096}, dims_hint={"n": 8})
+    for n in (4, 161, 300):
+        if k.program.regime is not None:
+            dims = k.program.with_derived({"n": n})
+            assert {e.op.regime for e in k.queue.entries if e.launch.eval(dims) > 0} <= {None, 0 if n <= k.program.regime.threshold else 1}
+        ins = {"x": torch.randn(n, 256, generator=gen), "c": torch.randn(8, 256, generator=gen)}
+        out = k.simulate(Interleaving(sms=4, seed=n, adversarial=True), **ins, n=n)
+        ref = me.run_reference(g, ins, w, {"n": n})
+        assert torch.allclose(out["y"], ref["y"], atol=1e-4, rtol=1e-4), n

@@ -166,6 +166,10 @@ def test_a_client_that_goes_away_leaves_the_others_intact(served, greedy):
     ({"model": "tiny-llama", "prompt": "w1", "bogus": 1}, 400, "bogus"),
     ({"model": "tiny-llama", "prompt": "w1", "stop": [1.5]}, 400, "stop"),
     ({"model": "tiny-llama", "messages": "hi"}, 400, "messages"),
+    ({"model": "tiny-llama", "prompt": "w1", "logprobs": 1}, 400, "logprobs"),
+    ({"model": "tiny-llama", "prompt": "w1", "echo": True}, 400, "echo"),
+    ({"model": "tiny-llama", "prompt": "w1", "best_of": 0}, 400, "best_of"),
+    ({"model": "tiny-llama", "messages": [{"role": "user", "content": "w1"}], "logprobs": True}, 400, "logprobs"),
 ])
 def test_bad_requests_get_one_error_naming_the_field(served, body, status, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

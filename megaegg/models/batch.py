@@ -127,6 +127,9 @@ class _Running:
         return prompt[self.fed:] if self.prefilling else [self.generation.tokens[-1]]
 
 
+PREFIX_MIN = 4  # tokens a cached prefix must share before a request takes its slot over an empty one
+
+
 class Batcher:
     """Continuous batching of :class:`Request` s over a step function (see the module docstring).
 
@@ -251,6 +254,9 @@ class Batcher:
                 n += 1
             if n > shared:
                 best, shared = slot, n
+        # (a BOS in common is no prefix worth evicting a cached one for: an empty slot first)
+        if shared < PREFIX_MIN and any(not self.cached[s] for s in self.free):
+            best, shared = min((s for s in self.free if not self.cached[s]), key=lambda s: (self.released[s], s)), 0
         self.free.remove(best)
         self.cached[best] = []  # (rewritten from `shared` on: known again when the slot is released)
         return best, shared
