@@ -30,10 +30,14 @@ DEFINES = {"MEGA_THREADS": THREADS, "MEGA_SMEM": SMEM_BYTES}
 
 def defines() -> dict[str, int]:
     """Compile-time constants; MEGAEGG_DEFINES="NAME=VALUE,..." overrides them (for experiments)."""
+    return {**DEFINES, **env_defines()}
+
+
+def env_defines() -> dict[str, int]:
+    """The defines $MEGAEGG_DEFINES sets."""
     import os
 
-    extra = dict(kv.split("=") for kv in os.environ.get("MEGAEGG_DEFINES", "").split(",") if kv)
-    return {**DEFINES, **{k: int(v) for k, v in extra.items()}}
+    return {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get("MEGAEGG_DEFINES", "").split(",") if kv)}
 
 
 # A program with two row regimes (ir/program.py: Regime) compiles into two kernel images from one source:
@@ -51,16 +55,10 @@ def image_defines(q: WorkQueue, defs: dict[str, int]) -> list[dict[str, int]]:
     for r in images:
         d = dict(defs) if r is None else {**defs, "MEGA_REGIME": r}
         tiles = any(e.op.kind == "gemm" and (r is None or e.op.regime in (None, r)) for e in q.entries)
-        if tiles and "MEGA_SMEM" not in _env_defines():
+        if tiles and "MEGA_SMEM" not in env_defines():
             d["MEGA_SMEM"] = TILE_SMEM
         out.append(d)
     return out
-
-
-def _env_defines() -> dict[str, int]:
-    import os
-
-    return dict(kv.split("=") for kv in os.environ.get("MEGAEGG_DEFINES", "").split(",") if kv)
 
 
 def regime_guard(regimes: set) -> tuple[str, str]:

@@ -57,7 +57,7 @@ def rewrite(
     alts = alternatives(egraph, small, computing_nodes(small, live))
     stats.alternatives = sum(len(a) for a in alts.values())
     t = stats.lap("alternatives", t)
-    rows = row_symbol(graph, env, max_dims) if max_dims else None
+    rows = row_symbol(graph, env, max_dims)
 
     def extract(env):
         """The choices at ``env``: tensor-core tiles only from their height up (``Term.min_rows``, against

@@ -300,8 +300,8 @@ __device__ __forceinline__ bool gemm_tile(int epi, const CUtensorMap* tmap_x, co
         asm volatile("fence.proxy.async.global;" ::: "memory");
         for (int kt = 0; kt < first; ++kt) issue_x(kt);
     }
-    if (!go) {  // drain what was issued (a CTA must not exit with copies in flight), retire, report
-        for (int kt = 0; kt < first; ++kt) mbar_wait(full(kt), 0);
+    // Retire the barriers (every thread, once every wait on them has passed), freeing the memory.
+    auto retire = [&] {
         mega_sync();
         if (tid == 0) {
             for (int s = 0; s < STAGES; ++s) {
@@ -310,6 +310,10 @@ __device__ __forceinline__ bool gemm_tile(int epi, const CUtensorMap* tmap_x, co
             }
         }
         mega_sync();
+    };
+    if (!go) {  // drain what was issued (a CTA must not exit with copies in flight), retire, report
+        for (int kt = 0; kt < first; ++kt) mbar_wait(full(kt), 0);
+        retire();
         return false;
     }
 
@@ -382,14 +386,6 @@ __device__ __forceinline__ bool gemm_tile(int epi, const CUtensorMap* tmap_x, co
         else gemm_tile_detail::store<GEMM_PLAIN>(acc, tCcC, o);
     }
 
-    // Every warp's wgmmas are done and every barrier wait passed: retire the barriers, free the memory.
-    mega_sync();
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_inval(full(s));
-            mbar_inval(empty(s));
-        }
-    }
-    mega_sync();
+    retire();  // (every warp's wgmmas are done and every barrier wait passed)
     return true;
 }
