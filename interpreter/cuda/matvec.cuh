@@ -544,7 +544,9 @@ struct MmaPlan {
     static constexpr int WORK = RG * KS;                          // warps with a (group, slice)
     static constexpr int KB = K / 32;                             // 32-column blocks
     static constexpr int KPS = cdiv(KB, KS);                      // blocks a slice
-    static constexpr int U = GLU ? 4 : 8;                         // blocks in flight a step
+    // blocks a step: 32 weight loads a lane with a staged x (NORM: read from shared memory per
+    // block, never held), else 16 beside the step's x loads (x from L2, held with the weights)
+    static constexpr int U = (GLU ? 4 : 8) * (NORM ? 2 : 1);
     static constexpr int XS = K + 8;                              // staged x row stride (padded: no bank conflicts)
     static constexpr int XS_BYTES = NORM ? (M * XS * (int)sizeof(T) + 15) / 16 * 16 : 0;
     static constexpr int PART = WORK * 16 * M * (GLU ? 2 : 1);    // f32 partial sums
@@ -577,35 +579,72 @@ __device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, M
     for (int n = 0; n < P::NT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f, acc2[GLU ? n : 0][e] = 0.0f;
-    if (!mega_wait_all(wl)) return false;
-    if constexpr (NORM) {  // stage x[M, K] as T, normalised: x <- T(T(x * rinv) * g) (rows past mv: zeros)
-        float ss[M];
+    uint4 wa[P::U], wb[P::U], va[GLU ? P::U : 1], vb[GLU ? P::U : 1];
+    const auto load_weights = [&](int kb) {  // the step's weight blocks, all in flight together
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            ss[m] = 0.0f;
-            for (int kv = tid; kv < KV && m < mv; kv += MEGA_THREADS) {
-                float f[VEC];
-                unpack16<T>(ldcg16(x.p + m * x.s0 + kv * VEC), f);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) ss[m] += f[e] * f[e];
+        for (int u = 0; u < P::U; ++u) {
+            const int k = (kb + u) * 32;
+            const bool in = active && kb + u < kb1;
+            const uint4 z = make_uint4(0, 0, 0, 0);
+            wa[u] = in && oka ? ldw16(wa_p + k) : z;
+            wb[u] = in && okb ? ldw16(wb_p + k) : z;
+            if (GLU) {
+                va[GLU ? u : 0] = in && oka ? ldw16(va_p + k) : z;
+                vb[GLU ? u : 0] = in && okb ? ldw16(vb_p + k) : z;
             }
         }
-        block_reduce_sum_n<M>(ss, red);
+    };
+    // the first step's weights depend on no producer: in flight through the wait and the x staging
+    load_weights(kb0);
+    if (!mega_wait_all(wl)) return false;
+    if constexpr (NORM) {
+        // stage x[M, K] as T, normalised: x <- T(T(x * rinv) * g). A warp takes whole rows: its sum
+        // of squares needs no block barrier, and the loops stay rolled (unrolled over M and K this
+        // body was 200 KB of SASS, fetched cold by every instance: ~12 us; perf-notes #72). Rows
+        // past mv are left as they are: an x row only reaches its own output column.
+        constexpr int CH = cmin(8, cdiv(KV, 32));  // 16-byte loads of a row in flight per lane
+#pragma unroll 1
+        for (int m = warp; m < mv && m < M; m += MEGA_WARPS) {
+            float ss = 0.0f;
+#pragma unroll 1
+            for (int c = 0; c < KV; c += 32 * CH) {  // raw x into xs, and its squares summed
+                uint4 v[CH];
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const float rinv = 1.0f / sqrtf(ss[m] / (float)K + eps);
-            for (int kv = tid; kv < KV; kv += MEGA_THREADS) {
-                float f[VEC], gf[VEC];
-                if (m < mv) {
-                    unpack16<T>(ldcg16(x.p + m * x.s0 + kv * VEC), f);
-                    unpack16<T>(ldcg16(g.p + kv * VEC), gf);
+                for (int j = 0; j < CH; ++j) {
+                    const int kv = c + j * 32 + lane;
+                    v[j] = kv < KV ? ldcg16(x.p + m * x.s0 + kv * VEC) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int j = 0; j < CH; ++j) {
+                    const int kv = c + j * 32 + lane;
+                    float f[VEC];
+                    unpack16<T>(v[j], f);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) ss += f[e] * f[e];
+                    if (kv < KV) *reinterpret_cast<uint4*>(xs + m * P::XS + kv * VEC) = v[j];
+                }
+            }
+            const float rinv = 1.0f / sqrtf(warp_sum(ss) / (float)K + eps);
+#pragma unroll 1
+            for (int c = 0; c < KV; c += 32 * CH) {  // normalised in place (each lane its own vectors)
+                uint4 gv[CH];
+#pragma unroll
+                for (int j = 0; j < CH; ++j) {
+                    const int kv = c + j * 32 + lane;
+                    gv[j] = kv < KV ? ldcg16(g.p + kv * VEC) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int j = 0; j < CH; ++j) {
+                    const int kv = c + j * 32 + lane;
+                    if (kv >= KV) continue;
+                    uint4* slot = reinterpret_cast<uint4*>(xs + m * P::XS + kv * VEC);
+                    float f[VEC], gf[VEC];
+                    unpack16<T>(*slot, f);
+                    unpack16<T>(gv[j], gf);
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) f[e] = round_to<T>(round_to<T>(f[e] * rinv) * gf[e]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) f[e] = 0.0f;
+                    *slot = pack16<T>(f);
                 }
-                *reinterpret_cast<uint4*>(xs + m * P::XS + kv * VEC) = pack16<T>(f);
             }
         }
         mega_sync();
@@ -613,38 +652,36 @@ __device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, M
     if (active) {
 #pragma unroll 1
         for (int kb = kb0; kb < kb1; kb += P::U) {
-            uint4 wa[P::U], wb[P::U], va[GLU ? P::U : 1], vb[GLU ? P::U : 1], xv[P::U][P::NT];
+            if (kb != kb0) load_weights(kb);
+            uint4 xv[NORM ? 1 : P::U][P::NT];
+            if constexpr (!NORM) {  // x from L2, in flight with the weights
 #pragma unroll
-            for (int u = 0; u < P::U; ++u) {  // every load of the step first: they are all in flight together
-                const int k = (kb + u) * 32;
-                const bool in = kb + u < kb1;
-                const uint4 z = make_uint4(0, 0, 0, 0);
-                wa[u] = in && oka ? ldw16(wa_p + k) : z;
-                wb[u] = in && okb ? ldw16(wb_p + k) : z;
-                if (GLU) {
-                    va[GLU ? u : 0] = in && oka ? ldw16(va_p + k) : z;
-                    vb[GLU ? u : 0] = in && okb ? ldw16(vb_p + k) : z;
-                }
+                for (int u = 0; u < P::U; ++u)
 #pragma unroll
-                for (int n = 0; n < P::NT; ++n) {
-                    const int m = n * 8 + gq;
-                    if (NORM)
-                        xv[u][n] = in ? *reinterpret_cast<const uint4*>(xs + m * P::XS + k + t4 * 8) : z;
-                    else
-                        xv[u][n] = in && m < mv ? ldcg16(x.p + m * x.s0 + k + t4 * 8) : z;
-                }
+                    for (int n = 0; n < P::NT; ++n) {
+                        const int m = n * 8 + gq;
+                        xv[NORM ? 0 : u][n] = kb + u < kb1 && m < mv ? ldcg16(x.p + m * x.s0 + (kb + u) * 32 + t4 * 8)
+                                                                   : make_uint4(0, 0, 0, 0);
+                    }
             }
 #pragma unroll
             for (int u = 0; u < P::U; ++u) {
+                const int xu = NORM ? 0 : u;
+                if constexpr (NORM) {  // staged x (zeros past the last block: its weights are zeros too)
+#pragma unroll
+                    for (int n = 0; n < P::NT; ++n)
+                        xv[0][n] = kb + u < kb1 ? *reinterpret_cast<const uint4*>(xs + (n * 8 + gq) * P::XS + (kb + u) * 32 + t4 * 8)
+                                                : make_uint4(0, 0, 0, 0);
+                }
 #pragma unroll
                 for (int n = 0; n < P::NT; ++n) {
-                    mma16816<T>(acc[n], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv[u][n].x, xv[u][n].y);
-                    mma16816<T>(acc[n], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv[u][n].z, xv[u][n].w);
+                    mma16816<T>(acc[n], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv[xu][n].x, xv[xu][n].y);
+                    mma16816<T>(acc[n], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv[xu][n].z, xv[xu][n].w);
                     if (GLU) {
                         mma16816<T>(acc2[GLU ? n : 0], va[GLU ? u : 0].x, vb[GLU ? u : 0].x, va[GLU ? u : 0].y,
-                                    vb[GLU ? u : 0].y, xv[u][n].x, xv[u][n].y);
+                                    vb[GLU ? u : 0].y, xv[xu][n].x, xv[xu][n].y);
                         mma16816<T>(acc2[GLU ? n : 0], va[GLU ? u : 0].z, vb[GLU ? u : 0].z, va[GLU ? u : 0].w,
-                                    vb[GLU ? u : 0].w, xv[u][n].z, xv[u][n].w);
+                                    vb[GLU ? u : 0].w, xv[xu][n].z, xv[xu][n].w);
                     }
                 }
             }
