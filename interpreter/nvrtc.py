@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import secrets
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,3 +217,21 @@ def _nvrtc_compile(source: str, opts: list[str]) -> tuple[bytes, str]:
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     return cubin, text
+
+
+def function_sizes(elf: bytes) -> dict[str, int]:
+    """{symbol: bytes} of the FUNC symbols of an ELF64 little-endian image (a cubin)."""
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    sizes = {}
+    for _name, kind, _f, _a, off, size, link, _i, _al, entsize in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        strtab = sections[link][4]
+        for k in range(size // entsize):
+            st_name, st_info, _o, _shndx, _value, st_size = struct.unpack_from("<IBBHQQ", elf, off + k * entsize)
+            if st_info & 0xF == 2 and st_size:  # STT_FUNC
+                end = elf.index(b"\0", strtab + st_name)
+                sizes[elf[strtab + st_name:end].decode()] = st_size
+    return sizes

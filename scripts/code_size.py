@@ -6,29 +6,11 @@ The code is fetched through L2 like data and the per-SM instruction cache is far
 than the kernel, so an op's first instance runs its code cold (perf-notes, "What would
 close the gap"). Function sizes come from the cubin's ELF symbol table.
 """
-import struct
 import sys
 
 from megaegg.compiler import build_artifact
+from megaegg.interpreter.nvrtc import function_sizes
 from megaegg.models import ModelConfig, build_decode_graph
-
-
-def function_sizes(elf: bytes) -> dict[str, int]:
-    """{symbol: bytes} of the FUNC symbols of an ELF64 little-endian image (a cubin)."""
-    shoff, = struct.unpack_from("<Q", elf, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
-    sizes = {}
-    for _name, kind, _f, _a, off, size, link, _i, _al, entsize in sections:
-        if kind != 2:  # SHT_SYMTAB
-            continue
-        strtab = sections[link][4]
-        for k in range(size // entsize):
-            st_name, st_info, _o, _shndx, _value, st_size = struct.unpack_from("<IBBHQQ", elf, off + k * entsize)
-            if st_info & 0xF == 2 and st_size:  # STT_FUNC
-                end = elf.index(b"\0", strtab + st_name)
-                sizes[elf[strtab + st_name:end].decode()] = st_size
-    return sizes
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from megaegg import dtypes as dt
 from megaegg.blockops import REGISTRY, CudaOperand
 from megaegg.dims import Dim, as_dim, sym
 from megaegg.blockops.matvec import runtime_mrows
+from megaegg.interpreter.nvrtc import function_sizes
 from megaegg.interpreter.render import SMEM_BYTES, THREADS
 from megaegg.ir.program import BlockOp, Operand, View
 
@@ -395,7 +396,8 @@ WHOLE_KERNEL_KINDS = {"gemm"}
 @pytest.mark.parametrize("group", GROUPS)
 def test_cuda_bodies_compile(group):
     source, names = group_source(group)
-    res = ptxas_resources(compile_cuda(source))
+    log, image = compile_cuda(source, cubin=True)
+    res = ptxas_resources(log)
     for name in names:
         r = res.get(name)
         assert r is not None, f"no ptxas report for {name}"
@@ -404,6 +406,15 @@ def test_cuda_bodies_compile(group):
         # the bandwidth-bound hot paths keep everything in registers: one x row, and rows on tensor cores
         if group == "matvec" or (group == "batch" and "_rows_" in name and not name.endswith("_f32")):
             assert res[name].spill_stores == 0 and res[name].spill_loads == 0, (name, res[name])
+    # every instance fetches its body's code cold from L2: a body past the instruction cache's reach runs
+    # at fetch speed (the tensor-core matvec's unrolled norm staging was ~200 KB: perf-notes #72)
+    for fname, size in function_sizes(image).items():
+        bound = MAX_MATVEC_SASS if "matvec_impl" in fname else MAX_BODY_SASS
+        assert size < bound, f"{fname[:120]}: {size // 1024} KB of SASS (at most {bound // 1024} KB)"
+
+
+MAX_MATVEC_SASS = 48 * 1024  # a matvec body (the largest, on tensor cores with its norm: ~31 KB)
+MAX_BODY_SASS = 128 * 1024  # any test kernel with its bodies inlined (the largest: ~62 KB)
 
 
 # --- GPU: each body against its kind's cpu() (the living definition) ---------------------
