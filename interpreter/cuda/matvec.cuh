@@ -550,7 +550,7 @@ struct MmaPlan {
     static constexpr int XS = K + 8;                              // staged x row stride (padded: no bank conflicts)
     static constexpr int XS_BYTES = NORM ? (M * XS * (int)sizeof(T) + 15) / 16 * 16 : 0;
     static constexpr int PART = WORK * 16 * M * (GLU ? 2 : 1);    // f32 partial sums
-    static constexpr int BYTES = XS_BYTES + MEGA_WARPS * M * 4 + PART * 4;
+    static constexpr int BYTES = XS_BYTES + PART * 4;
     static_assert(RG <= MEGA_WARPS && M % 8 == 0 && K % 32 == 0, "matvec (mma): 16-row groups, 8-row x tiles, 32-column blocks");
     static_assert(BYTES <= MEGA_SMEM - MEGA_SMEM_RESERVED, "matvec (mma): staged x and partial sums do not fit in shared memory");
 };
@@ -561,8 +561,7 @@ __device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, M
     using P = MmaPlan<T, M, K, ROWS, NORM, GLU>;
     constexpr int VEC = VecN<T>::value, KV = K / VEC;
     T* xs = reinterpret_cast<T*>(smem);
-    float* red = reinterpret_cast<float*>(smem + P::XS_BYTES);
-    float* part = red + MEGA_WARPS * M;
+    float* part = reinterpret_cast<float*>(smem + P::XS_BYTES);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t4 = lane & 3;
     const long long row0 = n_tile * ROWS;
     const bool active = warp < P::WORK;

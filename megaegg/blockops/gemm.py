@@ -21,7 +21,7 @@ from ..dims import ceildiv
 from ..dtypes import bf16
 from .base import NONE, BlockKind, CudaOperand, Deferred, Partition, Term, c_call, fields, register, term
 from ..ir.footprint import Full, Tile
-from .matvec import gated, products, roles, with_sum
+from .matvec import roles, write_tile
 
 BM = 128  # x rows a tile (gemm_tile.cuh: two warpgroups of 64)
 BK = 64  # K columns a k-tile (one 128-byte swizzle row)
@@ -54,15 +54,10 @@ class Gemm(BlockKind):
         return tuple(k for k, role in enumerate(op.params["roles"]) if role in ("x", "w", "w2"))
 
     def cpu(self, op, env, ins, out):
-        k = roles(op)
-        dt = out.dtype
         n_out = out_cols(op.params)
         m0, r0 = env["_i1"] * BM, env["_i0"] * n_out
-        m1, r1 = min(m0 + BM, out.shape[0]), min(r0 + n_out, ins[k["w"]].shape[0])
-        y = (gated if "w2" in k else products)(op, ins, slice(m0, m1), slice(r0, r1), dt).to(dt)
-        if "r" in k:
-            y = (with_sum(op, ins, "r", (slice(m0, m1), slice(r0, r1)), dt) + y.float()).to(dt)
-        out[m0:m1, r0:r1] = y
+        n_rows = ins[roles(op)["w"]].shape[0]
+        write_tile(op, ins, out, slice(m0, min(m0 + BM, out.shape[0])), slice(r0, min(r0 + n_out, n_rows)))
 
     def cuda_call(self, op, ins, out: CudaOperand) -> str:
         k = roles(op)

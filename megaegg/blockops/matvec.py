@@ -54,6 +54,16 @@ def gated(op, ins, x_rows: slice, w_rows: slice, dt: torch.dtype) -> torch.Tenso
     return (torch.nn.functional.silu(y).to(dt).float() * up).to(dt).float()
 
 
+def write_tile(op, ins, out, x_rows: slice, w_rows: slice) -> None:
+    """``out[x_rows, w_rows]``: the tile's products (gated with ``w2``) plus the residual ``r`` when
+    given, rounded as the unfused ops (the matvec's and the gemm tile's cpu())."""
+    k, dt = roles(op), out.dtype
+    y = (gated if "w2" in k else products)(op, ins, x_rows, w_rows, dt).to(dt)
+    if "r" in k:
+        y = (with_sum(op, ins, "r", (x_rows, w_rows), dt) + y.float()).to(dt)
+    out[x_rows, w_rows] = y
+
+
 @register
 class MatVec(BlockKind):
     name = "matvec"
@@ -79,15 +89,10 @@ class MatVec(BlockKind):
 
     def cpu(self, op, env, ins, out):
         k = roles(op)
-        dt = out.dtype
         rows, mrows = op.params["rows"], op.params["mrows"]
         ma, na = grid_axes(op.params)
         m0, r0 = env[f"_i{ma}"] * mrows, env[f"_i{na}"] * rows
-        m1, r1 = m0 + mrows, min(r0 + rows, ins[k["w"]].shape[0])
-        y = (gated if "w2" in k else products)(op, ins, slice(m0, m1), slice(r0, r1), dt).to(dt)
-        if "r" in k:
-            y = (with_sum(op, ins, "r", (slice(m0, m1), slice(r0, r1)), dt) + y.float()).to(dt)
-        out[m0:m1, r0:r1] = y
+        write_tile(op, ins, out, slice(m0, m0 + mrows), slice(r0, min(r0 + rows, ins[k["w"]].shape[0])))
 
     def cuda_call(self, op, ins, out: CudaOperand) -> str:
         k = roles(op)
