@@ -29,6 +29,7 @@ from megaegg import dtypes as dt
 from megaegg.blockops import REGISTRY, CudaOperand
 from megaegg.dims import Dim, as_dim, sym
 from megaegg.blockops.matvec import runtime_mrows
+from megaegg.blockops.ragged_attention import SPLIT_WAVE, split_count
 from megaegg.interpreter.nvrtc import function_sizes
 from megaegg.interpreter.render import SMEM_BYTES, THREADS
 from megaegg.ir.program import BlockOp, Operand, View
@@ -325,11 +326,13 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
         ("rows_norm_qkv", "matvec", [Arg((16, 4096), T), Arg((1024, 4096), T), Arg((4096,), T)], Arg((16, 1024), T),
          {"rows": 24, "mrows": mr(4096, True), "m_last": True, "roles": ("x", "w", "g"), "eps": 1e-6}),
         ("kv_store", "kv_store", [Arg((6, 8, 64), T), Arg((6,), i32), Arg((6,), i32)], Arg((4, 8, 1024, 64), T), {}),
-        ("ragged_partial", "ragged_partial", [Arg((6, 32, 64), T), Arg((4, 8, 1024, 64), T), Arg((4, 8, 1024, 64), T),
-                                              Arg((6,), i32), Arg((6,), i32)], Arg((6, 32, 16, 66), f32),
-         {"chunk": 64, "group": 4, "scale": 0.125, "length": length}),
-        ("ragged_merge", "ragged_merge", [Arg((6, 32, 16, 66), f32), Arg((6,), i32)], Arg((6, 32, 64), T),
-         {"chunk": 64, "length": length, "max_len": 1024, "rows_per": 4}),
+        ("kv_store_rope", "kv_store", [Arg((6, 8, 128), T), Arg((6,), i32), Arg((6,), i32), Arg((64,), f32),
+                                       Arg((6,), i32), Arg((128,), T)], Arg((4, 8, 1024, 128), T),
+         {"roles": ("new", "pos", "slot", "inv_freq", "pos_ids", "g"), "eps": 1e-6}),
+        ("ragged_partial_merge", "ragged_partial_merge", [Arg((6, 32, 64), T), Arg((4, 8, 1024, 64), T),
+                                                          Arg((4, 8, 1024, 64), T), Arg((6,), i32), Arg((6,), i32),
+                                                          Arg((132, 4, 66), f32), Arg((48,), i32)], Arg((6, 32, 64), T),
+         {"splits": split_count(length, 64, 48), "group": 4, "scale": 0.125, "length": length}),
         ("sample", "sample", [Arg((4, 128256), T), Arg((4,), f32), Arg((4,), i32), Arg((4,), f32), Arg((4,), i32),
                               Arg((4,), i32)], Arg((4,), i32), {}),
     ]
@@ -443,7 +446,7 @@ class Module:
         err, self.mod = driver.cuModuleLoadData(image)
         assert err == driver.CUresult.CUDA_SUCCESS, err
 
-    def launch(self, name: str, grid: tuple[int, int], args: list) -> None:
+    def launch(self, name: str, grid: tuple[int, ...], args: list) -> None:
         import numpy as np
 
         d = self.driver
@@ -454,7 +457,7 @@ class Module:
         vals = [np.array([a.data_ptr() if hasattr(a, "data_ptr") else a], dtype=np.uint64 if hasattr(a, "data_ptr")
                          else np.int64) for a in args]
         ptrs = np.array([v.ctypes.data for v in vals], dtype=np.uint64)
-        (err,) = d.cuLaunchKernel(fn, grid[0], grid[1], 1, THREADS, 1, 1, SMEM, 0, ptrs.ctypes.data, 0)
+        (err,) = d.cuLaunchKernel(fn, *(tuple(grid) + (1, 1))[:3], THREADS, 1, 1, SMEM, 0, ptrs.ctypes.data, 0)
         assert err == d.CUresult.CUDA_SUCCESS, (name, err)
 
     def error_code(self) -> int:
@@ -679,20 +682,25 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
         ("kv_store_prompt", "kv_store", [Arg((40, 2, 128), T, strides=(512, 128, 1)), Arg((40,), i32),
                                          Arg((40,), i32)], Arg((2, 2, 300, 128), T), {},
          {1: _distinct(300), 2: _randint(1, 2)}),
-        # ragged attention: each row its own slot and length (one split: the wrapper launches 2-d grids)
-        ("ragged_partial_d64", "ragged_partial", [Arg((6, 32, 64), T), Arg((4, 8, 1024, 64), T),
-                                                  Arg((4, 8, 1024, 64), T), Arg((6,), i32), Arg((6,), i32)],
-         Arg((6, 32, 1, 66), f32), {"chunk": 64, "group": 4, "scale": 0.125, "length": as_dim(64)},
-         {3: _randint(0, 64), 4: _randint(0, 4)}),
-        ("ragged_partial_d128_g8", "ragged_partial", [Arg((3, 64, 128), T), Arg((2, 8, 512, 128), T),
-                                                      Arg((2, 8, 512, 128), T), Arg((3,), i32), Arg((3,), i32)],
-         Arg((3, 64, 1, 130), f32), {"chunk": 256, "group": 8, "scale": 0.08838834764831845, "length": as_dim(256)},
-         {3: _randint(0, 256), 4: _randint(0, 2)}),
-        ("ragged_merge_d64", "ragged_merge", [Arg((6, 32, 16, 66), f32), Arg((6,), i32)], Arg((6, 32, 64), T),
-         {"chunk": 64, "length": L, "max_len": 1024, "rows_per": 4}, {0: _attn_part(64), 1: _randint(0, 701)}),
-        ("ragged_merge_d128", "ragged_merge", [Arg((2, 16, 4, 130), f32), Arg((2,), i32)], Arg((2, 16, 128), T),
-         {"chunk": 256, "length": as_dim(1024), "max_len": 1000, "rows_per": 1},
-         {0: _attn_part(128), 1: _randint(0, 1000)}),
+        # ... rotated as they are stored (a batch's K rows; qwen3's k norm first, from a strided view)
+        ("kv_store_rope", "kv_store", [Arg((6, 8, 64), T), Arg((6,), i32), Arg((6,), i32), Arg((32,), f32),
+                                       Arg((6,), i32)], Arg((4, 8, 1024, 64), T),
+         {"roles": ("new", "pos", "slot", "inv_freq", "pos_ids"), "eps": 0.0},
+         {1: _distinct(1024), 2: _randint(0, 4), 3: lambda v, gen: v.copy_(v.abs() * 0.3), 4: _randint(0, 1024)}),
+        ("kv_store_norm_rope", "kv_store", [Arg((5, 2, 128), T, strides=(512, 128, 1)), Arg((5,), i32), Arg((5,), i32),
+                                            Arg((64,), f32), Arg((5,), i32), Arg((128,), T)], Arg((2, 2, 300, 128), T),
+         {"roles": ("new", "pos", "slot", "inv_freq", "pos_ids", "g"), "eps": 1e-6},
+         {1: _distinct(300), 2: _randint(0, 2), 3: lambda v, gen: v.copy_(v.abs() * 0.3), 4: _randint(0, 300)}),
+        # ragged attention: each row its own slot and length, split over the cache rows at run time (rows
+        # shorter than a split have fewer; 66 splits: more than the merge's warp of 32)
+        *(("ragged_pm" + label, "ragged_partial_merge",
+           [Arg((n, hkv * g, d), T), Arg((slots, hkv, max_len, d), T), Arg((slots, hkv, max_len, d), T), Arg((n,), i32),
+            Arg((n,), i32), Arg((max(n * hkv, SPLIT_WAVE), g, d + 2), f32), Arg((n * hkv,), i32)], Arg((n, hkv * g, d), T),
+           {"splits": split_count(as_dim(length), chunk, n * hkv), "group": g, "scale": d ** -0.5,
+            "length": as_dim(length)}, {3: _randint(lo, length), 4: _randint(0, slots), 6: lambda v, gen: v.zero_()})
+          for label, n, hkv, g, d, slots, max_len, length, chunk, lo in (
+              ("_d64", 6, 8, 4, 64, 4, 1024, 701, 64, 0), ("_d128_g8", 3, 8, 8, 128, 2, 512, 256, 16, 0),
+              ("_many_splits", 1, 2, 4, 64, 1, 1024, 1000, 8, 900), ("_d128_g2", 5, 2, 2, 128, 3, 300, 289, 32, 0))),
         *([] if T != dt.bf16 else [
             # flash attention over prompts: rows of three slots at random positions (several passes a tile),
             # then one prompt of consecutive positions (one pass), ragged in tokens, D 64 and 128
@@ -769,7 +777,7 @@ def test_cuda_bodies_match_cpu(tname):
             REGISTRY[kind].cpu(op, {**env, **{f"_i{a}": c for a, c in enumerate(coords)}}, list(views), want_view)
         dev = [s.cuda() for s in stores]
         dev_out = out_store.cuda()
-        mod.launch(name, (grid[0], grid[1] if len(grid) > 1 else 1), [*dev, dev_out, env["pos"]])
+        mod.launch(name, grid, [*dev, dev_out, env["pos"]])
         torch.cuda.synchronize()
         got = dev_out.cpu().as_strided(out_view.shape, out_view.stride())
         # an f32 sum of T products: T's tolerance (a T-rounded intermediate may round the other way)

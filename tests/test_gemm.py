@@ -179,7 +179,7 @@ def test_flash_attention_over_prompts_on_the_simulator():
     the cache before the writes."""
     g = prompt_attention()
     k = me.compile(g, {}, backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
-    assert "ragged_flash" in kinds(k) and "ragged_partial" not in kinds(k)
+    assert "ragged_flash" in kinds(k) and "ragged_partial_merge" not in kinds(k)
     gen = torch.Generator().manual_seed(6)
     pos, slot = prompt_rows(gen)
     n = len(pos)
@@ -205,7 +205,7 @@ def test_decode_rows_keep_the_split_kv_path():
     would run one pass per sequence."""
     g = prompt_attention(slots=64)
     k = me.compile(g, {}, backend="sim", max_dims={"n": 64}, dims_hint={"n": 16})
-    assert "ragged_partial" in kinds(k) and "ragged_flash" not in kinds(k)
+    assert "ragged_partial_merge" in kinds(k) and "ragged_flash" not in kinds(k)
 
 
 def test_each_row_regime_compiles_into_its_own_image():

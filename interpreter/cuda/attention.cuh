@@ -55,6 +55,34 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x, MUFU.EX2 (2 ulp; 2^-inf
     return y;
 }
 
+// Combine the MEGA_WARPS warp states ws[warp][g][D + 2] (output, then max in the log2 domain and sum)
+// of query heads c0*G .. c0*G+G-1 and write part[h, c1, :] (max in the natural-log domain).
+template <int D, int G>
+__device__ __forceinline__ void combine_warps(const float* ws, float* part, long long p_s0, long long p_s1, long long c0,
+                                              long long c1) {
+    constexpr int WS = D + 2;
+    for (int idx = threadIdx.x; idx < G * (D + 1); idx += MEGA_THREADS) {  // column j of head g; j == D: max, sum
+        const int g = idx / (D + 1), j = idx % (D + 1);
+        float mx = MEGA_NEG_INF;
+#pragma unroll
+        for (int i = 0; i < MEGA_WARPS; ++i) mx = fmaxf(mx, ws[(i * G + g) * WS + D]);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MEGA_WARPS; ++i) {
+            const float* src = ws + (i * G + g) * WS;
+            const float wm = src[D];
+            sum += (wm == MEGA_NEG_INF ? 0.0f : ex2(wm - mx)) * src[j == D ? D + 1 : j];
+        }
+        float* dst = part + (c0 * G + g) * p_s0 + c1 * p_s1;
+        if (j < D) {
+            dst[j] = sum;
+        } else {
+            dst[D] = mx * (1.0f / LOG2E);  // natural-log domain, as the definition
+            dst[D + 1] = sum;
+        }
+    }
+}
+
 // One warp's part of an instance: its lanes' q slices, running max / sum and output.
 // Slot j of the step at `base` is row base + (j*MEGA_WARPS + warp)*RPI + rsub. Scores are
 // kept in the log2 domain (scale * log2(e) folded in), so each exp is one ex2.
@@ -192,28 +220,205 @@ struct Warp {
             }
         }
         mega_sync();
-        for (int idx = threadIdx.x; idx < G * (D + 1); idx += MEGA_THREADS) {  // column j of head g; j == D: max, sum
-            const int g = idx / (D + 1), j = idx % (D + 1);
-            float mx = MEGA_NEG_INF;
-#pragma unroll
-            for (int i = 0; i < MEGA_WARPS; ++i) mx = fmaxf(mx, ws[(i * G + g) * WS + D]);
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < MEGA_WARPS; ++i) {
-                const float* src = ws + (i * G + g) * WS;
-                const float wm = src[D];
-                sum += (wm == MEGA_NEG_INF ? 0.0f : ex2(wm - mx)) * src[j == D ? D + 1 : j];
-            }
-            float* dst = part + (c0 * G + g) * p_s0 + c1 * p_s1;
-            if (j < D) {
-                dst[j] = sum;
-            } else {
-                dst[D] = mx * (1.0f / LOG2E);  // natural-log domain, as the definition
-                dst[D + 1] = sum;
-            }
-        }
+        combine_warps<D, G>(ws, part, p_s0, p_s1, c0, c1);
     }
 };
+
+// Tensor-core path (bf16 / f16, G <= 8 query heads, D a multiple of 64): one warp takes BR cache rows
+// a step (16 for D = 64, 8 for D = 128: 4 KB of K and V a warp), straight from global memory into
+// registers with 16-byte loads, and runs them on mma.sync (PTX ISA fragments; g = lane / 4, t = lane % 4):
+//   S = Q K^T   m16n8k16: A = q (rows: the G heads, zero beyond), B = K (n: a cache row; each lane's
+//               k pairs are one 16-byte chunk of its row: the dot product sums over d in any order,
+//               so q is loaded with the same permutation: kstep j, half h of lane t <-> d = 8 * (t +
+//               4 * (j / 2)) + 4 * (j % 2) + 2 * h);
+//   O^T += V^T P^T  m16n8k16 (BR 16) or m16n8k8 (BR 8): A = V^T (rows: d, permuted so that a lane's rows
+//               are D / 8 consecutive elements of a cache row: d-row g of m-tile mt <-> d = g * D / 8 +
+//               2 * mt, row g + 8 <-> + 1), B = P^T (k: cache rows, n: heads), which is exactly S's C
+//               fragment: no shuffle between the two products; O^T needs no padding (n = 8 heads).
+// Each warp keeps its online-softmax state (per head row: max in the log2 domain, sum) and O^T in
+// registers; the warps' states combine through shared memory as the other paths'.
+template <class T> __device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                                              unsigned a3, unsigned b0, unsigned b1) {
+    if constexpr (SameType<T, __nv_bfloat16>::value)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+template <class T> __device__ __forceinline__ void mma_1688(float (&d)[4], unsigned a0, unsigned a1, unsigned b0) {
+    if constexpr (SameType<T, __nv_bfloat16>::value)
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(b0));
+    else
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(b0));
+}
+template <class T> __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    T v[2] = {from_f32<T>(lo), from_f32<T>(hi)};
+    return *reinterpret_cast<const unsigned*>(v);
+}
+__device__ __forceinline__ unsigned word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <class T, int D, int G>
+struct MmaPath {
+    static constexpr bool ok = (SameType<T, __nv_bfloat16>::value || SameType<T, __half>::value) && G <= 8 && D % 64 == 0 &&
+                               D <= 128;
+};
+
+// The warps' states ws[warp][g][D + 2] combined and normalised: out[c0*G + g, :] = T(num / den), as
+// attn_merge writes a merged row (a split that is its row's only one needs no partials).
+template <class T, int D, int G>
+__device__ __forceinline__ void combine_warps_out(const float* ws, T* out, long long o_s0, long long c0) {
+    constexpr int WS = D + 2;
+    for (int idx = threadIdx.x; idx < G * D; idx += MEGA_THREADS) {
+        const int g = idx / D, j = idx % D;
+        float mx = MEGA_NEG_INF;
+#pragma unroll
+        for (int i = 0; i < MEGA_WARPS; ++i) mx = fmaxf(mx, ws[(i * G + g) * WS + D]);
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MEGA_WARPS; ++i) {
+            const float* src = ws + (i * G + g) * WS;
+            const float w = src[D] == MEGA_NEG_INF ? 0.0f : ex2(src[D] - mx);
+            num += w * src[j], den += w * src[D + 1];
+        }
+        out[(c0 * G + g) * o_s0 + j] = from_f32<T>(num / den);
+    }
+}
+
+// part == nullptr: write the normalised rows to out (o_s0: its head stride) instead of partials.
+template <class T, int D, int G>
+__device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0, const T* kh, long long k_s1,
+                                            const T* vh, long long v_s1, long long p0, long long p1, float scale,
+                                            float* part, long long p_s0, long long p_s1, long long c0, long long c1,
+                                            T* out = nullptr, long long o_s0 = 0) {
+    constexpr int BR = D == 64 ? 16 : 8;  // cache rows a warp step
+    constexpr int NTS = BR / 8;           // n8 tiles of S
+    constexpr int KS = D / 16;            // k16 steps of q.K
+    constexpr int KC = D / 32;            // 16-byte chunks of a K row a lane loads
+    constexpr int VR = BR / 4;            // cache rows of V a lane loads: 2t, 2t+1 (+ 8)
+    constexpr int VC = D / 64;            // 16-byte chunks of each
+    constexpr int MT = D / 16;            // m16 tiles of O^T
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const float scale2 = scale * LOG2E;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    struct Step {
+        uint4 k[NTS][KC], v[VR][VC];
+    };
+    // a step's K and V (zeros past p1: no global read), straight into registers
+    const auto load = [&](Step& st, long long r0) {
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt) {
+            const long long r = r0 + nt * 8 + g;
+#pragma unroll
+            for (int c = 0; c < KC; ++c) st.k[nt][c] = r < p1 ? ldcg16(kh + r * k_s1 + 8 * (t + 4 * c)) : z;
+        }
+#pragma unroll
+        for (int i = 0; i < VR; ++i) {
+            const long long r = r0 + 2 * t + (i & 1) + 8 * (i >> 1);
+#pragma unroll
+            for (int c = 0; c < VC; ++c) st.v[i][c] = r < p1 ? ldcg16(vh + r * v_s1 + g * (D / 8) + 8 * c) : z;
+        }
+    };
+    // two steps in flight a warp (8 KB; 64 KB a block): each step is not one round trip of its own
+    const long long stride = (long long)MEGA_WARPS * BR;
+    Step sa, sb;
+    load(sa, p0 + warp * BR);
+    load(sb, p0 + warp * BR + stride);
+    unsigned qa[KS][2];  // A of q: row g, halves 0 and 1 (rows g + 8 are zero)
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+        const uint4 v = g < G ? ldcg16(q + (c0 * G + g) * q_s0 + 8 * (t + 4 * c)) : z;
+        qa[2 * c][0] = v.x, qa[2 * c][1] = v.y, qa[2 * c + 1][0] = v.z, qa[2 * c + 1][1] = v.w;
+    }
+    float o[MT][4];  // O^T: d-rows (g, g + 8) of m-tile mt x heads (2t, 2t + 1)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+    float m_run = MEGA_NEG_INF, l_run = 0.0f;  // head g's (l_run: this lane's columns)
+    const auto compute = [&](const Step& st, long long r0) {  // r0 < p1
+        float sc[NTS][4];
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt) {
+            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < KS; ++j)
+                mma_16816<T>(sc[nt], qa[j][0], 0u, qa[j][1], 0u, word(st.k[nt][j / 2], 2 * (j % 2)),
+                             word(st.k[nt][j / 2], 2 * (j % 2) + 1));
+        }
+        float mx = MEGA_NEG_INF;  // head g's scores (log2 domain) of cache rows r0 + nt * 8 + 2t (+1)
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const bool in = r0 + nt * 8 + 2 * t + e < p1;
+                sc[nt][e] = in ? sc[nt][e] * scale2 : MEGA_NEG_INF;
+                mx = fmaxf(mx, sc[nt][e]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(MEGA_FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(MEGA_FULL_MASK, mx, 2));
+        const float m_new = fmaxf(m_run, mx);  // finite: row r0 is below p1
+        const float alpha = ex2(m_run - m_new);  // 0 while m_run = -inf
+        m_run = m_new;
+        unsigned pb[NTS];  // B of P^T: cache rows 2t, 2t + 1 of S tile nt, head g
+        float psum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt) {
+            const float e0 = ex2(sc[nt][0] - m_new), e1 = ex2(sc[nt][1] - m_new);
+            psum += e0 + e1;
+            pb[nt] = pack2<T>(e0, e1);
+        }
+        l_run = l_run * alpha + psum;
+        // O^T's columns are heads 2t, 2t + 1: their rescale factors from the lanes holding those rows
+        const float a0 = __shfl_sync(MEGA_FULL_MASK, alpha, 8 * t), a1 = __shfl_sync(MEGA_FULL_MASK, alpha, 8 * t + 4);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            o[mt][0] *= a0, o[mt][1] *= a1, o[mt][2] *= a0, o[mt][3] *= a1;
+            const int c = mt / 4, w = mt % 4;  // elements 2mt, 2mt + 1 of the lane's D / 8: word w of chunk c
+            const unsigned lo = __byte_perm(word(st.v[0][c], w), word(st.v[1][c], w), 0x5410);  // d-row g, rows 2t, 2t+1
+            const unsigned hi = __byte_perm(word(st.v[0][c], w), word(st.v[1][c], w), 0x7632);  // d-row g + 8
+            if constexpr (NTS == 2) {
+                const unsigned lo8 = __byte_perm(word(st.v[2][c], w), word(st.v[3][c], w), 0x5410);  // rows 2t+8, 2t+9
+                const unsigned hi8 = __byte_perm(word(st.v[2][c], w), word(st.v[3][c], w), 0x7632);
+                mma_16816<T>(o[mt], lo, hi, lo8, hi8, pb[0], pb[NTS - 1]);
+            } else {
+                mma_1688<T>(o[mt], lo, hi, pb[0]);
+            }
+        }
+    };
+#pragma unroll 1
+    for (long long r0 = p0 + warp * BR; r0 < p1; r0 += 2 * stride) {  // (warp-uniform bounds)
+        compute(sa, r0);
+        load(sa, r0 + 2 * stride);
+        if (r0 + stride < p1) {
+            compute(sb, r0 + stride);
+            load(sb, r0 + 3 * stride);
+        }
+    }
+    l_run += __shfl_xor_sync(MEGA_FULL_MASK, l_run, 1);
+    l_run += __shfl_xor_sync(MEGA_FULL_MASK, l_run, 2);
+    // this warp's state: ws[warp][h][0..D-1] = O (unnormalised), [D] = max, [D + 1] = sum (a warp with
+    // no rows: max -inf, zeros)
+    constexpr int WS = D + 2;
+    float* ws = reinterpret_cast<float*>(sm);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int h = 2 * t + e;
+        if (h < G) {
+            float* dst = ws + (warp * G + h) * WS + g * (D / 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) dst[2 * mt] = o[mt][e], dst[2 * mt + 1] = o[mt][2 + e];
+        }
+    }
+    if (t == 0 && g < G) ws[(warp * G + g) * WS + D] = m_run, ws[(warp * G + g) * WS + D + 1] = l_run;
+    mega_sync();
+    if (part == nullptr)
+        combine_warps_out<T, D, G>(ws, out, o_s0, c0);
+    else
+        combine_warps<D, G>(ws, part, p_s0, p_s1, c0, c1);
+}
 
 // Fast path: every lane streams the 16-byte pieces of K and V it will read (its slots of
 // each step) through its own STAGES-deep cp.async ring in shared memory. The data is
@@ -349,7 +554,16 @@ __device__ __noinline__ void partial_generic(char* sm, int D, int G, const T* q,
 
 }  // namespace attn_impl
 
-template <class T, int D, int G>
+// Unit last strides and 16-byte aligned rows of q and KV head c0's caches: the vector paths' loads.
+template <class T>
+__device__ __forceinline__ bool attn_vec_ok(Mat<const T> q, Ten3<const T> kc, Ten3<const T> vc, long long c0) {
+    const int bytes = (int)sizeof(T);
+    return q.s1 == 1 && kc.s2 == 1 && vc.s2 == 1 && aligned16(q.p) && aligned16(kc.p + c0 * kc.s0) &&
+           aligned16(vc.p + c0 * vc.s0) && ((q.s0 * bytes) & 15) == 0 && ((kc.s1 * bytes) & 15) == 0 &&
+           ((vc.s1 * bytes) & 15) == 0;
+}
+
+template <class T, int D, int G, bool MMA = false>
 __device__ __noinline__ void attn_partial(char* smem, Mat<const T> q, Ten3<const T> kc, Ten3<const T> vc, long long L,
                                           long long chunk, float scale, Mat<float> part, long long c0, long long c1) {
     in_global(q, kc, vc, part);
@@ -358,11 +572,10 @@ __device__ __noinline__ void attn_partial(char* smem, Mat<const T> q, Ten3<const
     const long long p0 = c1 * chunk, p1 = min_i64(p0 + chunk, L);
     const T* kh = kc.p + c0 * kc.s0;
     const T* vh = vc.p + c0 * vc.s0;
-    const int bytes = (int)sizeof(T);
-    const bool vec = q.s1 == 1 && kc.s2 == 1 && vc.s2 == 1 && aligned16(q.p) && aligned16(kh) && aligned16(vh) &&
-                     ((q.s0 * bytes) & 15) == 0 && ((kc.s1 * bytes) & 15) == 0 && ((vc.s1 * bytes) & 15) == 0;
-    if (vec) {
-        if constexpr (P::STAGES >= 2)
+    if (attn_vec_ok(q, kc, vc, c0)) {
+        if constexpr (MMA && attn_impl::MmaPath<T, D, G>::ok)
+            attn_impl::partial_mma<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);
+        else if constexpr (P::STAGES >= 2)
             attn_impl::partial_async<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);
         else
             attn_impl::partial_regs<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);
@@ -467,23 +680,44 @@ __device__ __forceinline__ bool ragged_row_ok(long long p, long long max_len, lo
     return false;  // uniform: every thread read the same values
 }
 
+// ragged_partial_merge<T, D, G>: row c0's KV head c1, split c2 of `splits`. The split count is a run-time
+// value (the op's launch count: blockops/ragged_attention.py picks it so that a batch's rows x KV heads x
+// splits fill about one wave of SMs), each split `chunk = ceil(length / splits)` cache rows of the op's
+// bound `length`; the row has ceil((pos + 1) / chunk) of them, and an instance past those does nothing.
+// Partials go to part[c0, Hq, splits, D + 2]; the last of the row's splits for this KV head to arrive (a
+// counter per (row, KV head) in the launch-zeroed counter bank, as attn_partial_merge) merges them into
+// out[c0, c1*G .. c1*G + G). A position outside min(max_len, length) or a slot outside the cache reports
+// MEGA_ERR_INDEX and writes nothing.
 template <class T, int D, int G>
-__device__ __noinline__ void ragged_partial(char* smem, Ten3<const T> q, Ten4<const T> kc, Ten4<const T> vc,
-                                            Vec<const int> pos, Vec<const int> slot, long long slots, long long max_len,
-                                            long long chunk, float scale, Ten3<float> part, long long c0, long long c1,
-                                            long long c2) {
-    in_global(q, kc, vc, pos, slot, part);
+__device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, Ten4<const T> kc, Ten4<const T> vc,
+                                                  Vec<const int> pos, Vec<const int> slot, long long slots,
+                                                  long long max_len, long long length, long long splits,
+                                                  long long Hkv, float scale, float* part, unsigned* arrive,
+                                                  Ten3<T> out, long long c0, long long c1, long long c2) {
+    in_global(q, kc, vc, pos, slot, out);
+    __shared__ int last;
     const long long p = pos.p[c0 * pos.s0], s = slot.p[c0 * slot.s0];
-    if (!ragged_row_ok(p, max_len, s, slots)) return;
-    attn_partial<T, D, G>(smem, q.at(c0), kc.at(s), vc.at(s), p + 1, chunk, scale, part.at(c0), c1, c2);
-}
-
-template <class T, int D>
-__device__ __noinline__ void ragged_merge(Ten3<const float> part, Vec<const int> pos, long long max_len,
-                                          long long chunk, long long Hq, int rows_per, Ten3<T> out, long long c0,
-                                          long long c1) {
-    in_global(part, pos, out);
-    const long long p = pos.p[c0 * pos.s0];
-    if (!ragged_row_ok(p, max_len, 0, 1)) return;
-    attn_merge<T, D>(part.at(c0), p + 1, chunk, Hq, rows_per, out.at(c0), c1);
+    if (!ragged_row_ok(p, min_i64(max_len, length), s, slots)) return;
+    const long long chunk = (length + splits - 1) / splits, nsplit = (p + chunk) / chunk;  // ceil((p + 1) / chunk)
+    if (c2 >= nsplit) return;  // past the row's length: no work, no arrival
+    if constexpr (attn_impl::MmaPath<T, D, G>::ok) {
+        if (nsplit == 1 && attn_vec_ok(q.at(c0), kc.at(s), vc.at(s), c1) && out.s2 == 1) {  // the row's only split
+            const Mat<const T> qr = q.at(c0);
+            const Ten3<const T> kr = kc.at(s), vr = vc.at(s);
+            attn_impl::partial_mma<T, D, G>(shared_ptr(smem), qr.p, qr.s0, kr.p + c1 * kr.s0, kr.s1, vr.p + c1 * vr.s0,
+                                            vr.s1, 0, p + 1, scale, nullptr, 0, 0, c1, 0, out.p + c0 * out.s0, out.s1);
+            return;
+        }
+    }
+    const long long hs = splits * (D + 2);  // a query head's partials
+    const Mat<float> pr{part + c0 * Hkv * G * hs, hs, D + 2};
+    attn_partial<T, D, G, true>(smem, q.at(c0), kc.at(s), vc.at(s), p + 1, chunk, scale, pr, c1, c2);
+    mega_sync();  // every thread's partial stores before thread 0's arrival
+    if (threadIdx.x == 0) {
+        unsigned before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(arrive + c0 * Hkv + c1) : "memory");
+        last = before == (unsigned)(nsplit - 1);
+    }
+    mega_sync();
+    if (last) attn_merge<T, D>(Mat<const float>{pr.p, pr.s0, pr.s1}, p + 1, chunk, (c1 + 1) * G, G, out.at(c0), c1);
 }

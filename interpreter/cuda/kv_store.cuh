@@ -3,19 +3,23 @@
 // nothing for that row.
 #pragma once
 #include "common.cuh"
+#include "rope.cuh"
 
+// Instance (c0, c1): head c0 of rows [c1 * rows_per, min(c1 * rows_per + rows_per, n)).
 template <class T>
 __device__ __noinline__ void kv_store(Ten3<const T> src, Vec<const int> pos, Vec<const int> slot, long long n,
-                                      Ten4<T> cache, long long slots, long long max_len, long long D, long long c0) {
+                                      Ten4<T> cache, long long slots, long long max_len, long long D, int rows_per,
+                                      long long c0, long long c1) {
     in_global(src, pos, slot, cache);
     constexpr int VEC = VecN<T>::value;
     const bool vec = src.s2 == 1 && cache.s3 == 1 && D % VEC == 0 && aligned16(src.p) && aligned16(cache.p) &&
                      ((src.s0 * (long long)sizeof(T)) & 15) == 0 && ((src.s1 * (long long)sizeof(T)) & 15) == 0 &&
                      ((cache.s0 * (long long)sizeof(T)) & 15) == 0 && ((cache.s1 * (long long)sizeof(T)) & 15) == 0 &&
                      ((cache.s2 * (long long)sizeof(T)) & 15) == 0;
-    const long long per_row = vec ? D / VEC : D;
-    for (long long k = threadIdx.x; k < n * per_row; k += MEGA_THREADS) {
-        const long long i = k / per_row, e = k - i * per_row;
+    const long long per_row = vec ? D / VEC : D, r0 = c1 * rows_per, rows = min_i64(n - r0, rows_per);
+#pragma unroll 4
+    for (long long k = threadIdx.x; k < rows * per_row; k += MEGA_THREADS) {
+        const long long i = r0 + k / per_row, e = k % per_row;
         const long long p = pos.p[i * pos.s0], s = slot.p[i * slot.s0];
         if (p < 0 || p >= max_len || s < 0 || s >= slots) {
             if (e == 0) mega_body_error(MEGA_ERR_INDEX, p < 0 || p >= max_len ? p : s);
@@ -27,5 +31,36 @@ __device__ __noinline__ void kv_store(Ten3<const T> src, Vec<const int> pos, Vec
             *reinterpret_cast<uint4*>(to + e * VEC) = ldcg16(from + e * VEC);
         else
             to[e * cache.s3] = ld_cg(from + e * src.s2);
+    }
+}
+
+// kv_store_rope: as kv_store, each row rotated first as rope_rows does (at position pos_ids[i]; NORM: after
+// its RMSNorm with g): cache[slot[i], c0, pos[i], :] = rope(new[i, c0, :]). A warp a row; a warp's rows
+// (RPW of them) are all loaded before the first is stored, so they cost one round trip, not RPW.
+template <class T, int D, bool NORM, int ROWS_PER>
+__device__ __noinline__ void kv_store_rope(Ten3<const T> src, Vec<const int> pos, Vec<const int> slot, long long n,
+                                           const float* inv_freq, Vec<const int> pos_ids, Vec<const T> g, float eps,
+                                           Ten4<T> cache, long long slots, long long max_len, long long c0,
+                                           long long c1) {
+    in_global(src, pos, slot, pos_ids, cache);
+    constexpr int RPW = cdiv(ROWS_PER, MEGA_WARPS), PL = rope_pairs<D>();
+    const long long i0 = c1 * ROWS_PER + (threadIdx.x >> 5), i1 = min_i64(n, c1 * ROWS_PER + ROWS_PER);
+    float x1[RPW][PL], x2[RPW][PL];
+#pragma unroll
+    for (int j = 0; j < RPW; ++j) {
+        const long long i = i0 + j * MEGA_WARPS;
+        if (i < i1) rope_load<T, D>(src.p + i * src.s0 + c0 * src.s1, src.s2, x1[j], x2[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < RPW; ++j) {
+        const long long i = i0 + j * MEGA_WARPS;
+        if (i >= i1) continue;
+        const long long p = pos.p[i * pos.s0], s = slot.p[i * slot.s0];
+        if (p < 0 || p >= max_len || s < 0 || s >= slots) {
+            if ((threadIdx.x & 31) == 0) mega_body_error(MEGA_ERR_INDEX, p < 0 || p >= max_len ? p : s);
+            continue;
+        }
+        rope_store<T, D, NORM>(x1[j], x2[j], (long long)ld_cg(pos_ids.p + i * pos_ids.s0), inv_freq, g, eps,
+                               cache.p + s * cache.s0 + c0 * cache.s1 + p * cache.s2, cache.s3);
     }
 }

@@ -9,44 +9,64 @@
 #pragma once
 #include "common.cuh"
 
+// One row by a warp, lanes over the D/2 rotation pairs: rope_load reads x (elements xs apart) into
+// the lane's pairs, rope_store normalises (NORM), rotates at position p and writes out (elements os apart).
+template <int D> __host__ __device__ constexpr int rope_pairs() { return cdiv(D / 2, 32); }  // rotation pairs per lane
+
+template <class T, int D>
+__device__ __forceinline__ void rope_load(const T* x, long long xs, float (&x1)[rope_pairs<D>()],
+                                          float (&x2)[rope_pairs<D>()]) {
+    static_assert(D % 2 == 0, "rope: head dim must be even");
+    constexpr int H = D / 2;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < rope_pairs<D>(); ++t) {
+        const int j = t * 32 + lane;
+        x1[t] = j < H ? ld_f32(x + j * xs) : 0.0f;
+        x2[t] = j < H ? ld_f32(x + (j + H) * xs) : 0.0f;
+    }
+}
+
+template <class T, int D, bool NORM>
+__device__ __forceinline__ void rope_store(float (&x1)[rope_pairs<D>()], float (&x2)[rope_pairs<D>()], long long p,
+                                           const float* inv_freq, Vec<const T> g, float eps, T* out, long long os) {
+    constexpr int H = D / 2, PL = rope_pairs<D>();
+    const int lane = threadIdx.x & 31;
+    if (NORM) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int t = 0; t < PL; ++t) ss += x1[t] * x1[t] + x2[t] * x2[t];
+        const float rinv = 1.0f / sqrtf(warp_sum(ss) / (float)D + eps);
+#pragma unroll
+        for (int t = 0; t < PL; ++t) {
+            const int j = t * 32 + lane;
+            if (j >= H) continue;
+            x1[t] = round_to<T>(round_to<T>(x1[t] * rinv) * ld_f32(g.p + j * g.s0));
+            x2[t] = round_to<T>(round_to<T>(x2[t] * rinv) * ld_f32(g.p + (j + H) * g.s0));
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < PL; ++t) {
+        const int j = t * 32 + lane;
+        if (j >= H) continue;
+        float sn, cs;
+        sincosf(__fmul_rn((float)p, ld_cg(inv_freq + j)), &sn, &cs);
+        out[j * os] = from_f32<T>(__fsub_rn(__fmul_rn(x1[t], cs), __fmul_rn(x2[t], sn)));
+        out[(j + H) * os] = from_f32<T>(__fadd_rn(__fmul_rn(x2[t], cs), __fmul_rn(x1[t], sn)));
+    }
+}
+
 template <class T, int D, bool NORM>
 __device__ __noinline__ void rope_rows(Mat<const T> x, const float* inv_freq, Vec<const int> pos_ids, long long pos,
                                        long long group, Vec<const T> g, float eps, Mat<T> out, long long rows,
                                        int rows_per, long long c0) {
     in_global(x, out);  // (not the optional pos_ids and g: an absent view is nullptr)
-    static_assert(D % 2 == 0, "rope: head dim must be even");
-    constexpr int H = D / 2, PL = cdiv(H, 32);  // rotation pairs per lane
-    const int lane = threadIdx.x & 31;
     const long long r0 = c0 * rows_per, r1 = min_i64(r0 + rows_per, rows);
 #pragma unroll 1
     for (long long r = r0 + (threadIdx.x >> 5); r < r1; r += MEGA_WARPS) {
         const long long p = pos_ids.p ? (long long)ld_cg(pos_ids.p + (r / group) * pos_ids.s0) : pos;
-        float x1[PL], x2[PL], ss = 0.0f;
-#pragma unroll
-        for (int t = 0; t < PL; ++t) {
-            const int j = t * 32 + lane;
-            x1[t] = j < H ? ld_f32(x.p + r * x.s0 + j * x.s1) : 0.0f;
-            x2[t] = j < H ? ld_f32(x.p + r * x.s0 + (j + H) * x.s1) : 0.0f;
-            ss += x1[t] * x1[t] + x2[t] * x2[t];
-        }
-        if (NORM) {
-            const float rinv = 1.0f / sqrtf(warp_sum(ss) / (float)D + eps);
-#pragma unroll
-            for (int t = 0; t < PL; ++t) {
-                const int j = t * 32 + lane;
-                if (j >= H) continue;
-                x1[t] = round_to<T>(round_to<T>(x1[t] * rinv) * ld_f32(g.p + j * g.s0));
-                x2[t] = round_to<T>(round_to<T>(x2[t] * rinv) * ld_f32(g.p + (j + H) * g.s0));
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < PL; ++t) {
-            const int j = t * 32 + lane;
-            if (j >= H) continue;
-            float sn, cs;
-            sincosf(__fmul_rn((float)p, ld_cg(inv_freq + j)), &sn, &cs);
-            out.p[r * out.s0 + j * out.s1] = from_f32<T>(__fsub_rn(__fmul_rn(x1[t], cs), __fmul_rn(x2[t], sn)));
-            out.p[r * out.s0 + (j + H) * out.s1] = from_f32<T>(__fadd_rn(__fmul_rn(x2[t], cs), __fmul_rn(x1[t], sn)));
-        }
+        float x1[rope_pairs<D>()], x2[rope_pairs<D>()];
+        rope_load<T, D>(x.p + r * x.s0, x.s1, x1, x2);
+        rope_store<T, D, NORM>(x1, x2, p, inv_freq, g, eps, out.p + r * out.s0, out.s1);
     }
 }

@@ -1,16 +1,28 @@
 """kv_store: rows ``new[i] : [Hkv, D]`` written at position ``pos[i]`` of sequence slot ``slot[i]``
 of a KV cache ``[slots, Hkv, max_len, D]``, in place (a batch of sequences, or a prompt's tokens).
 
-Grid ``(Hkv,)``: instance ``h`` writes head ``h`` of every row. The rows' slots and positions
-are data, so the write footprint covers every slot and position of the head (a reader of the
-cache waits for the instance of its head, whatever rows it reads), and instances of different
-heads never write the same element.
+Grid ``(Hkv, ceil(N / ROWS))``: instance ``(h, j)`` writes head ``h`` of rows ``[j*ROWS, j*ROWS + ROWS)``.
+The rows' slots and positions are data, so every instance of a head declares the head's whole cache
+(a reader waits for all of them, whatever rows it reads: ``last_writer``, the elements are ready once
+every declaring instance ran); the rows of one launch never share a (slot, position), so no element is
+written twice.
+
+Fusion (operand roles in ``params["roles"]``, after ``new, pos, slot``): ``inv_freq`` and ``pos_ids``
+a RoPE prologue (row ``i`` rotated at ``pos_ids[i]``, as the ``rope`` kind does), with ``g`` a per-head
+RMSNorm before it (qwen3's k norm): the K projection's rows go into the cache with no RoPE op between.
 """
 
 from __future__ import annotations
 
-from .base import BlockKind, Partition, Term, c_call, fields, register, term
+import torch
+
+from ..dims import ceildiv
+from .base import BlockKind, Partition, Term, c_call, f32, fields, no_view, register, rms_normed, term
 from ..ir.footprint import Full, Tile
+from .rope import rotated
+
+ROLES = ("new", "pos", "slot")  # a plain store's operands
+ROWS = 64  # rows an instance (a prompt's 2048 rows: 32 instances a head, each a round trip of loads)
 
 
 def row_index(op: str, what: str, value: int, hi: int) -> int:
@@ -20,35 +32,56 @@ def row_index(op: str, what: str, value: int, hi: int) -> int:
     return value
 
 
+def roles(op) -> dict[str, int]:
+    return {r: k for k, r in enumerate(op.params.get("roles", ROLES))}
+
+
 @register
 class KvStore(BlockKind):
     name = "kv_store"
     cuda_file = "kv_store.cuh"
+    last_writer = True  # a head's row tiles all declare the head's cache
 
     def build(self, inputs, output, params) -> Partition:
-        head = Tile(0, 1)
-        return Partition(grid=(output.shape[1],), reads=((Full(), head, Full()), (Full(),), (Full(),)),
-                         writes=(Full(), head, Full(), Full()))
+        head, rows = Tile(0, 1), Tile(1, ROWS)  # grid axis 0: heads, 1: row tiles
+        extra = tuple((Full(),) for _ in inputs[3:])  # inv_freq, pos_ids, g
+        return Partition(grid=(output.shape[1], ceildiv(inputs[0].shape[0], ROWS)),
+                         reads=((rows, head, Full()), (rows,), (rows,), *extra), writes=(Full(), head, Full(), Full()))
 
     def cpu(self, op, env, ins, out):
-        new, pos, slot = ins
-        h = env["_i0"]
+        k = roles(op)
+        new, pos, slot = (ins[k[r]] for r in ROLES)
+        h, r0 = env["_i0"], env["_i1"] * ROWS
+        new, pos, slot = new[r0 : r0 + ROWS], pos[r0 : r0 + ROWS], slot[r0 : r0 + ROWS]
+        rows = new[:, h]
+        if "inv_freq" in k:  # RoPE (after the head's RMSNorm) as the rope kind rounds
+            x = f32(rows)
+            if "g" in k:
+                x = rms_normed(x, ins[k["g"]], op.params["eps"], out.dtype)
+            rows = rotated(x, ins[k["pos_ids"]][r0 : r0 + ROWS].long().float(), ins[k["inv_freq"]], out.dtype)
         for i in range(new.shape[0]):
             p = row_index("kv_store", "position", int(pos[i]), out.shape[2])
             s = row_index("kv_store", "slot", int(slot[i]), out.shape[0])
-            out[s, h, p] = new[i, h]
+            out[s, h, p] = rows[i]
 
     def bytes_moved(self, op, env):
         new = op.inputs[0]
         return 2 * new.shape[0].eval(env) * new.shape[1].value * new.shape[2].value * new.dtype.itemsize
 
     def cuda_call(self, op, ins, out):
-        new, pos, slot = ins
+        k = roles(op)
+        new, pos, slot = (ins[k[r]] for r in ROLES)
         slots, _, max_len, d = (x.value for x in op.output.shape)
-        args = [("src", new.view()), ("pos", pos.view()), ("slot", slot.view()), ("n", new.shape[0]),
-                ("cache", out.view(const=False)), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL"), ("D", f"{d}LL"),
-                ("c0", "c0")]
-        return c_call("kv_store", [new.ctype], args)
+        args = [("src", new.view()), ("pos", pos.view()), ("slot", slot.view()), ("n", new.shape[0])]
+        if "inv_freq" in k:
+            g = ins[k["g"]].view() if "g" in k else no_view(1, new.ctype)
+            args += [("inv_freq", ins[k["inv_freq"]].ptr), ("pos_ids", ins[k["pos_ids"]].view()), ("g", g),
+                     ("eps", f"{float(op.params.get('eps', 0.0))!r}f")]
+        args += [("cache", out.view(const=False)), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL")]
+        if "inv_freq" in k:
+            return c_call("kv_store_rope", [new.ctype, d, "true" if "g" in k else "false", ROWS],
+                          [*args, ("c0", "c0"), ("c1", "c1")])
+        return c_call("kv_store", [new.ctype], [*args, ("D", f"{d}LL"), ("rows_per", str(ROWS)), ("c0", "c0"), ("c1", "c1")])
 
 
 @term
@@ -62,3 +95,28 @@ class KvStoreHeadsTerm(Term):
         n = b.graph.nodes[value]
         _cache, new, pos, slot = (b.operand(i) for i in n.inputs)
         b.emit("kv_store", [value], [new, b.flat(pos), b.flat(slot)], b.operand(value), {})
+
+
+@term
+class KvStoreRopeTerm(Term):
+    """The ``kv_store`` node ``store`` of the RoPE node ``rope`` (at positions from its i32 tensor) of
+    ``x`` [after a per-row RMSNorm(``g``)]: the rows rotated as they are stored, one head per instance."""
+
+    name = "kv_store_rope"
+    fields = fields("x:ref g:ref eps:float rope:node store:node")
+
+    def refs(self, graph, args):
+        r, s = graph.nodes[args["rope"]], graph.nodes[args["store"]]
+        cache, _new, pos, slot = s.inputs
+        return tuple(i for i in (args["x"], args["g"], r.inputs[1], r.inputs[2], cache, pos, slot) if i >= 0)
+
+    def lower(self, b, value, args):
+        r, s = b.graph.nodes[args["rope"]], b.graph.nodes[value]
+        _cache, _new, pos, slot = s.inputs
+        operands = {"new": args["x"], "pos": pos, "slot": slot, "inv_freq": r.inputs[1], "pos_ids": r.inputs[2],
+                    "g": args["g"]}
+        present = tuple(k for k, v in operands.items() if v >= 0)
+        inputs = [b.flat(b.operand(operands[k])) if k in ("pos", "slot", "pos_ids") else b.operand(operands[k])
+                  for k in present]
+        params = {"roles": present, "eps": args["eps"]}
+        b.emit("kv_store", b.absorbed(value, {v for v in operands.values() if v >= 0}), inputs, b.operand(value), params)

@@ -1,131 +1,109 @@
 """Ragged attention: row ``i`` of ``q[N, Hq, D]`` attends cache rows ``[0, pos[i]]`` of sequence slot
 ``slot[i]`` (caches ``[slots, Hkv, max_len, D]``), split over the KV rows as decode attention is
-(``attention.py``): ``ragged_partial`` then ``ragged_merge``.
+(``attention.py``), in one op: ``ragged_partial_merge``.
 
-``ragged_partial``: grid ``(N, Hkv, ceil(length / chunk))`` (``length``: the op's bound on every
-``pos[i] + 1``, a runtime dim, at most ``max_len``); instance ``(i, h, s)`` attends the
-``group`` query heads of KV head ``h`` of row ``i`` over cache rows ``[s*chunk, min(s*chunk + chunk,
-pos[i] + 1))`` and writes ``part[i, Hq, S, D + 2]`` (f32) as ``attn_partial`` does; a split past
-the row's length writes an empty state (max -inf, sum 0). ``ragged_merge``: grid
-``(N, ceil(Hq / rows_per))``; combines row ``i``'s ``ceil((pos[i] + 1) / chunk)`` splits. The
-caches are read whole along slots and positions (which ones is data), so a reader waits for the
-``kv_store`` instance of its head.
+Grid ``(N, Hkv, splits)``. The split count is a run-time expression (``split_count``): about one wave
+of instances whatever the batch, so one sequence's 513 cache rows go to 9 splits of 57 rows and 16
+sequences' to one split each (a fixed chunk gave 384 instances of 256 rows or 1 row at batch 16,
+perf-notes #74). Split ``s`` covers cache rows ``[s*chunk, s*chunk + chunk)``, ``chunk = ceil(length /
+splits)`` (``length``: the op's bound on every ``pos[i] + 1``, a runtime dim, at most ``max_len``); a
+row has ``ceil((pos[i] + 1) / chunk)`` splits and an instance past them does nothing. Each split writes
+its partials (f32: unnormalised output, max, sum of exponentials) to the op's own ``part``; the last of
+a (row, KV head)'s splits to arrive (a counter in the launch-zeroed counter bank) merges them into the
+row's ``group`` query heads, so the merge needs no op and no hand-off of its own. The caches are read
+whole along slots and positions (which ones is data), so an instance waits for the ``kv_store``
+instance of its head.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..dims import as_dim, ceildiv
+from ..dims import DimLike, as_dim, ceildiv, dmax, dmin
 from ..dtypes import f32 as F32
-from .base import BlockKind, Partition, Term, c_call, dimc, f32, fields, register, term
+from ..dtypes import i32 as I32
+from .attention import merge, partial
+from .base import BlockKind, Partition, Term, c_call, dimc, fields, register, term
 from ..ir.footprint import Full, Tile
 from .kv_store import row_index
 
+SPLIT_WAVE = 132  # instances the split count aims at: one wave of an H100 / H200 (CostModel.sms)
 
-def row_length(op, ins_pos, ins_slot, i: int, kc_shape) -> tuple[int, int]:
-    """(length, slot) of row ``i``: ``pos[i] + 1`` cache rows of slot ``slot[i]``, checked."""
-    p = row_index(op.kind, "position", int(ins_pos[i]), kc_shape[2])
+
+def split_count(length: DimLike, min_chunk: int, pairs: DimLike):
+    """Splits of each (row, KV head) pair: as many as fill ``SPLIT_WAVE`` instances, at least one, and
+    none shorter than ``min_chunk`` cache rows of ``length``. ``pairs * splits <= max(pairs, SPLIT_WAVE)``."""
+    return dmax(1, dmin(ceildiv(length, min_chunk), SPLIT_WAVE // dmax(1, pairs)))
+
+
+def row_length(op, ins_pos, ins_slot, i: int, kc_shape, bound: int | None = None) -> tuple[int, int]:
+    """(length, slot) of row ``i``: ``pos[i] + 1`` cache rows (``pos[i] < bound``, the cache's length by
+    default) of slot ``slot[i]``, checked."""
+    p = row_index(op.kind, "position", int(ins_pos[i]), kc_shape[2] if bound is None else bound)
     s = row_index(op.kind, "slot", int(ins_slot[i]), kc_shape[0])
     return p + 1, s
 
 
 @register
-class RaggedPartial(BlockKind):
-    name = "ragged_partial"
+class RaggedPartialMerge(BlockKind):
+    """Inputs ``q, k_cache, v_cache, pos, slot, part, arrive``: ``part`` (the partials) and ``arrive`` (a
+    counter per (row, KV head)) are the op's own, ordered by its arrival counter."""
+
+    name = "ragged_partial_merge"
     cuda_file = "attention.cuh"
+    last_writer = True  # a (row, KV head)'s splits all declare its output; the last to arrive writes it
+
+    def internal_inputs(self, op):
+        return (5, 6)
 
     def build(self, inputs, output, params) -> Partition:
-        q, kc, _, _, _ = inputs
-        g, c = params["group"], params["chunk"]
+        q, kc = inputs[0], inputs[1]
+        g = params["group"]
         kv = (Full(), Tile(1, 1), Full(), Full())
         row = (Tile(0, 1),)
         return Partition(
-            grid=(q.shape[0], kc.shape[1], ceildiv(params["length"], c)),
-            reads=((Tile(0, 1), Tile(1, g), Full()), kv, kv, row, row),
-            writes=(Tile(0, 1), Tile(1, g), Tile(2, 1), Full()),
+            grid=(q.shape[0], kc.shape[1], params["splits"]),
+            reads=((Tile(0, 1), Tile(1, g), Full()), kv, kv, row, row, (Full(), Full(), Full()), (Full(),)),
+            writes=(Tile(0, 1), Tile(1, g), Full()),
         )
 
     def cpu(self, op, env, ins, out):
-        q, kc, vc, pos, slot = ins
+        # every split computes its (row, KV head)'s result, as the splits' partials then their merge (the
+        # simulator lets readers in once all of them have run)
+        q, kc, vc, pos, slot = ins[:5]
         p = op.params
-        i, h, s = env["_i0"], env["_i1"], env["_i2"]
-        length, sl = row_length(op, pos, slot, i, kc.shape)
-        p0, p1 = s * p["chunk"], min(s * p["chunk"] + p["chunk"], length)
-        rows = slice(h * p["group"], (h + 1) * p["group"])
-        d = q.shape[2]
-        if p1 <= p0:  # past the row's length: an empty state
-            out[i, rows, s, :d + 1] = 0.0
-            out[i, rows, s, d] = float("-inf")
-            return
-        qh = f32(q[i, rows])  # [G, D]
-        k, v = f32(kc[sl, h, p0:p1]), f32(vc[sl, h, p0:p1])  # [C, D]
-        scores = qh @ k.T * p["scale"]
-        m = scores.max(-1).values
-        e = torch.exp(scores - m[:, None])
-        out[i, rows, s, :d] = e @ v
-        out[i, rows, s, d] = m
-        out[i, rows, s, d + 1] = e.sum(-1)
+        i, h = env["_i0"], env["_i1"]
+        length, splits = p["length"].eval(env), p["splits"].eval(env)
+        rows, sl = row_length(op, pos, slot, i, kc.shape, min(kc.shape[2], length))
+        chunk = -(-length // splits)
+        parts = [partial(q[i], kc[sl], vc[sl], {**p, "chunk": chunk}, h, s, rows) for s in range(-(-rows // chunk))]
+        part = torch.stack([torch.cat([num, m[:, None], l[:, None]], 1) for num, m, l in parts], 1)  # [G, S, D+2]
+        out[i, h * p["group"] : (h + 1) * p["group"]] = merge(part).to(out.dtype)
 
     def bytes_moved(self, op, env):
         q, kc = op.inputs[0], op.inputs[1]
         n, length = q.shape[0].eval(env), min(kc.shape[2].value, op.params["length"].eval(env))
-        return n * 2 * kc.shape[1].value * length * kc.shape[3].value * kc.dtype.itemsize  # (at most: rows attend less)
+        hq, d = q.shape[1].value, q.shape[2].value
+        partials = 2 * n * hq * op.params["splits"].eval(env) * (d + 2) * 4  # written, then read by the merge
+        # (at most: rows attend less)
+        return n * 2 * kc.shape[1].value * length * d * kc.dtype.itemsize + 2 * n * hq * d * q.dtype.itemsize + partials
 
     def cuda_call(self, op, ins, out):
-        q, kc, vc, pos, slot = ins
+        q, kc, vc, pos, slot, part, arrive = ins
         p = op.params
         d = op.inputs[0].shape[2].value
-        slots, _, max_len, _ = (x.value for x in op.inputs[1].shape)
+        slots, hkv, max_len, _ = (x.value for x in op.inputs[1].shape)
         args = [("smem", "smem"), ("q", q.view()), ("kc", kc.view()), ("vc", vc.view()), ("pos", pos.view(0)),
-                ("slot", slot.view(0)), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL"), ("chunk", f"{p['chunk']}LL"),
-                ("scale", f"{float(p['scale'])!r}f"), ("part", out.view(0, 1, 2, const=False)), ("c0", "c0"), ("c1", "c1"),
-                ("c2", "c2")]
-        return c_call("ragged_partial", [q.ctype, d, p["group"]], args)
-
-
-@register
-class RaggedMerge(BlockKind):
-    name = "ragged_merge"
-    cuda_file = "attention.cuh"
-
-    def build(self, inputs, output, params) -> Partition:
-        rows = params["rows_per"]
-        return Partition(
-            grid=(output.shape[0], ceildiv(output.shape[1], rows)),
-            reads=((Tile(0, 1), Tile(1, rows), Full(), Full()), (Tile(0, 1),)),
-            writes=(Tile(0, 1), Tile(1, rows), Full()),
-        )
-
-    def cpu(self, op, env, ins, out):
-        part, pos = ins
-        p = op.params
-        i, r0 = env["_i0"], env["_i1"] * p["rows_per"]
-        length = row_index(op.kind, "position", int(pos[i]), min(p["max_len"], p["length"].eval(env))) + 1
-        nsplit = -(-length // p["chunk"])
-        blk = part[i, r0 : r0 + p["rows_per"], :nsplit]  # [R, S, D+2]
-        d = out.shape[2]
-        m = blk[:, :, d]
-        big = m.max(-1, keepdim=True).values
-        wgt = torch.exp(m - big)
-        num = (blk[:, :, :d] * wgt[:, :, None]).sum(1)
-        den = (blk[:, :, d + 1] * wgt).sum(1)
-        out[i, r0 : r0 + p["rows_per"]] = (num / den[:, None]).to(out.dtype)
-
-    def cuda_call(self, op, ins, out):
-        part, pos = ins
-        p = op.params
-        hq, d = (x.value for x in op.output.shape[1:])
-        bound = f"min_i64({p['max_len']}LL, {p['length'].to_c(dimc)})"  # (rows past it: an error, as in cpu)
-        args = [("part", part.view(0, 1, 2)), ("pos", pos.view(0)), ("max_len", bound), ("chunk", f"{p['chunk']}LL"),
-                ("Hq", f"{hq}LL"), ("rows_per", str(p["rows_per"])), ("out", out.view(const=False)), ("c0", "c0"),
-                ("c1", "c1")]
-        return c_call("ragged_merge", [out.ctype, d], args)
+                ("slot", slot.view(0)), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL"),
+                ("length", p["length"].to_c(dimc)), ("splits", p["splits"].to_c(dimc)), ("Hkv", f"{hkv}LL"),
+                ("scale", f"{float(p['scale'])!r}f"), ("part", f"(float*){part.ptr}"), ("arrive", f"(unsigned*){arrive.ptr}"),
+                ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1"), ("c2", "c2")]
+        return c_call("ragged_partial_merge", [q.ctype, d, p["group"]], args)
 
 
 @term
 class RaggedSplitTerm(Term):
-    """Ragged attention as ``ragged_partial`` over ``chunk`` cache rows per instance, then ``ragged_merge``."""
+    """Ragged attention as ``ragged_partial_merge``, splits of at least ``chunk`` cache rows."""
 
     name = "ragged_split"
     fields = fields("node:node chunk:int")
@@ -137,9 +115,12 @@ class RaggedSplitTerm(Term):
         pos, slot = b.flat(pos), b.flat(slot)
         out = b.output(value)
         rows, hq, d = q.shape
-        hkv, max_len, length = kc.shape[1].value, kc.shape[2].value, n.attrs["length"]
-        part = b.scratch(f"ragged_part{value}", (rows, hq, ceildiv(length, chunk), as_dim(d.value + 2)), F32)
+        hkv, length = kc.shape[1].value, n.attrs["length"]
         group = hq.value // hkv
-        common = {"chunk": chunk, "length": length}
-        b.emit("ragged_partial", [value], [q, kc, vc, pos, slot], part, {**common, "group": group, "scale": n.attrs["scale"]})
-        b.emit("ragged_merge", [value], [part, pos], out, {**common, "max_len": max_len, "rows_per": max(1, group)})
+        # partials [rows * Hkv * splits, G, D + 2] in all (pairs * splits <= max(pairs, SPLIT_WAVE)): laid
+        # out [rows, Hq, splits, D + 2] by the body
+        part = b.scratch(f"ragged_part{value}", (dmax(rows * hkv, SPLIT_WAVE), as_dim(group), as_dim(d.value + 2)), F32)
+        arrive = b.accum(f"ragged_arrive{value}", (rows * hkv,), I32)
+        params = {"length": length, "splits": split_count(length, chunk, rows * hkv), "group": group,
+                  "scale": n.attrs["scale"]}
+        b.emit("ragged_partial_merge", [value], [q, kc, vc, pos, slot, part, arrive], out, params)

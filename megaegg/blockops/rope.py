@@ -20,6 +20,16 @@ from ..ir.footprint import Full, Tile
 from .matvec import roles
 
 
+def rotated(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """Rotate-half RoPE of f32 rows ``x[n, D]`` at f32 positions ``pos[n]``, rounded to ``dt`` (the angle
+    ``pos * inv_freq`` in f32, then torch's cos and sin)."""
+    ang = pos[:, None] * inv_freq.float()[None, :]
+    cos, sin = ang.cos(), ang.sin()
+    h = x.shape[1] // 2
+    x1, x2 = x[:, :h], x[:, h:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(dt)
+
+
 @register
 class Rope(BlockKind):
     name = "rope"
@@ -43,11 +53,7 @@ class Rope(BlockKind):
             pos = ins[k["pos_ids"]].long()[(torch.arange(r0, r0 + n) // p["group"])].float()
         else:
             pos = torch.full((n,), float(p["pos"].eval(env)))
-        ang = pos[:, None] * ins[k["inv_freq"]].float()[None, :]
-        cos, sin = ang.cos(), ang.sin()
-        h = x.shape[1] // 2
-        x1, x2 = x[:, :h], x[:, h:]
-        out[r0 : r0 + n] = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(out.dtype)
+        out[r0 : r0 + n] = rotated(x, pos, ins[k["inv_freq"]], out.dtype)
 
     def cuda_call(self, op, ins, out):
         k, p = roles(op), op.params
