@@ -191,10 +191,12 @@ def build_step_graph(cfg: ModelConfig, *, max_len: int, slots: int, sampling: bo
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         q, k = head_norms(cfg, layer, q.reshape(n, cfg.heads, D), k.reshape(n, Hkv, D))
-        q, k = rope(q, pos, inv_freq=inv_freq), rope(k, pos, inv_freq=inv_freq)
+        # K and V into the caches before q's RoPE: the queue follows the graph's order, and the K rows'
+        # store (rotated as it stores them) is the attention's slowest input, so its instances go first
         shape = [slots, Hkv, max_len, D]
-        k_cache = kv_store(g.input(f"k_cache.{layer}", shape, cfg.dtype), k, pos, slot)
+        k_cache = kv_store(g.input(f"k_cache.{layer}", shape, cfg.dtype), rope(k, pos, inv_freq=inv_freq), pos, slot)
         v_cache = kv_store(g.input(f"v_cache.{layer}", shape, cfg.dtype), v.reshape(n, Hkv, D), pos, slot)
+        q = rope(q, pos, inv_freq=inv_freq)
         return ragged_attention(q, k_cache, v_cache, pos, slot, length=ctx).reshape(n, cfg.heads * D)
 
     for layer in range(cfg.layers):
