@@ -679,28 +679,34 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
         # KV rows by slot and position (no two rows at one place: the order of their writes is free)
         ("kv_store", "kv_store", [Arg((6, 8, 64), T), Arg((6,), i32), Arg((6,), i32)], Arg((4, 8, 1024, 64), T), {},
          {1: _distinct(1024), 2: _randint(0, 4)}),
-        ("kv_store_prompt", "kv_store", [Arg((40, 2, 128), T, strides=(512, 128, 1)), Arg((40,), i32),
-                                         Arg((40,), i32)], Arg((2, 2, 300, 128), T), {},
-         {1: _distinct(300), 2: _randint(1, 2)}),
+        ("kv_store_prompt", "kv_store", [Arg((100, 2, 128), T, strides=(512, 128, 1)), Arg((100,), i32),
+                                         Arg((100,), i32)], Arg((2, 2, 300, 128), T), {},
+         {1: _distinct(300), 2: _randint(1, 2)}),  # (two row tiles of 64)
         # ... rotated as they are stored (a batch's K rows; qwen3's k norm first, from a strided view)
         ("kv_store_rope", "kv_store", [Arg((6, 8, 64), T), Arg((6,), i32), Arg((6,), i32), Arg((32,), f32),
                                        Arg((6,), i32)], Arg((4, 8, 1024, 64), T),
          {"roles": ("new", "pos", "slot", "inv_freq", "pos_ids"), "eps": 0.0},
          {1: _distinct(1024), 2: _randint(0, 4), 3: lambda v, gen: v.copy_(v.abs() * 0.3), 4: _randint(0, 1024)}),
-        ("kv_store_norm_rope", "kv_store", [Arg((5, 2, 128), T, strides=(512, 128, 1)), Arg((5,), i32), Arg((5,), i32),
-                                            Arg((64,), f32), Arg((5,), i32), Arg((128,), T)], Arg((2, 2, 300, 128), T),
+        ("kv_store_norm_rope", "kv_store", [Arg((70, 2, 128), T, strides=(512, 128, 1)), Arg((70,), i32),
+                                            Arg((70,), i32), Arg((64,), f32), Arg((70,), i32), Arg((128,), T)],
+         Arg((2, 2, 300, 128), T),
          {"roles": ("new", "pos", "slot", "inv_freq", "pos_ids", "g"), "eps": 1e-6},
          {1: _distinct(300), 2: _randint(0, 2), 3: lambda v, gen: v.copy_(v.abs() * 0.3), 4: _randint(0, 300)}),
-        # ragged attention: each row its own slot and length, split over the cache rows at run time (rows
-        # shorter than a split have fewer; 66 splits: more than the merge's warp of 32)
+        # ragged attention: each row its own slot and length, split over the cache rows at run time. The
+        # positions are pinned so that every case has rows of one split (the output written straight from
+        # the block) and rows of several (partials, then the last split's merge); 66 splits: more than the
+        # merge's warp of 32
         *(("ragged_pm" + label, "ragged_partial_merge",
-           [Arg((n, hkv * g, d), T), Arg((slots, hkv, max_len, d), T), Arg((slots, hkv, max_len, d), T), Arg((n,), i32),
-            Arg((n,), i32), Arg((max(n * hkv, SPLIT_WAVE), g, d + 2), f32), Arg((n * hkv,), i32)], Arg((n, hkv * g, d), T),
-           {"splits": split_count(as_dim(length), chunk, n * hkv), "group": g, "scale": d ** -0.5,
-            "length": as_dim(length)}, {3: _randint(lo, length), 4: _randint(0, slots), 6: lambda v, gen: v.zero_()})
-          for label, n, hkv, g, d, slots, max_len, length, chunk, lo in (
-              ("_d64", 6, 8, 4, 64, 4, 1024, 701, 64, 0), ("_d128_g8", 3, 8, 8, 128, 2, 512, 256, 16, 0),
-              ("_many_splits", 1, 2, 4, 64, 1, 1024, 1000, 8, 900), ("_d128_g2", 5, 2, 2, 128, 3, 300, 289, 32, 0))),
+           [Arg((len(pos), hkv * g, d), T), Arg((slots, hkv, max_len, d), T), Arg((slots, hkv, max_len, d), T),
+            Arg((len(pos),), i32), Arg((len(pos),), i32), Arg((max(len(pos) * hkv, SPLIT_WAVE), g, d + 2), f32),
+            Arg((len(pos) * hkv,), i32)], Arg((len(pos), hkv * g, d), T),
+           {"splits": split_count(as_dim(length), chunk, len(pos) * hkv), "group": g, "scale": d ** -0.5,
+            "length": as_dim(length)}, {3: _values(*pos), 4: _randint(0, slots), 6: lambda v, gen: v.zero_()})
+          for label, pos, hkv, g, d, slots, max_len, length, chunk in (
+              ("_d64", [0, 100, 350, 351, 700, 500], 8, 4, 64, 4, 1024, 701, 64),  # 2 splits of 351
+              ("_d128_g8", [10, 255, 120], 8, 8, 128, 2, 512, 256, 16),  # 5 splits of 52
+              ("_many_splits", [999], 2, 4, 64, 1, 1024, 1000, 8),  # 66 splits of 16 (63 of them)
+              ("_d128_g2", [0, 28, 29, 288, 150], 2, 2, 128, 3, 300, 289, 32))),  # 10 splits of 29
         *([] if T != dt.bf16 else [
             # flash attention over prompts: rows of three slots at random positions (several passes a tile),
             # then one prompt of consecutive positions (one pass), ragged in tokens, D 64 and 128

@@ -15,8 +15,8 @@
 // Otherwise (any strides) a generic body, a row at a time (partial_generic).
 // Measured (H200, bf16, G=4, L=32768, persistent): D=128 1.7 TB/s at chunk 256, 2.0-2.1 at
 // chunk 1024; D=64 1.2 / 1.5. It is instruction-bound (ncu: 55% issue slots, 2 warps per
-// scheduler), not bandwidth-bound: the next step is fewer instructions per row (a
-// transposed shuffle reduction of the scores, one exp per lane), or mma for q.K and p.V.
+// scheduler), not bandwidth-bound. attn_partial<T, D, G, MMA = true> (the ragged op's) runs
+// q.K and p.V on tensor cores instead where MmaPath allows (partial_mma, below).
 //
 // attn_merge<T, D>: instance c0 combines the ceil(L/chunk) splits of query heads
 // [c0*rows_per, min(c0*rows_per + rows_per, Hq)): out[h] = T(num / den), one warp a head.
@@ -25,6 +25,9 @@
 //
 // attn_partial_merge<T, D, G>: both in one op (the compiler's choice for decode): the last
 // split of each KV head to finish merges its G query heads, so the merge needs no hand-off.
+//
+// ragged_partial_merge<T, D, G>: the same for a batch's rows (each its own cache slot and length),
+// with a run-time split count; on the tensor-core body for bf16 / f16, G <= 8, D 64 or 128.
 #pragma once
 #include "common.cuh"
 
@@ -224,7 +227,7 @@ struct Warp {
     }
 };
 
-// Tensor-core path (bf16 / f16, G <= 8 query heads, D a multiple of 64): one warp takes BR cache rows
+// Tensor-core path (bf16 / f16, G <= 8 query heads, D 64 or 128): one warp takes BR cache rows
 // a step (16 for D = 64, 8 for D = 128: 4 KB of K and V a warp), straight from global memory into
 // registers with 16-byte loads, and runs them on mma.sync (PTX ISA fragments; g = lane / 4, t = lane % 4):
 //   S = Q K^T   m16n8k16: A = q (rows: the G heads, zero beyond), B = K (n: a cache row; each lane's
@@ -236,7 +239,9 @@ struct Warp {
 //               2 * mt, row g + 8 <-> + 1), B = P^T (k: cache rows, n: heads), which is exactly S's C
 //               fragment: no shuffle between the two products; O^T needs no padding (n = 8 heads).
 // Each warp keeps its online-softmax state (per head row: max in the log2 domain, sum) and O^T in
-// registers; the warps' states combine through shared memory as the other paths'.
+// registers; the warps' states combine through shared memory as the other paths'. P is rounded to T
+// for the P.V product (as flash attention does) while the sums add it in f32: the CPU definition
+// keeps P in f32 throughout, so the two agree to T's rounding, not bit for bit.
 template <class T> __device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
                                                               unsigned a3, unsigned b0, unsigned b1) {
     if constexpr (SameType<T, __nv_bfloat16>::value)
@@ -302,6 +307,7 @@ __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0
     constexpr int VR = BR / 4;            // cache rows of V a lane loads: 2t, 2t+1 (+ 8)
     constexpr int VC = D / 64;            // 16-byte chunks of each
     constexpr int MT = D / 16;            // m16 tiles of O^T
+    static_assert(MEGA_WARPS * G * (D + 2) * 4 <= MEGA_SMEM, "attention (mma): warp states do not fit in shared memory");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const float scale2 = scale * LOG2E;
     const uint4 z = make_uint4(0, 0, 0, 0);

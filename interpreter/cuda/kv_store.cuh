@@ -1,4 +1,4 @@
-// kv_store: cache[slot[i], c0, pos[i], :] = new[i, c0, :] for every row i < n (blockops/kv_store.py).
+// kv_store: cache[slot[i], c0, pos[i], :] = new[i, c0, :] for the instance's rows i (blockops/kv_store.py).
 // A slot or position outside the cache reports MEGA_ERR_INDEX (detail: the value) and writes
 // nothing for that row.
 #pragma once

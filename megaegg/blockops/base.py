@@ -188,8 +188,9 @@ class BlockKind:
     # waits itself, after issuing the loads that need no input (weights): they overlap the
     # hand-off from the previous op. Else the interpreter waits before calling the body.
     waits_in_body: ClassVar[bool] = False
-    # Instances whose write footprints overlap hand the region to the last of them to finish (an
-    # arrival counter in the body, attn_partial_merge): it is ready once all of them have run.
+    # Instances whose write footprints overlap share the region, ready once all of them have run: the
+    # last to finish writes it (an arrival counter in the body: attn_partial_merge), or each writes its
+    # own data-dependent part of a declared hull (kv_store's row tiles of one head).
     last_writer: ClassVar[bool] = False
     # Instances add into their output, an f32 ``accum`` sum that every launch zeroes (glu_down): a test
     # of the body starts the output at 0 (not NaN: NaN + x compares equal to NaN + y and would pass).

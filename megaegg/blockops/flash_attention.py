@@ -1,5 +1,5 @@
 """ragged_flash: ragged attention over a prompt on tensor cores (``interpreter/cuda/flash.cuh``), the
-prompt-side alternative to ``ragged_partial`` + ``ragged_merge`` (``ragged_attention.py``).
+prompt-side alternative to ``ragged_partial_merge`` (``ragged_attention.py``).
 
 Instance ``(i, h)``: the ``BT = 128 // G`` rows ``[i*BT, i*BT + BT)`` of ``q [N, Hq, D]`` and the ``G``
 query heads of KV head ``h``, 128 (row, head) pairs sharing K/V. Row ``r`` attends cache rows ``[0,

@@ -86,7 +86,7 @@ class KvStore(BlockKind):
 
 @term
 class KvStoreHeadsTerm(Term):
-    """New KV rows written into the cache in place, one head per instance."""
+    """New KV rows written into the cache in place, a head of 64 rows per instance."""
 
     name = "kv_store_heads"
     fields = fields("node:node")
@@ -100,7 +100,7 @@ class KvStoreHeadsTerm(Term):
 @term
 class KvStoreRopeTerm(Term):
     """The ``kv_store`` node ``store`` of the RoPE node ``rope`` (at positions from its i32 tensor) of
-    ``x`` [after a per-row RMSNorm(``g``)]: the rows rotated as they are stored, one head per instance."""
+    ``x`` [after a per-row RMSNorm(``g``)]: the rows rotated as they are stored, a head of 64 rows per instance."""
 
     name = "kv_store_rope"
     fields = fields("x:ref g:ref eps:float rope:node store:node")

@@ -69,7 +69,8 @@ class RaggedPartialMerge(BlockKind):
 
     def cpu(self, op, env, ins, out):
         # every split computes its (row, KV head)'s result, as the splits' partials then their merge (the
-        # simulator lets readers in once all of them have run)
+        # simulator lets readers in once all of them have run); P in f32 (the tensor-core body rounds it
+        # to T for P.V: agreement to T's rounding)
         q, kc, vc, pos, slot = ins[:5]
         p = op.params
         i, h = env["_i0"], env["_i1"]
@@ -84,7 +85,8 @@ class RaggedPartialMerge(BlockKind):
         q, kc = op.inputs[0], op.inputs[1]
         n, length = q.shape[0].eval(env), min(kc.shape[2].value, op.params["length"].eval(env))
         hq, d = q.shape[1].value, q.shape[2].value
-        partials = 2 * n * hq * op.params["splits"].eval(env) * (d + 2) * 4  # written, then read by the merge
+        splits = op.params["splits"].eval(env)  # (one split: the output straight from the block, no partials)
+        partials = 2 * n * hq * splits * (d + 2) * 4 if splits > 1 else 0  # written, then read by the merge
         # (at most: rows attend less)
         return n * 2 * kc.shape[1].value * length * d * kc.dtype.itemsize + 2 * n * hq * d * q.dtype.itemsize + partials
 
