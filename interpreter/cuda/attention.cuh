@@ -15,8 +15,8 @@
 // Otherwise (any strides) a generic body, a row at a time (partial_generic).
 // Measured (H200, bf16, G=4, L=32768, persistent): D=128 1.7 TB/s at chunk 256, 2.0-2.1 at
 // chunk 1024; D=64 1.2 / 1.5. It is instruction-bound (ncu: 55% issue slots, 2 warps per
-// scheduler), not bandwidth-bound. attn_partial<T, D, G, MMA = true> (the ragged op's) runs
-// q.K and p.V on tensor cores instead where MmaPath allows (partial_mma, below).
+// scheduler), not bandwidth-bound. The ragged op runs q.K and p.V on tensor cores instead where
+// MmaPath allows (partial_mma, below).
 //
 // attn_merge<T, D>: instance c0 combines the ceil(L/chunk) splits of query heads
 // [c0*rows_per, min(c0*rows_per + rows_per, Hq)): out[h] = T(num / den), one warp a head.
@@ -242,23 +242,6 @@ struct Warp {
 // registers; the warps' states combine through shared memory as the other paths'. P is rounded to T
 // for the P.V product (as flash attention does) while the sums add it in f32: the CPU definition
 // keeps P in f32 throughout, so the two agree to T's rounding, not bit for bit.
-template <class T> __device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
-                                                              unsigned a3, unsigned b0, unsigned b1) {
-    if constexpr (SameType<T, __nv_bfloat16>::value)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-template <class T> __device__ __forceinline__ void mma_1688(float (&d)[4], unsigned a0, unsigned a1, unsigned b0) {
-    if constexpr (SameType<T, __nv_bfloat16>::value)
-        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(b0));
-    else
-        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(b0));
-}
 template <class T> __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     T v[2] = {from_f32<T>(lo), from_f32<T>(hi)};
     return *reinterpret_cast<const unsigned*>(v);
@@ -351,7 +334,7 @@ __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0
             sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
 #pragma unroll
             for (int j = 0; j < KS; ++j)
-                mma_16816<T>(sc[nt], qa[j][0], 0u, qa[j][1], 0u, word(st.k[nt][j / 2], 2 * (j % 2)),
+                mma16816<T>(sc[nt], qa[j][0], 0u, qa[j][1], 0u, word(st.k[nt][j / 2], 2 * (j % 2)),
                              word(st.k[nt][j / 2], 2 * (j % 2) + 1));
         }
         float mx = MEGA_NEG_INF;  // head g's scores (log2 domain) of cache rows r0 + nt * 8 + 2t (+1)
@@ -388,9 +371,9 @@ __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0
             if constexpr (NTS == 2) {
                 const unsigned lo8 = __byte_perm(word(st.v[2][c], w), word(st.v[3][c], w), 0x5410);  // rows 2t+8, 2t+9
                 const unsigned hi8 = __byte_perm(word(st.v[2][c], w), word(st.v[3][c], w), 0x7632);
-                mma_16816<T>(o[mt], lo, hi, lo8, hi8, pb[0], pb[NTS - 1]);
+                mma16816<T>(o[mt], lo, hi, lo8, hi8, pb[0], pb[NTS - 1]);
             } else {
-                mma_1688<T>(o[mt], lo, hi, pb[0]);
+                mma1688<T>(o[mt], lo, hi, pb[0]);
             }
         }
     };
@@ -569,7 +552,7 @@ __device__ __forceinline__ bool attn_vec_ok(Mat<const T> q, Ten3<const T> kc, Te
            ((vc.s1 * bytes) & 15) == 0;
 }
 
-template <class T, int D, int G, bool MMA = false>
+template <class T, int D, int G>
 __device__ __noinline__ void attn_partial(char* smem, Mat<const T> q, Ten3<const T> kc, Ten3<const T> vc, long long L,
                                           long long chunk, float scale, Mat<float> part, long long c0, long long c1) {
     in_global(q, kc, vc, part);
@@ -579,9 +562,7 @@ __device__ __noinline__ void attn_partial(char* smem, Mat<const T> q, Ten3<const
     const T* kh = kc.p + c0 * kc.s0;
     const T* vh = vc.p + c0 * vc.s0;
     if (attn_vec_ok(q, kc, vc, c0)) {
-        if constexpr (MMA && attn_impl::MmaPath<T, D, G>::ok)
-            attn_impl::partial_mma<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);
-        else if constexpr (P::STAGES >= 2)
+        if constexpr (P::STAGES >= 2)
             attn_impl::partial_async<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);
         else
             attn_impl::partial_regs<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);
@@ -706,18 +687,21 @@ __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, T
     if (!ragged_row_ok(p, min_i64(max_len, length), s, slots)) return;
     const long long chunk = (length + splits - 1) / splits, nsplit = (p + chunk) / chunk;  // ceil((p + 1) / chunk)
     if (c2 >= nsplit) return;  // past the row's length: no work, no arrival
-    if constexpr (attn_impl::MmaPath<T, D, G>::ok) {
-        if (nsplit == 1 && attn_vec_ok(q.at(c0), kc.at(s), vc.at(s), c1) && out.s2 == 1) {  // the row's only split
-            const Mat<const T> qr = q.at(c0);
-            const Ten3<const T> kr = kc.at(s), vr = vc.at(s);
-            attn_impl::partial_mma<T, D, G>(shared_ptr(smem), qr.p, qr.s0, kr.p + c1 * kr.s0, kr.s1, vr.p + c1 * vr.s0,
-                                            vr.s1, 0, p + 1, scale, nullptr, 0, 0, c1, 0, out.p + c0 * out.s0, out.s1);
-            return;
-        }
-    }
+    const Mat<const T> qr = q.at(c0);
+    const Ten3<const T> kr = kc.at(s), vr = vc.at(s);
     const long long hs = splits * (D + 2);  // a query head's partials
     const Mat<float> pr{part + c0 * Hkv * G * hs, hs, D + 2};
-    attn_partial<T, D, G, true>(smem, q.at(c0), kc.at(s), vc.at(s), p + 1, chunk, scale, pr, c1, c2);
+    const bool mma = attn_impl::MmaPath<T, D, G>::ok && attn_vec_ok(qr, kr, vr, c1) && out.s2 == 1;
+    if constexpr (attn_impl::MmaPath<T, D, G>::ok) {
+        if (mma) {  // the row's only split writes its output from the block's combine; else its partials
+            const bool only = nsplit == 1;
+            attn_impl::partial_mma<T, D, G>(shared_ptr(smem), qr.p, qr.s0, kr.p + c1 * kr.s0, kr.s1, vr.p + c1 * vr.s0,
+                                            vr.s1, c2 * chunk, min_i64(c2 * chunk + chunk, p + 1), scale,
+                                            only ? nullptr : pr.p, pr.s0, pr.s1, c1, c2, out.p + c0 * out.s0, out.s1);
+            if (only) return;
+        }
+    }
+    if (!mma) attn_partial<T, D, G>(smem, qr, kr, vr, p + 1, chunk, scale, pr, c1, c2);
     mega_sync();  // every thread's partial stores before thread 0's arrival
     if (threadIdx.x == 0) {
         unsigned before;

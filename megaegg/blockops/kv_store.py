@@ -14,10 +14,8 @@ RMSNorm before it (qwen3's k norm): the K projection's rows go into the cache wi
 
 from __future__ import annotations
 
-import torch
-
 from ..dims import ceildiv
-from .base import BlockKind, Partition, Term, c_call, f32, fields, no_view, register, rms_normed, term
+from .base import NONE, BlockKind, Partition, Term, c_call, f32, fields, no_view, register, rms_normed, term
 from ..ir.footprint import Full, Tile
 from .rope import rotated
 
@@ -108,15 +106,15 @@ class KvStoreRopeTerm(Term):
     def refs(self, graph, args):
         r, s = graph.nodes[args["rope"]], graph.nodes[args["store"]]
         cache, _new, pos, slot = s.inputs
-        return tuple(i for i in (args["x"], args["g"], r.inputs[1], r.inputs[2], cache, pos, slot) if i >= 0)
+        return tuple(i for i in (args["x"], args["g"], r.inputs[1], r.inputs[2], cache, pos, slot) if i != NONE)
 
     def lower(self, b, value, args):
         r, s = b.graph.nodes[args["rope"]], b.graph.nodes[value]
         _cache, _new, pos, slot = s.inputs
         operands = {"new": args["x"], "pos": pos, "slot": slot, "inv_freq": r.inputs[1], "pos_ids": r.inputs[2],
                     "g": args["g"]}
-        present = tuple(k for k, v in operands.items() if v >= 0)
+        present = tuple(k for k, v in operands.items() if v != NONE)
         inputs = [b.flat(b.operand(operands[k])) if k in ("pos", "slot", "pos_ids") else b.operand(operands[k])
                   for k in present]
         params = {"roles": present, "eps": args["eps"]}
-        b.emit("kv_store", b.absorbed(value, {v for v in operands.values() if v >= 0}), inputs, b.operand(value), params)
+        b.emit("kv_store", b.absorbed(value, {v for v in operands.values() if v != NONE}), inputs, b.operand(value), params)
