@@ -315,7 +315,8 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
     ]
     # batches and prompts: several x rows per matvec instance (tensor cores for bf16 / f16), the KV rows
     # of many sequences, attention over each row's own slot, sampling
-    mr = lambda k, norm: runtime_mrows(k, T, norm=norm)  # noqa: E731 - as the lowering picks it
+    def mr(k, norm, rows=None, gated=False):  # as the lowering picks it
+        return runtime_mrows(k, T, norm=norm, rows=rows, gated=gated)
     length = as_dim(1024)
     c["batch"] = [
         ("rows_norm_glu", "matvec", [Arg((16, 2048), T), Arg((8192, 2048), T), Arg((8192, 2048), T), Arg((2048,), T)],
@@ -325,6 +326,22 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
          {"rows": 16, "mrows": mr(8192, False), "m_last": True, "roles": ("x", "w", "r"), "eps": 0.0}),
         ("rows_norm_qkv", "matvec", [Arg((16, 4096), T), Arg((1024, 4096), T), Arg((4096,), T)], Arg((16, 1024), T),
          {"rows": 24, "mrows": mr(4096, True), "m_last": True, "roles": ("x", "w", "g"), "eps": 1e-6}),
+        # wide tiles of 64 x rows (their few-rows case runs the staged body above): llama's gated MLP and
+        # down projection, qwen3-8b's k projection (norm at K = 4096) and gated MLP (96 rows a tile)
+        *([] if T == f32 else [
+            ("rows_wide_norm_glu", "matvec", [Arg((64, 2048), T), Arg((8192, 2048), T), Arg((8192, 2048), T),
+                                              Arg((2048,), T)], Arg((64, 8192), T),
+             {"rows": 64, "mrows": mr(2048, True, 64, True), "m_last": True, "roles": ("x", "w", "w2", "g"), "eps": 1e-5}),
+            ("rows_wide_res_k8192", "matvec", [Arg((64, 8192), T), Arg((2048, 8192), T), Arg((64, 2048), T)],
+             Arg((64, 2048), T), {"rows": 16, "mrows": mr(8192, False, 16), "m_last": True, "roles": ("x", "w", "r"),
+                                  "eps": 0.0}),
+            ("rows_wide_norm_k4096", "matvec", [Arg((64, 4096), T), Arg((1024, 4096), T), Arg((4096,), T)],
+             Arg((64, 1024), T), {"rows": 32, "mrows": mr(4096, True, 32), "m_last": True, "roles": ("x", "w", "g"),
+                                  "eps": 1e-6}),
+            ("rows_wide_glu96", "matvec", [Arg((64, 4096), T), Arg((12288, 4096), T), Arg((12288, 4096), T)],
+             Arg((64, 12288), T), {"rows": 96, "mrows": mr(4096, False, 96, True), "m_last": True,
+                                   "roles": ("x", "w", "w2"), "eps": 0.0}),
+        ]),
         ("kv_store", "kv_store", [Arg((6, 8, 64), T), Arg((6,), i32), Arg((6,), i32)], Arg((4, 8, 1024, 64), T), {}),
         ("kv_store_rope", "kv_store", [Arg((6, 8, 128), T), Arg((6,), i32), Arg((6,), i32), Arg((64,), f32),
                                        Arg((6,), i32), Arg((128,), T)], Arg((4, 8, 1024, 128), T),
@@ -597,6 +614,23 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
                                             Arg((7, 40, 128), T), Arg((7, 40, 128), T)], Arg((1, 128), f32),
          {"rows": 16, "roles": ("x", "logits", "w", "w2", "wd"), "eps": 0.0, "top_k": 2, "normalize": False}, {}),
         ("acc_residual", "acc_residual", [Arg((1, 3000), T), Arg((1, 3000), f32)], Arg((1, 3000), T), {"tile": 1024}, {}),
+        # a runtime M's tiles of 64 x rows (matvec_wide.cuh), ragged in x rows and weight rows: two tiles
+        # (64 + 36 rows) gated with the norm, one of 40 rows with the residual (24-row tiles: half a
+        # group padded), K = 4096's norm (its staged body takes 8 rows), and 10 rows (the staged body)
+        *([] if T == f32 else [
+            ("mv_wide_norm_glu", "matvec", [Arg((100, 512), T), Arg((300, 512), T), Arg((300, 512), T), Arg((512,), T)],
+             Arg((100, 300), T), {"rows": 64, "mrows": 64, "m_last": True, "roles": ("x", "w", "w2", "g"), "eps": 1e-5},
+             {}),
+            ("mv_wide_res", "matvec", [Arg((40, 1024), T, strides=(1032, 1)), Arg((200, 1024), T), Arg((40, 200), T)],
+             Arg((40, 200), T), {"rows": 24, "mrows": 64, "m_last": True, "roles": ("x", "w", "r"), "eps": 0.0}, {}),
+            ("mv_wide_half", "matvec", [Arg((20, 1024), T), Arg((200, 1024), T), Arg((20, 200), T)],  # 32-row stages
+             Arg((20, 200), T), {"rows": 16, "mrows": 64, "m_last": True, "roles": ("x", "w", "r"), "eps": 0.0}, {}),
+            ("mv_wide_norm_k4096", "matvec", [Arg((30, 4096), T), Arg((96, 4096), T), Arg((4096,), T)],
+             Arg((30, 96), T), {"rows": 32, "mrows": 64, "m_last": True, "roles": ("x", "w", "g"), "eps": 1e-6}, {}),
+            ("mv_wide_few_rows", "matvec", [Arg((10, 512), T), Arg((300, 512), T), Arg((512,), T), Arg((10, 300), T)],
+             Arg((10, 300), T), {"rows": 96, "mrows": 64, "m_last": True, "roles": ("x", "w", "g", "r"), "eps": 1e-5},
+             {}),
+        ]),
         ("mv_sum_norm", "matvec", [Arg((1, 1024), T), Arg((300, 1024), T), Arg((1024,), T), Arg((1, 1024), f32)],
          Arg((1, 300), T), {"rows": 24, "mrows": 1, "roles": ("x", "w", "g", "xa"), "eps": 1e-5}, {}),
         ("mv_sum_res", "matvec", [Arg((1, 512), T), Arg((200, 512), T), Arg((1, 200), T), Arg((1, 200), f32)],

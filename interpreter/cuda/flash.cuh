@@ -24,24 +24,10 @@ namespace flash_detail {
 constexpr int ROWS = 128;  // tile rows: 8 warps x m16
 constexpr int BLOCK = 64;  // cache rows a K/V block
 
-__device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+__device__ __forceinline__ void mma16816a(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    mma16816<__nv_bfloat16>(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -193,8 +179,8 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
                         const int mi = lane >> 3, row = 8 * (j + (mi >> 1)) + (lane & 7), col = 16 * kk + 8 * (mi & 1);
                         unsigned kb4[4];
                         ldmatrix_x4(kb4, kb + row * LD + col);
-                        mma16816(sc[j], qa[kk], kb4[0], kb4[1]);
-                        mma16816(sc[j + 1], qa[kk], kb4[2], kb4[3]);
+                        mma16816a(sc[j], qa[kk], kb4[0], kb4[1]);
+                        mma16816a(sc[j + 1], qa[kk], kb4[2], kb4[3]);
                     }
                 }
                 // mask (past the row's position, or not this pass's row) and the running max
@@ -249,8 +235,8 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
                         const int mi = lane >> 3, row = 16 * kk + 8 * (mi & 1) + (lane & 7), col = 16 * dp + 8 * (mi >> 1);
                         unsigned vb4[4];
                         ldmatrix_x4_trans(vb4, vb + row * LD + col);
-                        mma16816(o[2 * dp], pa, vb4[0], vb4[1]);
-                        mma16816(o[2 * dp + 1], pa, vb4[2], vb4[3]);
+                        mma16816a(o[2 * dp], pa, vb4[0], vb4[1]);
+                        mma16816a(o[2 * dp + 1], pa, vb4[2], vb4[3]);
                     }
                 }
             }

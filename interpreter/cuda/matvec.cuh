@@ -42,6 +42,7 @@
 #include "common.cuh"
 
 #define MEGA_SMEM_RESERVED 4096  // the top of dynamic shared memory: epilogue tiles (matvec_heads)
+#define MEGA_WIDE_M 64  // x rows of a runtime M's wide tile (matvec_wide.cuh)
 
 
 namespace matvec_impl {
@@ -710,6 +711,8 @@ __device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, M
 
 }  // namespace matvec_impl
 
+#include "matvec_wide.cuh"
+
 namespace matvec_impl {
 
 // Which body an instance of this shape runs: tensor cores for x rows in tiles of 8, else the
@@ -778,6 +781,32 @@ __device__ __noinline__ void matvec_fixed_rows(char* smem, const T* xp, long lon
     }
 }
 
+// A wide tile (matvec_wide.cuh) of 64 x rows, mvalid of them valid.
+template <class T, int K, int ROWS, bool HAS_NORM, bool HAS_GLU, bool HAS_RES>
+__device__ __noinline__ void matvec_wide_rows(char* smem, const T* xp, long long x_s0, long long x_s1, const T* gp,
+                                              long long g_s0, float eps, const T* wp, long long w_s0, long long w_s1,
+                                              const T* w2p, long long w2_s0, long long w2_s1, const T* rp,
+                                              long long r_s0, long long r_s1, T* outp, long long out_s0,
+                                              long long out_s1, long long N, long long n_tile, long long mvalid,
+                                              const MegaWaits wl) {
+    const Mat<const T> x{xp, x_s0, x_s1}, w{wp, w_s0, w_s1}, w2{w2p, w2_s0, w2_s1}, r{rp, r_s0, r_s1};
+    const Vec<const T> g{gp, g_s0};
+    const Mat<T> out{outp, out_s0, out_s1};
+    smem = shared_ptr(smem);
+    // contiguous 16-byte aligned rows (the compiler's operands are): anything else is reported
+    const bool rows_ok = vec_rows_ok(w.p, w.s0, w.s1, K) && (!HAS_GLU || vec_rows_ok(w2.p, w2.s0, w2.s1, K)) &&
+                         vec_rows_ok(x.p, x.s0, x.s1, K) && (!HAS_NORM || (g.s0 == 1 && aligned16(g.p)));
+    if (!rows_ok) {
+        if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
+        mega_wait_all(wl);
+        return;
+    }
+    if (mvalid <= 32)  // half a tile: a ring of 32-row stages holds twice as many
+        run_wide<T, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, 32>(smem, x, g, eps, w, w2, r, out, N, n_tile, wl, (int)mvalid);
+    else
+        run_wide<T, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, 64>(smem, x, g, eps, w, w2, r, out, N, n_tile, wl, (int)mvalid);
+}
+
 }  // namespace matvec_impl
 
 // One instance: rows [n_tile*ROWS, min(n_tile*ROWS + ROWS, N)) of out[M, N], x, r, xa, ra and out
@@ -791,7 +820,20 @@ __device__ __forceinline__ void matvec(char* smem, Mat<const T> x, Vec<const T> 
     static_assert(M >= 1 && K >= 1 && ROWS >= 1, "matvec: bad shape");
 #define MEGA_MATVEC_FIELDS x.p, x.s0, x.s1, g.p, g.s0, eps, w.p, w.s0, w.s1, w2.p, w2.s0, w2.s1, r.p, r.s0, r.s1, xa.p, \
     xa.s0, xa.s1, ra.p, ra.s0, ra.s1, out.p, out.s0, out.s1
-    if constexpr (matvec_impl::use_mma<T, M, K, SUMS>())
+    if constexpr (M == MEGA_WIDE_M) {  // a runtime M's wide tile (megaegg/blockops/matvec.py: WIDE_MROWS)
+        static_assert(matvec_impl::wide_fits<T, K, ROWS, HAS_GLU>() && !SUMS, "matvec: a wide tile of this shape");
+        constexpr int MS = matvec_impl::staged_rows<T, K, HAS_NORM>();
+        if constexpr (MS > 0) {
+            if (mvalid <= MS) {  // few rows: the staged body, as a tile of MS rows
+                matvec_impl::matvec_fixed_rows<T, MS, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(smem, MEGA_MATVEC_FIELDS, N,
+                                                                                              n_tile, mvalid, wl);
+                return;
+            }
+        }
+        matvec_impl::matvec_wide_rows<T, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES>(
+            smem, x.p, x.s0, x.s1, g.p, g.s0, eps, w.p, w.s0, w.s1, w2.p, w2.s0, w2.s1, r.p, r.s0, r.s1, out.p, out.s0,
+            out.s1, N, n_tile, mvalid, wl);
+    } else if constexpr (matvec_impl::use_mma<T, M, K, SUMS>())
         matvec_impl::matvec_fixed_rows<T, M, K, ROWS, HAS_NORM, HAS_GLU, HAS_RES, SUMS>(smem, MEGA_MATVEC_FIELDS, N, n_tile,
                                                                                      mvalid, wl);
     else

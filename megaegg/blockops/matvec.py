@@ -1,9 +1,11 @@
 """matvec: ``out[M, N] = x[M, K] @ w[N, K]^T``; instance ``(i, j)`` computes rows
 ``[i*mrows, (i+1)*mrows)`` of x against ``rows`` rows ``[j*rows, ...)`` of ``w``.
 ``mrows`` is M itself when M is a constant (decode: M = 1). A runtime M (a batch, a prompt)
-is tiled by ``mrows`` rows (16 on tensor cores for bf16 / f16, else as many as 32 KB of x allows, up
-to 8; the last tile is ragged, masked) with the weight tiles outermost (``m_last``: grid ``(N tiles, M tiles)``), so that the
-instances reading one weight tile run back to back and it streams from HBM about once.
+is tiled by ``mrows`` rows (``runtime_mrows``: 64 on tensor cores for bf16 / f16, a tile of at most 16
+valid rows taking the staged body and more the wide one, matvec_wide.cuh; else as many as 32 KB of x
+allows, up to 8; the last tile is ragged, masked) with the weight tiles outermost (``m_last``: grid
+``(N tiles, M tiles)``), so that the instances reading one weight tile run back to back and it streams
+from HBM about once.
 
 Fusion options (operand roles in ``params["roles"]``): ``g`` an RMSNorm prologue on
 ``x`` (weight ``g[K]``, ``eps``); ``w2`` a gated pair, ``out = silu(x w^T) * (x w2^T)``;
@@ -135,6 +137,17 @@ class MatVec(BlockKind):
         sums = 4 * (m * k_dim * n_tiles * ("xa" in k) + m * n * ("ra" in k))
         return w_bytes + x_bytes + m * n * item * (2 if "r" in k else 1) + sums
 
+    def flops(self, op, env):
+        """A runtime M's tensor-core products (x rows in tiles of 8), priced at twice their count: mma.sync
+        runs at about half the rate of the gemm tiles' wgmma that the cost model's ``tensor_flops`` is."""
+        p = op.params
+        if not p.get("m_last") or p["mrows"] not in (MMA_MROWS, WIDE_MROWS) or op.output.dtype.name not in ("bf16", "f16"):
+            return 0.0
+        k = roles(op)
+        k_dim = op.inputs[k["w"]].shape[1].value
+        m, n = op.output.shape[0].eval(env), op.output.shape[1].eval(env)
+        return MMA_SYNC_COST * 2.0 * (-(-m // 8) * 8) * n * k_dim * (2 if "w2" in k else 1)
+
 
 MAX_MATVEC_M = 16  # x rows one matvec instance handles (decode has 1)
 RUNTIME_M_BYTES = 32 * 1024  # x staged per instance, at most, when M is a runtime dim
@@ -148,12 +161,23 @@ def grid_axes(params) -> tuple[int, int]:
 RUNTIME_MROWS = 8  # (16: the gated body spills 4 KB a thread and NVRTC takes minutes)
 MMA_MROWS = 16  # x rows per instance on tensor cores (matvec.cuh: run_mma, bf16 and f16)
 MMA_STAGE_BYTES = 80 * 1024  # x staged (RMSNorm prologue) for run_mma, at most
+WIDE_MROWS = 64  # x rows of a wide tile (matvec_wide.cuh: both operands through a cp.async ring)
+MMA_SYNC_COST = 2.0  # a tensor-core matvec's FLOPs priced as this many of the gemm tile's (MatVec.flops)
 
 
-def runtime_mrows(k_dim: int, dtype, *, norm: bool) -> int:
-    """x rows per instance for a runtime M: 16 on tensor cores (bf16 / f16, K a multiple of 32, a
-    normalised x staged within MMA_STAGE_BYTES); else a power of two up to RUNTIME_MROWS within
-    RUNTIME_M_BYTES (CUDA cores, x staged)."""
+def wide_fits(k_dim: int, dtype, rows: int, *, gated: bool) -> bool:
+    """Whether a runtime M's tile can be wide (matvec_wide.cuh: wide_fits): tensor cores, K in stages of
+    64, and a warp's accumulators (one fragment per 16 weight rows, twice when gated) within 64 floats."""
+    return dtype.name in ("bf16", "f16") and k_dim % 64 == 0 and -(-rows // 16) * (2 if gated else 1) <= 16
+
+
+def runtime_mrows(k_dim: int, dtype, *, norm: bool, rows: int | None = None, gated: bool = False) -> int:
+    """x rows per instance for a runtime M: a wide tile of 64 where one fits a tile of ``rows`` weight rows
+    (None: no wide tile; its body hands 16 valid rows or fewer to the staged one, matvec.cuh: matvec);
+    else 16 on tensor cores (bf16 / f16, K a multiple of 32, a normalised x staged within
+    MMA_STAGE_BYTES); else a power of two up to RUNTIME_MROWS within RUNTIME_M_BYTES (CUDA cores)."""
+    if rows is not None and wide_fits(k_dim, dtype, rows, gated=gated):
+        return WIDE_MROWS
     item = dtype.itemsize
     if dtype.name in ("bf16", "f16") and k_dim % 32 == 0:
         for m in (MMA_MROWS, 8):
@@ -176,6 +200,20 @@ class MatVecTerm(Term):
 
     def siblings(self, args):
         return ("matvec", args["x"], args["g"], args["eps"], args["xa"])
+
+    def fits(self, graph, args) -> bool:
+        """No RMSNorm prologue on a runtime M's wide tile whose staged body takes fewer than 16 normalised
+        rows (K past ~5000): 9-16 rows would run on the wide tile, slower there than 16 staged rows after
+        an rms_norm op (qwen3-8b batch 16: 7.89 against 7.24 ms, docs/perf-notes.md #79)."""
+        if args["g"] == NONE:
+            return True
+        x = graph.nodes[args["x"]]
+        lead, k = x.shape[:-1], x.shape[-1]
+        if not k.is_const or all(d.is_const for d in lead):
+            return True
+        item = x.dtype.itemsize
+        return not (wide_fits(k.value, x.dtype, args["rows"], gated=args["w2"] != NONE)
+                    and MMA_MROWS * (k.value + 8) * item > MMA_STAGE_BYTES)
 
     def lower(self, b, value, args):
         lower_matvec(b, value, {r: args[r] for r in ("x", "w", "w2", "g", "r")}, args, transpose_w=False)
@@ -210,6 +248,9 @@ def lower_matvec(b, value: int, operands: dict, args, *, transpose_w: bool) -> N
         params["mrows"] = m.value
     else:  # a batch or a prompt: tiles of x rows, the weight tiles outermost
         x = inputs[present.index("x")]
-        params.update(mrows=runtime_mrows(x.shape[1].value, x.dtype, norm="g" in present), m_last=True)
+        # (no wide tile with f32 sums: neither tensor-core body reads them)
+        rows = None if sums else args["rows"]
+        params.update(mrows=runtime_mrows(x.shape[1].value, x.dtype, norm="g" in present, rows=rows,
+                                          gated="w2" in present), m_last=True)
     reads = {v for v in operands.values() if v != NONE} | {args[k] for k in sums}
     b.emit("matvec", b.absorbed(value, reads), inputs, out, params)

@@ -161,12 +161,13 @@ def test_tensor_core_tiles_read_a_callers_tensor():
     changed): three calls with different tensors and row counts."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     g = me.Graph("gemm_input")
-    g.output("y", me.linear(g.input("x", [N, 256], me.bf16), g.weight("w", [384, 256], me.bf16)))
-    w = {"w": rand([384, 256], me.bf16, gen)}
+    # (a shape the cost model gives to gemm tiles at 1024 rows; smaller ones go to wide matvec tiles)
+    g.output("y", me.linear(g.input("x", [N, 1024], me.bf16), g.weight("w", [2048, 1024], me.bf16)))
+    w = {"w": rand([2048, 1024], me.bf16, gen)}
     k = me.compile(g, w, backend="cuda", max_dims={"n": 1024}, dims_hint={"n": 1024})
     assert [e.op.kind for e in k.queue.entries] == ["gemm"]
     for n in (1000, 129, 1000):
-        xs = rand([n, 256], me.bf16, gen)
+        xs = rand([n, 1024], me.bf16, gen)
         assert rel(k(x=xs, n=n)["y"], xs.float() @ w["w"].float().T) < 1e-2, n
 
 
