@@ -1,7 +1,8 @@
 """megaegg: compile a whole model forward pass into one persistent CUDA kernel.
 
 Build a :class:`Graph` of tensor ops over symbolic dims, check it with
-:func:`run_reference`, and compile it with :func:`compile`.
+:func:`run_reference`, and compile it with :func:`compile`; or take a PyTorch module or function
+through ``torch.export`` with :func:`from_torch`.
 """
 
 from .dims import Dim, ceildiv, dmax, dmin, sym
@@ -13,10 +14,12 @@ from .ops import (
 )
 from .reference import run_reference, run_reference_ranks
 from .compiler import Artifact, Kernel, compile
+from .frontend import from_torch
 
 __all__ = [
     "Dim", "ceildiv", "dmax", "dmin", "sym", "DType", "bf16", "f16", "f32", "i32", "Graph", "GraphError",
     "ShapeError", "Tensor", "add", "all_gather", "all_reduce", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
     "kv_store", "linear", "matmul", "moe_mlp", "mul", "permute", "ragged_attention", "reshape", "rms_norm", "rope",
     "rope_inv_freq", "sample", "silu", "slice", "softmax", "transpose", "run_reference", "run_reference_ranks", "compile", "Kernel", "Artifact",
+    "from_torch",
 ]

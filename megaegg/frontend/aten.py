@@ -1,0 +1,170 @@
+"""The ATen ops ``from_torch`` takes: one entry an op, each building its megaegg ops (``megaegg/ops.py``).
+
+An entry is ``fn(t, node, args, kwargs) -> Tensor | None``: ``args`` / ``kwargs`` are the node's own,
+with its input nodes already replaced by their megaegg tensors; ``t.shape(node)`` is its result's shape
+as megaegg dims (``export.Translator``). ``None``: the op has no value (an assert).
+Adding an op: one entry here; where a pattern of ops should become a fused block op, a rewrite rule in
+``rewrite/rules.py`` (docs/frontend.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+
+from .. import ops
+from ..dtypes import DType, bf16, f16, f32, i32
+
+Entry = Callable[[Any, Any, list, dict], Any]
+
+
+class UnsupportedTorch(ValueError):
+    """What the frontend cannot translate: the op, and the source line it came from."""
+
+
+DTYPES: dict[torch.dtype, DType] = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32, torch.int32: i32,
+                                    torch.int64: i32}  # (int64 ids and positions run as i32)
+
+
+def dtype_of(t: torch.dtype, what: str) -> DType:
+    if t not in DTYPES:
+        raise UnsupportedTorch(f"{what}: dtype {t} is not supported (bf16, f16, f32, int32, int64)")
+    return DTYPES[t]
+
+
+def _padded(args: list, defaults: list) -> list:
+    """``args`` with the op's defaults for the positions not given (``defaults`` covers every position)."""
+    return list(args) + defaults[len(args):]
+
+
+def _only(name: str, given: Any, allowed: Any) -> None:
+    if given != allowed:
+        raise UnsupportedTorch(f"{name}={given!r} is not supported (only {allowed!r})")
+
+
+def _tensor(op: str, v: Any, what: str):
+    if not isinstance(v, ops.Tensor):
+        raise UnsupportedTorch(f"{op}: {what} must be a tensor, got {type(v).__name__} {v!r} (scalar operands are not supported)")
+    return v
+
+
+def _linear(t, node, args, kwargs):
+    x, w, bias = _padded(args, [None, None, None])
+    y = ops.linear(x, w)
+    return y if bias is None else ops.add(y, bias)
+
+
+def _rms_norm(t, node, args, kwargs):
+    x, shape, weight, eps = _padded(args, [None, None, None, None])
+    if list(shape) != [x.shape[-1].value if x.shape[-1].is_const else None]:
+        raise UnsupportedTorch(f"rms_norm over {list(shape)}: only the last dim ({x.shape[-1]}) is supported")
+    if weight is None:
+        raise UnsupportedTorch("rms_norm without a weight is not supported")
+    return ops.rms_norm(x, weight, float(torch.finfo(node.args[0].meta["val"].dtype).eps if eps is None else eps))
+
+
+def _add(t, node, args, kwargs):
+    a, b = _tensor("add", args[0], "a"), _tensor("add", args[1], "b")
+    _only("add: alpha", kwargs.get("alpha", 1), 1)
+    return ops.add(a, b)
+
+
+def _mul(t, node, args, kwargs):
+    return ops.mul(_tensor("mul", args[0], "a"), _tensor("mul", args[1], "b"))
+
+
+def _softmax(t, node, args, kwargs):
+    x, dim = args[0], args[1]
+    dtype = kwargs.get("dtype", args[2] if len(args) > 2 and not isinstance(args[2], bool) else None)
+    if dtype is not None:
+        x = _cast_to(x, dtype)
+    return ops.softmax(x, dim)
+
+
+def _cast_to(x, dtype: torch.dtype):
+    d = dtype_of(dtype, "cast")
+    return x if d == x.dtype else ops.cast(x, d)
+
+
+def _to(t, node, args, kwargs):
+    dtype = kwargs.get("dtype")
+    if dtype is None:
+        dtype = next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
+    return args[0] if dtype is None else _cast_to(args[0], dtype)
+
+
+def _reshape(t, node, args, kwargs):  # the result's own sizes: -1 and symbolic products already resolved
+    return ops.reshape(args[0], t.shape(node))
+
+
+def _slice(t, node, args, kwargs):
+    x, dim, start, end, step = _padded(args, [None, 0, None, None, 1])
+    _only("slice: step", step, 1)
+    d = dim % x.ndim
+    size = x.shape[d]
+    start = 0 if start is None else start
+    if end is None or (isinstance(end, int) and size.is_const and end >= size.value) or end == sys.maxsize:
+        end = size
+    if isinstance(start, int) and start < 0 or isinstance(end, int) and end < 0:
+        raise UnsupportedTorch("slice with a negative bound is not supported")
+    return ops.slice(x, d, start, end)
+
+
+def _argmax(t, node, args, kwargs):
+    x, dim, keepdim = _padded(args, [None, None, False])
+    if dim is None or keepdim:
+        raise UnsupportedTorch("argmax needs a dim and keepdim=False")
+    return ops.argmax(x, dim)
+
+
+def _identity(t, node, args, kwargs):
+    return args[0]
+
+
+def _dropout(t, node, args, kwargs):
+    if _padded(args, [None, 0.5, False])[2]:
+        raise UnsupportedTorch("dropout in training mode is not supported (call module.eval() before exporting)")
+    return args[0]
+
+
+def _nothing(t, node, args, kwargs):
+    return None
+
+
+ATEN: dict[str, Entry] = {
+    "aten.linear.default": _linear,
+    "aten.embedding.default": lambda t, node, args, kwargs: ops.embedding(args[0], args[1]),
+    "aten.rms_norm.default": _rms_norm,
+    "aten.silu.default": lambda t, node, args, kwargs: ops.silu(args[0]),
+    "aten.add.Tensor": _add,
+    "aten.mul.Tensor": _mul,
+    "aten.softmax.int": _softmax,
+    "aten._softmax.default": lambda t, node, args, kwargs: ops.softmax(args[0], args[1]),
+    "aten.matmul.default": lambda t, node, args, kwargs: ops.matmul(args[0], args[1]),
+    "aten.mm.default": lambda t, node, args, kwargs: ops.matmul(args[0], args[1]),
+    "aten.reshape.default": _reshape,
+    "aten.view.default": _reshape,
+    "aten._unsafe_view.default": _reshape,
+    "aten.unsqueeze.default": _reshape,
+    "aten.squeeze.dim": _reshape,
+    "aten.flatten.using_ints": _reshape,
+    "aten.transpose.int": lambda t, node, args, kwargs: ops.transpose(args[0], args[1], args[2]),
+    "aten.t.default": lambda t, node, args, kwargs: ops.transpose(args[0], 0, 1),
+    "aten.permute.default": lambda t, node, args, kwargs: ops.permute(args[0], args[1]),
+    "aten.slice.Tensor": _slice,
+    "aten.cat.default": lambda t, node, args, kwargs: ops.concat(args[0], (args + [0])[1]),
+    "aten.argmax.default": _argmax,
+    "aten.to.dtype": _to,
+    "aten.to.dtype_layout": _to,
+    "aten._to_copy.default": _to,
+    "aten.type_as.default": lambda t, node, args, kwargs: _cast_to(args[0], node.args[1].meta["val"].dtype),
+    "aten.contiguous.default": _identity,
+    "aten.clone.default": _identity,
+    "aten.alias.default": _identity,
+    "aten.detach.default": _identity,
+    "aten.dropout.default": _dropout,
+    "aten._assert_tensor_metadata.default": _nothing,
+}
+

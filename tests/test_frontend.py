@@ -1,0 +1,111 @@
+"""megaegg.from_torch: a module or function through torch.export into a kernel (simulator), against eager."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import megaegg as me
+from megaegg.frontend import ATEN, UnsupportedTorch
+
+
+class GatedBlock(nn.Module):
+    """Embedding, RMSNorm, a gated MLP with a residual, then a reshape, transpose and softmax in f32."""
+
+    def __init__(self, vocab=100, d=64, f=128):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norm = nn.RMSNorm(d, eps=1e-5)
+        self.gate, self.up, self.down = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        x = self.norm(h)
+        y = h + self.down(F.silu(self.gate(x)) * self.up(x))
+        return torch.softmax(y.reshape(-1, 4, 16).transpose(0, 1).float(), dim=-1)
+
+
+def close(got, want, tol=2e-2):
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape, got.dtype, want.dtype)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * max(1.0, want.float().abs().max().item()))
+
+
+def test_a_module_with_a_runtime_dim_matches_eager():
+    torch.manual_seed(0)
+    m = GatedBlock().to(torch.bfloat16).eval()
+    n = torch.export.Dim("n", min=1, max=64)
+    run = me.from_torch(m, (torch.randint(0, 100, (5,)),), dynamic_shapes=({0: n},), backend="sim")
+    assert "n" in run.graph.symbols()
+    for rows in (5, 13, 1):  # int64 ids, as torch makes them; other row counts than the example's
+        ids = torch.randint(0, 100, (rows,), generator=torch.Generator().manual_seed(rows))
+        close(run(ids), m(ids))
+    assert sorted(w for w in run.graph.weights) == sorted(["p_emb_weight", "p_norm_weight", "p_gate_weight",
+                                                           "p_up_weight", "p_down_weight"])
+
+
+def test_a_function_of_several_inputs_and_outputs():
+    def fn(a, b, w):
+        x = torch.cat([a, b], dim=1)  # [n, 96]
+        y = x[:, 16:80] @ w  # slice, matmul
+        return y.argmax(dim=-1), y.permute(1, 0).contiguous()
+
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(7, 32, generator=gen), torch.randn(7, 64, generator=gen)
+    w = torch.randn(64, 24, generator=gen)
+    n = torch.export.Dim("rows", min=2, max=32)
+    run = me.from_torch(fn, (a, b, w), dynamic_shapes=({0: n}, {0: n}, None), backend="sim")
+    for rows in (7, 20):
+        a, b = torch.randn(rows, 32, generator=gen), torch.randn(rows, 64, generator=gen)
+        got, want = run(a, b, w), fn(a, b, w)
+        assert isinstance(got, tuple) and len(got) == 2
+        assert torch.equal(got[0], want[0].to(torch.int32))
+        close(got[1], want[1], tol=1e-4)
+
+
+def test_a_linear_with_bias_and_a_static_shape():
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Linear(48, 8)).eval()
+    x = torch.randn(4, 32)
+    run = me.from_torch(m, (x,), backend="sim")
+    close(run(x), m(x), tol=1e-4)
+
+
+def test_an_unsupported_op_names_itself_and_its_source_line():
+    def fn(x):
+        return F.gelu(x) * 2.0  # (gelu: not in the table)
+
+    with pytest.raises(UnsupportedTorch, match=r"aten\.gelu\.default is not supported \(.*test_frontend\.py:\d+: return F\.gelu"):
+        me.from_torch(fn, (torch.randn(4, 8),), backend="sim")
+
+
+def test_a_scalar_operand_is_refused_with_the_op():
+    with pytest.raises(UnsupportedTorch, match=r"aten\.mul\.Tensor: mul: b must be a tensor"):
+        me.from_torch(lambda x: x * 2.0, (torch.randn(4, 8),), backend="sim")
+
+
+def test_mutated_state_is_refused():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("total", torch.zeros(8))
+
+        def forward(self, x):
+            self.total.add_(x.sum(0))
+            return x + self.total
+
+    with pytest.raises(UnsupportedTorch, match=r"aten\.add_\.Tensor mutates its input \(.*test_frontend\.py:\d+: self\.total\.add_"):
+        me.from_torch(Counter(), (torch.randn(4, 8),), backend="sim")
+
+
+def test_calls_are_checked_against_the_export():
+    run = me.from_torch(lambda x, y: x + y, (torch.randn(4, 8), torch.randn(4, 8)), backend="sim")
+    with pytest.raises(TypeError, match="expected 2 tensor argument"):
+        run(torch.randn(4, 8))
+    with pytest.raises(TypeError, match="dtype torch.float16, exported with torch.float32"):
+        run(torch.randn(4, 8), torch.randn(4, 8).half())
+
+
+def test_the_table_names_real_aten_ops():
+    for key in ATEN:
+        ns, name, overload = key.split(".")
+        assert ns == "aten" and hasattr(getattr(torch.ops.aten, name), overload), key
