@@ -109,3 +109,33 @@ def test_the_table_names_real_aten_ops():
     for key in ATEN:
         ns, name, overload = key.split(".")
         assert ns == "aten" and hasattr(getattr(torch.ops.aten, name), overload), key
+
+
+def test_torch_compile_backend_runs_what_it_takes_and_falls_back_on_the_rest(caplog):
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    m = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 8)).eval()
+    fast = torch.compile(m, backend="megaegg", dynamic=False)
+    x = torch.randn(3, 16)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="megaegg.frontend"):
+        close(fast(x), m(x), tol=1e-4)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # the megakernel ran it, not eager
+
+    def gelu_mlp(x):  # gelu is not in the table: that graph runs eagerly, with the reason logged
+        return F.gelu(m(x))
+
+    with torch.no_grad(), caplog.at_level("WARNING", logger="megaegg.frontend"):
+        close(torch.compile(gelu_mlp, backend="megaegg", dynamic=False)(x), gelu_mlp(x), tol=1e-4)
+    assert any("aten.gelu.default is not supported" in r.getMessage() for r in caplog.records)
+
+
+def test_torch_compile_backend_never_reads_a_stale_weight(caplog):
+    torch._dynamo.reset()
+    lin = nn.Linear(8, 8, bias=False).eval()
+    fast = torch.compile(lin, backend="megaegg", dynamic=False)
+    x = torch.randn(2, 8)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="megaegg.frontend"):
+        close(fast(x), lin(x), tol=1e-4)
+        lin.weight.mul_(2.0)  # changed in place after compiling
+        close(fast(x), lin(x), tol=1e-4)
+    assert any("a parameter changed" in r.getMessage() for r in caplog.records)

@@ -17,9 +17,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .aten import ATEN, UnsupportedTorch
+from .backend import register as register_backend
 from .export import InputSpec, Translator, dim_names
 
 __all__ = ["from_torch", "TorchKernel", "UnsupportedTorch", "ATEN"]
+
+register_backend()  # torch.compile(model, backend="megaegg")
 
 
 class TorchKernel:
@@ -63,8 +66,6 @@ def from_torch(fn_or_module: Any, example_args: Sequence, *, dynamic_shapes: Any
     ``backend``, ``max_dims`` (default: the Dims' max), ``dims_hint``, ``device``) and return it as a
     callable. An op, dtype or construct it cannot take raises :class:`UnsupportedTorch` naming it and the
     source line it came from."""
-    from ..compiler import compile as compile_graph
-
     example_args = tuple(example_args)
     if isinstance(fn_or_module, torch.nn.Module):
         module, name, export_shapes = fn_or_module, type(fn_or_module).__name__, dynamic_shapes
@@ -72,11 +73,21 @@ def from_torch(fn_or_module: Any, example_args: Sequence, *, dynamic_shapes: Any
         module, name, export_shapes = _FunctionModule(fn_or_module), getattr(fn_or_module, "__name__", "fn").strip("<>"), dynamic_shapes
     with torch.no_grad():
         ep = torch.export.export(module, example_args, dynamic_shapes=export_shapes)
-    t = Translator(ep, dim_names(ep, dynamic_shapes), name=name)
+    return compile_exported(ep, dim_names(ep, dynamic_shapes), name=name, backend=backend, max_dims=max_dims,
+                            dims_hint=dims_hint, device=device)
+
+
+def compile_exported(ep, names: Mapping, *, name: str, bound: Mapping[str, torch.Tensor] | None = None,
+                     backend: str | None = None, max_dims: Mapping[str, int] | None = None,
+                     dims_hint: Mapping[str, int] | None = None, device=None) -> TorchKernel:
+    """An exported program compiled (``names``: its symbols' runtime dim names; ``bound``: user inputs taken
+    as weights, the torch.compile backend's parameters)."""
+    from ..compiler import compile as compile_graph
+
+    t = Translator(ep, names, name=name, bound=bound)
     out_spec = ep.call_spec.out_spec
     single = out_spec is not None and out_spec.num_leaves == 1 and out_spec.type not in (tuple, list)
-    weights = {k: v.detach() for k, v in t.weights.items()}
-    kernel = compile_graph(t.graph, weights, backend=backend, max_dims={**t.max_dims(), **dict(max_dims or {})},
+    kernel = compile_graph(t.graph, t.weights, backend=backend, max_dims={**t.max_dims(), **dict(max_dims or {})},
                            dims_hint=dims_hint, device=device)
     return TorchKernel(kernel, t.graph, t.inputs, t.outputs, single)
 

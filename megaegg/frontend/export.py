@@ -45,8 +45,11 @@ class Translator:
     """One exported program into a Graph: ``graph``, ``weights`` (name -> tensor), ``inputs`` (user
     inputs in call order), ``outputs`` (graph output names in return order), ``max_dims``."""
 
-    def __init__(self, ep: torch.export.ExportedProgram, dim_names: Mapping[Any, str], name: str):
-        self.ep, self.dim_names = ep, dict(dim_names)
+    def __init__(self, ep: torch.export.ExportedProgram, dim_names: Mapping[Any, str], name: str,
+                 bound: Mapping[str, torch.Tensor] | None = None):
+        """``bound``: user inputs (by placeholder name) to take as weights with these values (the
+        parameters a torch.compile graph receives as inputs)."""
+        self.ep, self.dim_names, self.bound = ep, dict(dim_names), dict(bound or {})
         self.graph = Graph(name)
         self.weights: dict[str, torch.Tensor] = {}
         self.inputs: list[InputSpec] = []
@@ -110,10 +113,11 @@ class Translator:
 
     def _placeholder(self, node) -> None:
         val = node.meta["val"]
-        if node.name in self.constants:
-            value = self._constant(self.constants[node.name])
-            dt = dtype_of(value.dtype, f"weight {self.constants[node.name]}")
-            self.weights[node.name] = value if value.dtype != torch.int64 else value.to(torch.int32)
+        if node.name in self.constants or node.name in self.bound:
+            target = self.constants.get(node.name, node.name)
+            value = self.bound[node.name] if node.name in self.bound else self._constant(target)
+            dt = dtype_of(value.dtype, f"weight {target}")
+            self.weights[node.name] = (value if value.dtype != torch.int64 else value.to(torch.int32)).detach()
             self.env[node.name] = self.graph.weight(node.name, list(value.shape), dt)
             return
         if not isinstance(val, torch.Tensor):
