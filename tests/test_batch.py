@@ -317,3 +317,25 @@ def test_bf16_decode_rows_store_k_rotated_and_attend_in_one_op(preset):
                               **{n: c.clone() for n, c in caches.items()}, **dims)
         err = ((out["logits"].float() - ref["logits"].float()).norm() / ref["logits"].float().norm()).item()
         assert err < 1e-2, err
+
+
+def test_runtime_row_tiles_by_operand_layout():
+    """A runtime M's linears take wide 64-row tiles (bf16, K a multiple of 64); a matmul's transposed
+    weight has no 16-byte rows for the tensor-core bodies, so its tiles stay below 8 rows (the generic
+    body); f16 gets no norm prologue on a wide tile (its unnormalised x * g could overflow)."""
+    from megaegg.compiler import build_artifact
+
+    n = me.sym("n")
+    for dt, fused in ((me.bf16, True), (me.f16, False)):
+        g = me.Graph("rows")
+        x = g.input("x", [n, 512], dt)
+        h = me.rms_norm(x, g.weight("g", [512], dt), 1e-5)
+        g.output("y", me.linear(h, g.weight("w", [256, 512], dt)))
+        g.output("z", me.matmul(x, g.weight("b", [512, 96], dt)))
+        ops = build_artifact(g, max_dims={"n": 64}, dims_hint={"n": 16}, compile_cuda=False).queue.program.ops
+        mv = [op for op in ops if op.kind == "matvec"]
+        linear = [op for op in mv if op.params["roles"][:2] == ("x", "w") and op.output.shape[1].value == 256]
+        matmul = [op for op in mv if op.output.shape[1].value == 96]
+        assert linear and all(op.params["mrows"] == 64 for op in linear), [op.params for op in mv]
+        assert ("g" in linear[0].params["roles"]) == fused, (dt, linear[0].params)
+        assert matmul and all(op.params["mrows"] <= 4 for op in matmul), [op.params for op in matmul]

@@ -35,8 +35,9 @@
 //
 // Shared memory: [red: MEGA_WARPS*M f32][xs: M*K of f32 or T][rt: M*ROWS f32 residual tile],
 // all below the top MEGA_SMEM_RESERVED bytes (never touched here: matvec_to_tile's output).
-// Tried and dropped (docs/perf-notes.md #7, #10): a per-thread cp.async ring and a TMA
-// bulk-copy ring into shared memory, both slower than loads into registers.
+// Tried and dropped for one x row (docs/perf-notes.md #7, #10): a per-thread cp.async ring and a TMA
+// bulk-copy ring into shared memory, both slower than loads into registers. (Many x rows: the wide tile,
+// matvec_wide.cuh, rings both operands through shared memory.)
 // Assumes the interpreter separates instances by a mega_sync (it must, to release).
 #pragma once
 #include "common.cuh"

@@ -18,7 +18,8 @@
 // RMSNorm (NORM): a stage's x is scaled by g in place once it lands (T(x * g)), and each thread sums
 // the squares of the raw values it scaled; the products are scaled by 1 / rms(x) at the end. Rounding
 // therefore differs from the unfused ops' T(T(x * rinv) * g) by about one rounding of T (the GPU
-// tests compare at T's tolerance).
+// tests compare at T's tolerance), and an unnormalised x * g could overflow f16: the compiler fuses the
+// norm into a wide tile for bf16 only (megaegg/blockops/matvec.py: MatVecTerm.fits).
 #pragma once
 #include "common.cuh"
 
@@ -111,6 +112,7 @@ __device__ __noinline__ bool run_wide(char* smem, Mat<const T> x, Vec<const T> g
 #pragma unroll 1
     for (int s = 0; s < P::STAGES - 1 && s < P::NK; ++s) load_w(s, s);  // no producer: before the wait
     if (!mega_wait_all(wl)) {
+        cp_async_commit();  // (wait_group counts committed groups only: the weights' copies join one)
         cp_async_wait<0>();  // nothing may land in shared memory after the body returns
         return false;
     }

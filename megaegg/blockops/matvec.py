@@ -18,6 +18,8 @@ executor does.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..dims import ceildiv
@@ -149,7 +151,7 @@ class MatVec(BlockKind):
         return MMA_SYNC_COST * 2.0 * (-(-m // 8) * 8) * n * k_dim * (2 if "w2" in k else 1)
 
 
-MAX_MATVEC_M = 16  # x rows one matvec instance handles (decode has 1)
+MAX_MATVEC_M = 16  # a constant M up to this is one instance's x rows (decode: 1); past it, tiled as a runtime M
 RUNTIME_M_BYTES = 32 * 1024  # x staged per instance, at most, when M is a runtime dim
 
 
@@ -202,18 +204,20 @@ class MatVecTerm(Term):
         return ("matvec", args["x"], args["g"], args["eps"], args["xa"])
 
     def fits(self, graph, args) -> bool:
-        """No RMSNorm prologue on a runtime M's wide tile whose staged body takes fewer than 16 normalised
-        rows (K past ~5000): 9-16 rows would run on the wide tile, slower there than 16 staged rows after
-        an rms_norm op (qwen3-8b batch 16: 7.89 against 7.24 ms, docs/perf-notes.md #79)."""
+        """No RMSNorm prologue on a wide tile (a runtime M, or a constant one past MAX_MATVEC_M) where
+        its staged body takes fewer than 16 normalised rows (K > 2552 in bf16): 9-16 rows would run on
+        the wide tile, slower there than 16 staged rows after an rms_norm op (qwen3-8b batch 16: 7.89
+        against 7.24 ms, docs/perf-notes.md #79); nor in f16, where the wide tile's unnormalised x * g
+        could overflow (matvec_wide.cuh)."""
         if args["g"] == NONE:
             return True
         x = graph.nodes[args["x"]]
         lead, k = x.shape[:-1], x.shape[-1]
-        if not k.is_const or all(d.is_const for d in lead):
+        if not k.is_const or (all(d.is_const for d in lead) and math.prod(d.value for d in lead) <= MAX_MATVEC_M):
             return True
-        item = x.dtype.itemsize
-        return not (wide_fits(k.value, x.dtype, args["rows"], gated=args["w2"] != NONE)
-                    and MMA_MROWS * (k.value + 8) * item > MMA_STAGE_BYTES)
+        if not wide_fits(k.value, x.dtype, args["rows"], gated=args["w2"] != NONE):
+            return True
+        return x.dtype.name == "bf16" and MMA_MROWS * (k.value + 8) * x.dtype.itemsize <= MMA_STAGE_BYTES
 
     def lower(self, b, value, args):
         lower_matvec(b, value, {r: args[r] for r in ("x", "w", "w2", "g", "r")}, args, transpose_w=False)
@@ -250,7 +254,9 @@ def lower_matvec(b, value: int, operands: dict, args, *, transpose_w: bool) -> N
         x = inputs[present.index("x")]
         # (no wide tile with f32 sums: neither tensor-core body reads them)
         rows = None if sums else args["rows"]
-        params.update(mrows=runtime_mrows(x.shape[1].value, x.dtype, norm="g" in present, rows=rows,
-                                          gated="w2" in present), m_last=True)
+        mrows = runtime_mrows(x.shape[1].value, x.dtype, norm="g" in present, rows=rows, gated="w2" in present)
+        if transpose_w:  # a transposed w has no 16-byte rows for the tensor-core bodies: the generic body's
+            mrows = min(mrows, 4)  # tiles (matvec.cuh takes tensor cores for x rows in tiles of 8)
+        params.update(mrows=mrows, m_last=True)
     reads = {v for v in operands.values() if v != NONE} | {args[k] for k in sums}
     b.emit("matvec", b.absorbed(value, reads), inputs, out, params)
