@@ -18,7 +18,7 @@ from .graph import OPERATORS, GraphError, ShapeError, Tensor, check_static_dims
 __all__ = [
     "matmul", "linear", "add", "mul", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
     "softmax", "attention", "kv_append", "kv_store", "ragged_attention", "argmax", "reshape", "transpose", "permute", "slice",
-    "expand", "concat", "cast", "moe_mlp", "sample", "all_reduce", "all_gather",
+    "expand", "concat", "cast", "moe_mlp", "sample", "all_reduce", "all_gather", "pow", "mean", "rsqrt", "add_scalar",
 ]
 
 
@@ -129,6 +129,34 @@ def add(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
 def mul(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
     """Elementwise ``a * b`` with NumPy broadcasting."""
     return _binary("mul", a, b, name)
+
+
+# Primitives that run only inside a pattern a rewrite rule recognises (RMSNorm written out, as exported
+# models write it: rewrite/rules.py, _recover_rms_norm); alone, no block op takes them.
+def pow(x: Tensor, exponent: float, *, name: str | None = None) -> Tensor:  # noqa: A001 - torch's name
+    """``x ** exponent`` elementwise (a scalar exponent)."""
+    _check_float("pow", x)
+    return _new("pow", (x,), x.shape, x.dtype, name, exponent=float(exponent))
+
+
+def mean(x: Tensor, dim: int = -1, keepdim: bool = False, *, name: str | None = None) -> Tensor:
+    """The mean over ``dim`` (in ``x``'s dtype, as torch computes it)."""
+    _check_float("mean", x)
+    d = _norm_dim("mean", x, dim)
+    shape = x.shape[:d] + ((as_dim(1),) if keepdim else ()) + x.shape[d + 1 :]
+    return _new("mean", (x,), shape, x.dtype, name, dim=d, keepdim=bool(keepdim))
+
+
+def rsqrt(x: Tensor, *, name: str | None = None) -> Tensor:
+    """``1 / sqrt(x)`` elementwise."""
+    _check_float("rsqrt", x)
+    return _new("rsqrt", (x,), x.shape, x.dtype, name)
+
+
+def add_scalar(x: Tensor, value: float, *, name: str | None = None) -> Tensor:
+    """``x + value`` elementwise (a Python scalar)."""
+    _check_float("add_scalar", x)
+    return _new("add_scalar", (x,), x.shape, x.dtype, name, scalar=float(value))
 
 
 def silu(x: Tensor, *, name: str | None = None) -> Tensor:

@@ -291,6 +291,11 @@ _EVAL: dict[str, Callable] = {
     "add": lambda n, a, e, d: _to(n, _f(a[0]) + _f(a[1])),
     "mul": lambda n, a, e, d: _to(n, _f(a[0]) * _f(a[1])),
     "silu": lambda n, a, e, d: _to(n, torch.nn.functional.silu(_f(a[0]))),
+    # (in the tensor's own dtype, as torch computes them)
+    "pow": lambda n, a, e, d: a[0] ** n.attrs["exponent"],
+    "mean": lambda n, a, e, d: a[0].mean(n.attrs["dim"], keepdim=n.attrs["keepdim"]),
+    "rsqrt": lambda n, a, e, d: torch.rsqrt(a[0]),
+    "add_scalar": lambda n, a, e, d: a[0] + n.attrs["scalar"],
     "rms_norm": _rms_norm,
     "softmax": lambda n, a, e, d: _to(n, _f(a[0]).softmax(n.attrs["dim"])),
     "rope": _rope,

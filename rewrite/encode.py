@@ -46,7 +46,31 @@ ENCODERS: dict[str, Callable[[Graph, Node], dict | None]] = {
     "all_reduce": lambda g, n: dict(x=n.inputs[0], node=n.id),
     "argmax": lambda g, n: (dict(x=n.inputs[0], node=n.id)
                             if _is_row_vector(g.nodes[n.inputs[0]].shape) and n.attrs["dim"] == 1 else None),
+    "cast": lambda g, n: dict(a=n.inputs[0], dtype=n.dtype.name, src=g.nodes[n.inputs[0]].dtype.name),
+    "pow": lambda g, n: dict(a=n.inputs[0], p=n.attrs["exponent"]),
+    "mean": lambda g, n: (("mean_last", dict(a=n.inputs[0]))
+                          if n.attrs["dim"] == len(g.nodes[n.inputs[0]].shape) - 1 and n.attrs["keepdim"] else None),
+    "rsqrt": lambda g, n: dict(a=n.inputs[0]),
+    "add_scalar": lambda g, n: dict(a=n.inputs[0], c=n.attrs["scalar"]),
 }
+
+
+def scale_views(graph: Graph, n: Node) -> list[Op]:
+    """A mul node's broadcasting forms: ``Op.scale_last`` (one operand a [D] vector of the other's last
+    dim) and ``Op.scale_rows`` (one operand [..., 1] beside the other's rows), for the rules that
+    recognise written-out patterns (rules.py: _recover_rms_norm)."""
+    if n.op != "mul":
+        return []
+    out = []
+    for x, v in (n.inputs, n.inputs[::-1]):
+        xs, vs = graph.nodes[x].shape, graph.nodes[v].shape
+        if xs != n.shape or not xs:
+            continue
+        if len(vs) == 1 and vs[0] == xs[-1]:
+            out.append(Op.scale_last(x=x, g=v, dtype=n.dtype.name))
+        if len(vs) == len(xs) and vs[:-1] == xs[:-1] and vs[-1].is_const and vs[-1].value == 1:
+            out.append(Op.scale_rows(x=x, s=v))
+    return out
 
 
 def term_of(graph: Graph, n: Node) -> Op:
@@ -79,6 +103,7 @@ def encode(graph: Graph, live: set[int]) -> EGraph:
         if n.id in live and n.op not in LEAF_OPS and n.op not in VIEW_OPS
     ]
     actions += [union(node(n.id)).with_(t) for n in graph.nodes if n.id in live and (t := heads_view(graph, n)) is not None]
+    actions += [union(node(n.id)).with_(t) for n in graph.nodes if n.id in live for t in scale_views(graph, n)]
     if actions:
         egraph.register(*actions)
     return egraph

@@ -81,13 +81,31 @@ def alternatives(egraph: EGraph, graph: Graph, nodes: list[int]) -> dict[Any, li
                 unfit.setdefault(v, set()).add(TERMS[c.term].needs)
         out[v] = choices
     _drop_unbuildable(graph, out)
-    for v in nodes:
-        if not out[v]:
+    # A node with no alternative is an error only where an output needs it: a primitive of a recognised
+    # pattern (rules.py: _recover_rms_norm) is bypassed by its consumer's fused alternative. The error names
+    # the first such node upstream of an output that cannot be computed.
+    for o in graph.outputs.values():
+        if not _computable(graph, out, o):
+            v = _first_without_alternatives(graph, out, o)
             n = graph.nodes[v]
             ins = ", ".join(f"{graph.nodes[i].label} {graph.nodes[i].dtype}{fmt_shape(graph.nodes[i].shape)}" for i in n.inputs)
             needs = "".join(f"; it needs {x}" for x in sorted(unfit.get(v, ())))
             raise GraphError(f"{n.op} {n.label}: no block op of the megakernel takes it with these operands ({ins}){needs}")
     return {v: cs for v, cs in out.items() if cs}
+
+
+def _first_without_alternatives(graph: Graph, alts: dict, v: int) -> int:
+    """The earliest node upstream of ``v`` (``v`` included) that has no alternative at all."""
+    seen, stack, found = set(), [base_node(graph, v)], []
+    while stack:
+        j = stack.pop()
+        if j in seen or graph.nodes[j].op in LEAF_OPS:
+            continue
+        seen.add(j)
+        if j in alts and not alts[j]:
+            found.append(j)
+        stack.extend(base_node(graph, i) for i in graph.nodes[j].inputs)
+    return min(found) if found else base_node(graph, v)
 
 
 def _drop_unbuildable(graph: Graph, alts: dict) -> None:

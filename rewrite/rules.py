@@ -8,7 +8,7 @@ block terms; each term itself (fields, operands, lowering) lives in ``megaegg/bl
 
 from __future__ import annotations
 
-from egglog import eq, f64, i64, ne, rule, ruleset, union
+from egglog import String, eq, f64, i64, ne, rule, ruleset, union
 
 from .terms import NONE, Op, acc, node
 
@@ -33,7 +33,6 @@ OTHER_TERMS: dict[str, tuple[tuple[str, ...], str | None, tuple[int, ...]]] = {
     "argmax": (("argmax_chunks",), "chunk", ARGMAX_CHUNKS),
     "embedding": (("embedding_rows",), None, ()),
     "concat": (("concat_tiles",), "tile", ELEMENTWISE_TILES),
-    "cast": (("elementwise_tiles",), "tile", ELEMENTWISE_TILES),
     "matmul": (("matmul_rows",), "rows", MATVEC_ROWS),
     "all_gather": (("all_gather_tiles",), "tile", ALL_REDUCE_TILES),
 }
@@ -54,13 +53,14 @@ fusion = ruleset(name="fusion")
 
 
 @lowering.register
-def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, i: i64):
+def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, dt: String, st: String, i: i64):
     yield rule(eq(node(i)).to(Op.linear(x=x, w=w))).then(*(union(node(i)).with_(matvec(x, w, rows=r)) for r in MATVEC_ROWS))
     yield rule(eq(node(i)).to(Op.linear(x=x, w=w))).then(*(union(node(i)).with_(gemm(x, w, bn=n)) for n in GEMM_BN))
     yield rule(eq(node(i)).to(Op.rms_norm(x=x, g=g, eps=eps))).then(
-        *(union(node(i)).with_(Op.rms_norm_rows(node=i, rows_per=t)) for t in ROW_TILES)
+        *(union(node(i)).with_(Op.rms_norm_rows(x=x, g=g, eps=eps, rows_per=t)) for t in ROW_TILES)
     )
-    for build in (lambda: Op.add(a=a, b=b, same_shape=s), lambda: Op.mul(a=a, b=b, same_shape=s), lambda: Op.silu(a=a)):
+    for build in (lambda: Op.add(a=a, b=b, same_shape=s), lambda: Op.mul(a=a, b=b, same_shape=s), lambda: Op.silu(a=a),
+                  lambda: Op.cast(a=a, dtype=dt, src=st)):
         yield rule(eq(node(i)).to(build())).then(
             *(union(node(i)).with_(Op.elementwise_tiles(node=i, tile=t)) for t in ELEMENTWISE_TILES)
         )
@@ -262,3 +262,28 @@ def _fuse_argmax(x: i64, w: i64, g: i64, eps: f64, rows: i64, b: i64, i: i64):
         eq(node(i)).to(Op.argmax(x=b, node=i)),
         eq(node(b)).to(matvec(x, w, g=g, eps=eps, rows=rows)),
     ).then(union(node(i)).with_(Op.matvec_argmax(x=x, w=w, g=g, eps=eps, rows=rows)))
+
+
+@fusion.register
+def _recover_rms_norm(x: i64, g: i64, xf: i64, sq: i64, m: i64, v: i64, rs: i64, h: i64, hc: i64, eps: f64, t: String,
+                      i: i64):
+    # RMSNorm written out, as exported models write it (Hugging Face's LlamaRMSNorm):
+    #   xf = f32(x); h = xf * rsqrt(mean(xf^2, -1, keepdim) + eps); out = g * T(h)
+    # is rms_norm(x, g, eps), rounded alike (T(T(x * rinv) * g)): then every rms_norm rule applies (the
+    # matvec prologue above). The primitives have no block op of their own.
+    norm = (eq(node(rs)).to(Op.rsqrt(a=v)), eq(node(v)).to(Op.add_scalar(a=m, c=eps)),
+            eq(node(m)).to(Op.mean_last(a=sq)), eq(node(sq)).to(Op.pow(a=xf, p=2.0)))
+    yield rule(
+        eq(node(i)).to(Op.scale_last(x=hc, g=g, dtype=t)),
+        eq(node(hc)).to(Op.cast(a=h, dtype=t, src="f32")),
+        eq(node(h)).to(Op.scale_rows(x=xf, s=rs)),
+        *norm,
+        eq(node(xf)).to(Op.cast(a=x, dtype="f32", src=t)),
+    ).then(union(node(i)).with_(Op.rms_norm(x=x, g=g, eps=eps)))
+    # ... and in f32 (no casts)
+    yield rule(
+        eq(node(i)).to(Op.scale_last(x=h, g=g, dtype="f32")),
+        eq(node(h)).to(Op.scale_rows(x=x, s=rs)),
+        *norm,
+        eq(xf).to(x),
+    ).then(union(node(i)).with_(Op.rms_norm(x=x, g=g, eps=eps)))

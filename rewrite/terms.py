@@ -41,6 +41,15 @@ GRAPH_TERMS = {
     "argmax": fields("x:ref node:node"),  # over the last dim of a [1, N] tensor
     "moe_mlp": fields("x:ref logits:ref w:ref w2:ref wd:ref node:node"),  # top_k, normalize: the node's attrs
     "all_reduce": fields("x:ref node:node"),  # ranks: the node's attr
+    "cast": fields("a:ref dtype:str src:str"),  # to dtype from src (dtype names)
+    # primitives of written-out patterns (megaegg/ops.py: pow, mean, rsqrt, add_scalar) and the two
+    # broadcasting products they use; no block op of their own
+    "pow": fields("a:ref p:float"),
+    "mean_last": fields("a:ref"),  # over the last dim, keepdim
+    "rsqrt": fields("a:ref"),
+    "add_scalar": fields("a:ref c:float"),
+    "scale_last": fields("x:ref g:ref dtype:str"),  # x [..., D] * g [D] (either order), the product's dtype
+    "scale_rows": fields("x:ref s:ref"),  # x [..., D] * s [..., 1] (either order)
     "other": fields("op:str node:node"),  # any other graph op: lowered by a single-node term
 }
 _EGG_TYPES = {"ref": i64Like, "sum": i64Like, "node": i64Like, "int": i64Like, "float": f64Like, "str": StringLike}

@@ -139,3 +139,40 @@ def test_torch_compile_backend_never_reads_a_stale_weight(caplog):
         lin.weight.mul_(2.0)  # changed in place after compiling
         close(fast(x), lin(x), tol=1e-4)
     assert any("a parameter changed" in r.getMessage() for r in caplog.records)
+
+
+class WrittenOutRMSNorm(nn.Module):
+    """RMSNorm as Hugging Face's LlamaRMSNorm writes it: f32 math, then the weight in the input's dtype."""
+
+    def __init__(self, d, eps=1e-6, exponent=2):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+        self.eps, self.exponent = eps, exponent
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(self.exponent).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_written_out_rms_norm_becomes_the_matvec_prologue(dtype):
+    """pow / mean / rsqrt / casts are recognised by an e-graph rule as rms_norm, which the linear after it
+    then takes as its prologue: one block op, and eager's numbers."""
+    torch.manual_seed(4)
+    m = nn.Sequential(WrittenOutRMSNorm(64), nn.Linear(64, 48, bias=False)).to(dtype).eval()
+    rows = torch.export.Dim("rows", max=32)
+    run = me.from_torch(m, (torch.randn(6, 64).to(dtype),), dynamic_shapes=({0: rows},), backend="sim")
+    assert [(op.kind, op.params["roles"]) for op in run.kernel.program.ops] == [("matvec", ("x", "w", "g"))]
+    for n in (6, 17):
+        x = torch.randn(n, 64, generator=torch.Generator().manual_seed(n)).to(dtype)
+        close(run(x), m(x), tol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_a_primitive_outside_a_recognised_pattern_is_named():
+    """x^3 in place of x^2 is no RMSNorm: the pow has no block op of its own, and the error names it."""
+    m = WrittenOutRMSNorm(16, exponent=3).eval()
+    with pytest.raises(me.GraphError, match=r"pow .*no block op of the megakernel takes it"):
+        me.from_torch(m, (torch.randn(4, 16),), backend="sim")

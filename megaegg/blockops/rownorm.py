@@ -34,12 +34,13 @@ class RmsNorm(BlockKind):
 
 @term
 class RmsNormRowsTerm(Term):
-    """RMSNorm over the last dim, ``rows_per`` rows per instance."""
+    """RMSNorm of ``x`` over its last dim with weight ``g``, ``rows_per`` rows per instance (the graph's
+    ``rms_norm``, or the pattern a rule recognises as one: rewrite/rules.py, ``_recover_rms_norm``)."""
 
     name = "rms_norm_rows"
-    fields = fields("node:node rows_per:int")
+    fields = fields("x:ref g:ref eps:float rows_per:int")
 
     def lower(self, b, value, args):
-        n = b.graph.nodes[value]
-        x, g = (b.operand(i) for i in n.inputs)
-        b.emit("rms_norm", [value], [b.rows(x), g], b.rows(b.output(value)), {"rows_per": args["rows_per"], "eps": n.attrs["eps"]})
+        x, g = b.operand(args["x"]), b.operand(args["g"])
+        b.emit("rms_norm", b.absorbed(value, {args["x"], args["g"]}), [b.rows(x), g], b.rows(b.output(value)),
+               {"rows_per": args["rows_per"], "eps": args["eps"]})

@@ -75,6 +75,21 @@ def _mul(t, node, args, kwargs):
     return ops.mul(_tensor("mul", args[0], "a"), _tensor("mul", args[1], "b"))
 
 
+def _add_tensor_or_scalar(t, node, args, kwargs):
+    a, b = args[0], args[1]
+    if isinstance(a, ops.Tensor) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        _only("add: alpha", kwargs.get("alpha", 1), 1)
+        return ops.add_scalar(a, b)
+    return _add(t, node, args, kwargs)
+
+
+def _mean(t, node, args, kwargs):
+    x, dims, keepdim = _padded(args, [None, None, False])
+    if dims is None or len(dims) != 1:
+        raise UnsupportedTorch(f"mean over {dims}: only one dim is supported")
+    return ops.mean(x, dims[0], keepdim)
+
+
 def _softmax(t, node, args, kwargs):
     x, dim = args[0], args[1]
     dtype = kwargs.get("dtype", args[2] if len(args) > 2 and not isinstance(args[2], bool) else None)
@@ -138,7 +153,11 @@ ATEN: dict[str, Entry] = {
     "aten.embedding.default": lambda t, node, args, kwargs: ops.embedding(args[0], args[1]),
     "aten.rms_norm.default": _rms_norm,
     "aten.silu.default": lambda t, node, args, kwargs: ops.silu(args[0]),
-    "aten.add.Tensor": _add,
+    "aten.add.Tensor": _add_tensor_or_scalar,
+    # primitives of written-out patterns (RMSNorm as Hugging Face writes it: rewrite/rules.py)
+    "aten.pow.Tensor_Scalar": lambda t, node, args, kwargs: ops.pow(args[0], args[1]),
+    "aten.mean.dim": _mean,
+    "aten.rsqrt.default": lambda t, node, args, kwargs: ops.rsqrt(args[0]),
     "aten.mul.Tensor": _mul,
     "aten.softmax.int": _softmax,
     "aten._softmax.default": lambda t, node, args, kwargs: ops.softmax(args[0], args[1]),

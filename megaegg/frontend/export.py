@@ -32,13 +32,15 @@ class InputSpec:
 
 
 def source_line(node) -> str:
-    """The caller's frame of ``node``'s stack trace ("file:line: code": the first outside this package),
-    or its name."""
-    here = str(Path(__file__).parent)
-    for m in re.finditer(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.meta.get("stack_trace") or ""):
-        if not m.group(1).startswith(here):
-            return f"{m.group(1)}:{m.group(2)}: {m.group(3).strip()}"
-    return f"node {node.name}"
+    """The innermost frame of ``node``'s stack trace in the caller's code (not torch's, not this
+    package's) as "file:line: code", or the node's name."""
+    skip = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.meta.get("stack_trace") or "")
+    mine = [f for f in frames if not f[0].startswith(skip)]
+    if not mine:
+        return f"node {node.name}"
+    file, line, code = mine[-1]
+    return f"{file}:{line}: {code.strip()}"
 
 
 class Translator:
