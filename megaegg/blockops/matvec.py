@@ -173,6 +173,15 @@ def wide_fits(k_dim: int, dtype, rows: int, *, gated: bool) -> bool:
     return dtype.name in ("bf16", "f16") and k_dim % 64 == 0 and -(-rows // 16) * (2 if gated else 1) <= 16
 
 
+def staged_rows(k_dim: int, dtype, *, norm: bool) -> int:
+    """x rows the staged tensor-core body takes (matvec_wide.cuh: staged_rows): 16, or 8 when 16
+    normalised rows do not fit MMA_STAGE_BYTES; 0 when neither does."""
+    for m in (MMA_MROWS, 8):
+        if not norm or m * (k_dim + 8) * dtype.itemsize <= MMA_STAGE_BYTES:
+            return m
+    return 0
+
+
 def runtime_mrows(k_dim: int, dtype, *, norm: bool, rows: int | None = None, gated: bool = False) -> int:
     """x rows per instance for a runtime M: a wide tile of 64 where one fits a tile of ``rows`` weight rows
     (None: no wide tile; its body hands 16 valid rows or fewer to the staged one, matvec.cuh: matvec);
@@ -181,10 +190,8 @@ def runtime_mrows(k_dim: int, dtype, *, norm: bool, rows: int | None = None, gat
     if rows is not None and wide_fits(k_dim, dtype, rows, gated=gated):
         return WIDE_MROWS
     item = dtype.itemsize
-    if dtype.name in ("bf16", "f16") and k_dim % 32 == 0:
-        for m in (MMA_MROWS, 8):
-            if not norm or m * (k_dim + 8) * item <= MMA_STAGE_BYTES:
-                return m
+    if dtype.name in ("bf16", "f16") and k_dim % 32 == 0 and staged_rows(k_dim, dtype, norm=norm):
+        return staged_rows(k_dim, dtype, norm=norm)
     m = RUNTIME_MROWS
     while m > 1 and m * k_dim * item > RUNTIME_M_BYTES:
         m //= 2
@@ -217,7 +224,7 @@ class MatVecTerm(Term):
             return True
         if not wide_fits(k.value, x.dtype, args["rows"], gated=args["w2"] != NONE):
             return True
-        return x.dtype.name == "bf16" and MMA_MROWS * (k.value + 8) * x.dtype.itemsize <= MMA_STAGE_BYTES
+        return x.dtype.name == "bf16" and staged_rows(k.value, x.dtype, norm=True) == MMA_MROWS
 
     def lower(self, b, value, args):
         lower_matvec(b, value, {r: args[r] for r in ("x", "w", "w2", "g", "r")}, args, transpose_w=False)
