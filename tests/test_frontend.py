@@ -176,3 +176,14 @@ def test_a_primitive_outside_a_recognised_pattern_is_named():
     m = WrittenOutRMSNorm(16, exponent=3).eval()
     with pytest.raises(me.GraphError, match=r"pow .*no block op of the megakernel takes it"):
         me.from_torch(m, (torch.randn(4, 16),), backend="sim")
+
+
+def test_the_output_structure_is_the_modules():
+    run = me.from_torch(lambda x, y: {"sum": x + y, "both": (x * y, x)}, (torch.randn(2, 4), torch.randn(2, 4)),
+                        backend="sim")
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    out = run(x, y)
+    assert set(out) == {"sum", "both"} and isinstance(out["both"], tuple)
+    close(out["sum"], x + y, tol=1e-6)
+    close(out["both"][0], x * y, tol=1e-6)
+    close(out["both"][1], x, tol=1e-6)

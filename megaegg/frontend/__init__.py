@@ -15,6 +15,7 @@ import types
 from typing import Any, Mapping, Sequence
 
 import torch
+from torch.utils._pytree import tree_unflatten
 
 from .aten import ATEN, UnsupportedTorch
 from .backend import register as register_backend
@@ -26,12 +27,13 @@ register_backend()  # torch.compile(model, backend="megaegg")
 
 
 class TorchKernel:
-    """The compiled program, called as the module was: ``run(*args)`` returns its output (a tensor, or a
-    tuple when it returned several). ``kernel``: the megaegg :class:`~megaegg.Kernel`; ``graph``: its Graph."""
+    """The compiled program, called as the module was: ``run(*args)`` returns what it returned (a tensor, a
+    tuple, a dict: the export's output structure). ``kernel``: the megaegg :class:`~megaegg.Kernel`;
+    ``graph``: its Graph."""
 
-    def __init__(self, kernel, graph, inputs: Sequence[InputSpec], outputs: Sequence[str], single: bool):
+    def __init__(self, kernel, graph, inputs: Sequence[InputSpec], outputs: Sequence[str], out_spec):
         self.kernel, self.graph = kernel, graph
-        self.inputs, self.outputs, self.single = list(inputs), list(outputs), single
+        self.inputs, self.outputs, self.out_spec = list(inputs), list(outputs), out_spec
 
     def __call__(self, *args: torch.Tensor):
         if len(args) != len(self.inputs):
@@ -53,8 +55,7 @@ class TorchKernel:
                                     f"is {dims[name]} in another argument")
             tensors[spec.name] = a.to(torch.int32) if a.dtype == torch.int64 else a
         out = self.kernel(**tensors, **dims)
-        results = tuple(out[name] for name in self.outputs)
-        return results[0] if self.single else results
+        return tree_unflatten([out[name] for name in self.outputs], self.out_spec)
 
 
 def from_torch(fn_or_module: Any, example_args: Sequence, *, dynamic_shapes: Any = None, backend: str | None = None,
@@ -85,11 +86,9 @@ def compile_exported(ep, names: Mapping, *, name: str, bound: Mapping[str, torch
     from ..compiler import compile as compile_graph
 
     t = Translator(ep, names, name=name, bound=bound)
-    out_spec = ep.call_spec.out_spec
-    single = out_spec is not None and out_spec.num_leaves == 1 and out_spec.type not in (tuple, list)
     kernel = compile_graph(t.graph, t.weights, backend=backend, max_dims={**t.max_dims(), **dict(max_dims or {})},
                            dims_hint=dims_hint, device=device)
-    return TorchKernel(kernel, t.graph, t.inputs, t.outputs, single)
+    return TorchKernel(kernel, t.graph, t.inputs, t.outputs, ep.call_spec.out_spec)
 
 
 class _FunctionModule(torch.nn.Module):
