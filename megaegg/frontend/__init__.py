@@ -18,12 +18,9 @@ import torch
 from torch.utils._pytree import tree_unflatten
 
 from .aten import ATEN, UnsupportedTorch
-from .backend import register as register_backend
 from .export import InputSpec, Translator, dim_names
 
 __all__ = ["from_torch", "TorchKernel", "UnsupportedTorch", "ATEN"]
-
-register_backend()  # torch.compile(model, backend="megaegg")
 
 
 class TorchKernel:

@@ -1,4 +1,6 @@
-"""``torch.compile(model, backend="megaegg")``: a Dynamo backend (registered when megaegg is imported).
+"""``torch.compile(model, backend="megaegg")``: a Dynamo backend. An installed megaegg declares it as a
+``torch_dynamo_backends`` entry point (pyproject.toml), which torch.compile looks up by name; a checkout on
+``PYTHONPATH`` registers it with :func:`register`.
 
 Dynamo hands a backend each graph it captured (an FX ``GraphModule``) with example inputs; the module's
 parameters arrive among them. The backend exports the graph with ``torch.export`` at those inputs
@@ -60,7 +62,7 @@ def _compile(gm, example_inputs: list):
 
 
 def register() -> None:
-    """Make ``backend="megaegg"`` known to torch.compile (once)."""
+    """Make ``backend="megaegg"`` known to torch.compile where megaegg is not installed (once)."""
     from torch._dynamo import list_backends, register_backend
 
     if "megaegg" not in list_backends(exclude_tags=()):
