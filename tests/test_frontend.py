@@ -187,3 +187,31 @@ def test_the_output_structure_is_the_modules():
     close(out["sum"], x + y, tol=1e-6)
     close(out["both"][0], x * y, tol=1e-6)
     close(out["both"][1], x, tol=1e-6)
+
+
+# One small function for each ATen op of the table (some export to several), against eager on random data
+OP_CASES = {
+    "t_mm": (lambda x, w: torch.mm(x, w.t()), [(5, 16), (8, 16)]),
+    "view_unsqueeze_squeeze": (lambda x: x.view(2, 3, 8).unsqueeze(1).squeeze(1).reshape(6, 8), [(6, 8)]),
+    "flatten": (lambda x: torch.flatten(x, 0, 1), [(2, 3, 8)]),
+    "type_as": (lambda x, y: x.type_as(y) + y, [(4, 8), (4, 8, "bf16")]),
+    "softmax_dtype": (lambda x: torch.softmax(x, -1, dtype=torch.float32), [(4, 8, "bf16")]),
+    "clone_detach_dropout": (lambda x: F.dropout(x.clone().detach(), 0.5, training=False) * x, [(4, 8)]),
+    "slice_tail": (lambda x: x[:, 8:], [(4, 24)]),
+    "embedding_2d_ids": (lambda e, i: F.embedding(i, e), [(50, 8), (3, 4, "ids")]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OP_CASES))
+def test_each_op_against_eager(case):
+    fn, specs = OP_CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    args = []
+    for spec in specs:
+        shape, kind = (spec[:-1], spec[-1]) if isinstance(spec[-1], str) else (spec, "f32")
+        if kind == "ids":
+            args.append(torch.randint(0, 50, shape, generator=gen))
+        else:
+            args.append(torch.randn(*shape, generator=gen).to(torch.bfloat16 if kind == "bf16" else torch.float32))
+    run = me.from_torch(fn, tuple(args), backend="sim")
+    close(run(*args), fn(*args), tol=2e-2 if any(a.dtype == torch.bfloat16 for a in args) else 1e-5)
