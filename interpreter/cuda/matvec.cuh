@@ -546,6 +546,16 @@ struct MmaPlan {
     static_assert(BYTES <= MEGA_SMEM - MEGA_SMEM_RESERVED, "matvec (mma): staged x and partial sums do not fit in shared memory");
 };
 
+// One output element of the tensor-core bodies (run_mma, run_wide) from its f32 products: rounded, gated
+// (GLU: d2 the up product), plus the residual (RES), stored at out[m, n].
+template <class T, bool GLU, bool RES>
+__device__ __forceinline__ void store_mma_output(float d, float d2, Mat<const T> r, Mat<T> out, int m, long long n) {
+    float y = round_to<T>(d);
+    if (GLU) y = round_to<T>(round_to<T>(silu_f32(y)) * round_to<T>(d2));
+    if (RES) y = round_to<T>(ld_f32(r.p + m * r.s0 + n * r.s1) + y);
+    out.p[m * out.s0 + n * out.s1] = from_f32<T>(y);
+}
+
 template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
 __device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, Mat<const T> w, Mat<const T> w2,
                         Mat<const T> r, Mat<T> out, long long N, long long n_tile, const MegaWaits& wl, int mv) {
@@ -702,10 +712,7 @@ __device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, M
             d += part[((grp * P::KS + s) * 16 + rr) * M + m];
             if (GLU) d2 += part[((P::WORK + grp * P::KS + s) * 16 + rr) * M + m];
         }
-        float y = round_to<T>(d);
-        if (GLU) y = round_to<T>(round_to<T>(silu_f32(y)) * round_to<T>(d2));
-        if (RES) y = round_to<T>(ld_f32(r.p + m * r.s0 + n * r.s1) + y);
-        out.p[m * out.s0 + n * out.s1] = from_f32<T>(y);
+        store_mma_output<T, GLU, RES>(d, d2, r, out, m, n);
     }
     return true;
 }

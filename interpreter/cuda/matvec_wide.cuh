@@ -233,10 +233,7 @@ __device__ __noinline__ bool run_wide(char* smem, Mat<const T> x, Vec<const T> g
             if (GLU) d2 += tile(part, GLU ? 1 : 0)[m * P::EP + local];
         }
         if (NORM) d *= rinv[m], d2 *= rinv[m];
-        float y = round_to<T>(d);
-        if (GLU) y = round_to<T>(round_to<T>(silu_f32(y)) * round_to<T>(d2));
-        if (RES) y = round_to<T>(ld_f32(r.p + m * r.s0 + n * r.s1) + y);
-        out.p[m * out.s0 + n * out.s1] = from_f32<T>(y);
+        store_mma_output<T, GLU, RES>(d, d2, r, out, m, n);
     }
     return true;
 }

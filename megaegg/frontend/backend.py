@@ -33,7 +33,6 @@ def megaegg_backend(gm: torch.fx.GraphModule, example_inputs, **_):
 
 
 def _compile(gm, example_inputs: list):
-    from . import TorchKernel  # noqa: F401 - (the callable it builds)
     from . import compile_exported
 
     if not all(isinstance(t, torch.Tensor) for t in example_inputs):
