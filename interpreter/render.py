@@ -115,9 +115,14 @@ def weight_prefetches(q: WorkQueue, op) -> list[str]:
 
 
 def grid_coordinates(op) -> list[str]:
-    """c0, c1, ...: the instance's grid coordinates, row-major from its local index."""
+    """c0, c1, ...: the instance's grid coordinates, row-major from its local index (from the last
+    instance back where the kind's later instances run longest: ``BlockKind.longest_last``)."""
     # 32-bit division: an entry's instance count is far below 2^32, and a 64-bit one is a call (~4 KB of SASS)
-    lines = ["        unsigned rem = (unsigned)local;"]
+    if REGISTRY[op.kind].longest_last and op.grid:
+        count = " * ".join(f"(unsigned)({c_expr(g)})" for g in op.grid)
+        lines = [f"        unsigned rem = {count} - 1u - (unsigned)local;"]
+    else:
+        lines = ["        unsigned rem = (unsigned)local;"]
     for axis in range(len(op.grid) - 1, 0, -1):
         ext = f"(unsigned)({c_expr(op.grid[axis])})"
         lines.append(f"        const long long c{axis} = rem % {ext}; rem /= {ext};")

@@ -41,6 +41,7 @@ ENCODERS: dict[str, Callable[[Graph, Node], dict | None]] = {
     "rope": lambda g, n: dict(x=n.inputs[0], node=n.id) if n.attrs["pos"] is not None else ("rope_at_ids", dict(x=n.inputs[0], node=n.id)),
     "kv_append": lambda g, n: dict(cache=n.inputs[0], new=n.inputs[1]),
     "kv_store": lambda g, n: dict(new=n.inputs[1], node=n.id),
+    "ragged_attention": lambda g, n: dict(q=n.inputs[0], node=n.id),
     "moe_mlp": lambda g, n: dict(x=n.inputs[0], logits=n.inputs[1], w=n.inputs[2], w2=n.inputs[3], wd=n.inputs[4],
                                  node=n.id),
     "all_reduce": lambda g, n: dict(x=n.inputs[0], node=n.id),

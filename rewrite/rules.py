@@ -28,7 +28,6 @@ GEMM_BN = (256,)  # weight rows of a tensor-core tile (blockops/gemm.py; the ter
 OTHER_TERMS: dict[str, tuple[tuple[str, ...], str | None, tuple[int, ...]]] = {
     "softmax": (("softmax_rows",), "rows_per", ROW_TILES),
     "attention": (("attention_split", "attention_fold"), "chunk", ATTENTION_CHUNKS),
-    "ragged_attention": (("ragged_split", "ragged_flash"), "chunk", ATTENTION_CHUNKS),  # (flash: 64 only)
     "sample": (("sample_rows",), None, ()),
     "argmax": (("argmax_chunks",), "chunk", ARGMAX_CHUNKS),
     "embedding": (("embedding_rows",), None, ()),
@@ -72,6 +71,9 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, dt: String,
     )
     yield rule(eq(node(i)).to(Op.kv_append(cache=x, new=a))).then(union(node(i)).with_(Op.kv_append_row(node=i)))
     yield rule(eq(node(i)).to(Op.kv_store(new=a, node=i))).then(union(node(i)).with_(Op.kv_store_heads(node=i)))
+    yield rule(eq(node(i)).to(Op.ragged_attention(q=x, node=i))).then(*(  # (flash: chunk 64 only)
+        union(node(i)).with_(make(node=i, chunk=c)) for make in (Op.ragged_split, Op.ragged_flash) for c in ATTENTION_CHUNKS
+    ))
     yield rule(eq(node(i)).to(Op.moe_mlp(x=x, logits=a, w=w, w2=b, wd=s, node=i))).then(*(
         union(node(i)).with_(Op.moe_rounded(x=x, g=NONE, eps=0.0, logits=a, w=w, w2=b, wd=s, node=i, rows=r))
         for r in MOE_ROWS
@@ -253,6 +255,11 @@ def _fuse_rope(x: i64, g: i64, eps: f64, h: i64, r: i64, c: i64, t: i64, i: i64)
         eq(node(i)).to(Op.kv_store(new=h, node=i)),
         eq(node(h)).to(Op.rope_ids(x=x, g=g, eps=eps, rope=r, rows_per=t)),
     ).then(union(node(i)).with_(Op.kv_store_rope(x=x, g=g, eps=eps, rope=r, store=i)))
+    # ... and q's rows rotated (and normalised) by the prompt's flash attention as it loads them
+    yield rule(
+        eq(node(i)).to(Op.ragged_attention(q=h, node=i)),
+        eq(node(h)).to(Op.rope_ids(x=x, g=g, eps=eps, rope=r, rows_per=t)),
+    ).then(union(node(i)).with_(Op.ragged_flash_rope(x=x, g=g, eps=eps, rope=r, node=i)))
 
 
 @fusion.register

@@ -94,7 +94,7 @@ def leading_rows(graph: Graph, v, env) -> int:
 
 def _choice_costs(graph, alts, model: CostModel, env) -> dict:
     """Cost of each alternative (lower it alone and price its block ops), and its
-    (bytes, instances) when it is a single block op."""
+    Estimate when it is a single block op."""
     costs, estimates = {}, {}
     for cs in alts.values():
         for c in cs:
@@ -102,5 +102,5 @@ def _choice_costs(graph, alts, model: CostModel, env) -> dict:
             b.lower(c)
             costs[c] = sum(model.seconds(op.estimate.bytes, op.estimate.instances, op.estimate.flops, op.estimate.steps) for op in b.ops)
             if len(b.ops) == 1:
-                estimates[c] = (b.ops[0].estimate.bytes, b.ops[0].estimate.instances)
+                estimates[c] = b.ops[0].estimate
     return costs, estimates

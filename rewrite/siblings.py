@@ -1,14 +1,21 @@
-"""Independent ops that read the same input run side by side: choose their tiles together.
+"""Independent linears that read the same input run side by side: choose their block ops together.
 
 The extractor prices each op alone, so Q, K and V each get the tile that is best for a
 whole chip (llama-3.2-1b: 128 + 64 + 64 instances, two waves on 132 SMs). Nothing orders
 them, so the queue runs them concurrently and what costs is their combined waves. This
-pass re-picks the tiles of each group of siblings (a term's ``siblings`` key: for a matvec,
-same x and fused norm; no path between them) to minimise
+pass re-picks the block op of each group of siblings (linears of one graph input, no path
+between them, each chosen as a term with a ``siblings`` key: a matvec or a gemm tile) among
+their alternatives (a matvec's weight-row tile, its fused norm, or a gemm tile in its place)
+to minimise
 
-    waves(total instances) * (largest instance's bytes / per-SM bandwidth + instance latency)
+    waves(total instances) * (slowest instance: its bytes at the per-SM bandwidth, or its
+                              tensor-core FLOPs at the per-SM rate; + instance latency)
 
-and keeps the extractor's choice unless that is strictly better.
+and keeps the extractor's choice unless that is strictly better. (At 2048 prompt rows,
+llama-3.2-1b's K and V alone are cheaper as 128 matvec tiles each than as 34 gemm tiles, but
+beside Q's 128 gemm tiles they make three waves of instances dearer in all: perf-notes #81.)
+An alternative is taken only where every value it reads is computed already; a value no
+longer read afterwards (an rms_norm op that every sibling now fuses) is dropped.
 """
 
 from __future__ import annotations
@@ -17,48 +24,67 @@ import itertools
 import math
 from collections import defaultdict
 
-from ..graph import Graph
-from .cost import CostModel
 from ..blockops import TERMS
 from ..blockops.base import Sum
-from .extract import Choice, order
+from ..graph import LEAF_OPS, Graph
+from ..ir.program import Estimate
+from .cost import CostModel
+from .encode import base_node
+from .extract import Choice, order, storage
 
 MAX_GROUP = 4  # siblings tiled jointly (options ** MAX_GROUP combinations are tried)
 
 
-def group_seconds(estimates: list[tuple[int, int]], model: CostModel) -> float:
-    """Time of matvecs running side by side: (bytes, instances) each."""
-    total = sum(n for _, n in estimates)
-    widest = max(b / max(1, n) for b, n in estimates)
-    return math.ceil(total / model.sms) * (widest / (model.bandwidth / model.sms) + model.instance_latency)
+def group_seconds(estimates: list[Estimate], model: CostModel) -> float:
+    """Time of block ops running side by side (each op's Estimate)."""
+    total = sum(e.instances for e in estimates)
+    per_sm_bw, per_sm_flops = model.bandwidth / model.sms, model.tensor_flops / model.sms
+    slowest = max(max(e.bytes / per_sm_bw, e.flops / per_sm_flops) / max(1, e.instances) for e in estimates)
+    return math.ceil(total / model.sms) * (slowest + model.instance_latency)
 
 
 def balance_siblings(graph: Graph, alts: dict[int, list[Choice]], chosen: dict[int, Choice],
-                     estimates: dict[Choice, tuple[int, int]], model: CostModel) -> dict[int, Choice]:
-    groups: dict[tuple, list[int]] = defaultdict(list)
+                     estimates: dict[Choice, Estimate], model: CostModel) -> dict[int, Choice]:
+    groups: dict[int, list[int]] = defaultdict(list)
     for v, c in sorted(chosen.items(), key=lambda vc: order(vc[0])):
-        key = TERMS[c.term].siblings(c.named)
-        if key is not None and not isinstance(v, Sum):
-            groups[key].append(v)
+        if not isinstance(v, Sum) and graph.nodes[v].op == "linear" and TERMS[c.term].siblings(c.named) is not None:
+            groups[storage(graph, graph.nodes[v].inputs[0])].append(v)
     out = dict(chosen)
     for members in groups.values():
         members = _independent(graph, members)[:MAX_GROUP]
         if len(members) < 2:
             continue
-        options = [[a for a in alts[i] if a in estimates and _same_but_tile(a, chosen[i])] for i in members]
-        best = [chosen[i] for i in members]
+
+        def usable(a: Choice) -> bool:
+            return a in estimates and TERMS[a.term].siblings(a.named) is not None and \
+                all(_available(graph, out, r) for r in a.refs(graph))
+
+        options = [[a for a in alts[i] if usable(a)] for i in members]
+        best = [out[i] for i in members]
         best_t = group_seconds([estimates[c] for c in best], model)
         for combo in itertools.product(*options):
             t = group_seconds([estimates[c] for c in combo], model)
             if t < best_t * (1 - 1e-9):
                 best, best_t = list(combo), t
         out.update(zip(members, best))
-    return out
+    return _read_only(graph, out)
 
 
-def _same_but_tile(a: Choice, b: Choice) -> bool:
-    tile = TERMS[b.term].tile
-    return a.term == b.term and all(v == b.named[k] for k, v in a.args if k != tile)
+def _available(graph: Graph, chosen: dict, r) -> bool:
+    """Whether value ``r`` is a leaf or computed by a chosen alternative."""
+    return storage(graph, r) in chosen or (not isinstance(r, Sum) and graph.nodes[base_node(graph, r)].op in LEAF_OPS)
+
+
+def _read_only(graph: Graph, chosen: dict) -> dict:
+    """The chosen values that an output needs (through the chosen alternatives' reads)."""
+    needed, stack = set(), [storage(graph, i) for i in graph.outputs.values()]
+    while stack:
+        v = stack.pop()
+        if v in needed or v not in chosen:
+            continue
+        needed.add(v)
+        stack.extend(storage(graph, r) for r in chosen[v].refs(graph))
+    return {v: c for v, c in chosen.items() if v in needed}
 
 
 def _independent(graph: Graph, members: list[int]) -> list[int]:

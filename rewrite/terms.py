@@ -38,6 +38,7 @@ GRAPH_TERMS = {
     "rope_at_ids": fields("x:ref node:node"),  # RoPE at positions from an i32 tensor (a batch, a prompt)
     "kv_append": fields("cache:ref new:ref"),
     "kv_store": fields("new:ref node:node"),  # rows into a cache at (slot, position) pairs from i32 tensors
+    "ragged_attention": fields("q:ref node:node"),  # its q seen, so q's RoPE can fold into the prompt's flash
     "argmax": fields("x:ref node:node"),  # over the last dim of a [1, N] tensor
     "moe_mlp": fields("x:ref logits:ref w:ref w2:ref wd:ref node:node"),  # top_k, normalize: the node's attrs
     "all_reduce": fields("x:ref node:node"),  # ranks: the node's attr

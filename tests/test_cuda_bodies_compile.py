@@ -751,6 +751,19 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
                                                    Arg((2, 2, 200, 128), T), Arg((150,), i32), Arg((150,), i32)],
              Arg((150, 16, 128), T), {"group": 8, "scale": 0.08838834764831845, "length": as_dim(200)},
              {3: _arange(30), 4: _values(*([1] * 150))}),
+       
+            # ... with q rotated as it is loaded (llama), and normalised then rotated (qwen3's q norm)
+            ("flash_rope_d64", "ragged_flash", [Arg((40, 16, 64), T), Arg((3, 4, 300, 64), T), Arg((3, 4, 300, 64), T),
+                                                Arg((40,), i32), Arg((40,), i32), Arg((32,), f32), Arg((40,), i32)],
+             Arg((40, 16, 64), T), {"group": 4, "scale": 0.125, "length": as_dim(300), "rope": ("inv_freq", "pos_ids"),
+                                    "eps": 0.0},
+             {3: _randint(0, 300), 4: _randint(0, 3), 5: lambda v, g: v.copy_(v.abs() * 0.3), 6: _randint(0, 4096)}),
+            ("flash_rope_norm_d128", "ragged_flash", [Arg((150, 16, 128), T), Arg((2, 2, 200, 128), T),
+                                                      Arg((2, 2, 200, 128), T), Arg((150,), i32), Arg((150,), i32),
+                                                      Arg((64,), f32), Arg((150,), i32), Arg((128,), T)],
+             Arg((150, 16, 128), T), {"group": 8, "scale": 0.08838834764831845, "length": as_dim(200),
+                                      "rope": ("inv_freq", "pos_ids", "g"), "eps": 1e-6},
+             {3: _arange(30), 4: _values(*([1] * 150)), 5: lambda v, g: v.copy_(v.abs() * 0.3), 6: _arange(30)}),
         ]),
         # sampling, bit for bit: greedy, top-k, top-p and plain rows
         ("sample", "sample", [Arg((4, 5000), T), Arg((4,), f32), Arg((4,), i32), Arg((4,), f32), Arg((4,), i32),

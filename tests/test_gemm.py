@@ -200,6 +200,47 @@ def test_flash_attention_over_prompts_on_the_simulator():
             k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), **ins, **fresh(), n=n)
 
 
+def test_q_rope_folds_into_the_prompts_flash_attention():
+    """q's RoPE (llama) and q norm + RoPE (qwen3) before a prompt's attention: the flash op rotates q as it
+    loads it (no rope op left), matching the reference under adversarial interleavings; without its waits
+    it reads q or the cache before they are written."""
+    for qnorm in (False, True):
+        g = me.Graph("prompt_attention_rope")
+        q, k, v = (g.input(name, [N, h, 64], me.bf16) for name, h in (("q", 8), ("k", 2), ("v", 2)))
+        pos, slot = g.input("pos", [N], me.i32), g.input("slot", [N], me.i32)
+        q = me.linear(q.reshape(N, 512), g.weight("wq", [512, 512], me.bf16)).reshape(N, 8, 64)  # (q has a producer)
+        if qnorm:
+            q = me.rms_norm(q, g.weight("qn", [64], me.bf16), 1e-6)
+        q = me.rope(q, pos)
+        kc = me.kv_store(g.input("kc", [3, 2, 160, 64], me.bf16), me.rope(k, pos), pos, slot)
+        vc = me.kv_store(g.input("vc", [3, 2, 160, 64], me.bf16), v, pos, slot)
+        g.output("o", me.ragged_attention(q, kc, vc, pos, slot))
+        w = weights(g, seed=3)
+        k_ = me.compile(g, w, backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
+        flash = [e.op for e in k_.queue.entries if e.op.kind == "ragged_flash"]
+        assert flash and all(op.params.get("rope") for op in flash) and "rope" not in kinds(k_), kinds(k_)
+        assert ("g" in flash[0].params["rope"]) == qnorm and "rms_norm" not in kinds(k_)
+        gen = torch.Generator().manual_seed(7)
+        p, s = prompt_rows(gen)
+        n = len(p)
+        ins = {"q": torch.randn(n, 8, 64, generator=gen).bfloat16(), "k": torch.randn(n, 2, 64, generator=gen).bfloat16(),
+               "v": torch.randn(n, 2, 64, generator=gen).bfloat16(), "pos": p, "slot": s}
+        caches = {"kc": torch.randn(3, 2, 160, 64, generator=gen).bfloat16(),
+                  "vc": torch.randn(3, 2, 160, 64, generator=gen).bfloat16()}
+        fresh = lambda: {name: c.clone() for name, c in caches.items()}  # noqa: E731
+        ref = me.run_reference(g, {**ins, **fresh()}, w, {"n": n})
+        for seed in range(3):
+            out = k_.simulate(Interleaving(sms=6, seed=seed, adversarial=seed > 0), **ins, **fresh(), n=n)
+            err = ((out["o"].float() - ref["o"].float()).norm() / ref["o"].float().norm()).item()
+            assert err < 1e-2, (qnorm, err)
+        q0 = k_.queue
+        k_.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_flash"
+                                                         else e for e in q0.entries))
+        with pytest.raises(SimulationError, match=r"ragged_flash .* read unwritten elements"):
+            for seed in range(8):
+                k_.simulate(Interleaving(sms=8, seed=seed, adversarial=True), **ins, **fresh(), n=n)
+
+
 def test_decode_rows_keep_the_split_kv_path():
     """At a hint of fewer rows than cache slots (a decode batch) the split-KV path stays: a flash tile
     would run one pass per sequence."""

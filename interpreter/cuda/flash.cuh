@@ -5,15 +5,20 @@
 // [16w, 16w + 16): one m16 tile of mma.sync m16n8k16 (bf16 in, f32 accumulators).
 //
 // Rows attend cache rows [0, pos] of their slot. The tile runs one pass per distinct slot of its rows
-// (a prompt: one pass); a pass streams K/V blocks of 64 cache rows through a 2-stage cp.async ring in
-// shared memory (rows padded to D + 8 elements: 16-byte aligned, ldmatrix without bank conflicts) and
-// keeps, per row, the running max and sum (online softmax, base 2) and the f32 output in registers.
+// (a prompt: one pass); a pass streams K/V blocks of 64 cache rows through a cp.async ring in shared
+// memory (rows padded to D + 8 elements: 16-byte aligned, ldmatrix without bank conflicts; as many
+// stages as fit, up to 4, so 2-3 blocks are in flight while one is computed; one block barrier a block)
+// and keeps, per row, the running max and sum (online softmax, base 2) and the f32 output in registers.
 //
 // Fragments (PTX ISA, mma.m16n8k16 .bf16; g = lane / 4, t = lane % 4):
 //   A (16 x 16): {a0 a1} row g, cols 2t, 2t+1; {a2 a3} row g+8; {a4 a5} row g, cols 2t+8, 2t+9; {a6 a7} row g+8
 //   B (16 x 8):  {b0 b1} k 2t, 2t+1, col g; {b2 b3} k 2t+8, 2t+9
 //   C (16 x 8):  {c0 c1} row g, cols 2t, 2t+1; {c2 c3} row g+8
 // S = Q K^T: A from q (pairs along D: one 32-bit load each), B from K with ldmatrix (rows = cache rows).
+// ROPE: q is read unrotated (the Q projection's output) and rotated (NORM: RMS-normalised over D with g
+// first, qwen3's q norm) as it is loaded, as rope.cuh's rope_store rounds it: a thread holds columns
+// 16kk + 2t + {0, 1, 8, 9} of its rows, so both halves of each rotation pair (j, j + D/2: kk + D/32)
+// are in its registers; a row's sum of squares is its quad's (two shuffles).
 // O += P V: A is P, the S accumulators rounded to bf16 (the C layout of two n8 tiles is the A layout of
 // one k16 tile), B from V with ldmatrix.trans.
 #pragma once
@@ -23,6 +28,12 @@ namespace flash_detail {
 
 constexpr int ROWS = 128;  // tile rows: 8 warps x m16
 constexpr int BLOCK = 64;  // cache rows a K/V block
+
+// Ring stages of K/V blocks (each K and V, BLOCK rows of D + 8 elements) that fit MEGA_SMEM beside the
+// tile's token table: 4, or fewer for a big D in a small image; at least 2.
+template <int D, int BT> __host__ __device__ constexpr int ring_stages() {
+    return cmax(2, cmin(4, (MEGA_SMEM - 3 * BT * 4) / (2 * BLOCK * (D + 8) * 2)));
+}
 
 __device__ __forceinline__ void mma16816a(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     mma16816<__nv_bfloat16>(c, a[0], a[1], a[2], a[3], b0, b1);
@@ -40,28 +51,87 @@ __device__ __forceinline__ float exp2f_fast(float x) {  // 2^x (2^-inf = 0)
     return y;
 }
 
+// One row's q fragments (a thread's D/4 values of it: qa[kk][h] and qa[kk][h + 2]) rotated at position p
+// [after an RMSNorm with g]. `t`: the thread's column pair (lane % 4).
+template <int D, bool NORM>
+__device__ __forceinline__ void rope_q_row(unsigned (&qa)[D / 16][4], int h, long long p, int t, const float* inv_freq,
+                                           Vec<const __nv_bfloat16> g, float eps) {
+    float x[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qa[kk][h]));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qa[kk][h + 2]));
+        x[kk][0] = lo.x, x[kk][1] = lo.y, x[kk][2] = hi.x, x[kk][3] = hi.y;
+    }
+    constexpr int OFF[4] = {0, 1, 8, 9};
+    if (NORM) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ss += x[kk][e] * x[kk][e];
+        ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+        ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+        const float rinv = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 16 * kk + 2 * t + OFF[e];
+                x[kk][e] = round_to<__nv_bfloat16>(round_to<__nv_bfloat16>(x[kk][e] * rinv) * ld_f32(g.p + c * g.s0));
+            }
+    }
+    constexpr int HK = D / 32;  // k16 blocks of a half
+#pragma unroll
+    for (int kk = 0; kk < HK; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = 16 * kk + 2 * t + OFF[e];
+            float sn, cs;
+            sincosf(__fmul_rn((float)p, ld_cg(inv_freq + j)), &sn, &cs);
+            const float x1 = x[kk][e], x2 = x[kk + HK][e];
+            x[kk][e] = __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn));
+            x[kk + HK][e] = __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
+        }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        qa[kk][h] = pack_bf16(x[kk][0], x[kk][1]);
+        qa[kk][h + 2] = pack_bf16(x[kk][2], x[kk][3]);
+    }
+}
+
 }  // namespace flash_detail
 
-template <int D, int G>
+// The optional q rotation (ROPE; NORM: with the q norm): inv_freq [D/2] f32, pos_ids [N] (each token's
+// RoPE position), g [D], eps. Unused (null views) without ROPE.
+struct FlashQRope {
+    const float* inv_freq;
+    Vec<const int> pos_ids;
+    Vec<const __nv_bfloat16> g;
+    float eps;
+};
+
+template <int D, int G, bool ROPE, bool NORM>
 __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> q, Ten4<const __nv_bfloat16> kc,
                                           Ten4<const __nv_bfloat16> vc, Vec<const int> pos, Vec<const int> slot,
                                           long long N, long long slots, long long max_len, float scale,
-                                          Ten3<__nv_bfloat16> out, long long c0, long long c1) {
+                                          Ten3<__nv_bfloat16> out, long long c0, long long c1, FlashQRope qr) {
     using namespace flash_detail;
     static_assert(D % 16 == 0 && D <= 128, "ragged_flash: head dim a multiple of 16, at most 128");
     static_assert(G >= 1 && G <= ROWS, "ragged_flash: 1 to 128 query heads a KV head");
     constexpr int BT = ROWS / G;       // tokens a tile
     constexpr int LD = D + 8;          // smem row stride, elements
     constexpr int KV_BYTES = BLOCK * LD * 2;
-    static_assert(4 * KV_BYTES + 3 * BT * 4 <= MEGA_SMEM, "ragged_flash: the K/V ring does not fit");
+    constexpr int S = ring_stages<D, BT>();  // ring stages
+    static_assert(2 * S * KV_BYTES + 3 * BT * 4 <= MEGA_SMEM, "ragged_flash: the K/V ring does not fit");
     in_global(q, kc, vc, pos, slot, out);
     if (q.s2 != 1 || kc.s3 != 1 || vc.s3 != 1 || out.s2 != 1) {  // (the rewrite gives contiguous heads)
         if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
         return;
     }
-    __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(smem);             // [2][BLOCK][LD]
-    __nv_bfloat16* vs = reinterpret_cast<__nv_bfloat16*>(smem + 2 * KV_BYTES);  // [2][BLOCK][LD]
-    int* tpos = reinterpret_cast<int*>(smem + 4 * KV_BYTES);                 // [BT] the tokens' positions
+    __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(smem);             // [S][BLOCK][LD]
+    __nv_bfloat16* vs = reinterpret_cast<__nv_bfloat16*>(smem + S * KV_BYTES);  // [S][BLOCK][LD]
+    int* tpos = reinterpret_cast<int*>(smem + 2 * S * KV_BYTES);             // [BT] the tokens' positions
     int* tslot = tpos + BT;                                                 // [BT] their slots (-1: no token)
     int* tpass = tslot + BT;                                                // [BT] the pass that runs the token
     __shared__ int pass_slot, pass_end, bad;
@@ -108,6 +178,13 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
             qa[kk][2] = v0 ? __ldcg(reinterpret_cast<const unsigned*>(q0 + d + 8)) : 0u;
             qa[kk][3] = v1 ? __ldcg(reinterpret_cast<const unsigned*>(q1 + d + 8)) : 0u;
         }
+        if constexpr (ROPE) {  // (rows past N: zeros, at position 0, stay zeros; rotating while the first K/V
+                               // blocks load instead took the D = 128 normalising body to 255 registers)
+            const long long p0 = v0 ? (long long)ld_cg(qr.pos_ids.p + (tok0 + i0) * qr.pos_ids.s0) : 0;
+            const long long p1 = v1 ? (long long)ld_cg(qr.pos_ids.p + (tok0 + i1) * qr.pos_ids.s0) : 0;
+            rope_q_row<D, NORM>(qa, 0, p0, t, qr.inv_freq, qr.g, qr.eps);
+            rope_q_row<D, NORM>(qa, 1, p1, t, qr.inv_freq, qr.g, qr.eps);
+        }
     }
     const float sl2 = scale * 1.4426950408889634f;  // scores in base 2
 
@@ -136,11 +213,11 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         const __nv_bfloat16* vbase = vc.p + s * vc.s0 + c1 * vc.s1;
         const int nblocks = (end + BLOCK - 1) / BLOCK;
 
-        // K/V block b -> stage b % 2: 16-byte cp.async chunks, rows past `end` zero-filled
+        // K/V block b -> stage b % S: 16-byte cp.async chunks, rows past `end` zero-filled
         auto issue = [&](int b) {
             if (b < nblocks) {
-                __nv_bfloat16* kd = ks + (b & 1) * BLOCK * LD;
-                __nv_bfloat16* vd = vs + (b & 1) * BLOCK * LD;
+                __nv_bfloat16* kd = ks + (b % S) * BLOCK * LD;
+                __nv_bfloat16* vd = vs + (b % S) * BLOCK * LD;
                 constexpr int CHUNKS = BLOCK * D / 8;  // 16-byte chunks of one of K, V
                 for (int c = tid; c < 2 * CHUNKS; c += MEGA_THREADS) {
                     const bool isv = c >= CHUNKS;
@@ -159,13 +236,13 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
         float m0 = MEGA_NEG_INF, m1 = MEGA_NEG_INF, l0 = 0.0f, l1 = 0.0f;
 
-        issue(0);
-        issue(1);
+        for (int b = 0; b < S - 1; ++b) issue(b);
         for (int b = 0; b < nblocks; ++b) {
-            cp_async_wait<1>();  // block b landed (this thread's chunks) ...
-            mega_sync();         // ... and everyone's
-            const __nv_bfloat16* kb = ks + (b & 1) * BLOCK * LD;
-            const __nv_bfloat16* vb = vs + (b & 1) * BLOCK * LD;
+            cp_async_wait<S - 2>();  // block b landed (this thread's chunks) ...
+            mega_sync();             // ... and everyone's; and every warp is done with block b - 1
+            issue(b + S - 1);        // (into block b - 1's stage)
+            const __nv_bfloat16* kb = ks + (b % S) * BLOCK * LD;
+            const __nv_bfloat16* vb = vs + (b % S) * BLOCK * LD;
             if (warp_last >= b * BLOCK) {  // (causal: a warp whose rows all end before the block skips it)
                 // S = Q K^T for this warp's 16 rows x 64 cache rows
                 float sc[BLOCK / 8][4];
@@ -240,10 +317,9 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
                     }
                 }
             }
-            mega_sync();  // every warp is done with stage b % 2 before it is refilled
-            issue(b + 2);
         }
         cp_async_wait<0>();
+        mega_sync();  // every warp is done with the ring before the next pass refills it
 
         // the rows' sums (the four threads of a row hold parts), then out = O / l
 #pragma unroll

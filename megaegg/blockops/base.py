@@ -112,8 +112,8 @@ class Term:
         return True
 
     def siblings(self, args: Mapping[str, Any]) -> tuple | None:
-        """A key shared by alternatives that read the same input and may run side by side
-        (``rewrite/siblings.py`` tiles them together), or None."""
+        """Not None for a linear's block op that ``rewrite/siblings.py`` may re-pick beside the other
+        linears of the same graph input (what it reads x as, for a matvec: x, its fused norm, a sum)."""
         return None
 
     def lower(self, b, value, args: Mapping[str, Any]) -> None:
@@ -195,6 +195,10 @@ class BlockKind:
     # Instances add into their output, an f32 ``accum`` sum that every launch zeroes (glu_down): a test
     # of the body starts the output at 0 (not NaN: NaN + x compares equal to NaN + y and would pass).
     accumulates: ClassVar[bool] = False
+    # Instances later in grid order run longer (causal attention: a later token tile reads more cache
+    # rows): the interpreter hands them out last first, so the longest start first and the op's tail is
+    # a short instance (longest-processing-time order). Only the claim order changes, not the coordinates.
+    longest_last: ClassVar[bool] = False
     # The body runs after the switch, once in the kernel (Deferred); its cuda_call fills the job.
     deferred: ClassVar[Deferred | None] = None
 

@@ -8,6 +8,11 @@ softmax, QK^T and PV on ``mma.sync`` m16n8k16) per distinct slot of its rows, so
 prompt (one slot, consecutive positions) share every K/V block read. A tile of rows of different
 sequences (decode rows) runs one pass per sequence: correct, but no faster than the split-KV path,
 which the cost model picks for batches of such rows (``decode_like``).
+
+Fused (``ragged_flash_rope``): q read unrotated (the Q projection's rows) and rotated at its tokens'
+positions as each instance loads it, after qwen3's q norm where there is one: the prompt's RoPE op and
+its hand-off leave the layer's critical path (perf-notes #81). Its extra operands, by role: ``inv_freq``,
+``pos_ids`` (each token's RoPE position) and ``g`` (the norm's weight).
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ import torch
 
 from ..dims import ceildiv
 from ..dtypes import bf16
-from .base import BlockKind, Partition, Term, c_call, f32, fields, register, term
+from .base import NONE, BlockKind, Partition, Term, c_call, f32, fields, no_view, register, rms_normed, term
 from ..ir.footprint import Full, Tile
 from .ragged_attention import row_length
+from .rope import rotated
 
 ROWS = 128  # (row, head) pairs an instance: 8 warps x 16
 BLOCK = 64  # cache rows a K/V block
@@ -33,19 +39,23 @@ def tokens_per_tile(group: int) -> int:
 class RaggedFlash(BlockKind):
     name = "ragged_flash"
     cuda_file = "flash.cuh"
+    longest_last = True  # (a prompt's later token tiles attend more rows)
 
     def build(self, inputs, output, params) -> Partition:
-        q, kc, _, _, _ = inputs
+        q, kc = inputs[0], inputs[1]
         g = params["group"]
         bt = tokens_per_tile(g)
         kv = (Full(), Tile(1, 1), Full(), Full())
         rows = (Tile(0, bt),)
+        rope = {"inv_freq": (Full(),), "pos_ids": rows, "g": (Full(),)}
         return Partition(grid=(ceildiv(q.shape[0], bt), kc.shape[1]),
-                         reads=((Tile(0, bt), Tile(1, g), Full()), kv, kv, rows, rows),
+                         reads=((Tile(0, bt), Tile(1, g), Full()), kv, kv, rows, rows,
+                                *(rope[r] for r in params.get("rope", ()))),
                          writes=(Tile(0, bt), Tile(1, g), Full()))
 
     def cpu(self, op, env, ins, out):
-        q, kc, vc, pos, slot = ins
+        q, kc, vc, pos, slot = ins[:5]
+        rope = dict(zip(op.params.get("rope", ()), ins[5:]))
         g = op.params["group"]
         bt = tokens_per_tile(g)
         i, h = env["_i0"], env["_i1"]
@@ -53,7 +63,13 @@ class RaggedFlash(BlockKind):
         for r in range(i * bt, min(i * bt + bt, q.shape[0])):
             length, s = row_length(op, pos, slot, r, kc.shape)
             k, v = f32(kc[s, h, :length]), f32(vc[s, h, :length])  # [L, D]
-            scores = f32(q[r, heads]) @ k.T * op.params["scale"]  # [G, L]
+            qr = f32(q[r, heads])  # [G, D]
+            if rope:
+                if "g" in rope:
+                    qr = rms_normed(qr, rope["g"], op.params["eps"], q.dtype)
+                p = torch.full((qr.shape[0],), float(rope["pos_ids"][r]))
+                qr = f32(rotated(qr, p, rope["inv_freq"], q.dtype))
+            scores = qr @ k.T * op.params["scale"]  # [G, L]
             out[r, heads] = (torch.softmax(scores, -1) @ v).to(out.dtype)
 
     def bytes_moved(self, op, env):
@@ -72,14 +88,19 @@ class RaggedFlash(BlockKind):
         return 4.0 * tiles * passes * ROWS * length * kc.shape[3].value  # (causal rows skip blocks past them)
 
     def cuda_call(self, op, ins, out):
-        q, kc, vc, pos, slot = ins
+        q, kc, vc, pos, slot = ins[:5]
+        rope = dict(zip(op.params.get("rope", ()), ins[5:]))
         p = op.params
         d = op.inputs[0].shape[2].value
         slots, _, max_len, _ = (x.value for x in op.inputs[1].shape)
         args = [("smem", "smem"), ("q", q.view()), ("kc", kc.view()), ("vc", vc.view()), ("pos", pos.view(0)),
                 ("slot", slot.view(0)), ("N", q.shape[0]), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL"),
                 ("scale", f"{float(p['scale'])!r}f"), ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1")]
-        return c_call("ragged_flash", [d, p["group"]], args)
+        if not rope:
+            return c_call("ragged_flash", [d, p["group"], "false", "false"], [*args, ("qr", "FlashQRope{}")])
+        g = rope["g"].view() if "g" in rope else no_view(1, q.ctype)
+        qr = f"FlashQRope{{{rope['inv_freq'].ptr}, {rope['pos_ids'].view(0)}, {g}, {float(p['eps'])!r}f}}"
+        return c_call("ragged_flash", [d, p["group"], "true", "true" if "g" in rope else "false"], [*args, ("qr", qr)])
 
 
 def decode_like(op, env) -> bool:
@@ -113,3 +134,36 @@ class RaggedFlashTerm(Term):
         group = q.shape[1].value // kc.shape[1].value
         params = {"group": group, "scale": n.attrs["scale"], "length": n.attrs["length"]}
         b.emit("ragged_flash", [value], [q, kc, vc, b.flat(pos), b.flat(slot)], b.output(value), params)
+
+
+@term
+class RaggedFlashRopeTerm(Term):
+    """``ragged_flash`` of attention node ``node`` whose q is RoPE node ``rope`` (at positions from its i32
+    tensor) of ``x`` [after a per-row RMSNorm(``g``)]: each instance rotates its q rows as it loads them."""
+
+    name = "ragged_flash_rope"
+    fields = fields("x:ref g:ref eps:float rope:node node:node")
+    min_rows = RaggedFlashTerm.min_rows
+    needs = RaggedFlashTerm.needs + ", q rotated at one position a token"
+
+    def refs(self, graph, args):
+        r, n = graph.nodes[args["rope"]], graph.nodes[args["node"]]
+        return tuple(i for i in (args["x"], *n.inputs[1:], r.inputs[1], r.inputs[2], args["g"]) if i != NONE)
+
+    def fits(self, graph, args) -> bool:
+        r, x = graph.nodes[args["rope"]], graph.nodes[args["x"]]
+        return (RaggedFlashTerm().fits(graph, {"node": args["node"], "chunk": BLOCK}) and len(r.shape) == 3
+                and x.shape == r.shape and x.dtype == r.dtype and len(graph.nodes[r.inputs[2]].shape) == 1)
+
+    def lower(self, b, value, args):
+        n, r = b.graph.nodes[value], b.graph.nodes[args["rope"]]
+        kc, vc, pos, slot = (b.operand(i) for i in n.inputs[1:])
+        rope = {"inv_freq": r.inputs[1], "pos_ids": r.inputs[2], "g": args["g"]}
+        roles = tuple(k for k, v in rope.items() if v != NONE)
+        group = n.shape[1].value // kc.shape[1].value
+        params = {"group": group, "scale": n.attrs["scale"], "length": n.attrs["length"], "rope": roles,
+                  "eps": args["eps"]}
+        inputs = [b.operand(args["x"]), kc, vc, b.flat(pos), b.flat(slot),
+                  *(b.flat(b.operand(rope[k])) if k == "pos_ids" else b.operand(rope[k]) for k in roles)]
+        refs = {args["x"], *n.inputs[1:], *(v for v in rope.values() if v != NONE)}
+        b.emit("ragged_flash", b.absorbed(value, refs), inputs, b.output(value), params)

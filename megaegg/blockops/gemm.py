@@ -109,6 +109,9 @@ class GemmTerm(Term):
     min_rows = BM
     needs = "bf16 operands with 16-byte aligned rows, a weight of [N, K], and a runtime row count"
 
+    def siblings(self, args):
+        return ("gemm", args["x"])
+
     def fits(self, graph, args) -> bool:
         x, w = graph.nodes[args["x"]], graph.nodes[args["w"]]
         if args["bn"] not in GEMM_BN:

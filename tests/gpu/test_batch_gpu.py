@@ -213,3 +213,32 @@ def test_flash_attention_over_prompts():
         out = kern(**ins, **mine, n=n)
         ref = me.run_reference(g, {**ins, **{name: c.clone() for name, c in caches.items()}}, {}, {"n": n})
         assert rel(out["o"], ref["o"]) < 2e-2, d
+
+
+def test_flash_attention_rotates_q_as_it_loads_it():
+    """q's RoPE (and qwen3's q norm before it) folded into ragged_flash, in a kernel: a prompt continuing
+    cached rows, a second prompt and decode rows of a third sequence, D 64 and 128."""
+    for hq, hkv, d, qnorm in ((8, 2, 64, False), (16, 2, 128, True)):
+        gen = torch.Generator(device="cuda").manual_seed(d + 1)
+        g = me.Graph("prompt_attention_rope")
+        q, k, v = (g.input(name, [N, h, d], me.bf16) for name, h in (("q", hq), ("k", hkv), ("v", hkv)))
+        pos, slot = g.input("pos", [N], me.i32), g.input("slot", [N], me.i32)
+        if qnorm:
+            q = me.rms_norm(q, g.weight("qn", [d], me.bf16), 1e-6)
+        q = me.rope(q, pos, theta=1e6)
+        kc = me.kv_store(g.input("kc", [3, hkv, 160, d], me.bf16), me.rope(k, pos, theta=1e6), pos, slot)
+        vc = me.kv_store(g.input("vc", [3, hkv, 160, d], me.bf16), v, pos, slot)
+        g.output("o", me.ragged_attention(q, kc, vc, pos, slot))
+        w = {"qn": (torch.rand(d, generator=gen, device="cuda") + 0.5).bfloat16()} if qnorm else {}
+        kern = me.compile(g, w, backend="cuda", max_dims={"n": 512}, dims_hint={"n": 512})
+        flash = [e.op for e in kern.queue.entries if e.op.kind == "ragged_flash"]
+        assert flash and flash[0].params.get("rope") and not any(e.op.kind == "rope" for e in kern.queue.entries)
+        p = list(range(20, 120)) + list(range(30)) + [7, 150, 33, 159, 0]
+        s = [1] * 100 + [0] * 30 + [2] * 5
+        n = len(p)
+        ins = {"q": rand([n, hq, d], me.bf16, gen), "k": rand([n, hkv, d], me.bf16, gen), "v": rand([n, hkv, d], me.bf16, gen),
+               "pos": torch.tensor(p, dtype=torch.int32, device="cuda"), "slot": torch.tensor(s, dtype=torch.int32, device="cuda")}
+        caches = {"kc": rand([3, hkv, 160, d], me.bf16, gen), "vc": rand([3, hkv, 160, d], me.bf16, gen)}
+        out = kern(**ins, **{name: c.clone() for name, c in caches.items()}, n=n)
+        ref = me.run_reference(g, {**ins, **{name: c.clone() for name, c in caches.items()}}, w, {"n": n})
+        assert rel(out["o"], ref["o"]) < 2e-2, (d, qnorm)
