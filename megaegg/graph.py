@@ -73,7 +73,7 @@ OPS = frozenset({
     *LEAF_OPS, *COLLECTIVES, "add", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
     "kv_store", "linear", "matmul", "moe_mlp", "mul", "permute", "ragged_attention", "reshape", "rms_norm", "rope",
     "sample", "silu", "slice", "softmax",
-    "pow", "mean", "rsqrt", "add_scalar",  # (only inside a recognised pattern: ops.py)
+    "pow", "mean", "rsqrt", "add_scalar", "sigmoid",  # (only inside a recognised pattern: ops.py)
 })
 
 

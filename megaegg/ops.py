@@ -19,6 +19,7 @@ __all__ = [
     "matmul", "linear", "add", "mul", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
     "softmax", "attention", "kv_append", "kv_store", "ragged_attention", "argmax", "reshape", "transpose", "permute", "slice",
     "expand", "concat", "cast", "moe_mlp", "sample", "all_reduce", "all_gather", "pow", "mean", "rsqrt", "add_scalar",
+    "sigmoid",
 ]
 
 
@@ -157,6 +158,13 @@ def add_scalar(x: Tensor, value: float, *, name: str | None = None) -> Tensor:
     """``x + value`` elementwise (a Python scalar)."""
     _check_float("add_scalar", x)
     return _new("add_scalar", (x,), x.shape, x.dtype, name, scalar=float(value))
+
+
+def sigmoid(x: Tensor, *, name: str | None = None) -> Tensor:
+    """``1 / (1 + exp(-x))`` elementwise (in ``x``'s dtype, as torch computes it). Only inside a recognised
+    pattern: ``x * sigmoid(x)`` is SiLU (rewrite/rules.py); alone it has no block op."""
+    _check_float("sigmoid", x)
+    return _new("sigmoid", (x,), x.shape, x.dtype, name)
 
 
 def silu(x: Tensor, *, name: str | None = None) -> Tensor:

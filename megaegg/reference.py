@@ -296,6 +296,7 @@ _EVAL: dict[str, Callable] = {
     "mean": lambda n, a, e, d: a[0].mean(n.attrs["dim"], keepdim=n.attrs["keepdim"]),
     "rsqrt": lambda n, a, e, d: torch.rsqrt(a[0]),
     "add_scalar": lambda n, a, e, d: a[0] + n.attrs["scalar"],
+    "sigmoid": lambda n, a, e, d: torch.sigmoid(a[0]),
     "rms_norm": _rms_norm,
     "softmax": lambda n, a, e, d: _to(n, _f(a[0]).softmax(n.attrs["dim"])),
     "rope": _rope,

@@ -53,6 +53,7 @@ ENCODERS: dict[str, Callable[[Graph, Node], dict | None]] = {
                           if n.attrs["dim"] == len(g.nodes[n.inputs[0]].shape) - 1 and n.attrs["keepdim"] else None),
     "rsqrt": lambda g, n: dict(a=n.inputs[0]),
     "add_scalar": lambda g, n: dict(a=n.inputs[0], c=n.attrs["scalar"]),
+    "sigmoid": lambda g, n: dict(a=n.inputs[0], dtype=n.dtype.name),
 }
 
 

@@ -294,3 +294,16 @@ def _recover_rms_norm(x: i64, g: i64, xf: i64, sq: i64, m: i64, v: i64, rs: i64,
         *norm,
         eq(xf).to(x),
     ).then(union(node(i)).with_(Op.rms_norm(x=x, g=g, eps=eps)))
+
+
+@fusion.register
+def _recover_silu(x: i64, s: i64, t: String, i: i64):
+    # SiLU written out, x * sigmoid(x) (either order), is silu(x): then the gated-MLP rules apply, and
+    # alone it runs as the elementwise silu of x (silu_tiles). The written-out form rounds sigmoid(x) to x's
+    # dtype before the product, the silu op does not: in bf16 the two differ by at most an ulp of the
+    # product. sigmoid has no block op of its own.
+    for lhs in (Op.mul(a=x, b=s, same_shape=1), Op.mul(a=s, b=x, same_shape=1)):
+        yield rule(eq(node(i)).to(lhs), eq(node(s)).to(Op.sigmoid(a=x, dtype=t))).then(
+            union(node(i)).with_(Op.silu(a=x)),
+            *(union(node(i)).with_(Op.silu_tiles(x=x, node=i, tile=tt)) for tt in ELEMENTWISE_TILES),
+        )

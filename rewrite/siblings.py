@@ -32,14 +32,17 @@ from .cost import CostModel
 from .encode import base_node
 from .extract import Choice, order, storage
 
-MAX_GROUP = 4  # siblings tiled jointly (options ** MAX_GROUP combinations are tried)
+MAX_GROUP = 4  # siblings tiled jointly (MAX_OPTIONS ** MAX_GROUP combinations at most are tried)
+MAX_OPTIONS = 12
 
 
 def group_seconds(estimates: list[Estimate], model: CostModel) -> float:
     """Time of block ops running side by side (each op's Estimate)."""
     total = sum(e.instances for e in estimates)
     per_sm_bw, per_sm_flops = model.bandwidth / model.sms, model.tensor_flops / model.sms
-    slowest = max(max(e.bytes / per_sm_bw, e.flops / per_sm_flops) / max(1, e.instances) for e in estimates)
+    step = model.step_latency / model.stages_in_flight
+    slowest = max(max(e.bytes / per_sm_bw, e.flops / per_sm_flops, e.steps * step) / max(1, e.instances)
+                  for e in estimates)
     return math.ceil(total / model.sms) * (slowest + model.instance_latency)
 
 
@@ -52,14 +55,14 @@ def balance_siblings(graph: Graph, alts: dict[int, list[Choice]], chosen: dict[i
     out = dict(chosen)
     for members in groups.values():
         members = _independent(graph, members)[:MAX_GROUP]
-        if len(members) < 2:
+        if len(members) < 2 or any(out[i] not in estimates for i in members):
             continue
 
         def usable(a: Choice) -> bool:
             return a in estimates and TERMS[a.term].siblings(a.named) is not None and \
                 all(_available(graph, out, r) for r in a.refs(graph))
 
-        options = [[a for a in alts[i] if usable(a)] for i in members]
+        options = [_shortlist([a for a in alts[i] if usable(a)], out[i], estimates, model) for i in members]
         best = [out[i] for i in members]
         best_t = group_seconds([estimates[c] for c in best], model)
         for combo in itertools.product(*options):
@@ -68,6 +71,13 @@ def balance_siblings(graph: Graph, alts: dict[int, list[Choice]], chosen: dict[i
                 best, best_t = list(combo), t
         out.update(zip(members, best))
     return _read_only(graph, out)
+
+
+def _shortlist(options: list[Choice], current: Choice, estimates: dict, model: CostModel) -> list[Choice]:
+    """A member's current choice and its other options that are fastest alone, MAX_OPTIONS in all (tile
+    sizes x fused forms x terms come to ~20 a linear: four members' product would be ~10^5 combinations)."""
+    ranked = sorted((a for a in options if a != current), key=lambda a: group_seconds([estimates[a]], model))
+    return [current, *ranked[:MAX_OPTIONS - 1]]
 
 
 def _available(graph: Graph, chosen: dict, r) -> bool:

@@ -49,6 +49,7 @@ GRAPH_TERMS = {
     "mean_last": fields("a:ref"),  # over the last dim, keepdim
     "rsqrt": fields("a:ref"),
     "add_scalar": fields("a:ref c:float"),
+    "sigmoid": fields("a:ref dtype:str"),
     "scale_last": fields("x:ref g:ref dtype:str"),  # x [..., D] * g [D] (either order), the product's dtype
     "scale_rows": fields("x:ref s:ref"),  # x [..., D] * s [..., 1] (either order)
     "other": fields("op:str node:node"),  # any other graph op: lowered by a single-node term

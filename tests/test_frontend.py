@@ -141,6 +141,58 @@ def test_torch_compile_backend_never_reads_a_stale_weight(caplog):
     assert any("a parameter changed" in r.getMessage() for r in caplog.records)
 
 
+def test_torch_compile_backend_takes_dynamic_sizes_in_one_kernel(caplog, monkeypatch):
+    """Dynamo's symbolic sizes (dynamic=True, or its automatic dynamic after a second size) become a runtime
+    dim: one megakernel serves every size up to its bound, a size past it compiles again (logged), and
+    every call equals eager."""
+    from megaegg.frontend import backend as be
+
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    m = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 8)).eval()
+    compiles = []
+    import megaegg.frontend as fe
+
+    original = fe.compile_exported
+
+    def counted(*a, **k):
+        compiles.append(k.get("max_dims"))
+        return original(*a, **k)
+
+    monkeypatch.setattr(fe, "compile_exported", counted)
+    for dynamic in (True, None):  # (None: Dynamo's default, static first, dynamic from the second size)
+        torch._dynamo.reset()
+        compiles.clear()
+        fast = torch.compile(m, backend="megaegg", dynamic=dynamic)
+        with torch.no_grad(), caplog.at_level("WARNING", logger="megaegg.frontend"):
+            caplog.clear()
+            for rows in (3, 5, 17, 2, 40):
+                x = torch.randn(rows, 16)
+                close(fast(x), m(x), tol=1e-4)
+            assert not caplog.records, [r.getMessage() for r in caplog.records]  # every call a megakernel
+            dynamic_builds = [d for d in compiles if d]
+            assert len(dynamic_builds) == 1 and list(dynamic_builds[0].values()) == [be.MIN_DYNAMIC_BOUND], compiles
+            x = torch.randn(be.MIN_DYNAMIC_BOUND + 1, 16)  # past the bound: compiled again, still right
+            close(fast(x), m(x), tol=1e-4)
+            assert any("past the compiled bounds" in r.getMessage() for r in caplog.records)
+            assert list(compiles[-1].values()) == [be.GROWTH * (be.MIN_DYNAMIC_BOUND + 1)], compiles
+
+
+def test_torch_compile_backend_shares_a_size_between_inputs():
+    """Two inputs with one symbolic size (a batch of x and of the residual r) share one runtime dim."""
+    torch._dynamo.reset()
+    lin = nn.Linear(16, 16, bias=False).eval()
+
+    def fn(x, r):
+        return F.silu(lin(x)) + r
+
+    fast = torch.compile(fn, backend="megaegg", dynamic=True)
+    with torch.no_grad():
+        for rows in (3, 9):
+            x, r = torch.randn(rows, 16), torch.randn(rows, 16)
+            close(fast(x, r), fn(x, r), tol=1e-4)
+
+
 class WrittenOutRMSNorm(nn.Module):
     """RMSNorm as Hugging Face's LlamaRMSNorm writes it: f32 math, then the weight in the input's dtype."""
 
@@ -176,6 +228,32 @@ def test_a_primitive_outside_a_recognised_pattern_is_named():
     m = WrittenOutRMSNorm(16, exponent=3).eval()
     with pytest.raises(me.GraphError, match=r"pow .*no block op of the megakernel takes it"):
         me.from_torch(m, (torch.randn(4, 16),), backend="sim")
+
+
+def test_written_out_silu_gating_is_the_gated_mlp():
+    """x * sigmoid(x) is recognised as SiLU by an e-graph rule: a gated MLP written that way runs as the
+    fused gated matvec, and equals eager; alone it is one elementwise silu; a sigmoid outside that pattern
+    is named."""
+    torch.manual_seed(5)
+    gate, up, down = (nn.Linear(a, b, bias=False) for a, b in ((16, 48), (16, 48), (48, 16)))
+
+    def mlp(x):
+        a = gate(x)
+        return down(a * torch.sigmoid(a) * up(x))
+
+    run = me.from_torch(mlp, (torch.randn(1, 16),), backend="sim")
+    kinds = [e.op.kind for e in run.kernel.queue.entries]
+    assert "glu_down" in kinds or any(e.op.kind == "matvec" and "w2" in e.op.params["roles"]
+                                      for e in run.kernel.queue.entries), kinds
+    x = torch.randn(1, 16)
+    with torch.no_grad():
+        close(run(x), mlp(x), tol=1e-4)
+    alone = me.from_torch(lambda x: x * torch.sigmoid(x), (torch.randn(4, 16),), backend="sim")  # (no gate)
+    assert [e.op.kind for e in alone.kernel.queue.entries] == ["elementwise"]
+    x = torch.randn(4, 16)
+    close(alone(x), F.silu(x), tol=1e-5)
+    with pytest.raises(me.GraphError, match=r"sigmoid .*no block op of the megakernel takes it"):
+        me.from_torch(lambda x: torch.sigmoid(x) + x, (torch.randn(4, 16),), backend="sim")
 
 
 def test_the_output_structure_is_the_modules():

@@ -106,6 +106,18 @@ class ElementwiseTilesTerm(Term):
 
 
 @term
+class SiluTilesTerm(Term):
+    """``silu(x)`` computing node ``node`` (a written-out ``x * sigmoid(x)``: rewrite/rules.py), ``tile``
+    elements per instance."""
+
+    name = "silu_tiles"
+    fields = fields("x:ref node:node tile:int")
+
+    def lower(self, b, value, args):
+        emit_elementwise(b, b.absorbed(value, {args["x"]}), "silu", [b.operand(args["x"])], b.output(value), args["tile"])
+
+
+@term
 class ConcatTilesTerm(Term):
     """Concatenation as one copy per piece into a slice of the output."""
 

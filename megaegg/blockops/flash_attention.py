@@ -153,7 +153,8 @@ class RaggedFlashRopeTerm(Term):
     def fits(self, graph, args) -> bool:
         r, x = graph.nodes[args["rope"]], graph.nodes[args["x"]]
         return (RaggedFlashTerm().fits(graph, {"node": args["node"], "chunk": BLOCK}) and len(r.shape) == 3
-                and x.shape == r.shape and x.dtype == r.dtype and len(graph.nodes[r.inputs[2]].shape) == 1)
+                and x.shape == r.shape and x.dtype == r.dtype and len(graph.nodes[r.inputs[2]].shape) == 1
+                and (args["g"] == NONE or graph.nodes[args["g"]].dtype == bf16))
 
     def lower(self, b, value, args):
         n, r = b.graph.nodes[value], b.graph.nodes[args["rope"]]

@@ -153,6 +153,7 @@ ATEN: dict[str, Entry] = {
     "aten.embedding.default": lambda t, node, args, kwargs: ops.embedding(args[0], args[1]),
     "aten.rms_norm.default": _rms_norm,
     "aten.silu.default": lambda t, node, args, kwargs: ops.silu(args[0]),
+    "aten.sigmoid.default": lambda t, node, args, kwargs: ops.sigmoid(args[0]),
     "aten.add.Tensor": _add_tensor_or_scalar,
     # primitives of written-out patterns (RMSNorm as Hugging Face writes it: rewrite/rules.py)
     "aten.pow.Tensor_Scalar": lambda t, node, args, kwargs: ops.pow(args[0], args[1]),

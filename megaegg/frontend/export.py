@@ -168,9 +168,11 @@ class Translator:
         for s, name in self.dim_names.items():
             r = self.ep.range_constraints.get(s)
             upper = getattr(r, "upper", None) if r is not None else None
+            if upper is None or getattr(upper, "is_finite", True) is False:  # (unbounded: sympy's oo, torch's int_oo)
+                continue
             try:
                 out[name] = int(upper)
-            except (TypeError, ValueError, OverflowError):
+            except (TypeError, ValueError, OverflowError, AttributeError):
                 continue
         return out
 
