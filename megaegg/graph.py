@@ -70,7 +70,7 @@ OPERATORS: dict[str, Callable[..., "Tensor"]] = {}
 # The ops a graph may hold: the leaves and every op ``run_reference`` (and the compiler) knows
 # (tests/test_graph.py checks this list against reference.py's evaluators).
 OPS = frozenset({
-    *LEAF_OPS, *COLLECTIVES, "add", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
+    *LEAF_OPS, *COLLECTIVES, "add", "sub", "div", "neg", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
     "kv_store", "linear", "matmul", "moe_mlp", "mul", "permute", "ragged_attention", "reshape", "rms_norm", "rope",
     "sample", "silu", "slice", "softmax",
     "pow", "mean", "rsqrt", "add_scalar", "sigmoid",  # (only inside a recognised pattern: ops.py)
@@ -151,6 +151,15 @@ class Tensor:
 
     def __mul__(self, other: "Tensor") -> "Tensor":
         return OPERATORS["mul"](self, other)
+
+    def __sub__(self, other: "Tensor") -> "Tensor":
+        return OPERATORS["sub"](self, other)
+
+    def __truediv__(self, other: "Tensor") -> "Tensor":
+        return OPERATORS["div"](self, other)
+
+    def __neg__(self) -> "Tensor":
+        return OPERATORS["neg"](self)
 
     def __matmul__(self, other: "Tensor") -> "Tensor":
         return OPERATORS["matmul"](self, other)

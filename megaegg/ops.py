@@ -16,7 +16,7 @@ from .dtypes import DType, as_dtype, f32, i32
 from .graph import OPERATORS, GraphError, ShapeError, Tensor, check_static_dims
 
 __all__ = [
-    "matmul", "linear", "add", "mul", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
+    "matmul", "linear", "add", "sub", "mul", "div", "neg", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
     "softmax", "attention", "kv_append", "kv_store", "ragged_attention", "argmax", "reshape", "transpose", "permute", "slice",
     "expand", "concat", "cast", "moe_mlp", "sample", "all_reduce", "all_gather", "pow", "mean", "rsqrt", "add_scalar",
     "sigmoid",
@@ -130,6 +130,27 @@ def add(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
 def mul(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
     """Elementwise ``a * b`` with NumPy broadcasting."""
     return _binary("mul", a, b, name)
+
+
+@operator
+def sub(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
+    """Elementwise ``a - b`` with NumPy broadcasting."""
+    return _binary("sub", a, b, name)
+
+
+@operator
+def div(a: Tensor, b: Tensor, *, name: str | None = None) -> Tensor:
+    """Elementwise ``a / b`` with NumPy broadcasting (floating point: true division)."""
+    _check_float("div", a, b)
+    return _binary("div", a, b, name)
+
+
+@operator
+def neg(x: Tensor, *, name: str | None = None) -> Tensor:
+    """Elementwise ``-x``."""
+    if not isinstance(x, Tensor):
+        raise TypeError("neg: the operand must be a Tensor")
+    return _new("neg", (x,), x.shape, x.dtype, name)
 
 
 # Primitives that run only inside a pattern a rewrite rule recognises (RMSNorm written out, as exported

@@ -290,6 +290,9 @@ _EVAL: dict[str, Callable] = {
     "linear": lambda n, a, e, d: _to(n, _f(a[0]) @ _f(a[1]).T),
     "add": lambda n, a, e, d: _to(n, _f(a[0]) + _f(a[1])),
     "mul": lambda n, a, e, d: _to(n, _f(a[0]) * _f(a[1])),
+    "sub": lambda n, a, e, d: _to(n, _f(a[0]) - _f(a[1])),
+    "div": lambda n, a, e, d: _to(n, _f(a[0]) / _f(a[1])),
+    "neg": lambda n, a, e, d: _to(n, -_f(a[0])),
     "silu": lambda n, a, e, d: _to(n, torch.nn.functional.silu(_f(a[0]))),
     # (in the tensor's own dtype, as torch computes them)
     "pow": lambda n, a, e, d: a[0] ** n.attrs["exponent"],

@@ -59,7 +59,8 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, dt: String,
         *(union(node(i)).with_(Op.rms_norm_rows(x=x, g=g, eps=eps, rows_per=t)) for t in ROW_TILES)
     )
     for build in (lambda: Op.add(a=a, b=b, same_shape=s), lambda: Op.mul(a=a, b=b, same_shape=s), lambda: Op.silu(a=a),
-                  lambda: Op.cast(a=a, dtype=dt, src=st)):
+                  lambda: Op.cast(a=a, dtype=dt, src=st), lambda: Op.sub(a=a, b=b), lambda: Op.div(a=a, b=b),
+                  lambda: Op.neg(a=a)):
         yield rule(eq(node(i)).to(build())).then(
             *(union(node(i)).with_(Op.elementwise_tiles(node=i, tile=t)) for t in ELEMENTWISE_TILES)
         )

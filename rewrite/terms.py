@@ -32,6 +32,9 @@ GRAPH_TERMS = {
     "rms_norm": fields("x:ref g:ref eps:float"),
     "add": fields("a:ref b:ref same_shape:int"),
     "mul": fields("a:ref b:ref same_shape:int"),
+    "sub": fields("a:ref b:ref"),
+    "div": fields("a:ref b:ref"),
+    "neg": fields("a:ref"),
     "silu": fields("a:ref"),
     "heads": fields("src:ref head_dim:int"),  # a reshape view [1, H*D] -> [H, D], seen so QKV fusion can look through it
     "rope": fields("x:ref node:node"),  # RoPE at a runtime-dim position

@@ -373,6 +373,12 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
         ("cast", "elementwise", [Arg((2, 3, 4, 5), T)], Arg((2, 3, 4, 5), f32 if T != f32 else dt.bf16),
          ew("cast", (2, 3, 4, 5), 1, 1)),
         ("int_add", "elementwise", [Arg((16,), i32), Arg((16,), i32)], Arg((16,), i32), ew("add", (16,), 16)),
+        ("sub_bcast", "elementwise", [Arg((4, 2048), T), Arg((4, 2048), T, strides=(0, 1))], Arg((4, 2048), T),
+         ew("sub", (4, 2048), 2048, 1)),
+        ("div", "elementwise", [Arg((2, 1000), T), Arg((2, 1000), T)], Arg((2, 1000), T), ew("div", (2, 1000), 1000, 1)),
+        ("neg_3d", "elementwise", [Arg((8, 4, 64), T, strides=(64, 512, 1))], Arg((8, 4, 64), T),
+         ew("neg", (8, 4, 64), 8, 0)),
+        ("int_neg_sub", "elementwise", [Arg((16,), i32)], Arg((16,), i32), ew("neg", (16,), 16)),
         ("scalar", "elementwise", [Arg((), T)], Arg((), T), {"fn": "copy", "axis": 0, "tile": 1}),
     ]
     return c

@@ -277,6 +277,11 @@ OP_CASES = {
     "clone_detach_dropout": (lambda x: F.dropout(x.clone().detach(), 0.5, training=False) * x, [(4, 8)]),
     "slice_tail": (lambda x: x[:, 8:], [(4, 24)]),
     "embedding_2d_ids": (lambda e, i: F.embedding(i, e), [(50, 8), (3, 4, "ids")]),
+    "sub_div_neg": (lambda x, y, z: -(x - y) / z, [(4, 8), (4, 8), (8,)]),
+    # Hugging Face's apply_rotary_pos_emb with cos / sin given: slices, a negation, a concatenation, two
+    # broadcasting products and a sum (elementwise ops; no rule recovers rope from them yet)
+    "rope_written_out": (lambda q, cos, sin: q * cos + torch.cat((-q[..., 4:], q[..., :4]), -1) * sin,
+                         [(5, 2, 8), (5, 1, 8), (5, 1, 8)]),
 }
 
 

@@ -32,6 +32,18 @@ struct EwMul {
     static constexpr int ARITY = 2;
     template <class C> static __device__ __forceinline__ C apply(C a, C b) { return a * b; }
 };
+struct EwSub {
+    static constexpr int ARITY = 2;
+    template <class C> static __device__ __forceinline__ C apply(C a, C b) { return a - b; }
+};
+struct EwDiv {  // (floating point only: ops.div)
+    static constexpr int ARITY = 2;
+    template <class C> static __device__ __forceinline__ C apply(C a, C b) { return a / b; }
+};
+struct EwNeg {
+    static constexpr int ARITY = 1;
+    template <class C> static __device__ __forceinline__ C apply(C a) { return -a; }
+};
 
 namespace ew_impl {
 
@@ -94,6 +106,8 @@ __device__ __noinline__ void elementwise(Idx4 shape, int axis, long long tile, l
             if (base + u * MEGA_THREADS < t.count) {
                 if constexpr (SameType<FN, EwSilu>::value)
                     out[oo[u]] = from_f32<TO>(FN::apply(to_f32(va[u])));
+                else if constexpr (SameType<FN, EwNeg>::value)  // (in the compute type: ints stay integral)
+                    out[oo[u]] = convert<TO>(FN::apply(convert<typename ew_impl::ComputeType<TA, TA>::type>(va[u])));
                 else
                     out[oo[u]] = convert<TO>(va[u]);  // copy / cast
             }

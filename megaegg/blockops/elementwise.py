@@ -20,6 +20,9 @@ FUNCTIONS = {
     "silu": lambda a: torch.nn.functional.silu(a),
     "add": lambda a, b: a + b,
     "mul": lambda a, b: a * b,
+    "sub": lambda a, b: a - b,
+    "div": lambda a, b: a / b,
+    "neg": lambda a: -a,
 }
 
 
@@ -92,7 +95,8 @@ def materialize(b, src, dst, sources) -> None:
 
 @term
 class ElementwiseTilesTerm(Term):
-    """add / mul / silu / cast (anything else: copy) of operands broadcast to the output, ``tile`` elements per instance."""
+    """add / sub / mul / div / neg / silu / cast (anything else: copy) of operands broadcast to the output, ``tile``
+    elements per instance."""
 
     name = "elementwise_tiles"
     fields = fields("node:node tile:int")

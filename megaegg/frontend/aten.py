@@ -71,6 +71,18 @@ def _add(t, node, args, kwargs):
     return ops.add(a, b)
 
 
+def _sub(t, node, args, kwargs):
+    a, b = _tensor("sub", args[0], "a"), _tensor("sub", args[1], "b")
+    _only("sub: alpha", kwargs.get("alpha", 1), 1)
+    return ops.sub(a, b)
+
+
+def _div(t, node, args, kwargs):
+    a, b = _tensor("div", args[0], "a"), _tensor("div", args[1], "b")
+    _only("div: rounding_mode", kwargs.get("rounding_mode"), None)
+    return ops.div(a, b)
+
+
 def _mul(t, node, args, kwargs):
     return ops.mul(_tensor("mul", args[0], "a"), _tensor("mul", args[1], "b"))
 
@@ -160,6 +172,10 @@ ATEN: dict[str, Entry] = {
     "aten.mean.dim": _mean,
     "aten.rsqrt.default": lambda t, node, args, kwargs: ops.rsqrt(args[0]),
     "aten.mul.Tensor": _mul,
+    "aten.sub.Tensor": _sub,
+    "aten.div.Tensor": _div,
+    "aten.div.Tensor_mode": _div,
+    "aten.neg.default": lambda t, node, args, kwargs: ops.neg(args[0]),
     "aten.softmax.int": _softmax,
     "aten._softmax.default": lambda t, node, args, kwargs: ops.softmax(args[0], args[1]),
     "aten.matmul.default": lambda t, node, args, kwargs: ops.matmul(args[0], args[1]),
