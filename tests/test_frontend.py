@@ -178,6 +178,27 @@ def test_torch_compile_backend_takes_dynamic_sizes_in_one_kernel(caplog, monkeyp
             assert list(compiles[-1].values()) == [be.GROWTH * (be.MIN_DYNAMIC_BOUND + 1)], compiles
 
 
+def test_sizes_computed_from_a_dynamic_axis(caplog):
+    """x.shape[0] * 2 in a reshape (aten.sym_size and a product of sizes in the export) is a runtime-dim
+    expression, no op: from_torch and the torch.compile backend both run it (the backend not eagerly)."""
+    torch._dynamo.reset()
+    lin = nn.Linear(16, 16, bias=False).eval()
+
+    def fn(x):
+        y = lin(x).reshape(x.shape[0] * 2, 8)
+        return y - y.neg()
+
+    run = me.from_torch(fn, (torch.randn(5, 16),), dynamic_shapes=({0: torch.export.Dim("rows", max=32)},),
+                        backend="sim")
+    fast = torch.compile(fn, backend="megaegg", dynamic=True)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="megaegg.frontend"):
+        for rows in (3, 7):
+            x = torch.randn(rows, 16)
+            close(run(x), fn(x), tol=1e-5)
+            close(fast(x), fn(x), tol=1e-5)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
 def test_torch_compile_backend_shares_a_size_between_inputs():
     """Two inputs with one symbolic size (a batch of x and of the residual r) share one runtime dim."""
     torch._dynamo.reset()

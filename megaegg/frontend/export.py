@@ -140,6 +140,12 @@ class Translator:
         raise UnsupportedTorch(f"constant {target} has no value in the exported program")
 
     def _call(self, node) -> None:
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+            # a size computed from sizes (aten.sym_size, arithmetic on them): no op, its value is the export's
+            # own expression of it in runtime dims (the ops that take sizes read their result's shape anyway)
+            self.env[node.name] = self.dim(val)
+            return
         key = str(node.target)
         entry = ATEN.get(key)
         if entry is None:
