@@ -72,8 +72,8 @@ OPERATORS: dict[str, Callable[..., "Tensor"]] = {}
 OPS = frozenset({
     *LEAF_OPS, *COLLECTIVES, "add", "sub", "div", "neg", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
     "kv_store", "linear", "matmul", "moe_mlp", "mul", "permute", "ragged_attention", "reshape", "rms_norm", "rope",
-    "sample", "silu", "slice", "softmax",
-    "pow", "mean", "rsqrt", "add_scalar", "sigmoid",  # (only inside a recognised pattern: ops.py)
+    "sample", "silu", "slice", "softmax", "sigmoid", "gelu", "tanh", "exp", "cos", "sin",
+    "pow", "mean", "rsqrt", "add_scalar",  # (only inside a recognised pattern: ops.py)
 })
 
 

@@ -19,7 +19,7 @@ __all__ = [
     "matmul", "linear", "add", "sub", "mul", "div", "neg", "silu", "rms_norm", "rope", "rope_inv_freq", "embedding",
     "softmax", "attention", "kv_append", "kv_store", "ragged_attention", "argmax", "reshape", "transpose", "permute", "slice",
     "expand", "concat", "cast", "moe_mlp", "sample", "all_reduce", "all_gather", "pow", "mean", "rsqrt", "add_scalar",
-    "sigmoid",
+    "sigmoid", "gelu", "tanh", "exp", "cos", "sin",
 ]
 
 
@@ -182,10 +182,35 @@ def add_scalar(x: Tensor, value: float, *, name: str | None = None) -> Tensor:
 
 
 def sigmoid(x: Tensor, *, name: str | None = None) -> Tensor:
-    """``1 / (1 + exp(-x))`` elementwise (in ``x``'s dtype, as torch computes it). Only inside a recognised
-    pattern: ``x * sigmoid(x)`` is SiLU (rewrite/rules.py); alone it has no block op."""
+    """``1 / (1 + exp(-x))`` elementwise (``x * sigmoid(x)`` is recognised as SiLU: rewrite/rules.py)."""
     _check_float("sigmoid", x)
     return _new("sigmoid", (x,), x.shape, x.dtype, name)
+
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+def gelu(x: Tensor, approximate: str = "none", *, name: str | None = None) -> Tensor:
+    """GELU elementwise, exact (``x * Phi(x)``, erf) or ``approximate="tanh"``, as ``torch.nn.functional.gelu``."""
+    _check_float("gelu", x)
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"gelu: approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+    return _new("gelu", (x,), x.shape, x.dtype, name, approximate=approximate)
+
+
+def _unary(op: str, doc: str):
+    def fn(x: Tensor, *, name: str | None = None) -> Tensor:
+        _check_float(op, x)
+        return _new(op, (x,), x.shape, x.dtype, name)
+
+    fn.__name__, fn.__doc__ = op, doc
+    return fn
+
+
+tanh = _unary("tanh", "``tanh(x)`` elementwise.")
+exp = _unary("exp", "``e ** x`` elementwise.")
+cos = _unary("cos", "``cos(x)`` elementwise (radians).")
+sin = _unary("sin", "``sin(x)`` elementwise (radians).")
 
 
 def silu(x: Tensor, *, name: str | None = None) -> Tensor:

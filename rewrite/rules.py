@@ -33,6 +33,7 @@ OTHER_TERMS: dict[str, tuple[tuple[str, ...], str | None, tuple[int, ...]]] = {
     "embedding": (("embedding_rows",), None, ()),
     "concat": (("concat_tiles",), "tile", ELEMENTWISE_TILES),
     "matmul": (("matmul_rows",), "rows", MATVEC_ROWS),
+    **{op: (("elementwise_tiles",), "tile", ELEMENTWISE_TILES) for op in ("gelu", "tanh", "exp", "cos", "sin")},
     "all_gather": (("all_gather_tiles",), "tile", ALL_REDUCE_TILES),
 }
 
@@ -60,7 +61,7 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, dt: String,
     )
     for build in (lambda: Op.add(a=a, b=b, same_shape=s), lambda: Op.mul(a=a, b=b, same_shape=s), lambda: Op.silu(a=a),
                   lambda: Op.cast(a=a, dtype=dt, src=st), lambda: Op.sub(a=a, b=b), lambda: Op.div(a=a, b=b),
-                  lambda: Op.neg(a=a)):
+                  lambda: Op.neg(a=a), lambda: Op.sigmoid(a=a, dtype=dt)):
         yield rule(eq(node(i)).to(build())).then(
             *(union(node(i)).with_(Op.elementwise_tiles(node=i, tile=t)) for t in ELEMENTWISE_TILES)
         )
@@ -302,7 +303,7 @@ def _recover_silu(x: i64, s: i64, t: String, i: i64):
     # SiLU written out, x * sigmoid(x) (either order), is silu(x): then the gated-MLP rules apply, and
     # alone it runs as the elementwise silu of x (silu_tiles). The written-out form rounds sigmoid(x) to x's
     # dtype before the product, the silu op does not: in bf16 the two differ by at most an ulp of the
-    # product. sigmoid has no block op of its own.
+    # product.
     for lhs in (Op.mul(a=x, b=s, same_shape=1), Op.mul(a=s, b=x, same_shape=1)):
         yield rule(eq(node(i)).to(lhs), eq(node(s)).to(Op.sigmoid(a=x, dtype=t))).then(
             union(node(i)).with_(Op.silu(a=x)),

@@ -379,6 +379,8 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
         ("neg_3d", "elementwise", [Arg((8, 4, 64), T, strides=(64, 512, 1))], Arg((8, 4, 64), T),
          ew("neg", (8, 4, 64), 8, 0)),
         ("int_neg_sub", "elementwise", [Arg((16,), i32)], Arg((16,), i32), ew("neg", (16,), 16)),
+        *((fn, "elementwise", [Arg((2, 1000), T)], Arg((2, 1000), T), ew(fn, (2, 1000), 1000, 1))
+          for fn in ("sigmoid", "gelu", "gelu_tanh", "tanh", "exp", "cos", "sin")),
         ("scalar", "elementwise", [Arg((), T)], Arg((), T), {"fn": "copy", "axis": 0, "tile": 1}),
     ]
     return c

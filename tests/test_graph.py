@@ -185,7 +185,7 @@ def _one_leaf():
     (dict(op="silu", inputs=[0], dtype=torch.float64), r"add_node %1 \(silu\): unsupported torch dtype torch.float64"),
     (dict(op="silu", inputs=[0], attrs=[("eps", 1)]), r"add_node %1 \(silu\): attrs must be a dict, got list"),
     (dict(op="silu", inputs=[0], name=3), r"add_node %1 \(silu\): name must be a string or None, got 3"),
-    (dict(op="gelu", inputs=[0]), r"add_node %1 \(gelu\): unknown op 'gelu'; known ops: .*silu"),
+    (dict(op="erfinv", inputs=[0]), r"add_node %1 \(erfinv\): unknown op 'erfinv'; known ops: .*silu"),
     (dict(op="", inputs=[0]), r"add_node %1: op must be a non-empty string, got ''"),
     (dict(op=None, inputs=[0]), r"add_node %1: op must be a non-empty string, got None"),
     (dict(op="input", inputs=[]), r"add_node %1 \(input\): leaves are declared with graph\.input\(name, \.\.\.\)"),

@@ -12,17 +12,59 @@ struct Idx4 {
     long long d[4];
 };
 
+// Unary functors: F32 ones compute in f32 (the input converted, the result rounded once, as torch
+// computes them); the others (copy, cast, neg) in the input's compute type.
 struct EwCopy {
     static constexpr int ARITY = 1;
+    static constexpr bool F32 = false;
     template <class C> static __device__ __forceinline__ C apply(C a) { return a; }
 };
 struct EwCast {
     static constexpr int ARITY = 1;
+    static constexpr bool F32 = false;
     template <class C> static __device__ __forceinline__ C apply(C a) { return a; }
 };
 struct EwSilu {
     static constexpr int ARITY = 1;
+    static constexpr bool F32 = true;
     static __device__ __forceinline__ float apply(float a) { return silu_f32(a); }
+};
+struct EwSigmoid {
+    static constexpr int ARITY = 1;
+    static constexpr bool F32 = true;
+    static __device__ __forceinline__ float apply(float a) { return 1.0f / (1.0f + expf(-a)); }
+};
+struct EwGelu {  // x * Phi(x)
+    static constexpr int ARITY = 1;
+    static constexpr bool F32 = true;
+    static __device__ __forceinline__ float apply(float a) { return 0.5f * a * (1.0f + erff(a * 0.70710678118654752f)); }
+};
+struct EwGeluTanh {  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+    static constexpr int ARITY = 1;
+    static constexpr bool F32 = true;
+    static __device__ __forceinline__ float apply(float a) {
+        return 0.5f * a * (1.0f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
+    }
+};
+struct EwTanh {
+    static constexpr int ARITY = 1;
+    static constexpr bool F32 = true;
+    static __device__ __forceinline__ float apply(float a) { return tanhf(a); }
+};
+struct EwExp {
+    static constexpr int ARITY = 1;
+    static constexpr bool F32 = true;
+    static __device__ __forceinline__ float apply(float a) { return expf(a); }
+};
+struct EwCos {
+    static constexpr int ARITY = 1;
+    static constexpr bool F32 = true;
+    static __device__ __forceinline__ float apply(float a) { return cosf(a); }
+};
+struct EwSin {
+    static constexpr int ARITY = 1;
+    static constexpr bool F32 = true;
+    static __device__ __forceinline__ float apply(float a) { return sinf(a); }
 };
 struct EwAdd {
     static constexpr int ARITY = 2;
@@ -42,6 +84,7 @@ struct EwDiv {  // (floating point only: ops.div)
 };
 struct EwNeg {
     static constexpr int ARITY = 1;
+    static constexpr bool F32 = false;
     template <class C> static __device__ __forceinline__ C apply(C a) { return -a; }
 };
 
@@ -104,7 +147,7 @@ __device__ __noinline__ void elementwise(Idx4 shape, int axis, long long tile, l
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             if (base + u * MEGA_THREADS < t.count) {
-                if constexpr (SameType<FN, EwSilu>::value)
+                if constexpr (FN::F32)
                     out[oo[u]] = from_f32<TO>(FN::apply(to_f32(va[u])));
                 else if constexpr (SameType<FN, EwNeg>::value)  // (in the compute type: ints stay integral)
                     out[oo[u]] = convert<TO>(FN::apply(convert<typename ew_impl::ComputeType<TA, TA>::type>(va[u])));

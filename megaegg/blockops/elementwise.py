@@ -23,6 +23,13 @@ FUNCTIONS = {
     "sub": lambda a, b: a - b,
     "div": lambda a, b: a / b,
     "neg": lambda a: -a,
+    "sigmoid": torch.sigmoid,
+    "gelu": lambda a: torch.nn.functional.gelu(a),
+    "gelu_tanh": lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
+    "tanh": torch.tanh,
+    "exp": torch.exp,
+    "cos": torch.cos,
+    "sin": torch.sin,
 }
 
 
@@ -61,7 +68,8 @@ class Elementwise(BlockKind):
                 ("out", out.ptr), ("out_st", idx(out.strides))]
         for name, o in zip("ab", ins):
             args += [(name, o.ptr), (f"{name}_st", idx(o.strides))]
-        return c_call("elementwise", [f"Ew{op.params['fn'].capitalize()}", max(nd, 1), types], args)
+        functor = "Ew" + "".join(part.capitalize() for part in op.params["fn"].split("_"))  # (gelu_tanh: EwGeluTanh)
+        return c_call("elementwise", [functor, max(nd, 1), types], args)
 
 
 def elementwise_params(fn: str, shape, env: dict[str, int], tile: int = 8192) -> dict:
@@ -95,8 +103,8 @@ def materialize(b, src, dst, sources) -> None:
 
 @term
 class ElementwiseTilesTerm(Term):
-    """add / sub / mul / div / neg / silu / cast (anything else: copy) of operands broadcast to the output, ``tile``
-    elements per instance."""
+    """An elementwise graph op (FUNCTIONS: add, sub, mul, div, neg, silu, sigmoid, gelu, tanh, exp, cos, sin,
+    cast; anything else: copy) of operands broadcast to the output, ``tile`` elements per instance."""
 
     name = "elementwise_tiles"
     fields = fields("node:node tile:int")
@@ -105,6 +113,8 @@ class ElementwiseTilesTerm(Term):
         n = b.graph.nodes[value]
         ins, out = [b.operand(i) for i in n.inputs], b.output(value)
         fn = n.op if n.op in FUNCTIONS else "copy"
+        if n.op == "gelu" and n.attrs["approximate"] == "tanh":
+            fn = "gelu_tanh"
         ins = [b.broadcast(o, out.shape) for o in ins]
         emit_elementwise(b, [value], fn, ins, out, args["tile"])
 

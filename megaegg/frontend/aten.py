@@ -166,6 +166,11 @@ ATEN: dict[str, Entry] = {
     "aten.rms_norm.default": _rms_norm,
     "aten.silu.default": lambda t, node, args, kwargs: ops.silu(args[0]),
     "aten.sigmoid.default": lambda t, node, args, kwargs: ops.sigmoid(args[0]),
+    "aten.gelu.default": lambda t, node, args, kwargs: ops.gelu(args[0], kwargs.get("approximate", "none")),
+    "aten.tanh.default": lambda t, node, args, kwargs: ops.tanh(args[0]),
+    "aten.exp.default": lambda t, node, args, kwargs: ops.exp(args[0]),
+    "aten.cos.default": lambda t, node, args, kwargs: ops.cos(args[0]),
+    "aten.sin.default": lambda t, node, args, kwargs: ops.sin(args[0]),
     "aten.add.Tensor": _add_tensor_or_scalar,
     # primitives of written-out patterns (RMSNorm as Hugging Face writes it: rewrite/rules.py)
     "aten.pow.Tensor_Scalar": lambda t, node, args, kwargs: ops.pow(args[0], args[1]),
