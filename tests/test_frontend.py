@@ -78,11 +78,6 @@ def test_an_unsupported_op_names_itself_and_its_source_line():
         me.from_torch(fn, (torch.randn(4, 8),), backend="sim")
 
 
-def test_a_scalar_operand_is_refused_with_the_op():
-    with pytest.raises(UnsupportedTorch, match=r"aten\.mul\.Tensor: mul: b must be a tensor"):
-        me.from_torch(lambda x: x * 2.0, (torch.randn(4, 8),), backend="sim")
-
-
 def test_mutated_state_is_refused():
     class Counter(nn.Module):
         def __init__(self):
@@ -95,6 +90,38 @@ def test_mutated_state_is_refused():
 
     with pytest.raises(UnsupportedTorch, match=r"aten\.add_\.Tensor mutates its input \(.*test_frontend\.py:\d+: self\.total\.add_"):
         me.from_torch(Counter(), (torch.randn(4, 8),), backend="sim")
+
+
+def test_hugging_face_rotary_embedding_runs_as_written():
+    """transformers' own LlamaRotaryEmbedding (cos / sin from the positions and the inv_freq buffer, times
+    its attention scaling) and apply_rotary_pos_emb, through from_torch: elementwise ops, equal to eager."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+    class Rotate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rotary = LlamaRotaryEmbedding(cfg)
+
+        def forward(self, q, k, pos):
+            cos, sin = self.rotary(q, pos)
+            return apply_rotary_pos_emb(q, k, cos, sin)
+
+    m = Rotate()
+    gen = torch.Generator().manual_seed(8)
+    q, k = torch.randn(1, 4, 6, 16, generator=gen), torch.randn(1, 2, 6, 16, generator=gen)
+    pos = torch.arange(3, 9)[None]
+    run = me.from_torch(m, (q, k, pos), backend="sim")
+    for got, want in zip(run(q, k, pos), m(q, k, pos)):
+        close(got, want, tol=1e-5)
+
+
+def test_a_scalar_not_exact_in_the_dtype_is_refused_with_the_op():
+    with pytest.raises(UnsupportedTorch, match=r"aten\.mul\.Tensor: mul by the scalar 0\.1: not exact in bf16"):
+        me.from_torch(lambda x: x * 0.1, (torch.randn(4, 8).bfloat16(),), backend="sim")
 
 
 def test_calls_are_checked_against_the_export():
@@ -303,6 +330,8 @@ OP_CASES = {
     "tanh_exp_cos_sin_sigmoid": (lambda x: torch.tanh(x) * torch.exp(x) + torch.cos(x) - torch.sin(x) * torch.sigmoid(x),
                                  [(3, 24)]),
     "gelu_bf16": (lambda x: F.gelu(x, approximate="tanh"), [(4, 40, "bf16")]),
+    "exact_scalars": (lambda x: (x * 2.0 - 0.5) / 8 * 1.0, [(4, 40, "bf16")]),
+    "f32_scalars": (lambda x: 0.1 * x / 3.0 - 0.7, [(4, 40)]),
     # Hugging Face's apply_rotary_pos_emb with cos / sin given: slices, a negation, a concatenation, two
     # broadcasting products and a sum (elementwise ops; no rule recovers rope from them yet)
     "rope_written_out": (lambda q, cos, sin: q * cos + torch.cat((-q[..., 4:], q[..., :4]), -1) * sin,

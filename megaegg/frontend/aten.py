@@ -71,20 +71,42 @@ def _add(t, node, args, kwargs):
     return ops.add(a, b)
 
 
+def _scalars_as_tensors(t, node, op: str, a: Any, b: Any) -> tuple:
+    """``a``, ``b`` with a Python number among them as a [1] constant of the other's dtype, broadcast by the
+    elementwise op. Only where that constant is what torch computes with: torch takes the number in f32
+    (``bf16_x * 0.1`` uses f32(0.1), which a bf16 constant would round), and an integer tensor by a float
+    is a float result."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if number(a) and number(b) or not (number(a) or number(b)):
+        return _tensor(op, a, "a"), _tensor(op, b, "b")
+    x, c = (b, a) if number(a) else (a, b)
+    if not x.dtype.is_float and isinstance(c, float):
+        raise UnsupportedTorch(f"{op} of an integer tensor by the float {c!r}: torch's result would be float")
+    value = torch.tensor([c], dtype=x.dtype.torch)
+    if x.dtype.is_float and value.float().item() != torch.tensor(c, dtype=torch.float32).item():
+        raise UnsupportedTorch(f"{op} by the scalar {c!r}: not exact in {x.dtype}, where torch keeps it in f32 "
+                               "(pass it as a tensor, or use an f32 input)")
+    const = t.graph.constant(f"{node.name}_scalar", value)
+    return (const, x) if number(a) else (x, const)
+
+
 def _sub(t, node, args, kwargs):
-    a, b = _tensor("sub", args[0], "a"), _tensor("sub", args[1], "b")
     _only("sub: alpha", kwargs.get("alpha", 1), 1)
-    return ops.sub(a, b)
+    return ops.sub(*_scalars_as_tensors(t, node, "sub", args[0], args[1]))
 
 
 def _div(t, node, args, kwargs):
-    a, b = _tensor("div", args[0], "a"), _tensor("div", args[1], "b")
     _only("div: rounding_mode", kwargs.get("rounding_mode"), None)
-    return ops.div(a, b)
+    return ops.div(*_scalars_as_tensors(t, node, "div", args[0], args[1]))
 
 
 def _mul(t, node, args, kwargs):
-    return ops.mul(_tensor("mul", args[0], "a"), _tensor("mul", args[1], "b"))
+    a, b = args[0], args[1]
+    if isinstance(b, (int, float)) and not isinstance(b, bool) and b == 1:  # (x * 1.0: HF's default rotary scale)
+        return _tensor("mul", a, "a")
+    return ops.mul(*_scalars_as_tensors(t, node, "mul", a, b))
 
 
 def _add_tensor_or_scalar(t, node, args, kwargs):
@@ -180,6 +202,9 @@ ATEN: dict[str, Entry] = {
     "aten.sub.Tensor": _sub,
     "aten.div.Tensor": _div,
     "aten.div.Tensor_mode": _div,
+    "aten.mul.Scalar": _mul,
+    "aten.div.Scalar": _div,
+    "aten.sub.Scalar": _sub,
     "aten.neg.default": lambda t, node, args, kwargs: ops.neg(args[0]),
     "aten.softmax.int": _softmax,
     "aten._softmax.default": lambda t, node, args, kwargs: ops.softmax(args[0], args[1]),
@@ -199,6 +224,7 @@ ATEN: dict[str, Entry] = {
     "aten.argmax.default": _argmax,
     "aten.to.dtype": _to,
     "aten.to.dtype_layout": _to,
+    "aten.to.device": _to,  # (the device is the kernel's)
     "aten._to_copy.default": _to,
     "aten.type_as.default": lambda t, node, args, kwargs: _cast_to(args[0], node.args[1].meta["val"].dtype),
     "aten.contiguous.default": _identity,
