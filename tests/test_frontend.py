@@ -332,6 +332,7 @@ OP_CASES = {
     "gelu_bf16": (lambda x: F.gelu(x, approximate="tanh"), [(4, 40, "bf16")]),
     "exact_scalars": (lambda x: (x * 2.0 - 0.5) / 8 * 1.0, [(4, 40, "bf16")]),
     "f32_scalars": (lambda x: 0.1 * x / 3.0 - 0.7, [(4, 40)]),
+    "rsub": (lambda x: 1.0 - x, [(4, 40, "bf16")]),
     # Hugging Face's apply_rotary_pos_emb with cos / sin given: slices, a negation, a concatenation, two
     # broadcasting products and a sum (elementwise ops; no rule recovers rope from them yet)
     "rope_written_out": (lambda q, cos, sin: q * cos + torch.cat((-q[..., 4:], q[..., :4]), -1) * sin,

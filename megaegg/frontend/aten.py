@@ -205,6 +205,8 @@ ATEN: dict[str, Entry] = {
     "aten.mul.Scalar": _mul,
     "aten.div.Scalar": _div,
     "aten.sub.Scalar": _sub,
+    "aten.rsub.Scalar": lambda t, node, args, kwargs: _sub(t, node, [args[1], args[0]], kwargs),  # (c - x)
+    "aten.rsub.Tensor": lambda t, node, args, kwargs: _sub(t, node, [args[1], args[0]], kwargs),
     "aten.neg.default": lambda t, node, args, kwargs: ops.neg(args[0]),
     "aten.softmax.int": _softmax,
     "aten._softmax.default": lambda t, node, args, kwargs: ops.softmax(args[0], args[1]),
