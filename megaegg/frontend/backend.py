@@ -86,19 +86,13 @@ def _size_sources(gm, example_inputs: list, axes: dict) -> list:
 
 
 class _TensorsOnly(torch.nn.Module):
-    """``gm`` called with tensors only: each size input read off the tensor axis it is. Its forward takes
-    them as named arguments (t0, t1, ...): with ``*tensors`` Dynamo's guards on the frame being compiled
-    failed ("Guard failed on the same frame it was created: tensors")."""
+    """``gm`` called with tensors only: each size input read off the tensor axis it is."""
 
-    def __init__(self, gm, sources: list, n_tensors: int):
+    def __init__(self, gm, sources: list):
         super().__init__()
         self.gm, self.sources = gm, sources
-        params = ", ".join(f"t{k}" for k in range(n_tensors))
-        scope: dict = {}
-        exec(f"def forward(self, {params}):\n    return self._call(({params}{',' if n_tensors == 1 else ''}))", scope)
-        self.forward = scope["forward"].__get__(self)
 
-    def _call(self, tensors):
+    def forward(self, *tensors):
         return self.gm(*(tensors[s] if isinstance(s, int) else tensors[s.tensor].shape[s.axis] for s in self.sources))
 
 
@@ -118,7 +112,7 @@ def _compile(gm, example_inputs: list):
     export_dims = {name: torch.export.Dim(name) for name, _ in dims.values()}
     shapes = [{p.axis: export_dims[name] for name, places in dims.values() for p in places if p.tensor == k} or None
               for k in range(len(tensors))]
-    module = _TensorsOnly(gm, sources, len(tensors))
+    module = _TensorsOnly(gm, sources)
     params_now = {k: tensors[k] for k in params}  # (not the other example tensors: activations stay free)
     versions = {k: t._version for k, t in params_now.items()}
     kept = [k for k in range(len(tensors)) if k not in params]
@@ -131,7 +125,8 @@ def _compile(gm, example_inputs: list):
     def build(ts, at: dict[str, int]):
         if "ep" not in state:
             with torch.no_grad():
-                state["ep"] = torch.export.export(module, tuple(ts), dynamic_shapes=tuple(shapes) if dims else None)
+                # (forward(*tensors): one argument, whose dynamic-shapes spec is the tuple of the tensors' specs)
+                state["ep"] = torch.export.export(module, tuple(ts), dynamic_shapes=(tuple(shapes),) if dims else None)
             state["names"] = dim_names(state["ep"], tuple(shapes)) if dims else {}
         ep = state["ep"]
         user = list(ep.graph_signature.user_inputs)
