@@ -173,6 +173,31 @@ def prompt_rows(gen, slots=3, length=160):
     return torch.tensor(pos, dtype=torch.int32), torch.tensor(slot, dtype=torch.int32)
 
 
+def check_flash_on_prompts(k, g, w, seed: int) -> None:
+    """Kernel ``k`` of prompt-attention graph ``g`` (prompt_attention's inputs and caches) on prompt_rows: equal
+    to the reference under adversarial interleavings; with ragged_flash's waits dropped, a read of unwritten
+    elements is caught."""
+    gen = torch.Generator().manual_seed(seed)
+    pos, slot = prompt_rows(gen)
+    n = len(pos)
+    ins = {"q": torch.randn(n, 8, 64, generator=gen).bfloat16(), "k": torch.randn(n, 2, 64, generator=gen).bfloat16(),
+           "v": torch.randn(n, 2, 64, generator=gen).bfloat16(), "pos": pos, "slot": slot}
+    caches = {"kc": torch.randn(3, 2, 160, 64, generator=gen).bfloat16(), "vc": torch.randn(3, 2, 160, 64, generator=gen).bfloat16()}
+    fresh = lambda: {name: c.clone() for name, c in caches.items()}  # noqa: E731
+    ref = me.run_reference(g, {**ins, **fresh()}, w, {"n": n})
+    for s in range(3):
+        out = k.simulate(Interleaving(sms=6, seed=s, adversarial=s > 0), **ins, **fresh(), n=n)
+        err = ((out["o"].float() - ref["o"].float()).norm() / ref["o"].float().norm()).item()
+        assert err < 1e-2, err
+    q0 = k.queue
+    k.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_flash" else e
+                                                    for e in q0.entries))
+    with pytest.raises(SimulationError, match=r"ragged_flash .* read unwritten elements"):
+        for s in range(8):
+            k.simulate(Interleaving(sms=8, seed=s, adversarial=True), **ins, **fresh(), n=n)
+    k.queue = q0
+
+
 def test_flash_attention_over_prompts_on_the_simulator():
     """Prompt rows take the tensor-core flash pass (ragged_flash), matching the reference with rows of
     several sequences in one tile under adversarial interleavings; without its waits on kv_store it reads
@@ -180,24 +205,7 @@ def test_flash_attention_over_prompts_on_the_simulator():
     g = prompt_attention()
     k = me.compile(g, {}, backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
     assert "ragged_flash" in kinds(k) and "ragged_partial_merge" not in kinds(k)
-    gen = torch.Generator().manual_seed(6)
-    pos, slot = prompt_rows(gen)
-    n = len(pos)
-    ins = {"q": torch.randn(n, 8, 64, generator=gen).bfloat16(), "k": torch.randn(n, 2, 64, generator=gen).bfloat16(),
-           "v": torch.randn(n, 2, 64, generator=gen).bfloat16(), "pos": pos, "slot": slot}
-    caches = {"kc": torch.randn(3, 2, 160, 64, generator=gen).bfloat16(), "vc": torch.randn(3, 2, 160, 64, generator=gen).bfloat16()}
-    fresh = lambda: {name: c.clone() for name, c in caches.items()}  # noqa: E731
-    ref = me.run_reference(g, {**ins, **fresh()}, {}, {"n": n})
-    for seed in range(3):
-        out = k.simulate(Interleaving(sms=6, seed=seed, adversarial=seed > 0), **ins, **fresh(), n=n)
-        err = ((out["o"].float() - ref["o"].float()).norm() / ref["o"].float().norm()).item()
-        assert err < 1e-2, err
-    q0 = k.queue
-    k.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_flash" else e
-                                                    for e in q0.entries))
-    with pytest.raises(SimulationError, match=r"ragged_flash .* read unwritten elements"):
-        for seed in range(8):
-            k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), **ins, **fresh(), n=n)
+    check_flash_on_prompts(k, g, {}, seed=6)
 
 
 def test_q_rope_folds_into_the_prompts_flash_attention():
@@ -220,25 +228,7 @@ def test_q_rope_folds_into_the_prompts_flash_attention():
         flash = [e.op for e in k_.queue.entries if e.op.kind == "ragged_flash"]
         assert flash and all(op.params.get("rope") for op in flash) and "rope" not in kinds(k_), kinds(k_)
         assert ("g" in flash[0].params["rope"]) == qnorm and "rms_norm" not in kinds(k_)
-        gen = torch.Generator().manual_seed(7)
-        p, s = prompt_rows(gen)
-        n = len(p)
-        ins = {"q": torch.randn(n, 8, 64, generator=gen).bfloat16(), "k": torch.randn(n, 2, 64, generator=gen).bfloat16(),
-               "v": torch.randn(n, 2, 64, generator=gen).bfloat16(), "pos": p, "slot": s}
-        caches = {"kc": torch.randn(3, 2, 160, 64, generator=gen).bfloat16(),
-                  "vc": torch.randn(3, 2, 160, 64, generator=gen).bfloat16()}
-        fresh = lambda: {name: c.clone() for name, c in caches.items()}  # noqa: E731
-        ref = me.run_reference(g, {**ins, **fresh()}, w, {"n": n})
-        for seed in range(3):
-            out = k_.simulate(Interleaving(sms=6, seed=seed, adversarial=seed > 0), **ins, **fresh(), n=n)
-            err = ((out["o"].float() - ref["o"].float()).norm() / ref["o"].float().norm()).item()
-            assert err < 1e-2, (qnorm, err)
-        q0 = k_.queue
-        k_.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_flash"
-                                                         else e for e in q0.entries))
-        with pytest.raises(SimulationError, match=r"ragged_flash .* read unwritten elements"):
-            for seed in range(8):
-                k_.simulate(Interleaving(sms=8, seed=seed, adversarial=True), **ins, **fresh(), n=n)
+        check_flash_on_prompts(k_, g, w, seed=7)
 
 
 def test_decode_rows_keep_the_split_kv_path():

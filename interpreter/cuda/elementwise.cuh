@@ -14,6 +14,10 @@ struct Idx4 {
 
 // Unary functors: F32 ones compute in f32 (the input converted, the result rounded once, as torch
 // computes them); the others (copy, cast, neg) in the input's compute type.
+struct EwF32Unary {  // (the unary functors computed in f32 derive from it)
+    static constexpr int ARITY = 1;
+    static constexpr bool F32 = true;
+};
 struct EwCopy {
     static constexpr int ARITY = 1;
     static constexpr bool F32 = false;
@@ -24,46 +28,30 @@ struct EwCast {
     static constexpr bool F32 = false;
     template <class C> static __device__ __forceinline__ C apply(C a) { return a; }
 };
-struct EwSilu {
-    static constexpr int ARITY = 1;
-    static constexpr bool F32 = true;
+struct EwSilu : EwF32Unary {
     static __device__ __forceinline__ float apply(float a) { return silu_f32(a); }
 };
-struct EwSigmoid {
-    static constexpr int ARITY = 1;
-    static constexpr bool F32 = true;
+struct EwSigmoid : EwF32Unary {
     static __device__ __forceinline__ float apply(float a) { return 1.0f / (1.0f + expf(-a)); }
 };
-struct EwGelu {  // x * Phi(x)
-    static constexpr int ARITY = 1;
-    static constexpr bool F32 = true;
+struct EwGelu : EwF32Unary {  // x * Phi(x)
     static __device__ __forceinline__ float apply(float a) { return 0.5f * a * (1.0f + erff(a * 0.70710678118654752f)); }
 };
-struct EwGeluTanh {  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-    static constexpr int ARITY = 1;
-    static constexpr bool F32 = true;
+struct EwGeluTanh : EwF32Unary {  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
     static __device__ __forceinline__ float apply(float a) {
         return 0.5f * a * (1.0f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
     }
 };
-struct EwTanh {
-    static constexpr int ARITY = 1;
-    static constexpr bool F32 = true;
+struct EwTanh : EwF32Unary {
     static __device__ __forceinline__ float apply(float a) { return tanhf(a); }
 };
-struct EwExp {
-    static constexpr int ARITY = 1;
-    static constexpr bool F32 = true;
+struct EwExp : EwF32Unary {
     static __device__ __forceinline__ float apply(float a) { return expf(a); }
 };
-struct EwCos {
-    static constexpr int ARITY = 1;
-    static constexpr bool F32 = true;
+struct EwCos : EwF32Unary {
     static __device__ __forceinline__ float apply(float a) { return cosf(a); }
 };
-struct EwSin {
-    static constexpr int ARITY = 1;
-    static constexpr bool F32 = true;
+struct EwSin : EwF32Unary {
     static __device__ __forceinline__ float apply(float a) { return sinf(a); }
 };
 struct EwAdd {

@@ -190,6 +190,17 @@ def test_one_kernel_runs_both_row_regimes():
         assert rel(out["y"], ref["y"]) < 1e-2, n
 
 
+def prompt_rows(hq, hkv, d, gen):
+    """A prompt of 100 tokens continuing cached rows of slot 1, one of 30 in slot 0 and 5 decode rows of slot
+    2 (scattered positions): n, the inputs q / k / v / pos / slot and the caches kc / vc (3 slots of 160)."""
+    p = list(range(20, 120)) + list(range(30)) + [7, 150, 33, 159, 0]
+    s = [1] * 100 + [0] * 30 + [2] * 5
+    n = len(p)
+    ins = {"q": rand([n, hq, d], me.bf16, gen), "k": rand([n, hkv, d], me.bf16, gen), "v": rand([n, hkv, d], me.bf16, gen),
+           "pos": torch.tensor(p, dtype=torch.int32, device="cuda"), "slot": torch.tensor(s, dtype=torch.int32, device="cuda")}
+    return n, ins, {"kc": rand([3, hkv, 160, d], me.bf16, gen), "vc": rand([3, hkv, 160, d], me.bf16, gen)}
+
+
 def test_flash_attention_over_prompts():
     """ragged_flash in a kernel: two prompts (one continuing cached rows) and decode rows of a third
     sequence in one step, D 64 and 128."""
@@ -203,12 +214,7 @@ def test_flash_attention_over_prompts():
         g.output("o", me.ragged_attention(q, kc, vc, pos, slot))
         kern = me.compile(g, {}, backend="cuda", max_dims={"n": 512}, dims_hint={"n": 512})
         assert any(e.op.kind == "ragged_flash" for e in kern.queue.entries)
-        p = list(range(20, 120)) + list(range(30)) + [7, 150, 33, 159, 0]
-        s = [1] * 100 + [0] * 30 + [2] * 5
-        n = len(p)
-        ins = {"q": rand([n, hq, d], me.bf16, gen), "k": rand([n, hkv, d], me.bf16, gen), "v": rand([n, hkv, d], me.bf16, gen),
-               "pos": torch.tensor(p, dtype=torch.int32, device="cuda"), "slot": torch.tensor(s, dtype=torch.int32, device="cuda")}
-        caches = {"kc": rand([3, hkv, 160, d], me.bf16, gen), "vc": rand([3, hkv, 160, d], me.bf16, gen)}
+        n, ins, caches = prompt_rows(hq, hkv, d, gen)
         mine = {name: c.clone() for name, c in caches.items()}
         out = kern(**ins, **mine, n=n)
         ref = me.run_reference(g, {**ins, **{name: c.clone() for name, c in caches.items()}}, {}, {"n": n})
@@ -233,12 +239,7 @@ def test_flash_attention_rotates_q_as_it_loads_it():
         kern = me.compile(g, w, backend="cuda", max_dims={"n": 512}, dims_hint={"n": 512})
         flash = [e.op for e in kern.queue.entries if e.op.kind == "ragged_flash"]
         assert flash and flash[0].params.get("rope") and not any(e.op.kind == "rope" for e in kern.queue.entries)
-        p = list(range(20, 120)) + list(range(30)) + [7, 150, 33, 159, 0]
-        s = [1] * 100 + [0] * 30 + [2] * 5
-        n = len(p)
-        ins = {"q": rand([n, hq, d], me.bf16, gen), "k": rand([n, hkv, d], me.bf16, gen), "v": rand([n, hkv, d], me.bf16, gen),
-               "pos": torch.tensor(p, dtype=torch.int32, device="cuda"), "slot": torch.tensor(s, dtype=torch.int32, device="cuda")}
-        caches = {"kc": rand([3, hkv, 160, d], me.bf16, gen), "vc": rand([3, hkv, 160, d], me.bf16, gen)}
+        n, ins, caches = prompt_rows(hq, hkv, d, gen)
         out = kern(**ins, **{name: c.clone() for name, c in caches.items()}, n=n)
         ref = me.run_reference(g, {**ins, **{name: c.clone() for name, c in caches.items()}}, w, {"n": n})
         assert rel(out["o"], ref["o"]) < 2e-2, (d, qnorm)
