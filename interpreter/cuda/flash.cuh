@@ -18,7 +18,10 @@
 // ROPE: q is read unrotated (the Q projection's output) and rotated (NORM: RMS-normalised over D with g
 // first, qwen3's q norm) as it is loaded, as rope.cuh's rope_store rounds it: a thread holds columns
 // 16kk + 2t + {0, 1, 8, 9} of its rows, so both halves of each rotation pair (j, j + D/2: kk + D/32)
-// are in its registers; a row's sum of squares is its quad's (two shuffles).
+// are in its registers; a row's sum of squares is its quad's (two shuffles). The tile's cos / sin
+// (BT tokens x D/2) go to shared memory first, one accurate sincosf each from a loop that is not
+// unrolled: the G heads of a token share them, and 16-32 inlined sincosf (slow paths included) made the
+// body 53 KB instead of 30, fetched cold by every instance (perf-notes #81).
 // O += P V: A is P, the S accumulators rounded to bf16 (the C layout of two n8 tiles is the A layout of
 // one k16 tile), B from V with ldmatrix.trans.
 #pragma once
@@ -31,8 +34,8 @@ constexpr int BLOCK = 64;  // cache rows a K/V block
 
 // Ring stages of K/V blocks (each K and V, BLOCK rows of D + 8 elements) that fit MEGA_SMEM beside the
 // tile's token table: 4, or fewer for a big D in a small image; at least 2.
-template <int D, int BT> __host__ __device__ constexpr int ring_stages() {
-    return cmax(2, cmin(4, (MEGA_SMEM - 3 * BT * 4) / (2 * BLOCK * (D + 8) * 2)));
+template <int D, int BT> __host__ __device__ constexpr int ring_stages(int extra) {
+    return cmax(2, cmin(4, (MEGA_SMEM - 3 * BT * 4 - extra) / (2 * BLOCK * (D + 8) * 2)));
 }
 
 __device__ __forceinline__ void mma16816a(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
@@ -51,11 +54,11 @@ __device__ __forceinline__ float exp2f_fast(float x) {  // 2^x (2^-inf = 0)
     return y;
 }
 
-// One row's q fragments (a thread's D/4 values of it: qa[kk][h] and qa[kk][h + 2]) rotated at position p
-// [after an RMSNorm with g]. `t`: the thread's column pair (lane % 4).
+// One row's q fragments (a thread's D/4 values of it: qa[kk][h] and qa[kk][h + 2]) rotated by its token's
+// cos / sin (D/2 each, in shared memory) [after an RMSNorm with g]. `t`: the thread's column pair (lane % 4).
 template <int D, bool NORM>
-__device__ __forceinline__ void rope_q_row(unsigned (&qa)[D / 16][4], int h, long long p, int t, const float* inv_freq,
-                                           Vec<const __nv_bfloat16> g, float eps) {
+__device__ __forceinline__ void rope_q_row(unsigned (&qa)[D / 16][4], int h, const float* cos_row, const float* sin_row,
+                                           int t, Vec<const __nv_bfloat16> g, float eps) {
     float x[D / 16][4];
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -87,8 +90,7 @@ __device__ __forceinline__ void rope_q_row(unsigned (&qa)[D / 16][4], int h, lon
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int j = 16 * kk + 2 * t + OFF[e];
-            float sn, cs;
-            sincosf(__fmul_rn((float)p, ld_cg(inv_freq + j)), &sn, &cs);
+            const float cs = cos_row[j], sn = sin_row[j];
             const float x1 = x[kk][e], x2 = x[kk + HK][e];
             x[kk][e] = __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn));
             x[kk + HK][e] = __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
@@ -122,8 +124,9 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
     constexpr int BT = ROWS / G;       // tokens a tile
     constexpr int LD = D + 8;          // smem row stride, elements
     constexpr int KV_BYTES = BLOCK * LD * 2;
-    constexpr int S = ring_stages<D, BT>();  // ring stages
-    static_assert(2 * S * KV_BYTES + 3 * BT * 4 <= MEGA_SMEM, "ragged_flash: the K/V ring does not fit");
+    constexpr int ROPE_BYTES = ROPE ? 2 * BT * (D / 2) * 4 : 0;  // the tile's cos / sin
+    constexpr int S = ring_stages<D, BT>(ROPE_BYTES);               // ring stages
+    static_assert(2 * S * KV_BYTES + 3 * BT * 4 + ROPE_BYTES <= MEGA_SMEM, "ragged_flash: the K/V ring does not fit");
     in_global(q, kc, vc, pos, slot, out);
     if (q.s2 != 1 || kc.s3 != 1 || vc.s3 != 1 || out.s2 != 1) {  // (the rewrite gives contiguous heads)
         if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
@@ -134,6 +137,8 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
     int* tpos = reinterpret_cast<int*>(smem + 2 * S * KV_BYTES);             // [BT] the tokens' positions
     int* tslot = tpos + BT;                                                 // [BT] their slots (-1: no token)
     int* tpass = tslot + BT;                                                // [BT] the pass that runs the token
+    float* tcos = reinterpret_cast<float*>(tpass + BT);                     // ROPE: [BT][D/2] cos, then sin
+    float* tsin = tcos + BT * (D / 2);
     __shared__ int pass_slot, pass_end, bad;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -151,6 +156,14 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         tpos[i] = p;
         tslot[i] = (tk < N) ? s : -1;
         tpass[i] = -1;
+    }
+    if constexpr (ROPE) {  // (tokens past N: position 0; their q rows are zeros)
+#pragma unroll 1
+        for (int e = tid; e < BT * (D / 2); e += MEGA_THREADS) {
+            const long long tk = tok0 + e / (D / 2);
+            const long long p = tk < N ? (long long)ld_cg(qr.pos_ids.p + tk * qr.pos_ids.s0) : 0;
+            sincosf(__fmul_rn((float)p, ld_cg(qr.inv_freq + e % (D / 2))), &tsin[e], &tcos[e]);
+        }
     }
     mega_sync();
     if (bad != -1) {
@@ -178,12 +191,11 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
             qa[kk][2] = v0 ? __ldcg(reinterpret_cast<const unsigned*>(q0 + d + 8)) : 0u;
             qa[kk][3] = v1 ? __ldcg(reinterpret_cast<const unsigned*>(q1 + d + 8)) : 0u;
         }
-        if constexpr (ROPE) {  // (rows past N: zeros, at position 0, stay zeros; rotating while the first K/V
-                               // blocks load instead took the D = 128 normalising body to 255 registers)
-            const long long p0 = v0 ? (long long)ld_cg(qr.pos_ids.p + (tok0 + i0) * qr.pos_ids.s0) : 0;
-            const long long p1 = v1 ? (long long)ld_cg(qr.pos_ids.p + (tok0 + i1) * qr.pos_ids.s0) : 0;
-            rope_q_row<D, NORM>(qa, 0, p0, t, qr.inv_freq, qr.g, qr.eps);
-            rope_q_row<D, NORM>(qa, 1, p1, t, qr.inv_freq, qr.g, qr.eps);
+        if constexpr (ROPE) {  // (rotating while the first K/V blocks load instead took the D = 128 normalising
+                               // body to 255 registers)
+            const int i0c = in0 ? i0 : 0, i1c = in1 ? i1 : 0;  // (rows past the tile: zeros, any rotation)
+            rope_q_row<D, NORM>(qa, 0, tcos + i0c * (D / 2), tsin + i0c * (D / 2), t, qr.g, qr.eps);
+            rope_q_row<D, NORM>(qa, 1, tcos + i1c * (D / 2), tsin + i1c * (D / 2), t, qr.g, qr.eps);
         }
     }
     const float sl2 = scale * 1.4426950408889634f;  // scores in base 2
