@@ -5,7 +5,7 @@
 // [16w, 16w + 16): one m16 tile of mma.sync m16n8k16 (bf16 in, f32 accumulators).
 //
 // Rows attend cache rows [0, pos] of their slot. The tile runs one pass per distinct slot of its rows
-// (a prompt: one pass); a pass streams K/V blocks of 64 cache rows through a cp.async ring in shared
+// (a prompt: one pass); a pass streams K/V blocks of 64 or 128 cache rows (block_rows) through a cp.async ring in shared
 // memory (rows padded to D + 8 elements: 16-byte aligned, ldmatrix without bank conflicts; as many
 // stages as fit, up to 4, so 2-3 blocks are in flight while one is computed; one block barrier a block)
 // and keeps, per row, the running max and sum (online softmax, base 2) and the f32 output in registers.
@@ -30,12 +30,17 @@
 namespace flash_detail {
 
 constexpr int ROWS = 128;  // tile rows: 8 warps x m16
-constexpr int BLOCK = 64;  // cache rows a K/V block
 
-// Ring stages of K/V blocks (each K and V, BLOCK rows of D + 8 elements) that fit MEGA_SMEM beside the
-// tile's token table: 4, or fewer for a big D in a small image; at least 2.
-template <int D, int BT> __host__ __device__ constexpr int ring_stages(int extra) {
-    return cmax(2, cmin(4, (MEGA_SMEM - 3 * BT * 4 - extra) / (2 * BLOCK * (D + 8) * 2)));
+// Ring stages of K/V blocks (each K and V, `block` rows of D + 8 elements) that fit MEGA_SMEM beside the
+// tile's token table and `extra` bytes: 4, or fewer for a big D in a small image; at least 2.
+template <int D, int BT> __host__ __device__ constexpr int ring_stages(int block, int extra) {
+    return cmax(2, cmin(4, (MEGA_SMEM - 3 * BT * 4 - extra) / (2 * block * (D + 8) * 2)));
+}
+// Cache rows a K/V block: 128 where D <= 64 and 3 stages of them fit (half the block barriers and twice
+// the independent MMAs between them: the D = 64 body alone 12% faster at 2048 tokens, flash_probe.py),
+// else 64 (at D = 128, 128-row blocks spill: 255 registers).
+template <int D, int BT> __host__ __device__ constexpr int block_rows(int extra) {
+    return D <= 64 && (MEGA_SMEM - 3 * BT * 4 - extra) / (2 * 128 * (D + 8) * 2) >= 3 ? 128 : 64;
 }
 
 __device__ __forceinline__ void mma16816a(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
@@ -123,9 +128,10 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
     static_assert(G >= 1 && G <= ROWS, "ragged_flash: 1 to 128 query heads a KV head");
     constexpr int BT = ROWS / G;       // tokens a tile
     constexpr int LD = D + 8;          // smem row stride, elements
-    constexpr int KV_BYTES = BLOCK * LD * 2;
     constexpr int ROPE_BYTES = ROPE ? 2 * BT * (D / 2) * 4 : 0;  // the tile's cos / sin
-    constexpr int S = ring_stages<D, BT>(ROPE_BYTES);               // ring stages
+    constexpr int BLOCK = block_rows<D, BT>(ROPE_BYTES);            // cache rows a K/V block
+    constexpr int KV_BYTES = BLOCK * LD * 2;
+    constexpr int S = ring_stages<D, BT>(BLOCK, ROPE_BYTES);        // ring stages
     static_assert(2 * S * KV_BYTES + 3 * BT * 4 + ROPE_BYTES <= MEGA_SMEM, "ragged_flash: the K/V ring does not fit");
     in_global(q, kc, vc, pos, slot, out);
     if (q.s2 != 1 || kc.s3 != 1 || vc.s3 != 1 || out.s2 != 1) {  // (the rewrite gives contiguous heads)

@@ -27,7 +27,7 @@ from .ragged_attention import row_length
 from .rope import rotated
 
 ROWS = 128  # (row, head) pairs an instance: 8 warps x 16
-BLOCK = 64  # cache rows a K/V block
+BLOCK = 64  # the term's chunk field (the body streams K/V blocks of 64 or 128 cache rows: flash.cuh block_rows)
 HEAD_DIMS = (64, 128)
 
 

@@ -51,7 +51,7 @@ DEVICE = "cuda"  # (where run_shape makes its tensors)
 DEFAULT_SHAPES = [(128, 128, 64), (200, 300, 136), (1, 200, 72), (333, 520, 1000),
                   (2048, 2048, 2048), (2048, 8192, 2048), (2048, 2048, 8192), (4096, 4096, 4096)]
 
-KERNEL = r"""
+KERNEL = r"""{defines}
 #define MEGA_THREADS {threads}
 #define MEGA_SMEM {smem}
 #include "common.cuh"
@@ -120,9 +120,11 @@ def _wrap(fn):
         raise MissingHeaders(str(e)) from None
 
 
-def kernel_source(bns=BNS) -> tuple[str, int, int]:
-    threads, smem = block_shape()
+def kernel_source(bns=BNS, smem: int | None = None, defines: tuple[str, ...] = ()) -> tuple[str, int, int]:
+    threads, default_smem = block_shape()
+    smem = smem or default_smem
     src = KERNEL.format(threads=threads, smem=smem, bm=BM,
+                        defines="".join(f"\n#define {d.replace('=', ' ', 1)}" for d in defines),
                         kernels="".join(KERNEL_ONE.format(bn=bn) for bn in bns))
     return src, threads, smem
 
@@ -134,11 +136,11 @@ def compile_options(nv, arch: str = "sm_90a") -> list[str]:
     return opts + _wrap(nv.cute_options)
 
 
-def compile_probe(bns=BNS, arch: str = "sm_90a") -> dict:
+def compile_probe(bns=BNS, arch: str = "sm_90a", smem: int | None = None, defines: tuple[str, ...] = ()) -> dict:
     """NVRTC-compile the probe kernels: {cubin, log, seconds, source, threads, smem} (CompileError: NVRTC's log)."""
     nv = load_nvrtc_module()
     opts = compile_options(nv, arch)
-    src, threads, smem = kernel_source(bns)
+    src, threads, smem = kernel_source(bns, smem, defines)
     t0 = time.perf_counter()
     if arch.startswith("compute_"):
         out, text = _nvrtc_ptx(src, opts), ""
@@ -417,10 +419,13 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="compile and report; no GPU needed")
     ap.add_argument("--bn", type=int, choices=BNS, action="append", help="BN to build (default: 128 and 256)")
     ap.add_argument("--shapes", type=parse_shape, nargs="+", help="M,N,K ... (default: a ragged and a large set)")
+    ap.add_argument("--smem", type=int, help="dynamic shared memory bytes (default: the megakernel's decode image; "
+                    "its tile image has interpreter/render.py's TILE_SMEM)")
+    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel source (a variant)")
     a = ap.parse_args(argv)
     bns = tuple(a.bn or BNS)
     try:
-        res = compile_probe(bns)
+        res = compile_probe(bns, smem=a.smem, defines=tuple(a.define))
     except MissingHeaders as e:
         print(f"gemm_probe: {e}", file=sys.stderr)
         return 2
