@@ -673,6 +673,13 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
         ("rms_qk", "rms_norm", [Arg((40, 128), T), Arg((128,), T)], Arg((40, 128), T), {"rows_per": 4, "eps": 1e-6}, {}),
         ("rms_wide_strided", "rms_norm", [Arg((3, 4000), T, strides=(1, 3)), Arg((4000,), T)], Arg((3, 4000), T),
          {"rows_per": 4, "eps": 1e-5}, {}),
+        # a warp a row up to D = 4096 (g read again for the write past 32 elements a lane), a block a row past it
+        ("rms_rows_d4096", "rms_norm", [Arg((20, 4096), T), Arg((4096,), T)], Arg((20, 4096), T),
+         {"rows_per": 16, "eps": 1e-6}, {}),
+        ("rms_rows_few_d4096", "rms_norm", [Arg((3, 4096), T), Arg((4096,), T)], Arg((3, 4096), T),
+         {"rows_per": 2, "eps": 1e-6}, {}),
+        ("rms_rows_d8192", "rms_norm", [Arg((3, 8192), T), Arg((8192,), T)], Arg((3, 8192), T),
+         {"rows_per": 2, "eps": 1e-5}, {}),
         ("rope_pos", "rope", [Arg((32, 128), T), Arg((64,), f32)], Arg((32, 128), T),
          {"rows_per": 4, "pos": POS, "group": 1, "roles": ("x", "inv_freq"), "eps": 0.0}, {1: lambda v, g: v.copy_(v.abs() * 0.3)}),
         ("rope_ids", "rope", [Arg((8, 64), T), Arg((32,), f32), Arg((4,), i32)], Arg((8, 64), T),

@@ -227,23 +227,30 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         const bool a0 = in0 && tpass[i0] == pass, a1 = in1 && tpass[i1] == pass;
         const int p0 = a0 ? tpos[i0] : -1, p1 = a1 ? tpos[i1] : -1;  // the last cache row each row attends
         const int warp_last = __reduce_max_sync(0xffffffffu, max(p0, p1));  // (-1: the warp has no row here)
+        // the earliest last row of the warp's rows in this pass: blocks that end by it need no mask (rows of
+        // other passes or past N are never stored, and their scores are finite: q and K/V are)
+        const int warp_first_end = __reduce_min_sync(0xffffffffu, min(a0 ? p0 : 0x7fffffff, a1 ? p1 : 0x7fffffff));
         const __nv_bfloat16* kbase = kc.p + s * kc.s0 + c1 * kc.s1;
         const __nv_bfloat16* vbase = vc.p + s * vc.s0 + c1 * vc.s1;
         const int nblocks = (end + BLOCK - 1) / BLOCK;
 
-        // K/V block b -> stage b % S: 16-byte cp.async chunks, rows past `end` zero-filled
+        // K/V block b -> stage b % S: 16-byte cp.async chunks, rows past `end` zero-filled. A thread copies
+        // the same column of rows row0, row0 + RSTEP, ... of K and of V in every block.
+        constexpr int CPR = D / 8;                  // chunks a cache row
+        constexpr int RSTEP = MEGA_THREADS / CPR;   // rows between a thread's chunks
+        static_assert(MEGA_THREADS % CPR == 0 && BLOCK % RSTEP == 0, "ragged_flash: whole rows of chunks a pass of threads");
+        const int row0 = tid / CPR, col0 = (tid % CPR) * 8;
         auto issue = [&](int b) {
             if (b < nblocks) {
-                __nv_bfloat16* kd = ks + (b % S) * BLOCK * LD;
-                __nv_bfloat16* vd = vs + (b % S) * BLOCK * LD;
-                constexpr int CHUNKS = BLOCK * D / 8;  // 16-byte chunks of one of K, V
-                for (int c = tid; c < 2 * CHUNKS; c += MEGA_THREADS) {
-                    const bool isv = c >= CHUNKS;
-                    const int cc = isv ? c - CHUNKS : c, row = cc / (D / 8), col = (cc % (D / 8)) * 8;
-                    const int kv = b * BLOCK + row;
+                __nv_bfloat16* kd = ks + (b % S) * BLOCK * LD + row0 * LD + col0;
+                __nv_bfloat16* vd = vs + (b % S) * BLOCK * LD + row0 * LD + col0;
+#pragma unroll
+                for (int i = 0; i < BLOCK / RSTEP; ++i) {
+                    const int kv = b * BLOCK + row0 + i * RSTEP;
                     const bool ok = kv < end;
-                    const __nv_bfloat16* src = (isv ? vbase + (long long)(ok ? kv : 0) * vc.s2 : kbase + (long long)(ok ? kv : 0) * kc.s2) + col;
-                    cp_async16((isv ? vd : kd) + row * LD + col, src, ok ? 16 : 0);
+                    const long long r = ok ? kv : 0;
+                    cp_async16(kd + i * RSTEP * LD, kbase + r * kc.s2 + col0, ok ? 16 : 0);
+                    cp_async16(vd + i * RSTEP * LD, vbase + r * vc.s2 + col0, ok ? 16 : 0);
                 }
             }
             cp_async_commit();  // (an empty group past the last block keeps the wait counts uniform)
@@ -278,15 +285,21 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
                         mma16816a(sc[j + 1], qa[kk], kb4[2], kb4[3]);
                     }
                 }
-                // mask (past the row's position, or not this pass's row) and the running max
+                // mask (past the row's position, or not this pass's row) where a row of the warp ends inside
+                // the block, and the running max (scores unscaled: the scale goes into the exponent's FMA)
+                if ((b + 1) * BLOCK - 1 > warp_first_end) {
+#pragma unroll
+                    for (int n = 0; n < BLOCK / 8; ++n) {
+                        const int kv = b * BLOCK + 8 * n + 2 * t;
+                        if (kv > p0) sc[n][0] = MEGA_NEG_INF;
+                        if (kv + 1 > p0) sc[n][1] = MEGA_NEG_INF;
+                        if (kv > p1) sc[n][2] = MEGA_NEG_INF;
+                        if (kv + 1 > p1) sc[n][3] = MEGA_NEG_INF;
+                    }
+                }
                 float mx0 = MEGA_NEG_INF, mx1 = MEGA_NEG_INF;
 #pragma unroll
                 for (int n = 0; n < BLOCK / 8; ++n) {
-                    const int kv = b * BLOCK + 8 * n + 2 * t;
-                    sc[n][0] = kv <= p0 ? sc[n][0] * sl2 : MEGA_NEG_INF;
-                    sc[n][1] = kv + 1 <= p0 ? sc[n][1] * sl2 : MEGA_NEG_INF;
-                    sc[n][2] = kv <= p1 ? sc[n][2] * sl2 : MEGA_NEG_INF;
-                    sc[n][3] = kv + 1 <= p1 ? sc[n][3] * sl2 : MEGA_NEG_INF;
                     mx0 = fmaxf(mx0, fmaxf(sc[n][0], sc[n][1]));
                     mx1 = fmaxf(mx1, fmaxf(sc[n][2], sc[n][3]));
                 }
@@ -296,8 +309,9 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
                     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
                 }
                 const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-                const float u0 = n0 == MEGA_NEG_INF ? 0.0f : n0, u1 = n1 == MEGA_NEG_INF ? 0.0f : n1;  // (no row seen yet)
-                const float al0 = exp2f_fast(m0 - u0), al1 = exp2f_fast(m1 - u1);
+                // the new max in base-2 units (0 while no score is seen: every exponent then -inf)
+                const float u0 = n0 == MEGA_NEG_INF ? 0.0f : n0 * sl2, u1 = n1 == MEGA_NEG_INF ? 0.0f : n1 * sl2;
+                const float al0 = exp2f_fast(fmaf(m0, sl2, -u0)), al1 = exp2f_fast(fmaf(m1, sl2, -u1));
                 m0 = n0;
                 m1 = n1;
                 l0 *= al0;
@@ -315,10 +329,10 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
                     float p[2][4];
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        p[h][0] = exp2f_fast(sc[2 * kk + h][0] - u0);
-                        p[h][1] = exp2f_fast(sc[2 * kk + h][1] - u0);
-                        p[h][2] = exp2f_fast(sc[2 * kk + h][2] - u1);
-                        p[h][3] = exp2f_fast(sc[2 * kk + h][3] - u1);
+                        p[h][0] = exp2f_fast(fmaf(sc[2 * kk + h][0], sl2, -u0));
+                        p[h][1] = exp2f_fast(fmaf(sc[2 * kk + h][1], sl2, -u0));
+                        p[h][2] = exp2f_fast(fmaf(sc[2 * kk + h][2], sl2, -u1));
+                        p[h][3] = exp2f_fast(fmaf(sc[2 * kk + h][3], sl2, -u1));
                         l0 += p[h][0] + p[h][1];
                         l1 += p[h][2] + p[h][3];
                     }

@@ -29,7 +29,14 @@ class RmsNorm(BlockKind):
         args = [("smem", "smem"), ("x", x.view()), ("g", g.view()), ("eps", f"{float(p['eps'])!r}f"),
                 ("out", out.view(const=False)), ("rows", op.inputs[0].shape[0].to_c(dimc)), ("rows_per", str(p["rows_per"])),
                 ("c0", "c0")]
-        return c_call("rms_norm_rows", [x.ctype, op.inputs[0].shape[1].value], args)
+        d = op.inputs[0].shape[1].value
+        return c_call("rms_norm_rows", [x.ctype, d, norm_team(d, p["rows_per"])], args)
+
+
+def norm_team(d: int, rows_per: int) -> str:
+    """Threads a row (interpreter/cuda/rownorm.cuh): a warp where a lane holds at most 128 elements and an
+    instance has rows for several warps (or the row is short), else the block."""
+    return "32" if d <= 1024 or (d <= 4096 and rows_per >= 4) else "MEGA_THREADS"
 
 
 @term
