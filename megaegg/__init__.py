@@ -2,7 +2,8 @@
 
 Build a :class:`Graph` of tensor ops over symbolic dims, check it with
 :func:`run_reference`, and compile it with :func:`compile`; or take a PyTorch module or function
-through ``torch.export`` with :func:`from_torch`.
+through ``torch.export`` with :func:`from_torch`; or a Hugging Face causal LM through its own modelling
+code with :func:`from_transformers`.
 """
 
 from .dims import Dim, ceildiv, dmax, dmin, sym
@@ -15,11 +16,12 @@ from .ops import (
 from .reference import run_reference, run_reference_ranks
 from .compiler import Artifact, Kernel, compile
 from .frontend import from_torch
+from .frontend.hf import from_transformers
 
 __all__ = [
     "Dim", "ceildiv", "dmax", "dmin", "sym", "DType", "bf16", "f16", "f32", "i32", "Graph", "GraphError",
     "ShapeError", "Tensor", "add", "all_gather", "all_reduce", "argmax", "attention", "cast", "concat", "embedding", "expand", "kv_append",
     "kv_store", "linear", "matmul", "moe_mlp", "mul", "permute", "ragged_attention", "reshape", "rms_norm", "rope",
     "rope_inv_freq", "sample", "silu", "slice", "softmax", "transpose", "run_reference", "run_reference_ranks", "compile", "Kernel", "Artifact",
-    "from_torch",
+    "from_torch", "from_transformers",
 ]

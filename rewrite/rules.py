@@ -280,6 +280,10 @@ def _recover_rms_norm(x: i64, g: i64, xf: i64, sq: i64, m: i64, v: i64, rs: i64,
     #   xf = f32(x); h = xf * rsqrt(mean(xf^2, -1, keepdim) + eps); out = g * T(h)
     # is rms_norm(x, g, eps), rounded alike (T(T(x * rinv) * g)): then every rms_norm rule applies (the
     # matvec prologue above). The primitives have no block op of their own.
+    # (the lowering rules ran before these: the recovered norm gets its own block op here, for where no
+    # consumer fuses it, e.g. qwen3's and OLMo2's q / k norms)
+    recovered = (union(node(i)).with_(Op.rms_norm(x=x, g=g, eps=eps)),
+                 *(union(node(i)).with_(Op.rms_norm_rows(x=x, g=g, eps=eps, rows_per=tt)) for tt in ROW_TILES))
     norm = (eq(node(rs)).to(Op.rsqrt(a=v)), eq(node(v)).to(Op.add_scalar(a=m, c=eps)),
             eq(node(m)).to(Op.mean_last(a=sq)), eq(node(sq)).to(Op.pow(a=xf, p=2.0)))
     yield rule(
@@ -288,14 +292,14 @@ def _recover_rms_norm(x: i64, g: i64, xf: i64, sq: i64, m: i64, v: i64, rs: i64,
         eq(node(h)).to(Op.scale_rows(x=xf, s=rs)),
         *norm,
         eq(node(xf)).to(Op.cast(a=x, dtype="f32", src=t)),
-    ).then(union(node(i)).with_(Op.rms_norm(x=x, g=g, eps=eps)))
+    ).then(*recovered)
     # ... and in f32 (no casts)
     yield rule(
         eq(node(i)).to(Op.scale_last(x=h, g=g, dtype="f32")),
         eq(node(h)).to(Op.scale_rows(x=x, s=rs)),
         *norm,
         eq(xf).to(x),
-    ).then(union(node(i)).with_(Op.rms_norm(x=x, g=g, eps=eps)))
+    ).then(*recovered)
 
 
 @fusion.register

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
+from . import cache_ops  # noqa: F401  (torch.ops.megaegg.*: the table names them)
 from ..dtypes import DType, bf16, f16, f32, i32
 
 Entry = Callable[[Any, Any, list, dict], Any]
@@ -161,6 +162,32 @@ def _slice(t, node, args, kwargs):
     return ops.slice(x, d, start, end)
 
 
+def _split(t, node, args, kwargs):
+    """aten.split.Tensor (pieces of ``size``, the last smaller), split_with_sizes (``sizes``): slices of x."""
+    x, size, dim = _padded(args, [None, None, 0])
+    d = dim % x.ndim
+    total = x.shape[d]
+    if isinstance(size, (list, tuple)):
+        sizes = list(size)
+    else:
+        if not total.is_const or not isinstance(size, int) or size <= 0:
+            raise UnsupportedTorch("split of a runtime-sized dim into pieces of a size is not supported")
+        sizes = [min(size, total.value - k) for k in range(0, total.value, size)]
+    out, start = [], 0
+    for n in sizes:
+        out.append(ops.slice(x, d, start, start + n))
+        start = start + n
+    return out
+
+
+def _chunk(t, node, args, kwargs):
+    x, chunks, dim = _padded(args, [None, None, 0])
+    total = x.shape[dim % x.ndim]
+    if not total.is_const:
+        raise UnsupportedTorch("chunk of a runtime-sized dim is not supported")
+    return _split(t, node, [x, -(-total.value // chunks), dim], {})
+
+
 def _argmax(t, node, args, kwargs):
     x, dim, keepdim = _padded(args, [None, None, False])
     if dim is None or keepdim:
@@ -222,6 +249,9 @@ ATEN: dict[str, Entry] = {
     "aten.t.default": lambda t, node, args, kwargs: ops.transpose(args[0], 0, 1),
     "aten.permute.default": lambda t, node, args, kwargs: ops.permute(args[0], args[1]),
     "aten.slice.Tensor": _slice,
+    "aten.split.Tensor": _split,
+    "aten.split_with_sizes.default": _split,
+    "aten.chunk.default": _chunk,
     "aten.cat.default": lambda t, node, args, kwargs: ops.concat(args[0], (args + [0])[1]),
     "aten.argmax.default": _argmax,
     "aten.to.dtype": _to,
@@ -235,5 +265,9 @@ ATEN: dict[str, Entry] = {
     "aten.detach.default": _identity,
     "aten.dropout.default": _dropout,
     "aten._assert_tensor_metadata.default": _nothing,
+    # a KV cache (cache_ops.py): the row at ctx - 1 written in place, the first ctx rows attended
+    "megaegg.kv_append.default": lambda t, node, args, kwargs: ops.kv_append(args[0], args[1], args[2].shape[0] - 1),
+    "megaegg.attention.default": lambda t, node, args, kwargs: ops.attention(args[0], args[1], args[2], args[3].shape[0],
+                                                                             scale=args[4]),
 }
 

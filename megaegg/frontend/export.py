@@ -9,6 +9,8 @@ after the ``torch.export.Dim`` the caller gave for it; ``aten.py`` translates ea
 
 from __future__ import annotations
 
+import operator
+
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,8 +70,10 @@ class Translator:
             if node.op == "call_function" and schema is not None and schema.is_mutable:
                 raise UnsupportedTorch(f"{node.target} mutates its input ({source_line(node)}): in-place state "
                                        "(a KV cache, a buffer) is not supported yet")
+        live = _live(ep.graph)  # (what no output needs is never translated: transformers' mask preparation)
         for node in ep.graph.nodes:
-            self._visit(node)
+            if node.op != "call_function" or node in live:
+                self._visit(node)
 
     def dim(self, size) -> Dim | int:
         """A size of a fake tensor as a megaegg dim: an int, or an expression of named runtime dims."""
@@ -146,6 +150,9 @@ class Translator:
             # own expression of it in runtime dims (the ops that take sizes read their result's shape anyway)
             self.env[node.name] = self.dim(val)
             return
+        if node.target is operator.getitem:  # one piece of a multi-output op (a split)
+            self.env[node.name] = self._arg(node.args[0])[node.args[1]]
+            return
         key = str(node.target)
         entry = ATEN.get(key)
         if entry is None:
@@ -181,6 +188,18 @@ class Translator:
             except (TypeError, ValueError, OverflowError, AttributeError):
                 continue
         return out
+
+
+def _live(graph) -> set:
+    """The nodes the output depends on."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    live, stack = set(), [out]
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    return live
 
 
 def dim_names(ep, dynamic_shapes) -> dict:

@@ -1,0 +1,44 @@
+"""Two torch custom ops for a KV cache, which the translator maps onto the Graph API's (aten.py:
+``megaegg.kv_append.default`` -> ``ops.kv_append``, ``megaegg.attention.default`` -> ``ops.attention``).
+A module calls them where its attention writes a cache and reads it (hf.py routes transformers'
+attention layers here); a tensor ``positions`` of length ``ctx`` carries the runtime dim: the row written
+is ``ctx - 1`` and the rows attended ``[0, ctx)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("megaegg::kv_append", mutates_args=())
+def kv_append(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``cache`` [kv_heads, max_len, head_dim] with row ``len(positions) - 1`` set to ``new`` [kv_heads,
+    head_dim] (a copy here; the megakernel writes its input in place)."""
+    out = cache.clone()
+    out[:, positions.shape[0] - 1] = new.to(cache.dtype)
+    return out
+
+
+@kv_append.register_fake
+def _(cache, new, positions):
+    return torch.empty_like(cache)
+
+
+@torch.library.custom_op("megaegg::attention", mutates_args=())
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """One query row a head, q [heads, head_dim], over the first ``len(positions)`` cache rows of its KV
+    head (heads / kv_heads query heads a KV head), softmax in f32: [heads, head_dim] in q's dtype."""
+    n = positions.shape[0]
+    g = q.shape[0] // k_cache.shape[0]
+    k = k_cache[:, :n].float().repeat_interleave(g, 0)
+    v = v_cache[:, :n].float().repeat_interleave(g, 0)
+    w = torch.softmax((k @ q.float()[:, :, None])[..., 0] * scale, dim=-1)
+    return (w[:, None, :] @ v)[:, 0].to(q.dtype)
+
+
+@attention.register_fake
+def _(q, k_cache, v_cache, positions, scale):
+    return torch.empty_like(q)
+
+

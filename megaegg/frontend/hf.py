@@ -1,0 +1,204 @@
+"""Hugging Face causal LMs through their own modelling code (issue 41): one decode step exported with
+``torch.export``, its attention routed to two custom ops the translator maps onto the Graph API's KV
+cache ops, compiled into one megakernel, and a greedy / sampling loop around it.
+
+    from transformers import AutoModelForCausalLM
+    import megaegg
+    lm = megaegg.from_transformers(AutoModelForCausalLM.from_pretrained(path), max_len=512, backend="sim")
+    ids = lm.generate([1, 15043, 29892], max_new_tokens=16)
+
+How: the model runs with ``attn_implementation="megaegg"`` (registered here with transformers'
+``AttentionInterface``) and no transformers cache, so each attention layer hands this module the
+step's q and its rotated k, v. ``megaegg::kv_append`` writes k / v into the layer's cache (an input of
+the step, written in place by the kernel) at row ``ctx - 1`` and ``megaegg::attention`` attends the
+first ``ctx`` rows; ``ctx`` is the length of the step's ``positions`` input (the runtime dim), whose last
+element is the RoPE position transformers' rotary embedding reads. Everything else (embedding, norms,
+RoPE, MLP, LM head, whatever the architecture computes) is the model's own ATen graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import cache_ops  # noqa: F401  (registers torch.ops.megaegg.kv_append / attention)
+from .aten import UnsupportedTorch
+
+ATTN_IMPLEMENTATION = "megaegg"
+
+
+def _megaegg_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: q [1, heads, 1, D], k / v [1, kv_heads, 1, D] (rotated) ->
+    ([1, 1, heads, D], None), through the step's caches (``kwargs["megaegg_caches"]``)."""
+    caches, positions = kwargs.get("megaegg_caches"), kwargs.get("megaegg_positions")
+    if caches is None:
+        raise RuntimeError("attn_implementation='megaegg' runs only inside a megaegg decode step "
+                           "(megaegg.from_transformers)")
+    if query.shape[0] != 1 or query.shape[2] != 1:
+        raise RuntimeError(f"a megaegg decode step takes one token of one sequence, got q {tuple(query.shape)}")
+    # what the two ops do not compute is refused, never ignored (a wrong answer otherwise)
+    name = type(module).__name__
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedTorch(f"{name}: attention logit soft-capping (softcap={kwargs['softcap']}) is not supported")
+    window, rows = kwargs.get("sliding_window"), caches[0].shape[1]
+    if window is not None and window < rows:
+        raise UnsupportedTorch(f"{name}: a sliding window of {window} rows under max_len {rows} is not supported "
+                               f"(give max_len <= {window})")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise UnsupportedTorch(f"{name}: attention sinks are not supported")
+    if dropout:
+        raise UnsupportedTorch(f"{name}: attention dropout {dropout} (call model.eval())")
+    layer, heads, kv_heads, d = module.layer_idx, query.shape[1], key.shape[1], query.shape[3]
+    # (reshapes, not indexing: the translator takes views, not selects)
+    k_cache = torch.ops.megaegg.kv_append(caches[2 * layer], key.reshape(kv_heads, d), positions)
+    v_cache = torch.ops.megaegg.kv_append(caches[2 * layer + 1], value.reshape(kv_heads, d), positions)
+    scale = float(scaling if scaling is not None else d ** -0.5)
+    out = torch.ops.megaegg.attention(query.reshape(heads, d), k_cache, v_cache, positions, scale)
+    return out.reshape(1, 1, heads, d), None
+
+
+def register() -> None:
+    """``attn_implementation="megaegg"`` for transformers (idempotent): the attention above, no mask (the
+    step attends every cache row up to its position)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _megaegg_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, lambda *args, **kwargs: None)
+
+
+class DecodeStep(torch.nn.Module):
+    """One token of one sequence through ``model``: ``forward(input_ids [1, 1], positions [ctx], *caches)``
+    -> logits [1, vocab] of the token at position ``ctx - 1`` (``positions[-1]``). ``caches``: per layer
+    its K then its V cache, [kv_heads, max_len, head_dim] in the model's dtype."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, *caches):
+        last = positions[positions.shape[0] - 1:][None]  # [1, 1]: the token's position
+        out = self.model(input_ids=input_ids, position_ids=last, use_cache=False, megaegg_caches=caches,
+                         megaegg_positions=positions)
+        return out.logits.reshape(1, -1)
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_len: int
+    dtype: torch.dtype
+
+    def new(self, device=None) -> list[torch.Tensor]:
+        """Zeroed caches in the step's argument order (K, V per layer)."""
+        shape = (self.kv_heads, self.max_len, self.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2 * self.layers)]
+
+
+def cache_shape(model, max_len: int) -> CacheShape:
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return CacheShape(text.num_hidden_layers, kv_heads, head_dim, max_len, next(model.parameters()).dtype)
+
+
+class TransformersLM:
+    """A Hugging Face causal LM's decode step as one megakernel (``megaegg.from_transformers``):
+    ``generate(prompt_ids, max_new_tokens)`` feeds the prompt one token a step, then samples (greedy by
+    default, or as a :class:`megaegg.models.Sampling` says); ``step(token, pos)`` -> logits."""
+
+    def __init__(self, kernel, shape: CacheShape, device):
+        self.kernel, self.shape, self.device = kernel, shape, device
+        self.caches = shape.new(device)
+
+    def reset(self) -> None:
+        for c in self.caches:
+            c.zero_()
+
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        """Logits [vocab] (f32) of ``token`` at position ``pos`` (rows before it already in the caches)."""
+        if not 0 <= pos < self.shape.max_len:
+            raise ValueError(f"position {pos} is outside the caches' max_len {self.shape.max_len}")
+        ids = torch.tensor([[token]], dtype=torch.int64, device=self.device)
+        positions = torch.arange(pos + 1, dtype=torch.int64, device=self.device)
+        return self.kernel(ids, positions, *self.caches)[0].float()
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, sampling=None,
+                 eos_token_id: int | None = None) -> list[int]:
+        """The new tokens after ``prompt_ids`` (at most ``max_new_tokens``; the last one ``eos_token_id`` if it
+        came): greedy, or drawn as ``sampling`` (a :class:`megaegg.models.Sampling`) says, on the host."""
+        from ..models.batch import Sampling
+
+        sampling = sampling or Sampling()
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids is empty: give at least one token")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if len(ids) + max_new_tokens > self.shape.max_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_len "
+                             f"{self.shape.max_len}")
+        self.reset()
+        gen = torch.Generator().manual_seed(sampling.seed)
+        out: list[int] = []
+        logits = None
+        for pos, t in enumerate(ids):
+            logits = self.step(t, pos)
+        while len(out) < max_new_tokens:
+            tok = _sample(logits.cpu(), sampling, gen)
+            out.append(tok)
+            if tok == eos_token_id or len(out) == max_new_tokens:
+                break
+            logits = self.step(tok, len(ids) + len(out) - 1)
+        return out
+
+
+def _sample(logits: torch.Tensor, s, gen: torch.Generator) -> int:
+    """One token from f32 logits [vocab] as ``s`` (a Sampling) says."""
+    if s.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / s.temperature, dim=-1)
+    if 0 < s.top_k < probs.numel():
+        kth = torch.topk(probs, s.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if s.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p * sorted_p.sum()
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+def from_transformers(model, *, max_len: int = 512, backend: str | None = None, device=None) -> TransformersLM:
+    """A transformers causal LM (``AutoModelForCausalLM``) as a megakernel decode step over KV caches of
+    ``max_len`` rows: exported through its own forward with ``attn_implementation="megaegg"``, translated
+    (megaegg.from_torch's translator) and compiled for ``backend``."""
+    from . import compile_exported
+    from .export import dim_names
+
+    register()
+    if max_len < 2:
+        raise ValueError(f"max_len must be at least 2, got {max_len}")
+    model = model.eval()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        shape = cache_shape(model, max_len)
+        dev = next(model.parameters()).device
+        step = DecodeStep(model)
+        ctx = torch.export.Dim("ctx", min=1, max=max_len)
+        example = (torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.arange(2, device=dev), *shape.new(dev))
+        dyn = (None, {0: ctx}, (None,) * (2 * shape.layers))  # (the caches: forward's *caches, one tuple)
+        with torch.no_grad():
+            ep = torch.export.export(step, example, dynamic_shapes=dyn)
+        flat = (None, {0: ctx}, *([None] * (2 * shape.layers)))  # one spec a user input
+        run = compile_exported(ep, dim_names(ep, flat), name=type(model).__name__, backend=backend,
+                               max_dims={"ctx": max_len}, dims_hint={"ctx": min(max_len, 512)}, device=device)
+    finally:
+        model.set_attn_implementation(previous)
+    return TransformersLM(run, shape, device if device is not None else dev)

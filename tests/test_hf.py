@@ -1,0 +1,112 @@
+"""Hugging Face causal LMs through their own modelling code (megaegg.from_transformers, issue 41): small
+random checkpoints of each architecture, on the simulator, generate transformers' own greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megaegg as me
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _config(arch: str):
+    if arch == "llama":
+        return transformers.LlamaConfig(**SMALL)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**SMALL, head_dim=16)
+    if arch == "mistral":
+        return transformers.MistralConfig(**SMALL, sliding_window=None)
+    if arch == "olmo2":
+        return transformers.Olmo2Config(**SMALL)
+    if arch == "granite":
+        return transformers.GraniteConfig(**SMALL, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                          attention_multiplier=0.25, logits_scaling=4.0)
+    if arch == "phi3":
+        return transformers.Phi3Config(**SMALL, pad_token_id=0)
+    raise KeyError(arch)
+
+
+def _model(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = _config(arch)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # weights large enough that the greedy tokens depend on every layer
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if p.ndim > 1 else 0.2) + (1.0 if p.ndim == 1 else 0.0))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2", "granite", "phi3"])
+def test_greedy_tokens_equal_transformers(arch):
+    model = _model(arch)
+    prompt = [5, 17, 42, 8, 63, 1]
+    lm = me.from_transformers(model, max_len=24, backend="sim")
+    got = lm.generate(prompt, 8)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == want, (arch, got, want)
+
+
+def test_logits_of_a_step_match_the_model():
+    model = _model("llama", seed=3)
+    lm = me.from_transformers(model, max_len=16, backend="sim")
+    ids = [3, 9, 27, 81 % 96]
+    logits = [lm.step(t, p) for p, t in enumerate(ids)][-1]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_bad_arguments_are_one_clear_error():
+    lm = me.from_transformers(_model("llama"), max_len=8, backend="sim")
+    with pytest.raises(ValueError, match="exceeds max_len 8"):
+        lm.generate([1, 2, 3], 6)
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        lm.generate([], 2)
+    with pytest.raises(ValueError, match="position 8 is outside"):
+        lm.step(1, 8)
+
+
+def test_what_the_attention_ops_do_not_compute_is_refused():
+    """Gemma 2's attention soft-capping would be silently dropped: one error naming it instead."""
+    cfg = transformers.Gemma2Config(**{**SMALL, "head_dim": 16})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(me.frontend.UnsupportedTorch, match="Gemma2Attention: attention logit soft-capping"):
+        me.from_transformers(model, max_len=16, backend="sim")
+
+
+def test_the_example_cli_generates_transformers_tokens(capsys):
+    """examples/hf.py's flags (--arch ... --random-weights, --prompt-ids, --json): its generated_ids are
+    transformers' greedy tokens for the same random model."""
+    import json
+
+    from megaegg.frontend import hf_cli
+
+    argv = ["--arch", "olmo2", "--random-weights", "--backend", "sim", "--prompt-ids", "4", "8", "15",
+            "--max-new-tokens", "5", "--ignore-eos", "--json"]
+    out = hf_cli.main(argv)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["generated_ids"] == out["generated_ids"]
+    model, _ = hf_cli.load_model(hf_cli.parse(argv), torch.float32, "cpu")
+    with torch.no_grad():
+        want = model.generate(torch.tensor([[4, 8, 15]]), max_new_tokens=5, do_sample=False, min_new_tokens=5,
+                              pad_token_id=0)[0, 3:].tolist()
+    assert out["generated_ids"] == want
+    with pytest.raises(SystemExit, match="--prompt-ids: token 999 is outside the vocabulary"):
+        hf_cli.main(["--arch", "llama", "--random-weights", "--backend", "sim", "--prompt-ids", "999"])
+
+
+def test_sampling_is_reproducible_by_seed():
+    from megaegg.models.batch import Sampling
+
+    lm = me.from_transformers(_model("qwen3", seed=5), max_len=20, backend="sim")
+    a = lm.generate([1, 2, 3], 8, sampling=Sampling(temperature=1.5, top_k=20, top_p=0.9, seed=11))
+    b = lm.generate([1, 2, 3], 8, sampling=Sampling(temperature=1.5, top_k=20, top_p=0.9, seed=11))
+    c = lm.generate([1, 2, 3], 8, sampling=Sampling(temperature=1.5, top_k=20, top_p=0.9, seed=12))
+    assert a == b and len(a) == 8 and all(0 <= t < 96 for t in a)
+    assert a != c  # (8 draws at temperature 1.5 over 20 tokens: equal by chance with probability ~0)
