@@ -110,3 +110,23 @@ def test_sampling_is_reproducible_by_seed():
     c = lm.generate([1, 2, 3], 8, sampling=Sampling(temperature=1.5, top_k=20, top_p=0.9, seed=12))
     assert a == b and len(a) == 8 and all(0 <= t < 96 for t in a)
     assert a != c  # (8 draws at temperature 1.5 over 20 tokens: equal by chance with probability ~0)
+
+
+def test_the_example_cli_reads_a_checkpoint_and_its_tokenizer(tmp_path, capsys):
+    """--model DIR with --prompt: transformers loads the checkpoint and tokenizer, the text is decoded; a
+    directory that is no checkpoint is one error line."""
+    from megaegg.frontend import hf_cli
+    from tiny_checkpoints import save_tiny
+
+    save_tiny(tmp_path / "m", "qwen3", seed=2, tokenizer=True)
+    out = hf_cli.main(["--model", str(tmp_path / "m"), "--backend", "sim", "--prompt", "w5 w9 w13",
+                       "--max-new-tokens", "4", "--ignore-eos"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([out["prompt_ids"]]), max_new_tokens=4, do_sample=False,
+                              min_new_tokens=4, pad_token_id=0)[0, len(out["prompt_ids"]):].tolist()
+    assert out["generated_ids"] == want
+    assert capsys.readouterr().out.strip().splitlines()[-1] == " ".join(f"w{t}" for t in want)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="error: --model .*empty: transformers could not load it"):
+        hf_cli.main(["--model", str(tmp_path / "empty"), "--backend", "sim", "--prompt-ids", "1"])
