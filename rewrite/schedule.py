@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, field
 
@@ -62,7 +64,8 @@ def rewrite(
     def extract(env):
         """The choices at ``env``: tensor-core tiles only from their height up (``Term.min_rows``, against
         the value's leading dim), then priced as their kernel image runs them (``large_rows_model``)."""
-        allowed = {v: [c for c in cs if TERMS[c.term].min_rows <= leading_rows(small, v, env)] for v, cs in alts.items()}
+        allowed = {v: [c for c in cs if TERMS[c.term].min_rows <= leading_rows(small, v, env, TERMS[c.term].rows_from_all_leading)]
+                   for v, cs in alts.items()}
         model = large_rows_model(cost_model) if any(TERMS[c.term].min_rows for cs in allowed.values() for c in cs) \
             else cost_model
         costs, estimates = _choice_costs(small, allowed, model, env)
@@ -86,10 +89,13 @@ def rewrite(
     return program
 
 
-def leading_rows(graph: Graph, v, env) -> int:
-    """The leading dim of value ``v`` (a node id or a Sum) at ``env``: the rows its tiles span."""
+def leading_rows(graph: Graph, v, env, all_leading: bool = False) -> int:
+    """The leading dim of value ``v`` (a node id or a Sum) at ``env`` (``all_leading``: the product of all
+    its dims but the last): the rows its tiles span."""
     shape = graph.nodes[v.node if isinstance(v, Sum) else v].shape
-    return shape[0].eval(env) if shape else 1
+    if not shape:
+        return 1
+    return math.prod(d.eval(env) for d in shape[:-1]) if all_leading else shape[0].eval(env)
 
 
 def _choice_costs(graph, alts, model: CostModel, env) -> dict:

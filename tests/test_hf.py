@@ -130,3 +130,21 @@ def test_the_example_cli_reads_a_checkpoint_and_its_tokenizer(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="error: --model .*empty: transformers could not load it"):
         hf_cli.main(["--model", str(tmp_path / "empty"), "--backend", "sim", "--prompt-ids", "1"])
+
+
+def test_a_prompt_in_one_launch_and_in_chunks_gives_the_models_logits():
+    """prompt(ids): the tokens' K / V written and the last token's logits in one launch; a second chunk
+    at start > 0 continues from the caches (chunked prefill), then decode steps go on from there."""
+    model = _model("qwen3", seed=4)
+    lm = me.from_transformers(model, max_len=24, backend="sim")
+    ids = [7, 3, 91, 40, 2, 66, 18, 5, 33]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+    tol = dict(rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    torch.testing.assert_close(lm.prompt(ids), want[-1], **tol)
+    lm.reset()
+    lm.prompt(ids[:4])
+    torch.testing.assert_close(lm.prompt(ids[4:8], start=4), want[7], **tol)
+    torch.testing.assert_close(lm.step(ids[8], 8), want[8], **tol)
+    with pytest.raises(ValueError, match="outside the caches' max_len 24"):
+        lm.prompt(list(range(20)), start=10)

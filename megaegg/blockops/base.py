@@ -92,6 +92,10 @@ class Term:
     # alternative may be chosen: a tensor-core tile's height. Below it the tile is mostly empty, and its
     # kernel image's registers and shared memory would slow the memory-bound bodies beside it.
     min_rows: ClassVar[int] = 0
+    # which dims of the value count as its rows for ``min_rows``: its leading one (tokens of an attention
+    # output [N, heads, D]), or all but the last (a linear's [batch, seq, K] input flattened, as its tiles
+    # take it)
+    rows_from_all_leading: ClassVar[bool] = False
 
     def refs(self, graph, args: Mapping[str, Any]) -> tuple:
         """The values this alternative reads (node ids and Sums); its own node's inputs for a term

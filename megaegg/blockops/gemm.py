@@ -107,6 +107,7 @@ class GemmTerm(Term):
     fields = fields("x:ref w:ref w2:ref r:ref bn:int")
     tile = "bn"
     min_rows = BM
+    rows_from_all_leading = True  # (transformers' [1, n, K] activations are n rows)
     needs = "bf16 operands with 16-byte aligned rows, a weight of [N, K], and a runtime row count"
 
     def siblings(self, args):

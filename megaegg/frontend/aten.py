@@ -157,8 +157,9 @@ def _slice(t, node, args, kwargs):
     start = 0 if start is None else start
     if end is None or (isinstance(end, int) and size.is_const and end >= size.value) or end == sys.maxsize:
         end = size
-    if isinstance(start, int) and start < 0 or isinstance(end, int) and end < 0:
-        raise UnsupportedTorch("slice with a negative bound is not supported")
+    # a negative bound counts from the end (x[-1:], transformers' logits_to_keep), also of a runtime size
+    start = size + start if isinstance(start, int) and start < 0 else start
+    end = size + end if isinstance(end, int) and end < 0 else end
     return ops.slice(x, d, start, end)
 
 
@@ -269,5 +270,9 @@ ATEN: dict[str, Entry] = {
     "megaegg.kv_append.default": lambda t, node, args, kwargs: ops.kv_append(args[0], args[1], args[2].shape[0] - 1),
     "megaegg.attention.default": lambda t, node, args, kwargs: ops.attention(args[0], args[1], args[2], args[3].shape[0],
                                                                              scale=args[4]),
+    # a prompt's or a batch's rows: each at its own (slot, position); bound's length bounds every position + 1
+    "megaegg.kv_store.default": lambda t, node, args, kwargs: ops.kv_store(*args),
+    "megaegg.ragged_attention.default": lambda t, node, args, kwargs: ops.ragged_attention(
+        *args[:5], length=args[5].shape[0], scale=args[6]),
 }
 

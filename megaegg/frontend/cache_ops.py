@@ -42,3 +42,39 @@ def _(q, k_cache, v_cache, positions, scale):
     return torch.empty_like(q)
 
 
+
+
+# A prompt's tokens, or a batch's (the step graph's ops): row i of ``new`` / ``q`` is the token at position
+# ``pos[i]`` of sequence ``slot[i]``; caches are [slots, kv_heads, max_len, head_dim]; ``bound``'s length is
+# the runtime dim that bounds every ``pos[i] + 1``.
+@torch.library.custom_op("megaegg::kv_store", mutates_args=())
+def kv_store(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``cache`` with ``new[i]`` [kv_heads, head_dim] at (``slot[i]``, position ``pos[i]``) (a copy here)."""
+    out = cache.clone()
+    out[slot.long(), :, pos.long()] = new.to(cache.dtype)
+    return out
+
+
+@kv_store.register_fake
+def _(cache, new, pos, slot):
+    return torch.empty_like(cache)
+
+
+@torch.library.custom_op("megaegg::ragged_attention", mutates_args=())
+def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     slot: torch.Tensor, bound: torch.Tensor, scale: float) -> torch.Tensor:
+    """Row i, q[i] [heads, head_dim], over cache rows [0, pos[i]] of slot[i] (causal), softmax in f32."""
+    out = torch.empty_like(q)
+    g = q.shape[1] // k_cache.shape[1]
+    for i in range(q.shape[0]):
+        n, s = int(pos[i]) + 1, int(slot[i])
+        k = k_cache[s, :, :n].float().repeat_interleave(g, 0)
+        v = v_cache[s, :, :n].float().repeat_interleave(g, 0)
+        w = torch.softmax((k @ q[i].float()[:, :, None])[..., 0] * scale, dim=-1)
+        out[i] = (w[:, None, :] @ v)[:, 0].to(q.dtype)
+    return out
+
+
+@ragged_attention.register_fake
+def _(q, k_cache, v_cache, pos, slot, bound, scale):
+    return torch.empty_like(q)

@@ -30,19 +30,19 @@ ATTN_IMPLEMENTATION = "megaegg"
 
 
 def _megaegg_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention interface: q [1, heads, 1, D], k / v [1, kv_heads, 1, D] (rotated) ->
-    ([1, 1, heads, D], None), through the step's caches (``kwargs["megaegg_caches"]``)."""
-    caches, positions = kwargs.get("megaegg_caches"), kwargs.get("megaegg_positions")
+    """transformers' attention interface: q [1, heads, n, D], k / v [1, kv_heads, n, D] (rotated) ->
+    ([1, n, heads, D], None), through the step's caches (``kwargs["megaegg_caches"]``): one token over
+    ``megaegg_positions`` (the decode step), or n rows at their own (slot, position) (``megaegg_rows``)."""
+    caches = kwargs.get("megaegg_caches")
     if caches is None:
-        raise RuntimeError("attn_implementation='megaegg' runs only inside a megaegg decode step "
-                           "(megaegg.from_transformers)")
-    if query.shape[0] != 1 or query.shape[2] != 1:
-        raise RuntimeError(f"a megaegg decode step takes one token of one sequence, got q {tuple(query.shape)}")
-    # what the two ops do not compute is refused, never ignored (a wrong answer otherwise)
+        raise RuntimeError("attn_implementation='megaegg' runs only inside a megaegg step (megaegg.from_transformers)")
+    if query.shape[0] != 1:
+        raise RuntimeError(f"a megaegg step takes one batch row of tokens, got q {tuple(query.shape)}")
+    # what the ops do not compute is refused, never ignored (a wrong answer otherwise)
     name = type(module).__name__
     if kwargs.get("softcap") is not None:
         raise UnsupportedTorch(f"{name}: attention logit soft-capping (softcap={kwargs['softcap']}) is not supported")
-    window, rows = kwargs.get("sliding_window"), caches[0].shape[1]
+    window, rows = kwargs.get("sliding_window"), caches[0].shape[-2]
     if window is not None and window < rows:
         raise UnsupportedTorch(f"{name}: a sliding window of {window} rows under max_len {rows} is not supported "
                                f"(give max_len <= {window})")
@@ -50,13 +50,22 @@ def _megaegg_attention(module, query, key, value, attention_mask, scaling=None, 
         raise UnsupportedTorch(f"{name}: attention sinks are not supported")
     if dropout:
         raise UnsupportedTorch(f"{name}: attention dropout {dropout} (call model.eval())")
-    layer, heads, kv_heads, d = module.layer_idx, query.shape[1], key.shape[1], query.shape[3]
-    # (reshapes, not indexing: the translator takes views, not selects)
-    k_cache = torch.ops.megaegg.kv_append(caches[2 * layer], key.reshape(kv_heads, d), positions)
-    v_cache = torch.ops.megaegg.kv_append(caches[2 * layer + 1], value.reshape(kv_heads, d), positions)
+    layer, heads, kv_heads, n, d = module.layer_idx, query.shape[1], key.shape[1], query.shape[2], query.shape[3]
+    kc, vc = caches[2 * layer], caches[2 * layer + 1]
     scale = float(scaling if scaling is not None else d ** -0.5)
-    out = torch.ops.megaegg.attention(query.reshape(heads, d), k_cache, v_cache, positions, scale)
-    return out.reshape(1, 1, heads, d), None
+    # (reshapes and transposes, not indexing: the translator takes views, not selects)
+    if kwargs.get("megaegg_rows") is None:  # the decode step: one token at position len(positions) - 1
+        positions = kwargs["megaegg_positions"]
+        kc = torch.ops.megaegg.kv_append(kc, key.reshape(kv_heads, d), positions)
+        vc = torch.ops.megaegg.kv_append(vc, value.reshape(kv_heads, d), positions)
+        out = torch.ops.megaegg.attention(query.reshape(heads, d), kc, vc, positions, scale)
+        return out.reshape(1, 1, heads, d), None
+    pos, slot, bound = kwargs["megaegg_rows"]
+    rows_of = lambda t, h: t.transpose(1, 2).reshape(n, h, d)  # noqa: E731
+    kc = torch.ops.megaegg.kv_store(kc, rows_of(key, kv_heads), pos, slot)
+    vc = torch.ops.megaegg.kv_store(vc, rows_of(value, kv_heads), pos, slot)
+    out = torch.ops.megaegg.ragged_attention(rows_of(query, heads), kc, vc, pos, slot, bound, scale)
+    return out.reshape(1, n, heads, d), None
 
 
 def register() -> None:
@@ -82,6 +91,21 @@ class DecodeStep(torch.nn.Module):
         last = positions[positions.shape[0] - 1:][None]  # [1, 1]: the token's position
         out = self.model(input_ids=input_ids, position_ids=last, use_cache=False, megaegg_caches=caches,
                          megaegg_positions=positions)
+        return out.logits.reshape(1, -1)
+
+
+class PromptStep(torch.nn.Module):
+    """n tokens in one launch: ``forward(input_ids [1, n], pos [n], slot [n], bound [ctx], *caches)`` writes
+    each token's K / V at (``slot[i]``, ``pos[i]``) of caches [slots, kv_heads, max_len, head_dim], attends
+    causally (every ``pos[i] + 1 <= ctx``) and returns the last token's logits [1, vocab]."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, pos, slot, bound, *caches):
+        out = self.model(input_ids=input_ids, position_ids=pos[None], use_cache=False, logits_to_keep=1,
+                         megaegg_caches=caches, megaegg_rows=(pos, slot, bound))
         return out.logits.reshape(1, -1)
 
 
@@ -113,13 +137,27 @@ class TransformersLM:
     ``generate(prompt_ids, max_new_tokens)`` feeds the prompt one token a step, then samples (greedy by
     default, or as a :class:`megaegg.models.Sampling` says); ``step(token, pos)`` -> logits."""
 
-    def __init__(self, kernel, shape: CacheShape, device):
-        self.kernel, self.shape, self.device = kernel, shape, device
+    def __init__(self, kernel, prompt_kernel, shape: CacheShape, device):
+        self.kernel, self.prompt_kernel, self.shape, self.device = kernel, prompt_kernel, shape, device
         self.caches = shape.new(device)
+        self.prompt_caches = [c[None] for c in self.caches]  # (the same memory, as one sequence slot)
 
     def reset(self) -> None:
         for c in self.caches:
             c.zero_()
+
+    def prompt(self, ids: Sequence[int], start: int = 0) -> torch.Tensor:
+        """Logits [vocab] (f32) of the last of ``ids``, all written to the caches at positions ``start``,
+        ``start + 1``, ... in one launch (rows before ``start`` already in the caches)."""
+        n = len(ids)
+        if n == 0 or not 0 <= start or start + n > self.shape.max_len:
+            raise ValueError(f"{n} tokens at position {start}: outside the caches' max_len {self.shape.max_len}")
+        dev = self.device
+        tokens = torch.tensor([list(ids)], dtype=torch.int64, device=dev)
+        pos = torch.arange(start, start + n, dtype=torch.int64, device=dev)
+        slot = torch.zeros(n, dtype=torch.int64, device=dev)
+        bound = torch.arange(start + n, dtype=torch.int64, device=dev)
+        return self.prompt_kernel(tokens, pos, slot, bound, *self.prompt_caches)[0].float()
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits [vocab] (f32) of ``token`` at position ``pos`` (rows before it already in the caches)."""
@@ -147,9 +185,7 @@ class TransformersLM:
         self.reset()
         gen = torch.Generator().manual_seed(sampling.seed)
         out: list[int] = []
-        logits = None
-        for pos, t in enumerate(ids):
-            logits = self.step(t, pos)
+        logits = self.prompt(ids)
         while len(out) < max_new_tokens:
             tok = _sample(logits.cpu(), sampling, gen)
             out.append(tok)
@@ -177,7 +213,8 @@ def _sample(logits: torch.Tensor, s, gen: torch.Generator) -> int:
 def from_transformers(model, *, max_len: int = 512, backend: str | None = None, device=None) -> TransformersLM:
     """A transformers causal LM (``AutoModelForCausalLM``) as a megakernel decode step over KV caches of
     ``max_len`` rows: exported through its own forward with ``attn_implementation="megaegg"``, translated
-    (megaegg.from_torch's translator) and compiled for ``backend``."""
+    (megaegg.from_torch's translator) and compiled for ``backend``, twice: a prompt step (n tokens in one
+    launch: tensor-core tiles and flash attention for long prompts on a GPU) and a decode step."""
     from . import compile_exported
     from .export import dim_names
 
@@ -190,15 +227,25 @@ def from_transformers(model, *, max_len: int = 512, backend: str | None = None, 
     try:
         shape = cache_shape(model, max_len)
         dev = next(model.parameters()).device
-        step = DecodeStep(model)
+        common = dict(name=type(model).__name__, backend=backend, device=device)
         ctx = torch.export.Dim("ctx", min=1, max=max_len)
-        example = (torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.arange(2, device=dev), *shape.new(dev))
-        dyn = (None, {0: ctx}, (None,) * (2 * shape.layers))  # (the caches: forward's *caches, one tuple)
-        with torch.no_grad():
-            ep = torch.export.export(step, example, dynamic_shapes=dyn)
-        flat = (None, {0: ctx}, *([None] * (2 * shape.layers)))  # one spec a user input
-        run = compile_exported(ep, dim_names(ep, flat), name=type(model).__name__, backend=backend,
-                               max_dims={"ctx": max_len}, dims_hint={"ctx": min(max_len, 512)}, device=device)
+        caches = shape.new(dev)
+        none = (None,) * len(caches)
+        with torch.no_grad():  # the decode step
+            example = (torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.arange(2, device=dev), *caches)
+            ep = torch.export.export(DecodeStep(model), example, dynamic_shapes=(None, {0: ctx}, none))
+        run = compile_exported(ep, dim_names(ep, (None, {0: ctx}, *none)), max_dims={"ctx": max_len},
+                               dims_hint={"ctx": min(max_len, 512)}, **common)
+        n = torch.export.Dim("n", min=1, max=max_len)
+        caches = [c[None] for c in caches]
+        with torch.no_grad():  # the prompt step
+            i64 = dict(dtype=torch.int64, device=dev)
+            example = (torch.zeros(1, 3, **i64), torch.arange(3, **i64), torch.zeros(3, **i64), torch.arange(5, **i64),
+                       *caches)
+            dyn = (({1: n}), {0: n}, {0: n}, {0: ctx})
+            ep = torch.export.export(PromptStep(model), example, dynamic_shapes=(*dyn, none))
+        prompt = compile_exported(ep, dim_names(ep, (*dyn, *none)), max_dims={"n": max_len, "ctx": max_len},
+                                  dims_hint={"n": 16, "ctx": min(max_len, 512)}, **common)
     finally:
         model.set_attn_implementation(previous)
-    return TransformersLM(run, shape, device if device is not None else dev)
+    return TransformersLM(run, prompt, shape, device if device is not None else dev)
