@@ -28,6 +28,8 @@ def _config(arch: str):
                                           attention_multiplier=0.25, logits_scaling=4.0)
     if arch == "phi3":
         return transformers.Phi3Config(**SMALL, pad_token_id=0)
+    if arch == "qwen2":  # (q / k / v biases; the LM head tied to the embedding)
+        return transformers.Qwen2Config(**{**SMALL, "tie_word_embeddings": True})
     raise KeyError(arch)
 
 
@@ -41,7 +43,7 @@ def _model(arch: str, seed: int = 0):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2", "granite", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2", "granite", "phi3", "qwen2"])
 def test_greedy_tokens_equal_transformers(arch):
     model = _model(arch)
     prompt = [5, 17, 42, 8, 63, 1]
@@ -81,14 +83,15 @@ def test_what_the_attention_ops_do_not_compute_is_refused():
         me.from_transformers(model, max_len=16, backend="sim")
 
 
-def test_the_example_cli_generates_transformers_tokens(capsys):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2", "granite", "phi3", "qwen2"])
+def test_the_example_cli_generates_transformers_tokens(arch, capsys):
     """examples/hf.py's flags (--arch ... --random-weights, --prompt-ids, --json): its generated_ids are
     transformers' greedy tokens for the same random model."""
     import json
 
     from megaegg.frontend import hf_cli
 
-    argv = ["--arch", "olmo2", "--random-weights", "--backend", "sim", "--prompt-ids", "4", "8", "15",
+    argv = ["--arch", arch, "--random-weights", "--backend", "sim", "--prompt-ids", "4", "8", "15",
             "--max-new-tokens", "5", "--ignore-eos", "--json"]
     out = hf_cli.main(argv)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["generated_ids"] == out["generated_ids"]

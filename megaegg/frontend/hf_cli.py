@@ -24,7 +24,7 @@ ARCHS = {"llama": ("LlamaConfig", {}), "qwen3": ("Qwen3Config", {"head_dim": 16}
          "mistral": ("MistralConfig", {"sliding_window": None}), "olmo2": ("Olmo2Config", {}),
          "granite": ("GraniteConfig", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5,
                                        "attention_multiplier": 0.25, "logits_scaling": 4.0}),
-         "phi3": ("Phi3Config", {"pad_token_id": 0})}
+         "phi3": ("Phi3Config", {"pad_token_id": 0}), "qwen2": ("Qwen2Config", {"tie_word_embeddings": True})}
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -64,7 +64,7 @@ def load_model(a: argparse.Namespace, dtype: torch.dtype, device: str):
     if a.arch:
         name, extra = ARCHS[a.arch]
         torch.manual_seed(a.seed)
-        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**TINY, **extra))
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**{**TINY, **extra}))
         with torch.no_grad():  # weights large enough that the tokens depend on every layer
             for w in model.parameters():
                 w.copy_(torch.randn_like(w) * (0.5 if w.ndim > 1 else 0.2) + (1.0 if w.ndim == 1 else 0.0))
