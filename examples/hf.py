@@ -4,8 +4,8 @@ one decode step exported with torch.export, compiled into one megakernel, one la
     python examples/hf.py --arch mistral --random-weights --prompt-ids 1 2 3 --max-new-tokens 8   # no download
     python examples/hf.py --model /path/to/Qwen3-0.6B --prompt "The capital of France is" --json
 
-Architectures tested on the simulator against transformers' greedy tokens: Llama, Qwen3, Mistral, OLMo2,
-Granite, Phi-3 (tests/test_hf.py). See docs/frontend.md.
+Architectures tested on the simulator against transformers' greedy tokens: Llama, Qwen3, Qwen2, Mistral,
+OLMo2, Granite, Phi-3 (tests/test_hf.py). See docs/frontend.md.
 """
 
 from megaegg.frontend.hf_cli import main
