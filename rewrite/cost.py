@@ -26,7 +26,8 @@ class CostModel:
     # matvec): each wave of an op waits that long for its first data after the hand-off, so
     # one op streaming A then B beats two (perf-notes #32: the gated MLP with its down projection)
     ramp_bytes: int = 64 * 1024
-    # dense bf16 tensor-core FLOP/s of the chip that a tiled GEMM reaches (gemm_probe: 400-480 on H200)
+    # dense bf16 tensor-core FLOP/s of the chip that a tiled GEMM reaches in the model (H200: the tile alone
+    # 590-770 at 200 KB, gemm_probe; in a traced prefill ~460-590 with its ~8 us fixed cost an instance)
     tensor_flops: float = 4.5e14
     # a pipelined tile's step (a k-tile through its shared-memory ring) waits this long for its copy when
     # only `stages_in_flight` are in flight: measured ~1.9 us a 48 KB k-tile with one in flight (the
