@@ -151,3 +151,14 @@ def test_a_prompt_in_one_launch_and_in_chunks_gives_the_models_logits():
     torch.testing.assert_close(lm.step(ids[8], 8), want[8], **tol)
     with pytest.raises(ValueError, match="outside the caches' max_len 24"):
         lm.prompt(list(range(20)), start=10)
+
+
+def test_the_smallest_caches_and_an_op_without_a_block_op_name_their_cause():
+    """max_len 2 (the export's example sizes stay in range); Gemma 2 without soft-capping stops at its
+    (1 + w) RMSNorm, which no rule recovers: one error naming the ATen op and transformers' source line."""
+    lm = me.from_transformers(_model("llama"), max_len=2, backend="sim")
+    assert len(lm.generate([7], 1)) == 1
+    cfg = transformers.Gemma2Config(**{**SMALL, "head_dim": 16}, attn_logit_softcapping=None, final_logit_softcapping=None)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(me.GraphError, match=r"pow .*no block op.*from aten\.pow\.Tensor_Scalar at .*modeling_gemma2\.py:\d+"):
+        me.from_transformers(model, max_len=16, backend="sim")

@@ -11,12 +11,14 @@ of ATen ops it translates. docs/frontend.md lists them and says how to add one.
 
 from __future__ import annotations
 
+import re
 import types
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from ..graph import GraphError
 from .aten import ATEN, UnsupportedTorch
 from .export import InputSpec, Translator, dim_names
 
@@ -83,8 +85,15 @@ def compile_exported(ep, names: Mapping, *, name: str, bound: Mapping[str, torch
     from ..compiler import compile as compile_graph
 
     t = Translator(ep, names, name=name, bound=bound)
-    kernel = compile_graph(t.graph, t.weights, backend=backend, max_dims={**t.max_dims(), **dict(max_dims or {})},
-                           dims_hint=dims_hint, device=device)
+    try:
+        kernel = compile_graph(t.graph, t.weights, backend=backend, max_dims={**t.max_dims(), **dict(max_dims or {})},
+                               dims_hint=dims_hint, device=device)
+    except GraphError as e:  # an op the megakernel has no block op for: say where in the caller's code it came from
+        m = re.search(r"%(\d+)\(", str(e))
+        where = t.sources.get(int(m.group(1))) if m else None
+        if where is None:
+            raise
+        raise type(e)(f"{e} (from {where})") from None
     return TorchKernel(kernel, t.graph, t.inputs, t.outputs, ep.call_spec.out_spec)
 
 

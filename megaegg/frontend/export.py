@@ -59,6 +59,7 @@ class Translator:
         self.inputs: list[InputSpec] = []
         self.outputs: list[str] = []
         self.env: dict[str, Any] = {}
+        self.sources: dict[int, str] = {}  # graph node id -> the ATen op and source line it came from
         sig = ep.graph_signature
         self.constants = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
                           **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
@@ -153,6 +154,7 @@ class Translator:
         if node.target is operator.getitem:  # one piece of a multi-output op (a split)
             self.env[node.name] = self._arg(node.args[0])[node.args[1]]
             return
+        first = len(self.graph.nodes)
         key = str(node.target)
         entry = ATEN.get(key)
         if entry is None:
@@ -165,6 +167,8 @@ class Translator:
         except (UnsupportedTorch, GraphError) as e:
             raise UnsupportedTorch(f"{key}: {e} ({source_line(node)})") from None
         self.env[node.name] = out
+        for i in range(first, len(self.graph.nodes)):  # the graph nodes this ATen op made: its source line
+            self.sources[i] = f"{key} at {source_line(node)}"
 
     def _arg(self, a):
         if isinstance(a, torch.fx.Node):

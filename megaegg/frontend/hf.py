@@ -210,6 +210,20 @@ def _sample(logits: torch.Tensor, s, gen: torch.Generator) -> int:
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
 
+def _export(model, step, example, dynamic_shapes):
+    """``torch.export`` of a step; its failure (a construct torch.export cannot trace) as one error naming the
+    model, not torch's traceback (an UnsupportedTorch raised while tracing stays as it is)."""
+    try:
+        with torch.no_grad():
+            return torch.export.export(step, example, dynamic_shapes=dynamic_shapes)
+    except UnsupportedTorch:
+        raise
+    except Exception as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UnsupportedTorch(f"{type(model).__name__}: torch.export could not trace its {type(step).__name__}: "
+                               f"{first}") from e
+
+
 def from_transformers(model, *, max_len: int = 512, backend: str | None = None, device=None) -> TransformersLM:
     """A transformers causal LM (``AutoModelForCausalLM``) as a megakernel decode step over KV caches of
     ``max_len`` rows: exported through its own forward with ``attn_implementation="megaegg"``, translated
@@ -231,19 +245,18 @@ def from_transformers(model, *, max_len: int = 512, backend: str | None = None, 
         ctx = torch.export.Dim("ctx", min=1, max=max_len)
         caches = shape.new(dev)
         none = (None,) * len(caches)
-        with torch.no_grad():  # the decode step
-            example = (torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.arange(2, device=dev), *caches)
-            ep = torch.export.export(DecodeStep(model), example, dynamic_shapes=(None, {0: ctx}, none))
+        example = (torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.arange(2, device=dev), *caches)
+        ep = _export(model, DecodeStep(model), example, (None, {0: ctx}, none))
         run = compile_exported(ep, dim_names(ep, (None, {0: ctx}, *none)), max_dims={"ctx": max_len},
                                dims_hint={"ctx": min(max_len, 512)}, **common)
         n = torch.export.Dim("n", min=1, max=max_len)
         caches = [c[None] for c in caches]
-        with torch.no_grad():  # the prompt step
-            i64 = dict(dtype=torch.int64, device=dev)
-            example = (torch.zeros(1, 3, **i64), torch.arange(3, **i64), torch.zeros(3, **i64), torch.arange(5, **i64),
-                       *caches)
-            dyn = (({1: n}), {0: n}, {0: n}, {0: ctx})
-            ep = torch.export.export(PromptStep(model), example, dynamic_shapes=(*dyn, none))
+        i64 = dict(dtype=torch.int64, device=dev)
+        tokens, rows = min(3, max_len), min(5, max_len)  # (example sizes: >= 2, within the dims' ranges)
+        example = (torch.zeros(1, tokens, **i64), torch.arange(tokens, **i64), torch.zeros(tokens, **i64),
+                   torch.arange(rows, **i64), *caches)
+        dyn = ({1: n}, {0: n}, {0: n}, {0: ctx})
+        ep = _export(model, PromptStep(model), example, (*dyn, none))
         prompt = compile_exported(ep, dim_names(ep, (*dyn, *none)), max_dims={"n": max_len, "ctx": max_len},
                                   dims_hint={"n": 16, "ctx": min(max_len, 512)}, **common)
     finally:
