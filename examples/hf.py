@@ -1,5 +1,6 @@
 """Text generation with a Hugging Face causal LM through its own modelling code (megaegg.from_transformers):
-one decode step exported with torch.export, compiled into one megakernel, one launch per token.
+its prompt and decode steps exported with torch.export and compiled into megakernels: the prompt in one
+launch, then one launch a token.
 
     python examples/hf.py --arch mistral --random-weights --prompt-ids 1 2 3 --max-new-tokens 8   # no download
     python examples/hf.py --model /path/to/Qwen3-0.6B --prompt "The capital of France is" --json

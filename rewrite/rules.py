@@ -43,6 +43,11 @@ def matvec(x, w, *, w2=NONE, g=NONE, eps=0.0, r=NONE, xa=NONE, ra=NONE, rows) ->
     return Op.matvec(x=x, w=w, w2=w2, g=g, eps=eps, r=r, xa=xa, ra=ra, rows=rows)
 
 
+def rms_norm_rows(i, x, g, eps) -> tuple:
+    """Node i's rms_norm as its row tiles (one alternative a tile height)."""
+    return tuple(union(node(i)).with_(Op.rms_norm_rows(x=x, g=g, eps=eps, rows_per=t)) for t in ROW_TILES)
+
+
 def gemm(x, w, *, w2=NONE, r=NONE, bn) -> Op:
     """``Op.gemm`` with its optional fusions absent unless given."""
     return Op.gemm(x=x, w=w, w2=w2, r=r, bn=bn)
@@ -56,9 +61,7 @@ fusion = ruleset(name="fusion")
 def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, dt: String, st: String, i: i64):
     yield rule(eq(node(i)).to(Op.linear(x=x, w=w))).then(*(union(node(i)).with_(matvec(x, w, rows=r)) for r in MATVEC_ROWS))
     yield rule(eq(node(i)).to(Op.linear(x=x, w=w))).then(*(union(node(i)).with_(gemm(x, w, bn=n)) for n in GEMM_BN))
-    yield rule(eq(node(i)).to(Op.rms_norm(x=x, g=g, eps=eps))).then(
-        *(union(node(i)).with_(Op.rms_norm_rows(x=x, g=g, eps=eps, rows_per=t)) for t in ROW_TILES)
-    )
+    yield rule(eq(node(i)).to(Op.rms_norm(x=x, g=g, eps=eps))).then(*rms_norm_rows(i, x, g, eps))
     for build in (lambda: Op.add(a=a, b=b, same_shape=s), lambda: Op.mul(a=a, b=b, same_shape=s), lambda: Op.silu(a=a),
                   lambda: Op.cast(a=a, dtype=dt, src=st), lambda: Op.sub(a=a, b=b), lambda: Op.div(a=a, b=b),
                   lambda: Op.neg(a=a), lambda: Op.sigmoid(a=a, dtype=dt)):
@@ -282,8 +285,7 @@ def _recover_rms_norm(x: i64, g: i64, xf: i64, sq: i64, m: i64, v: i64, rs: i64,
     # matvec prologue above). The primitives have no block op of their own.
     # (the lowering rules ran before these: the recovered norm gets its own block op here, for where no
     # consumer fuses it, e.g. qwen3's and OLMo2's q / k norms)
-    recovered = (union(node(i)).with_(Op.rms_norm(x=x, g=g, eps=eps)),
-                 *(union(node(i)).with_(Op.rms_norm_rows(x=x, g=g, eps=eps, rows_per=tt)) for tt in ROW_TILES))
+    recovered = (union(node(i)).with_(Op.rms_norm(x=x, g=g, eps=eps)), *rms_norm_rows(i, x, g, eps))
     norm = (eq(node(rs)).to(Op.rsqrt(a=v)), eq(node(v)).to(Op.add_scalar(a=m, c=eps)),
             eq(node(m)).to(Op.mean_last(a=sq)), eq(node(sq)).to(Op.pow(a=xf, p=2.0)))
     yield rule(

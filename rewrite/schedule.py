@@ -63,7 +63,7 @@ def rewrite(
 
     def extract(env):
         """The choices at ``env``: tensor-core tiles only from their height up (``Term.min_rows``, against
-        the value's leading dim), then priced as their kernel image runs them (``large_rows_model``)."""
+        the value's rows: ``leading_rows``), then priced as their kernel image runs them (``large_rows_model``)."""
         allowed = {v: [c for c in cs if TERMS[c.term].min_rows <= leading_rows(small, v, env, TERMS[c.term].rows_from_all_leading)]
                    for v, cs in alts.items()}
         model = large_rows_model(cost_model) if any(TERMS[c.term].min_rows for cs in allowed.values() for c in cs) \

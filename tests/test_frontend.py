@@ -354,3 +354,11 @@ def test_each_op_against_eager(case):
             args.append(torch.randn(*shape, generator=gen).to(torch.bfloat16 if kind == "bf16" else torch.float32))
     run = me.from_torch(fn, tuple(args), backend="sim")
     close(run(*args), fn(*args), tol=2e-2 if any(a.dtype == torch.bfloat16 for a in args) else 1e-5)
+
+
+def test_negative_and_out_of_range_slice_bounds_count_as_torch_does():
+    """x[-2:], x[:-1], x[-10:] (clamped) and x[1:99] on a known size, equal to eager."""
+    fn = lambda x: torch.cat([x[-2:], x[:-1], x[-10:], x[1:99]], 0) * 2.0  # noqa: E731
+    x = torch.randn(5, 8)
+    run = me.from_torch(fn, (x,), backend="sim")
+    close(run(x), fn(x), tol=1e-6)

@@ -73,6 +73,30 @@ def test_bad_arguments_are_one_clear_error():
         lm.generate([], 2)
     with pytest.raises(ValueError, match="position 8 is outside"):
         lm.step(1, 8)
+    with pytest.raises(ValueError, match="position 1.5 is outside"):
+        lm.step(1, 1.5)
+    with pytest.raises(ValueError, match=r"prompt_ids: token 96 is outside the vocabulary \[0, 96\)"):
+        lm.generate([1, 96], 2)
+    with pytest.raises(ValueError, match="token ids must be ints"):
+        lm.prompt([1.0, 2.0])
+    with pytest.raises(ValueError, match="max_len must be an int >= 2"):
+        me.from_transformers(_model("llama"), max_len=8.5, backend="sim")
+    with pytest.raises(ValueError, match="takes a transformers causal LM .*got Linear"):
+        me.from_transformers(torch.nn.Linear(4, 4), backend="sim")
+    with pytest.raises(me.GraphError, match="backend must be one of"):
+        me.from_transformers(_model("llama"), max_len=8, backend="gpu")
+
+
+def test_generate_takes_a_tokenizers_tensor_and_several_eos_ids():
+    model = _model("mistral", seed=6)
+    lm = me.from_transformers(model, max_len=24, backend="sim")
+    ids = torch.tensor([[5, 17, 42, 8]])  # (what a tokenizer returns with return_tensors="pt")
+    full = lm.generate(ids, 8)
+    assert lm.generate([5, 17, 42, 8], 8) == full
+    stop = {full[3], 95}  # the 4th token ends it (and an id that never comes)
+    first = next(k for k, t in enumerate(full) if t in stop)
+    assert lm.generate(ids, 8, eos_token_id=sorted(stop)) == full[:first + 1]
+    assert lm.generate(ids, 0) == []
 
 
 def test_what_the_attention_ops_do_not_compute_is_refused():

@@ -124,7 +124,7 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
                                           long long N, long long slots, long long max_len, float scale,
                                           Ten3<__nv_bfloat16> out, long long c0, long long c1, FlashQRope qr) {
     using namespace flash_detail;
-    static_assert(D % 16 == 0 && D <= 128, "ragged_flash: head dim a multiple of 16, at most 128");
+    static_assert(D == 64 || D == 128, "ragged_flash: head dim 64 or 128 (blockops/flash_attention.py: HEAD_DIMS)");
     static_assert(G >= 1 && G <= ROWS, "ragged_flash: 1 to 128 query heads a KV head");
     constexpr int BT = ROWS / G;       // tokens a tile
     constexpr int LD = D + 8;          // smem row stride, elements
@@ -227,8 +227,10 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         const bool a0 = in0 && tpass[i0] == pass, a1 = in1 && tpass[i1] == pass;
         const int p0 = a0 ? tpos[i0] : -1, p1 = a1 ? tpos[i1] : -1;  // the last cache row each row attends
         const int warp_last = __reduce_max_sync(0xffffffffu, max(p0, p1));  // (-1: the warp has no row here)
-        // the earliest last row of the warp's rows in this pass: blocks that end by it need no mask (rows of
-        // other passes or past N are never stored, and their scores are finite: q and K/V are)
+        // the earliest last row of the warp's rows in this pass: blocks that end by it need no mask. Rows of
+        // other passes, past N or past the tile (p = -1) are left out of it: unmasked they hold garbage
+        // sums, but no step mixes rows (the MMAs and the quad shuffles keep each row its own) and they
+        // are never stored; where masking runs they are masked whole.
         const int warp_first_end = __reduce_min_sync(0xffffffffu, min(a0 ? p0 : 0x7fffffff, a1 ? p1 : 0x7fffffff));
         const __nv_bfloat16* kbase = kc.p + s * kc.s0 + c1 * kc.s1;
         const __nv_bfloat16* vbase = vc.p + s * vc.s0 + c1 * vc.s1;

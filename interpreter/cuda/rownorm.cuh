@@ -1,12 +1,11 @@
 // rms_norm_rows: out[r] = T(T(x[r] * rsqrt(mean(x[r]^2) + eps)) * g) for rows
 // [c0*rows_per, min(c0*rows_per + rows_per, rows)) of x[rows, D] (blockops/rownorm.py).
-// A warp per row when D <= 1024, or D <= 4096 and an instance has 4 rows or more (no block barrier; 8
-// rows in flight), else the whole block per row (a block barrier a row: a 16-row instance of D = 2048
-// took ~16 us that way, perf-notes #83; one row of D = 4096 on one warp made qwen3-8b's batch-1 step
-// ~6% slower); the
-// row stays in registers between the reduction and the write (g too where a lane holds at most 32
-// elements, else g is read again for the write); 16-byte loads/stores when the rows allow, element by
-// element otherwise.
+// A warp per row when D <= 1024, or D <= 4096 and the op's instances take 4 rows or more (rows_per,
+// chosen at compile time: no block barrier, 8 rows in flight), else the whole block per row (a block
+// barrier a row: a 16-row instance of D = 2048 took ~16 us that way, perf-notes #83; one row of D = 4096
+// on one warp made qwen3-8b's batch-1 step ~6% slower). The row stays in registers between the
+// reduction and the write (g too where a lane holds at most 32 elements, else g is read again for the
+// write); 16-byte loads/stores when the rows allow, element by element otherwise.
 #pragma once
 #include "common.cuh"
 
@@ -78,7 +77,9 @@ __device__ __forceinline__ void rows(float* red, const T* x, long long x_s0, lon
             for (int i = 0; i < NS; ++i) {
                 const int k = i * TEAM + t;
                 if (k < D) {
-                    const float gk = KEEP_G ? gv[i] : ld_f32(g + k * g_s0);
+                    float gk;
+                    if constexpr (KEEP_G) gk = gv[i];
+                    else gk = ld_f32(g + k * g_s0);
                     out[r * out_s0 + k * out_s1] = from_f32<T>(round_to<T>(xv[i] * rinv) * gk);
                 }
             }

@@ -34,8 +34,9 @@ class RmsNorm(BlockKind):
 
 
 def norm_team(d: int, rows_per: int) -> str:
-    """Threads a row (interpreter/cuda/rownorm.cuh): a warp where a lane holds at most 128 elements and an
-    instance has rows for several warps (or the row is short), else the block."""
+    """Threads a row (interpreter/cuda/rownorm.cuh): a warp where a lane holds at most 128 elements and the
+    op's instances take rows for several warps (``rows_per``, the tile the extractor chose; an instance at the
+    ragged end may hold fewer), or the row is short; else the block."""
     return "32" if d <= 1024 or (d <= 4096 and rows_per >= 4) else "MEGA_THREADS"
 
 

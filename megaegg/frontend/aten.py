@@ -157,9 +157,15 @@ def _slice(t, node, args, kwargs):
     start = 0 if start is None else start
     if end is None or (isinstance(end, int) and size.is_const and end >= size.value) or end == sys.maxsize:
         end = size
-    # a negative bound counts from the end (x[-1:], transformers' logits_to_keep), also of a runtime size
-    start = size + start if isinstance(start, int) and start < 0 else start
-    end = size + end if isinstance(end, int) and end < 0 else end
+    # a negative bound counts from the end (x[-1:], transformers' logits_to_keep), also of a runtime size;
+    # past either end it is clamped where the size is known, as torch does
+    if size.is_const:
+        n = size.value
+        clamp = lambda b: b if not isinstance(b, int) else min(max(b + n if b < 0 else b, 0), n)  # noqa: E731
+        start, end = clamp(start), clamp(end)
+    else:
+        start = size + start if isinstance(start, int) and start < 0 else start
+        end = size + end if isinstance(end, int) and end < 0 else end
     return ops.slice(x, d, start, end)
 
 

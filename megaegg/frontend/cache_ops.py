@@ -1,8 +1,9 @@
-"""Two torch custom ops for a KV cache, which the translator maps onto the Graph API's (aten.py:
-``megaegg.kv_append.default`` -> ``ops.kv_append``, ``megaegg.attention.default`` -> ``ops.attention``).
+"""Four torch custom ops for a KV cache, which the translator maps onto the Graph API's (aten.py:
+``megaegg.kv_append`` -> ``ops.kv_append``, ``megaegg.attention`` -> ``ops.attention`` for one token;
+``megaegg.kv_store`` / ``megaegg.ragged_attention`` -> ``ops.kv_store`` / ``ops.ragged_attention`` for n).
 A module calls them where its attention writes a cache and reads it (hf.py routes transformers'
-attention layers here); a tensor ``positions`` of length ``ctx`` carries the runtime dim: the row written
-is ``ctx - 1`` and the rows attended ``[0, ctx)``.
+attention layers here). One token: a tensor ``positions`` of length ``ctx`` carries the runtime dim: the row
+written is ``ctx - 1`` and the rows attended ``[0, ctx)``.
 """
 
 from __future__ import annotations

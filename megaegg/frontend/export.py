@@ -66,12 +66,12 @@ class Translator:
         if sig.buffers_to_mutate:
             raise UnsupportedTorch(f"the program mutates buffers ({', '.join(sorted(sig.buffers_to_mutate.values()))}): "
                                    "in-place state (a KV cache) is not supported yet")
-        for node in ep.graph.nodes:  # (before any op's own error: the state is what the caller must change)
+        live = _live(ep.graph)  # (what no output needs is never translated: transformers' mask preparation)
+        for node in live:  # (before any op's own error: the state is what the caller must change)
             schema = getattr(node.target, "_schema", None)
             if node.op == "call_function" and schema is not None and schema.is_mutable:
                 raise UnsupportedTorch(f"{node.target} mutates its input ({source_line(node)}): in-place state "
                                        "(a KV cache, a buffer) is not supported yet")
-        live = _live(ep.graph)  # (what no output needs is never translated: transformers' mask preparation)
         for node in ep.graph.nodes:
             if node.op != "call_function" or node in live:
                 self._visit(node)

@@ -50,6 +50,11 @@ def _megaegg_attention(module, query, key, value, attention_mask, scaling=None, 
         raise UnsupportedTorch(f"{name}: attention sinks are not supported")
     if dropout:
         raise UnsupportedTorch(f"{name}: attention dropout {dropout} (call model.eval())")
+    if attention_mask is not None:  # (the registered mask function makes none: the model built its own)
+        raise UnsupportedTorch(f"{name}: an attention mask of the model's own is not supported (causal only)")
+    if getattr(module, "sliding_window", None) is not None and module.sliding_window < rows:
+        raise UnsupportedTorch(f"{name}: a sliding window of {module.sliding_window} rows under max_len {rows} is not "
+                               f"supported (give max_len <= {module.sliding_window})")
     layer, heads, kv_heads, n, d = module.layer_idx, query.shape[1], key.shape[1], query.shape[2], query.shape[3]
     kc, vc = caches[2 * layer], caches[2 * layer + 1]
     scale = float(scaling if scaling is not None else d ** -0.5)
@@ -133,14 +138,35 @@ def cache_shape(model, max_len: int) -> CacheShape:
 
 
 class TransformersLM:
-    """A Hugging Face causal LM's decode step as one megakernel (``megaegg.from_transformers``):
-    ``generate(prompt_ids, max_new_tokens)`` feeds the prompt one token a step, then samples (greedy by
-    default, or as a :class:`megaegg.models.Sampling` says); ``step(token, pos)`` -> logits."""
+    """A Hugging Face causal LM's steps as megakernels (``megaegg.from_transformers``):
+    ``generate(prompt_ids, max_new_tokens)`` runs the prompt in one launch, then a step a token (greedy by
+    default, or as a :class:`megaegg.models.batch.Sampling` says); ``prompt(ids, start)`` -> the last token's
+    logits, in one launch; ``step(token, pos)`` -> logits."""
 
-    def __init__(self, kernel, prompt_kernel, shape: CacheShape, device):
-        self.kernel, self.prompt_kernel, self.shape, self.device = kernel, prompt_kernel, shape, device
-        self.caches = shape.new(device)
+    def __init__(self, kernel, prompt_kernel, shape: CacheShape, vocab: int):
+        self.kernel, self.prompt_kernel, self.shape, self.vocab = kernel, prompt_kernel, shape, vocab
+        self.device = kernel.kernel.device  # (the kernel's: the caches are its in-place inputs)
+        self.caches = shape.new(self.device)
         self.prompt_caches = [c[None] for c in self.caches]  # (the same memory, as one sequence slot)
+        self.rows = torch.arange(shape.max_len, dtype=torch.int64, device=self.device)
+
+    def _tokens(self, ids, what: str) -> list[int]:
+        """``ids`` (ints, or a tensor of one row) checked against the vocabulary."""
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() == 2 and ids.shape[0] == 1:
+                ids = ids[0]
+            if ids.dim() != 1 or ids.dtype.is_floating_point:
+                raise ValueError(f"{what}: expected token ids (a list of ints or a [n] / [1, n] integer tensor), "
+                                 f"got a tensor of shape {tuple(ids.shape)} and dtype {ids.dtype}")
+            ids = ids.tolist()
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"{what}: token ids must be ints, got {t!r}")
+            if not 0 <= t < self.vocab:
+                raise ValueError(f"{what}: token {t} is outside the vocabulary [0, {self.vocab})")
+            out.append(t)
+        return out
 
     def reset(self) -> None:
         for c in self.caches:
@@ -149,32 +175,34 @@ class TransformersLM:
     def prompt(self, ids: Sequence[int], start: int = 0) -> torch.Tensor:
         """Logits [vocab] (f32) of the last of ``ids``, all written to the caches at positions ``start``,
         ``start + 1``, ... in one launch (rows before ``start`` already in the caches)."""
+        ids = self._tokens(ids, "prompt")
         n = len(ids)
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise ValueError(f"start must be an int, got {start!r}")
         if n == 0 or not 0 <= start or start + n > self.shape.max_len:
             raise ValueError(f"{n} tokens at position {start}: outside the caches' max_len {self.shape.max_len}")
-        dev = self.device
-        tokens = torch.tensor([list(ids)], dtype=torch.int64, device=dev)
-        pos = torch.arange(start, start + n, dtype=torch.int64, device=dev)
-        slot = torch.zeros(n, dtype=torch.int64, device=dev)
-        bound = torch.arange(start + n, dtype=torch.int64, device=dev)
+        tokens = torch.tensor([ids], dtype=torch.int64, device=self.device)
+        pos, bound = self.rows[start:start + n], self.rows[:start + n]
+        slot = torch.zeros(n, dtype=torch.int64, device=self.device)
         return self.prompt_kernel(tokens, pos, slot, bound, *self.prompt_caches)[0].float()
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits [vocab] (f32) of ``token`` at position ``pos`` (rows before it already in the caches)."""
-        if not 0 <= pos < self.shape.max_len:
-            raise ValueError(f"position {pos} is outside the caches' max_len {self.shape.max_len}")
+        (token,) = self._tokens([token], "step")
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self.shape.max_len:
+            raise ValueError(f"position {pos!r} is outside the caches' max_len {self.shape.max_len}")
         ids = torch.tensor([[token]], dtype=torch.int64, device=self.device)
-        positions = torch.arange(pos + 1, dtype=torch.int64, device=self.device)
-        return self.kernel(ids, positions, *self.caches)[0].float()
+        return self.kernel(ids, self.rows[:pos + 1], *self.caches)[0].float()
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, sampling=None,
-                 eos_token_id: int | None = None) -> list[int]:
-        """The new tokens after ``prompt_ids`` (at most ``max_new_tokens``; the last one ``eos_token_id`` if it
-        came): greedy, or drawn as ``sampling`` (a :class:`megaegg.models.Sampling`) says, on the host."""
+    def generate(self, prompt_ids, max_new_tokens: int, *, sampling=None, eos_token_id=None) -> list[int]:
+        """The new tokens after ``prompt_ids`` (ints, or a [n] / [1, n] tensor), at most ``max_new_tokens``;
+        the last one is an ``eos_token_id`` (an int or several) if one came. Greedy, or drawn as ``sampling``
+        (a :class:`megaegg.models.batch.Sampling`) says, by megaegg.sampling's rule on the host."""
         from ..models.batch import Sampling
+        from ..sampling import sample_row
 
         sampling = sampling or Sampling()
-        ids = [int(t) for t in prompt_ids]
+        ids = self._tokens(prompt_ids, "prompt_ids")
         if not ids:
             raise ValueError("prompt_ids is empty: give at least one token")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -182,32 +210,20 @@ class TransformersLM:
         if len(ids) + max_new_tokens > self.shape.max_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_len "
                              f"{self.shape.max_len}")
-        self.reset()
-        gen = torch.Generator().manual_seed(sampling.seed)
+        eos = set() if eos_token_id is None else {int(eos_token_id)} if isinstance(eos_token_id, int) else \
+            {int(t) for t in eos_token_id}
         out: list[int] = []
+        if max_new_tokens == 0:
+            return out
+        self.reset()
         logits = self.prompt(ids)
-        while len(out) < max_new_tokens:
-            tok = _sample(logits.cpu(), sampling, gen)
+        while True:
+            s = sampling
+            tok = sample_row(logits, s.temperature, s.top_k, s.top_p, s.seed, len(out), where="generate")
             out.append(tok)
-            if tok == eos_token_id or len(out) == max_new_tokens:
-                break
+            if tok in eos or len(out) == max_new_tokens:
+                return out
             logits = self.step(tok, len(ids) + len(out) - 1)
-        return out
-
-
-def _sample(logits: torch.Tensor, s, gen: torch.Generator) -> int:
-    """One token from f32 logits [vocab] as ``s`` (a Sampling) says."""
-    if s.greedy:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / s.temperature, dim=-1)
-    if 0 < s.top_k < probs.numel():
-        kth = torch.topk(probs, s.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if s.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p * sorted_p.sum()
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
 
 def _export(model, step, example, dynamic_shapes):
@@ -232,9 +248,18 @@ def from_transformers(model, *, max_len: int = 512, backend: str | None = None, 
     from . import compile_exported
     from .export import dim_names
 
+    from ..compiler import resolve_backend
+
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "set_attn_implementation")):
+        raise ValueError(f"from_transformers takes a transformers causal LM (AutoModelForCausalLM), got "
+                         f"{type(model).__name__}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+        raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
+    backend = resolve_backend(backend)
+    for key in ("attention_chunk_size",):
+        if getattr(model.config.get_text_config(), key, None):
+            raise UnsupportedTorch(f"{type(model).__name__}: {key} (chunked attention) is not supported")
     register()
-    if max_len < 2:
-        raise ValueError(f"max_len must be at least 2, got {max_len}")
     model = model.eval()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -261,4 +286,4 @@ def from_transformers(model, *, max_len: int = 512, backend: str | None = None, 
                                   dims_hint={"n": 16, "ctx": min(max_len, 512)}, **common)
     finally:
         model.set_attn_implementation(previous)
-    return TransformersLM(run, prompt, shape, device if device is not None else dev)
+    return TransformersLM(run, prompt, shape, model.get_input_embeddings().weight.shape[0])

@@ -1,5 +1,5 @@
-"""``examples/hf.py``: text generation with any Hugging Face causal LM through its own modelling code
-(``megaegg.from_transformers``), with examples/llama.py's flags. ``--arch NAME --random-weights``: a tiny
+"""``examples/hf.py``: text generation with a Hugging Face causal LM through its own modelling code
+(``megaegg.from_transformers``: the prompt in one launch, then one a token), with examples/llama.py's flags. ``--arch NAME --random-weights``: a tiny
 random model of that architecture (no download)."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens even past the EOS token")
     p.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda when a GPU is present")
     p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
-                   help="default: the checkpoint's on cuda, f32 on the simulator")
+                   help="default: bf16 on cuda, f32 on the simulator and for --arch")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     a = p.parse_args(argv)
     if a.arch and not a.random_weights:
@@ -84,6 +84,15 @@ def load_model(a: argparse.Namespace, dtype: torch.dtype, device: str):
     return model.to(device).eval(), tokenizer
 
 
+def eos_ids(model) -> set[int]:
+    """Every end-of-sequence id the checkpoint names (its generation config's and its config's)."""
+    out = set()
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        ids = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        out |= set() if ids is None else {ids} if isinstance(ids, int) else set(ids)
+    return out
+
+
 def run(a: argparse.Namespace) -> dict:
     import megaegg as me
 
@@ -101,13 +110,12 @@ def run(a: argparse.Namespace) -> dict:
     if len(prompt) + a.max_new_tokens > max_len:
         raise GraphError(f"--max-new-tokens {a.max_new_tokens} after a {len(prompt)}-token prompt needs "
                          f"{len(prompt) + a.max_new_tokens} cache rows; --max-len is {max_len}")
-    print(f"{type(model).__name__}: {model.config.num_hidden_layers} layers, {dtype}, backend {backend}, "
+    print(f"{type(model).__name__}: {model.config.get_text_config().num_hidden_layers} layers, {dtype}, backend {backend}, "
           f"max_len {max_len}", file=sys.stderr)
     t0 = time.perf_counter()
     lm = me.from_transformers(model, max_len=max_len, backend=backend, device=device)
     t1 = time.perf_counter()
-    eos = None if a.ignore_eos else model.config.eos_token_id
-    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    eos = None if a.ignore_eos else eos_ids(model)
     ids = lm.generate(prompt, a.max_new_tokens, sampling=Sampling(a.temperature, a.top_k, a.top_p, a.seed),
                       eos_token_id=eos)
     t2 = time.perf_counter()
