@@ -362,3 +362,22 @@ def test_negative_and_out_of_range_slice_bounds_count_as_torch_does():
     x = torch.randn(5, 8)
     run = me.from_torch(fn, (x,), backend="sim")
     close(run(x), fn(x), tol=1e-6)
+
+
+def test_an_op_of_constants_only_is_computed_once_as_a_weight():
+    """Gemma's norm weight is 1 + w in f32: folded into a new weight when the program is translated, so no
+    kernel op computes it (and the RMSNorm rule sees a weight)."""
+
+    class OnePlus(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return x * (1.0 + self.w.float())
+
+    m = OnePlus().eval()
+    x = torch.randn(4, 16)
+    run = me.from_torch(m, (x,), backend="sim")
+    close(run(x), m(x), tol=1e-6)
+    assert [n.op for n in run.graph.nodes if n.op not in ("weight", "input")] == ["mul"]

@@ -60,6 +60,7 @@ class Translator:
         self.outputs: list[str] = []
         self.env: dict[str, Any] = {}
         self.sources: dict[int, str] = {}  # graph node id -> the ATen op and source line it came from
+        self.values: dict[str, torch.Tensor] = {}  # constants (weights, folded ops) by node name, as torch has them
         sig = ep.graph_signature
         self.constants = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
                           **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
@@ -123,9 +124,7 @@ class Translator:
         if node.name in self.constants or node.name in self.bound:
             target = self.constants.get(node.name, node.name)
             value = self.bound[node.name] if node.name in self.bound else self._constant(target)
-            dt = dtype_of(value.dtype, f"weight {target}")
-            self.weights[node.name] = (value if value.dtype != torch.int64 else value.to(torch.int32)).detach()
-            self.env[node.name] = self.graph.weight(node.name, list(value.shape), dt)
+            self._weight(node.name, value.detach(), f"weight {target}")
             return
         if not isinstance(val, torch.Tensor):
             raise UnsupportedTorch(f"input {node.name}: only tensor inputs are supported, got {type(val).__name__}")
@@ -135,6 +134,36 @@ class Translator:
             raise UnsupportedTorch(f"input {node.name}: each dynamic axis must be its own torch.export.Dim")
         self.inputs.append(InputSpec(node.name, val.dtype, axes))
         self.env[node.name] = self.graph.input(node.name, shape, dtype_of(val.dtype, f"input {node.name}"))
+
+    def _weight(self, name: str, value: torch.Tensor, what: str) -> None:
+        dt = dtype_of(value.dtype, what)
+        self.values[name] = value  # (as torch has it: what a folded op computes from)
+        self.weights[name] = value if value.dtype != torch.int64 else value.to(torch.int32)
+        self.env[name] = self.graph.weight(name, list(value.shape), dt)
+
+    def _fold(self, node) -> bool:
+        """An op of constants only (Gemma's ``1 + weight.float()``): computed here, once, as a new weight
+        (its value needs no kernel); False where it reads an input, its result's size is a runtime one, or
+        it is larger than its largest operand (a broadcast: the op stays, no big weight is made)."""
+        ins = node.all_input_nodes
+        val = node.meta.get("val")
+        if not ins or any(n.name not in self.values for n in ins) or not isinstance(val, torch.Tensor) or \
+                any(isinstance(d, torch.SymInt) for d in val.shape) or not str(node.target).startswith("aten."):
+            return False
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return False
+        if val.numel() > max(self.values[n.name].numel() for n in ins):  # (no broadcast materialised as a weight)
+            return False
+        const = lambda a: self.values[a.name] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+        args = torch.fx.node.map_aggregate(node.args, const)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, const)
+        with torch.no_grad():
+            out = node.target(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            return False
+        self._weight(node.name, out, f"{node.target} of constants ({source_line(node)})")
+        return True
 
     def _constant(self, target: str) -> torch.Tensor:
         ep = self.ep
@@ -150,6 +179,8 @@ class Translator:
             # a size computed from sizes (aten.sym_size, arithmetic on them): no op, its value is the export's
             # own expression of it in runtime dims (the ops that take sizes read their result's shape anyway)
             self.env[node.name] = self.dim(val)
+            return
+        if self._fold(node):
             return
         if node.target is operator.getitem:  # one piece of a multi-output op (a split)
             self.env[node.name] = self._arg(node.args[0])[node.args[1]]

@@ -24,7 +24,8 @@ ARCHS = {"llama": ("LlamaConfig", {}), "qwen3": ("Qwen3Config", {"head_dim": 16}
          "mistral": ("MistralConfig", {"sliding_window": None}), "olmo2": ("Olmo2Config", {}),
          "granite": ("GraniteConfig", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5,
                                        "attention_multiplier": 0.25, "logits_scaling": 4.0}),
-         "phi3": ("Phi3Config", {"pad_token_id": 0}), "qwen2": ("Qwen2Config", {"tie_word_embeddings": True})}
+         "phi3": ("Phi3Config", {"pad_token_id": 0}), "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+         "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 256})}
 
 
 def parse(argv=None) -> argparse.Namespace:
