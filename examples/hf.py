@@ -6,7 +6,8 @@ launch, then one launch a token.
     python examples/hf.py --model /path/to/Qwen3-0.6B --prompt "The capital of France is" --json
 
 Architectures tested on the simulator against transformers' greedy tokens: Llama, Qwen3, Qwen2, Mistral,
-OLMo2, Granite, Phi-3, Gemma 1 / 2 / 3 (tests/test_hf.py). See docs/frontend.md.
+OLMo2 / 3, Granite, Phi-3, Gemma 1 / 2 / 3, EXAONE 4, Seed-OSS, Ministral, SmolLM3, GLM / GLM-4, Helium,
+ERNIE 4.5 (tests/test_hf.py). See docs/frontend.md.
 """
 
 from megaegg.frontend.hf_cli import main

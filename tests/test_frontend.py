@@ -381,3 +381,16 @@ def test_an_op_of_constants_only_is_computed_once_as_a_weight():
     run = me.from_torch(m, (x,), backend="sim")
     close(run(x), m(x), tol=1e-6)
     assert [n.op for n in run.graph.nodes if n.op not in ("weight", "input")] == ["mul"]
+
+
+def test_interleaved_rope_pieces_run_as_views_and_concatenations():
+    """x[..., ::2] / x[..., 1::2] (a reshape and a column), torch.stack, repeat_interleave: GLM's and
+    Cohere's rotate_half and cos / sin, equal to eager."""
+    def f(x, c):
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return x * torch.repeat_interleave(c, 2, dim=-1) + rotated
+    x, c = torch.randn(3, 4, 8), torch.randn(3, 4, 4)
+    run = me.from_torch(f, (x, c), backend="sim")
+    close(run(x, c), f(x, c), tol=1e-6)
+    with pytest.raises(UnsupportedTorch, match="slice with step 3"):
+        me.from_torch(lambda x: x[..., ::3] * 2.0, (torch.randn(4, 8),), backend="sim")

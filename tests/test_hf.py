@@ -36,6 +36,14 @@ def _config(arch: str):
         return transformers.Gemma2Config(**SMALL, head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=30.0)
     if arch == "gemma3":  # (+ q / k norms, local and global RoPE; a window no shorter than max_len)
         return transformers.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=64)
+    # more architectures without a hand-written builder (interleaved RoPE: GLM, Helium, ERNIE 4.5; SmolLM3's
+    # layers without RoPE; OLMo3's and EXAONE 4's norms after the blocks)
+    more = {"exaone4": "Exaone4Config", "olmo3": "Olmo3Config", "seed_oss": "SeedOssConfig", "ministral": "MinistralConfig",
+            "smollm3": "SmolLM3Config", "helium": "HeliumConfig", "ernie4_5": "Ernie4_5Config", "glm": "GlmConfig",
+            "glm4": "Glm4Config"}
+    if arch in more:
+        return getattr(transformers, more[arch])(**SMALL, head_dim=16, pad_token_id=None, bos_token_id=None,
+                                                 eos_token_id=None)
     raise KeyError(arch)
 
 
@@ -50,7 +58,8 @@ def _model(arch: str, seed: int = 0):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2", "granite", "phi3", "qwen2", "gemma", "gemma2",
-                                  "gemma3"])
+                                  "gemma3", "exaone4", "olmo3", "seed_oss", "ministral", "smollm3", "helium", "ernie4_5",
+                                  "glm", "glm4"])
 def test_greedy_tokens_equal_transformers(arch):
     model = _model(arch)
     prompt = [5, 17, 42, 8, 63, 1]

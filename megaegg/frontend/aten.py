@@ -151,9 +151,10 @@ def _reshape(t, node, args, kwargs):  # the result's own sizes: -1 and symbolic 
 
 def _slice(t, node, args, kwargs):
     x, dim, start, end, step = _padded(args, [None, 0, None, None, 1])
-    _only("slice: step", step, 1)
     d = dim % x.ndim
     size = x.shape[d]
+    if step != 1:
+        return _strided_slice(x, d, start, end, step)
     start = 0 if start is None else start
     if end is None or (isinstance(end, int) and size.is_const and end >= size.value) or end == sys.maxsize:
         end = size
@@ -167,6 +168,29 @@ def _slice(t, node, args, kwargs):
         start = size + start if isinstance(start, int) and start < 0 else start
         end = size + end if isinstance(end, int) and end < 0 else end
     return ops.slice(x, d, start, end)
+
+
+def _strided_slice(x, d, start, end, step):
+    """x[..., start::step] along d (interleaved RoPE's x[..., ::2], x[..., 1::2]): the dim viewed as
+    [size / step, step], one column of it taken, the column axis dropped. A static size that is a
+    multiple of the step, running to the end."""
+    size = x.shape[d]
+    start = 0 if start is None else start
+    if not (size.is_const and isinstance(step, int) and step > 1 and size.value % step == 0 and isinstance(start, int)
+            and 0 <= start < step and (end is None or end == sys.maxsize or (isinstance(end, int) and end >= size.value))):
+        raise UnsupportedTorch(f"slice with step {step}: only start::step to the end of a static dim that is a "
+                               "multiple of the step is supported")
+    shape = list(x.shape)
+    y = ops.reshape(x, shape[:d] + [size.value // step, step] + shape[d + 1:])
+    y = ops.slice(y, d + 1, start, start + 1)
+    return ops.reshape(y, shape[:d] + [size.value // step] + shape[d + 1:])
+
+
+def _stack(t, node, args, kwargs):
+    tensors, dim = _padded(args, [None, 0])
+    d = dim % (tensors[0].ndim + 1)
+    parts = [ops.reshape(v, list(v.shape[:d]) + [1] + list(v.shape[d:])) for v in tensors]
+    return ops.concat(parts, d)
 
 
 def _split(t, node, args, kwargs):
@@ -185,6 +209,19 @@ def _split(t, node, args, kwargs):
         out.append(ops.slice(x, d, start, start + n))
         start = start + n
     return out
+
+
+def _repeat_interleave(t, node, args, kwargs):
+    """Each element r times in a row along ``dim`` (interleaved RoPE's cos / sin): r copies of x with a new
+    axis after ``dim``, concatenated along it, then the two axes merged."""
+    x, repeats, dim = _padded(args, [None, None, kwargs.get("dim")])
+    if dim is None or not isinstance(repeats, int) or repeats < 1:
+        raise UnsupportedTorch("repeat_interleave needs a dim and an int repeat count")
+    d = dim % x.ndim
+    shape = list(x.shape)
+    y = ops.reshape(x, shape[:d + 1] + [1] + shape[d + 1:])
+    y = ops.concat([y] * repeats, d + 1)
+    return ops.reshape(y, shape[:d] + [shape[d] * repeats] + shape[d + 1:])
 
 
 def _chunk(t, node, args, kwargs):
@@ -259,6 +296,8 @@ ATEN: dict[str, Entry] = {
     "aten.split.Tensor": _split,
     "aten.split_with_sizes.default": _split,
     "aten.chunk.default": _chunk,
+    "aten.repeat_interleave.self_int": _repeat_interleave,
+    "aten.stack.default": _stack,
     "aten.cat.default": lambda t, node, args, kwargs: ops.concat(args[0], (args + [0])[1]),
     "aten.argmax.default": _argmax,
     "aten.to.dtype": _to,

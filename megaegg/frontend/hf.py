@@ -35,7 +35,8 @@ def _megaegg_attention(module, query, key, value, attention_mask, scaling=None, 
     ``megaegg_positions`` (the decode step), or n rows at their own (slot, position) (``megaegg_rows``)."""
     caches = kwargs.get("megaegg_caches")
     if caches is None:
-        raise RuntimeError("attn_implementation='megaegg' runs only inside a megaegg step (megaegg.from_transformers)")
+        raise UnsupportedTorch(f"{type(module).__name__}: the step's caches did not reach the attention (outside a "
+                               "megaegg step, or the model's layers do not pass their keyword arguments through to it)")
     if query.shape[0] != 1:
         raise RuntimeError(f"a megaegg step takes one batch row of tokens, got q {tuple(query.shape)}")
     # what the ops do not compute is refused, never ignored (a wrong answer otherwise)
