@@ -139,7 +139,9 @@ def _poly(d: Dim, memo: CanonMemo) -> Poly:
 
 
 def _atom(d: Dim, memo: CanonMemo) -> Poly:
-    return _poly(d, memo) if d.is_const else {(d,): 1}
+    # (an op whose arguments folded away, min(S + T, T + S) -> S + T, is a sum again: its terms, not an atom,
+    # or the normal form would not be one: canonical(canonical(x)) != canonical(x))
+    return _poly(d, memo) if d.is_const or d.op in ("add", "mul", "sym") else {(d,): 1}
 
 
 def _plus(pa: Poly, pb: Poly) -> Poly:
