@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..reference import ragged_rows  # (the Graph API's reference rows: one definition)
+
 
 @torch.library.custom_op("megaegg::kv_append", mutates_args=())
 def kv_append(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -30,12 +32,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
               scale: float) -> torch.Tensor:
     """One query row a head, q [heads, head_dim], over the first ``len(positions)`` cache rows of its KV
     head (heads / kv_heads query heads a KV head), softmax in f32: [heads, head_dim] in q's dtype."""
-    n = positions.shape[0]
-    g = q.shape[0] // k_cache.shape[0]
-    k = k_cache[:, :n].float().repeat_interleave(g, 0)
-    v = v_cache[:, :n].float().repeat_interleave(g, 0)
-    w = torch.softmax((k @ q.float()[:, :, None])[..., 0] * scale, dim=-1)
-    return (w[:, None, :] @ v)[:, 0].to(q.dtype)
+    return ragged_rows(q, k_cache[None], v_cache[None], positions.shape[0] - 1, 0, scale).to(q.dtype)
 
 
 @attention.register_fake
@@ -65,15 +62,8 @@ def _(cache, new, pos, slot):
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      slot: torch.Tensor, bound: torch.Tensor, scale: float) -> torch.Tensor:
     """Row i, q[i] [heads, head_dim], over cache rows [0, pos[i]] of slot[i] (causal), softmax in f32."""
-    out = torch.empty_like(q)
-    g = q.shape[1] // k_cache.shape[1]
-    for i in range(q.shape[0]):
-        n, s = int(pos[i]) + 1, int(slot[i])
-        k = k_cache[s, :, :n].float().repeat_interleave(g, 0)
-        v = v_cache[s, :, :n].float().repeat_interleave(g, 0)
-        w = torch.softmax((k @ q[i].float()[:, :, None])[..., 0] * scale, dim=-1)
-        out[i] = (w[:, None, :] @ v)[:, 0].to(q.dtype)
-    return out
+    rows = [ragged_rows(q[i], k_cache, v_cache, int(pos[i]), int(slot[i]), scale) for i in range(q.shape[0])]
+    return torch.stack(rows).to(q.dtype)
 
 
 @ragged_attention.register_fake

@@ -1,6 +1,6 @@
-"""Hugging Face causal LMs through their own modelling code (issue 41): one decode step exported with
-``torch.export``, its attention routed to two custom ops the translator maps onto the Graph API's KV
-cache ops, compiled into one megakernel, and a greedy / sampling loop around it.
+"""Hugging Face causal LMs through their own modelling code (issue 41): a prompt step and a decode step
+exported with ``torch.export``, their attention routed to custom ops (cache_ops.py) the translator maps
+onto the Graph API's KV cache ops, each compiled into a megakernel, and a greedy / sampling loop.
 
     from transformers import AutoModelForCausalLM
     import megaegg
@@ -9,11 +9,9 @@ cache ops, compiled into one megakernel, and a greedy / sampling loop around it.
 
 How: the model runs with ``attn_implementation="megaegg"`` (registered here with transformers'
 ``AttentionInterface``) and no transformers cache, so each attention layer hands this module the
-step's q and its rotated k, v. ``megaegg::kv_append`` writes k / v into the layer's cache (an input of
-the step, written in place by the kernel) at row ``ctx - 1`` and ``megaegg::attention`` attends the
-first ``ctx`` rows; ``ctx`` is the length of the step's ``positions`` input (the runtime dim), whose last
-element is the RoPE position transformers' rotary embedding reads. Everything else (embedding, norms,
-RoPE, MLP, LM head, whatever the architecture computes) is the model's own ATen graph.
+step's q and its rotated k, v; the caches are inputs of the steps, written in place by the kernels
+(docs/frontend.md). Everything else (embedding, norms, RoPE, MLP, LM head, whatever the architecture
+computes) is the model's own ATen graph.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ def _megaegg_attention(module, query, key, value, attention_mask, scaling=None, 
     name = type(module).__name__
     if kwargs.get("softcap") is not None:
         raise UnsupportedTorch(f"{name}: attention logit soft-capping (softcap={kwargs['softcap']}) is not supported")
-    window, rows = kwargs.get("sliding_window"), caches[0].shape[-2]
+    window, rows = kwargs.get("sliding_window") or getattr(module, "sliding_window", None), caches[0].shape[-2]
     if window is not None and window < rows:
         raise UnsupportedTorch(f"{name}: a sliding window of {window} rows under max_len {rows} is not supported "
                                f"(give max_len <= {window})")
@@ -53,9 +51,6 @@ def _megaegg_attention(module, query, key, value, attention_mask, scaling=None, 
         raise UnsupportedTorch(f"{name}: attention dropout {dropout} (call model.eval())")
     if attention_mask is not None:  # (the registered mask function makes none: the model built its own)
         raise UnsupportedTorch(f"{name}: an attention mask of the model's own is not supported (causal only)")
-    if getattr(module, "sliding_window", None) is not None and module.sliding_window < rows:
-        raise UnsupportedTorch(f"{name}: a sliding window of {module.sliding_window} rows under max_len {rows} is not "
-                               f"supported (give max_len <= {module.sliding_window})")
     layer, heads, kv_heads, n, d = module.layer_idx, query.shape[1], key.shape[1], query.shape[2], query.shape[3]
     kc, vc = caches[2 * layer], caches[2 * layer + 1]
     scale = float(scaling if scaling is not None else d ** -0.5)
@@ -218,13 +213,24 @@ class TransformersLM:
             return out
         self.reset()
         logits = self.prompt(ids)
+        s = sampling
         while True:
-            s = sampling
             tok = sample_row(logits, s.temperature, s.top_k, s.top_p, s.seed, len(out), where="generate")
             out.append(tok)
             if tok in eos or len(out) == max_new_tokens:
                 return out
             logits = self.step(tok, len(ids) + len(out) - 1)
+
+
+def _compile_step(model, step, example, specs, caches: int, **compile_args):
+    """``step`` exported at ``example`` (``specs``: one dynamic-shape spec a non-cache input; the ``caches``
+    inputs after them, static) and compiled (``compile_exported``)."""
+    from . import compile_exported
+    from .export import dim_names
+
+    ep = _export(model, step, example, (*specs, (None,) * caches))  # (forward's *caches: one tuple)
+    return compile_exported(ep, dim_names(ep, (*specs, *((None,) * caches))), name=type(model).__name__,
+                            **compile_args)
 
 
 def _export(model, step, example, dynamic_shapes):
@@ -246,9 +252,6 @@ def from_transformers(model, *, max_len: int = 512, backend: str | None = None, 
     ``max_len`` rows: exported through its own forward with ``attn_implementation="megaegg"``, translated
     (megaegg.from_torch's translator) and compiled for ``backend``, twice: a prompt step (n tokens in one
     launch: tensor-core tiles and flash attention for long prompts on a GPU) and a decode step."""
-    from . import compile_exported
-    from .export import dim_names
-
     from ..compiler import resolve_backend
 
     if not (isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "set_attn_implementation")):
@@ -257,9 +260,8 @@ def from_transformers(model, *, max_len: int = 512, backend: str | None = None, 
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
         raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
     backend = resolve_backend(backend)
-    for key in ("attention_chunk_size",):
-        if getattr(model.config.get_text_config(), key, None):
-            raise UnsupportedTorch(f"{type(model).__name__}: {key} (chunked attention) is not supported")
+    if getattr(model.config.get_text_config(), "attention_chunk_size", None):
+        raise UnsupportedTorch(f"{type(model).__name__}: attention_chunk_size (chunked attention) is not supported")
     register()
     model = model.eval()
     previous = model.config._attn_implementation
@@ -267,24 +269,20 @@ def from_transformers(model, *, max_len: int = 512, backend: str | None = None, 
     try:
         shape = cache_shape(model, max_len)
         dev = next(model.parameters()).device
-        common = dict(name=type(model).__name__, backend=backend, device=device)
+        common = dict(backend=backend, device=device)
         ctx = torch.export.Dim("ctx", min=1, max=max_len)
         caches = shape.new(dev)
-        none = (None,) * len(caches)
         example = (torch.zeros(1, 1, dtype=torch.int64, device=dev), torch.arange(2, device=dev), *caches)
-        ep = _export(model, DecodeStep(model), example, (None, {0: ctx}, none))
-        run = compile_exported(ep, dim_names(ep, (None, {0: ctx}, *none)), max_dims={"ctx": max_len},
-                               dims_hint={"ctx": min(max_len, 512)}, **common)
+        run = _compile_step(model, DecodeStep(model), example, (None, {0: ctx}), len(caches),
+                            max_dims={"ctx": max_len}, dims_hint={"ctx": min(max_len, 512)}, **common)
         n = torch.export.Dim("n", min=1, max=max_len)
-        caches = [c[None] for c in caches]
         i64 = dict(dtype=torch.int64, device=dev)
         tokens, rows = min(3, max_len), min(5, max_len)  # (example sizes: >= 2, within the dims' ranges)
         example = (torch.zeros(1, tokens, **i64), torch.arange(tokens, **i64), torch.zeros(tokens, **i64),
-                   torch.arange(rows, **i64), *caches)
-        dyn = ({1: n}, {0: n}, {0: n}, {0: ctx})
-        ep = _export(model, PromptStep(model), example, (*dyn, none))
-        prompt = compile_exported(ep, dim_names(ep, (*dyn, *none)), max_dims={"n": max_len, "ctx": max_len},
-                                  dims_hint={"n": 16, "ctx": min(max_len, 512)}, **common)
+                   torch.arange(rows, **i64), *(c[None] for c in caches))
+        prompt = _compile_step(model, PromptStep(model), example, ({1: n}, {0: n}, {0: n}, {0: ctx}), len(caches),
+                               max_dims={"n": max_len, "ctx": max_len}, dims_hint={"n": 16, "ctx": min(max_len, 512)},
+                               **common)
     finally:
         model.set_attn_implementation(previous)
     return TransformersLM(run, prompt, shape, model.get_input_embeddings().weight.shape[0])
