@@ -45,18 +45,29 @@ def env_defines() -> dict[str, int]:
 # bodies. An image with tensor-core tiles (gemm) gets the shared memory they pipeline through (4 stages
 # of a 128 x 256 tile instead of 2); the others keep 120 KB, which the decode path wants (L1).
 TILE_SMEM = 200 * 1024
+# The most shared memory (static + dynamic) a block may opt in to on sm_90 (H100 / H200: 227 KB).
+SMEM_OPTIN = 227 * 1024
+
+
+def static_smem(q: WorkQueue) -> int:
+    """A bound on the kernel's static shared memory: megakernel.cu's entry tables (16 bytes an entry, every
+    regime's entries) and under 2 KB of the runtime's and the deferred jobs' variables (ptxas: ~1.2-1.4 KB)."""
+    return 16 * (len(q.entries) + 1) + 2048
 
 
 def image_defines(q: WorkQueue, defs: dict[str, int]) -> list[dict[str, int]]:
-    """The defines of each kernel image of ``q``: one, or one per row regime."""
+    """The defines of each kernel image of ``q``: one, or one per row regime. Dynamic shared memory is
+    capped where a long queue's entry tables leave less than it beside them (a traced 36-layer model's prompt
+    step, ~2200 entries: 35 KB of tables), so the bodies size their rings for what the block gets."""
     regime = q.program.regime
     images = [None] if regime is None else [0, 1]
+    cap = (SMEM_OPTIN - static_smem(q)) // 1024 * 1024
     out = []
     for r in images:
         d = dict(defs) if r is None else {**defs, "MEGA_REGIME": r}
         tiles = any(e.op.kind == "gemm" and (r is None or e.op.regime in (None, r)) for e in q.entries)
-        if tiles and "MEGA_SMEM" not in env_defines():
-            d["MEGA_SMEM"] = TILE_SMEM
+        if "MEGA_SMEM" not in env_defines():
+            d["MEGA_SMEM"] = min(TILE_SMEM if tiles else d["MEGA_SMEM"], cap)
         out.append(d)
     return out
 

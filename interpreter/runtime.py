@@ -184,6 +184,12 @@ class KernelImage:
         threads, smem = launch_shape(defines)  # launch what was compiled
         if smem_bytes(device) < smem:
             raise RuntimeError(f"the megakernel needs {smem} bytes of shared memory per block; this GPU offers {smem_bytes(device)}")
+        static = _drv(driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func),
+                      "cuFuncGetAttribute")
+        optin = smem_bytes(device) + 8 * 1024
+        if static + smem > optin:
+            raise RuntimeError(f"the megakernel needs {static} bytes of static shared memory (its entry tables) and "
+                               f"{smem} dynamic per block; this GPU offers {optin} in all")
         _drv(driver.cuFuncSetAttribute(
             func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem), "cuFuncSetAttribute")
         return KernelImage(module, func, threads, smem)

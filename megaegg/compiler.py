@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import gc
 import itertools
 import logging
 import math
@@ -118,6 +119,10 @@ def kernel_images(source: str, defs: Mapping[str, int], queue) -> tuple[list[byt
     from .interpreter import compile_cubin, image_defines
 
     variants = image_defines(queue, dict(defs))
+    # egglog's EGraph must be freed on the thread that made it: collect the rewrite's garbage here, or a
+    # collection the workers' allocations trigger frees it there ("EGraph is unsendable" tracebacks, seen
+    # on Python 3.12 in scripts/dev/hop_probe.py)
+    gc.collect()
     with ThreadPoolExecutor(len(variants)) as pool:
         outs = list(pool.map(lambda d: compile_cubin(source, defines=d), variants))
     return [o.cubin for o in outs], all(o.cached for o in outs)

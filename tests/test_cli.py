@@ -45,6 +45,20 @@ def test_bench_dry_run_bad_arguments_are_one_line_errors(args, error):
     assert out.returncode == 2 and out.stderr.strip() == f"error: {error}", out.stderr
 
 
+def test_bench_hf_dry_run_compares_the_traced_and_the_built_step(tmp_path):
+    pytest.importorskip("transformers")
+    out = run("examples/bench_hf.py", "--dry-run", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    assert row["preset"] == "tiny" and row["traced_ms"] > 0 and row["built_ms"] > 0
+    assert row["ratio"] == pytest.approx(row["traced_ms"] / row["built_ms"])
+    # the traced step's RoPE runs as elementwise ops, the built one's as `rope` (docs/frontend.md)
+    assert row["built_ops"]["rope"] > 0 and "rope" not in row["traced_ops"] and row["traced_ops"]["elementwise"] > 0
+    assert "tiny: block ops (built, traced) where they differ" in out.stdout
+    bad = run("examples/bench_hf.py", "--preset", "nope")
+    assert bad.returncode == 2 and "unknown preset 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_llama_example_json_on_the_simulator():
     out = run("examples/llama.py", "--preset", "tiny", "--random-weights", "--backend", "sim", "--max-len", "32",
               "--prompt-ids", "5", "6", "--max-new-tokens", "3", "--json")

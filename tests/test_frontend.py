@@ -133,6 +133,15 @@ def test_a_batched_outer_product_matmul():
         close(got, want, tol=1e-5)
 
 
+def test_a_launcher_checks_the_call_once():
+    run = me.from_torch(lambda x, y: x + y, (torch.randn(4, 8), torch.randn(4, 8)), backend="sim")
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    launch = run.launcher(x, y)
+    launch()  # (the outputs land in the kernel's buffers)
+    with pytest.raises(TypeError, match="expected 2 tensor argument"):
+        run.launcher(x)
+
+
 def test_a_scalar_not_exact_in_the_dtype_is_refused_with_the_op():
     with pytest.raises(UnsupportedTorch, match=r"aten\.mul\.Tensor: mul by the scalar 0\.1: not exact in bf16"):
         me.from_torch(lambda x: x * 0.1, (torch.randn(4, 8).bfloat16(),), backend="sim")

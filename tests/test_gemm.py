@@ -260,6 +260,23 @@ def test_each_row_regime_compiles_into_its_own_image():
     assert len(images) == 2 and all(images)
 
 
+def test_a_long_queue_caps_the_dynamic_shared_memory():
+    """The entry tables are static shared memory (16 bytes an entry): a queue long enough that they and the
+    tile image's 200 KB would pass sm_90's 227 KB gets less dynamic memory (the bodies size their rings
+    for it); a short one keeps 120 / 200 KB."""
+    from megaegg.interpreter import image_defines
+    from megaegg.interpreter.render import SMEM_OPTIN, static_smem
+
+    art = me.compile(mlp(), weights(mlp()), backend="sim", max_dims={"n": 1024}, dims_hint={"n": 16})
+    q = art.queue
+    assert [d["MEGA_SMEM"] for d in image_defines(q, {"MEGA_THREADS": 256, "MEGA_SMEM": 120 * 1024})] == [120 * 1024, 200 * 1024]
+    long_q = dataclasses.replace(q, entries=q.entries * 400)  # (only their count and kinds matter here)
+    small, large = image_defines(long_q, {"MEGA_THREADS": 256, "MEGA_SMEM": 120 * 1024})
+    assert small["MEGA_SMEM"] == 120 * 1024
+    assert large["MEGA_SMEM"] < 200 * 1024 and large["MEGA_SMEM"] + static_smem(long_q) <= SMEM_OPTIN
+    assert large["MEGA_SMEM"] % 1024 == 0
+
+
 def test_a_regime_launches_nothing_even_where_its_rows_do_not_vanish():
     """A linear over n + 8 rows (a concat with 8 fixed rows): its grid is not 0 at n = 0, yet outside its
     regime it must launch nothing (the other regime's ops run unsynchronised with it)."""

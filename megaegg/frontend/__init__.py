@@ -35,6 +35,18 @@ class TorchKernel:
         self.inputs, self.outputs, self.out_spec = list(inputs), list(outputs), out_spec
 
     def __call__(self, *args: torch.Tensor):
+        tensors, dims = self._named(args)
+        out = self.kernel(**tensors, **dims)
+        return tree_unflatten([out[name] for name in self.outputs], self.out_spec)
+
+    def launcher(self, *args: torch.Tensor):
+        """The call ``run(*args)`` checked once: a :class:`megaegg.compiler.Launcher` that launches it again
+        and again (for benchmarks; the outputs land in the kernel's buffers, unread)."""
+        tensors, dims = self._named(args)
+        return self.kernel.launcher(**tensors, **dims)
+
+    def _named(self, args) -> tuple[dict, dict]:
+        """The kernel's named inputs and runtime dims of the module's positional arguments, checked."""
         if len(args) != len(self.inputs):
             raise TypeError(f"expected {len(self.inputs)} tensor argument(s) ({', '.join(i.name for i in self.inputs)}), "
                             f"got {len(args)}")
@@ -53,8 +65,7 @@ class TorchKernel:
                     raise TypeError(f"argument {spec.name}: axis {axis} is {a.shape[axis]}, but dim {name!r} "
                                     f"is {dims[name]} in another argument")
             tensors[spec.name] = a.to(torch.int32) if a.dtype == torch.int64 else a
-        out = self.kernel(**tensors, **dims)
-        return tree_unflatten([out[name] for name in self.outputs], self.out_spec)
+        return tensors, dims
 
 
 def from_torch(fn_or_module: Any, example_args: Sequence, *, dynamic_shapes: Any = None, backend: str | None = None,
