@@ -76,6 +76,7 @@ def test_the_runner_writes_the_fields_by_name(monkeypatch):
     monkeypatch.setattr(driver, "cuModuleLoadData", lambda cubin: (ok, "module"))
     monkeypatch.setattr(driver, "cuModuleGetFunction", lambda m, name: (ok, "func"))
     monkeypatch.setattr(driver, "cuFuncSetAttribute", lambda *a: (ok,))
+    monkeypatch.setattr(driver, "cuFuncGetAttribute", lambda *a: (ok, 1536))  # (static shared memory)
     monkeypatch.setattr(driver, "cuLaunchKernel", lambda *a: launched.append(a[-2]) or (ok,))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=4))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: types.SimpleNamespace(cuda_stream=0))
@@ -103,3 +104,21 @@ def test_the_runner_writes_the_fields_by_name(monkeypatch):
     assert w[at["dims"]:at["dims"] + len(q.program.symbols)] == [41] * len(q.program.symbols)
     for b, t in {**bound, **tensors}.items():
         assert w[at["ptr"] + slots[b]] == t.data_ptr()
+
+
+def test_an_image_whose_shared_memory_passes_the_gpus_is_one_error(monkeypatch):
+    """Static (the entry tables) and dynamic shared memory past what the GPU offers a block: one error with
+    the numbers, not the driver's INVALID_VALUE."""
+    from cuda.bindings import driver  # (imports without a GPU)
+
+    from megaegg.interpreter import runtime
+
+    ok = driver.CUresult.CUDA_SUCCESS
+    monkeypatch.setattr(driver, "cuModuleLoadData", lambda cubin: (ok, "module"))
+    monkeypatch.setattr(driver, "cuModuleGetFunction", lambda m, name: (ok, "func"))
+    monkeypatch.setattr(driver, "cuFuncSetAttribute", lambda *a: (ok,))
+    monkeypatch.setattr(driver, "cuFuncGetAttribute", lambda *a: (ok, 40000))
+    monkeypatch.setattr(runtime, "smem_bytes", lambda d: 227 * 1024 - 8 * 1024)
+    with pytest.raises(RuntimeError, match=r"needs 40000 bytes of static shared memory .* and 204800 dynamic .* offers 232448"):
+        runtime.KernelImage.load(b"", {"MEGA_THREADS": 256, "MEGA_SMEM": 200 * 1024}, torch.device("cpu"))
+    assert runtime.KernelImage.load(b"", {"MEGA_THREADS": 256, "MEGA_SMEM": 120 * 1024}, torch.device("cpu")).smem == 120 * 1024
