@@ -8,15 +8,13 @@ Per preset: the transformers model built from the preset's config.json (random w
 compiled by ``from_transformers`` (its decode step); the hand-built decode graph of the same config with its
 own random weights (the timing does not depend on the values). Both step at position ``--context`` (the
 caches hold random rows), each a ``launcher`` (checked once, then bare launches), timed in alternating
-rounds (CUDA events around each launch, median). Printed: ms a step of each, their ratio, and the block ops
+rounds (CUDA events around each launch: bench_batch.timed's median a round; the median of the rounds). Printed: ms a step of each, their ratio, and the block ops
 of each kernel by kind (where the programs differ: docs/frontend.md, "The traced and the hand-built paths").
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -24,8 +22,10 @@ from collections import Counter
 
 import torch
 
+import bench_batch
 import megaegg as me
 from megaegg.models import PRESETS, ModelConfig, build_decode_graph, random_weights
+from megaegg.models.cli import OneLineParser, positive_int
 
 
 def hf_model(preset: str, dtype: torch.dtype, device: str):
@@ -43,24 +43,6 @@ def hf_model(preset: str, dtype: torch.dtype, device: str):
     finally:
         torch.set_default_dtype(default)
     return model.eval()
-
-
-def timed(launch, iters: int, cuda: bool) -> list[float]:
-    """ms of each of ``iters`` launches back to back (CUDA events; wall time on the CPU)."""
-    out = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            launch()
-            b.record()
-            torch.cuda.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            launch()
-            out.append(1e3 * (time.perf_counter() - t0))
-    return out
 
 
 def kinds(kernel) -> dict[str, int]:
@@ -93,12 +75,11 @@ def bench(preset: str, a) -> dict:
     token = torch.tensor([1234 % cfg.vocab], dtype=torch.int32, device=device)
     built = built_kernel.launcher(token=token, pos=a.context, **caches)
 
-    for launch in (traced, built):  # warm-up
-        timed(launch, 3, cuda)
     ms = {"traced": [], "built": []}
-    for _ in range(a.rounds):  # alternating rounds: drifts (clocks, heat) hit both alike
-        ms["traced"] += timed(traced, a.iters, cuda)
-        ms["built"] += timed(built, a.iters, cuda)
+    for r in range(a.rounds):  # alternating rounds: drifts (clocks, heat) hit both alike
+        warmup = 3 if r == 0 else 0
+        ms["traced"].append(bench_batch.timed(traced, a.iters, warmup, cuda))
+        ms["built"].append(bench_batch.timed(built, a.iters, warmup, cuda))
     traced.check()
     built.check()
     out = {"preset": preset, "context": a.context, "backend": a.backend,
@@ -110,14 +91,14 @@ def bench(preset: str, a) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama-3.2-1b", help="comma-separated presets (default llama-3.2-1b)")
-    ap.add_argument("--context", type=int, default=512, help="cached rows the step attends to (default 512)")
-    ap.add_argument("--iters", type=int, default=30, help="timed launches a round (default 30)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--context", type=positive_int, default=512, help="cached rows the step attends to (default 512)")
+    ap.add_argument("--iters", type=positive_int, default=30, help="timed launches a round (default 30)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds (default 3)")
     ap.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda if available, else sim")
     ap.add_argument("--dry-run", action="store_true", help="the tiny preset in f32 on the simulator (a CPU smoke test)")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", type=bench_batch.json_path, help="write the results here")
     a = ap.parse_args(argv)
     if a.dry_run:
         a.preset, a.backend, a.context, a.iters, a.rounds = "tiny", "sim", min(a.context, 16), 1, 1
@@ -126,12 +107,6 @@ def main(argv=None) -> int:
     for p in presets:
         if p not in PRESETS:
             ap.error(f"--preset: unknown preset {p!r} (known: {', '.join(sorted(PRESETS))})")
-    if a.context < 1:
-        ap.error(f"--context must be >= 1, got {a.context}")
-    if a.iters < 1 or a.rounds < 1:
-        ap.error(f"--iters and --rounds must be >= 1, got {a.iters} and {a.rounds}")
-    if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
-        ap.error(f"--json: cannot write {a.json}: no directory {os.path.dirname(os.path.abspath(a.json))}")
     try:
         import transformers  # noqa: F401
     except ImportError:

@@ -56,7 +56,10 @@ def test_bench_hf_dry_run_compares_the_traced_and_the_built_step(tmp_path):
     assert row["built_ops"]["rope"] > 0 and "rope" not in row["traced_ops"] and row["traced_ops"]["elementwise"] > 0
     assert "tiny: block ops (built, traced) where they differ" in out.stdout
     bad = run("examples/bench_hf.py", "--preset", "nope")
-    assert bad.returncode == 2 and "unknown preset 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --preset: unknown preset 'nope'"), bad.stderr
+    bad = run("examples/bench_hf.py", "--dry-run", "--json", "/nonexistent/dir/r.json")  # before the run, not after
+    assert bad.returncode == 2 and bad.stderr.strip() == \
+        "error: argument --json: cannot write /nonexistent/dir/r.json: no directory /nonexistent/dir", bad.stderr
 
 
 def test_llama_example_json_on_the_simulator():
