@@ -187,7 +187,8 @@ class ProgramBuilder:
         nbytes = REGISTRY[op.kind].bytes_moved(op, env)
         inst = op.launch_count.eval(env) if op.grid else 1
         kind = REGISTRY[op.kind]
-        return Estimate(bytes=nbytes, instances=inst, flops=kind.flops(op, env), steps=kind.pipeline_steps(op, env))
+        return Estimate(bytes=nbytes, instances=inst, flops=kind.flops(op, env), steps=kind.pipeline_steps(op, env),
+                        hops=kind.hops(op, env))
 
     def strided(self, o: Operand, sources) -> Operand:
         """``o`` itself if its views have a strided layout, else the views before the first reshape

@@ -36,10 +36,10 @@ class CostModel:
     step_latency: float = 1.9e-6
     stages_in_flight: int = 1
 
-    def seconds(self, nbytes: int, instances: int, flops: float = 0.0, steps: int = 0) -> float:
+    def seconds(self, nbytes: int, instances: int, flops: float = 0.0, steps: int = 0, hops: int = 0) -> float:
         """Time for ``instances`` equal instances moving ``nbytes`` in all, doing ``flops`` on tensor
         cores and ``steps`` pipelined steps (an instance streams, computes and waits at once: the slowest
-        of the three counts)."""
+        of the three counts), then ``hops`` dependent round trips (a last arrival's combine)."""
         instances = max(1, instances)
         waves = math.ceil(instances / self.sms)
         per_sm_bw = self.bandwidth / self.sms * self.sm_bandwidth_share
@@ -47,4 +47,4 @@ class CostModel:
                      waves * (flops / instances) / (self.tensor_flops / self.sms),
                      waves * (steps / instances) * self.step_latency / self.stages_in_flight)
         ramp = waves * min(nbytes / instances, self.ramp_bytes) / per_sm_bw
-        return stream + ramp + waves * self.instance_overhead + self.op_overhead
+        return stream + ramp + waves * self.instance_overhead + (1 + hops) * self.op_overhead

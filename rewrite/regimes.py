@@ -56,7 +56,8 @@ def program_seconds(program: BlockProgram, env: Mapping[str, int], model: CostMo
         inst = op.launch_count.eval(env) if op.grid else 1
         if inst <= 0:
             continue
-        total += model.seconds(kind.bytes_moved(op, env), inst, kind.flops(op, env), kind.pipeline_steps(op, env))
+        total += model.seconds(kind.bytes_moved(op, env), inst, kind.flops(op, env), kind.pipeline_steps(op, env),
+                               kind.hops(op, env))
     return total
 
 

@@ -22,6 +22,8 @@ ATTENTION_CHUNKS = (64, 256)  # KV rows per split-KV instance
 ARGMAX_CHUNKS = (1024, 4096)
 MOE_ROWS = (8, 16, 32, 64, 128)  # rows of one expert's MLP per moe_glu_down instance
 ALL_REDUCE_TILES = (1024, 4096)  # elements per all-reduce instance
+# (weight rows, K splits) of a batch's matvec split over K (blockops/matvec_split.py: fits a runtime row count)
+SPLIT_TILES = tuple((r, s) for r in (32, 48, 64) for s in (2, 4))
 GEMM_BN = (256,)  # weight rows of a tensor-core tile (blockops/gemm.py; the term fits runtime rows only)
 
 # Graph ops with no rules of their own (``Op.other``): their terms and the tile field they share.
@@ -121,6 +123,18 @@ def _fuse(
             eq(node(b)).to(matvec(x, w, g=g, eps=eps, rows=rows)),
             eq(node(u)).to(matvec(x, w2, g=g, eps=eps, rows=rows)),
         ).then(union(node(i)).with_(matvec(x, w, w2=w2, g=g, eps=eps, rows=rows)))
+
+
+@fusion.register
+def _fuse_split(x: i64, w: i64, r: i64, b: i64, i: i64):
+    # r + x w^T (either operand order) split over K, the last split adding the residual: the projections
+    # that end in the residual stream (O, down). Not Q / K / V: split (with their norm, or K and V after a
+    # separate one) they gained nothing at batch 64 and cost 2-7% at batch 1-16 (docs/perf-notes.md #87).
+    for lhs in (Op.add(a=r, b=b, same_shape=1), Op.add(a=b, b=r, same_shape=1)):
+        yield rule(
+            eq(node(i)).to(lhs),
+            eq(node(b)).to(Op.linear(x=x, w=w)),
+        ).then(*(union(node(i)).with_(Op.matvec_split(x=x, w=w, r=r, rows=rows, splits=k)) for rows, k in SPLIT_TILES))
 
 
 @fusion.register

@@ -35,6 +35,10 @@ class RewriteStats:
         return now
 
 
+# Ties at the hint broken at TIE_ROWS times its rows (at most the maximum): a TIE_WEIGHT share of that price
+TIE_ROWS = 4
+TIE_WEIGHT = 1e-3
+
 def rewrite(
     graph: Graph, *, cost_model: CostModel | None = None, dims_hint: dict[str, int] | None = None,
     stats: RewriteStats | None = None, max_dims: dict[str, int] | None = None,
@@ -61,19 +65,26 @@ def rewrite(
     t = stats.lap("alternatives", t)
     rows = row_symbol(graph, env, max_dims)
 
-    def extract(env):
+    def extract(env, tie_env=None):
         """The choices at ``env``: tensor-core tiles only from their height up (``Term.min_rows``, against
-        the value's rows: ``leading_rows``), then priced as their kernel image runs them (``large_rows_model``)."""
+        the value's rows: ``leading_rows``), then priced as their kernel image runs them (``large_rows_model``);
+        alternatives within ~TIE_WEIGHT of each other at ``env`` are told apart by their price at ``tie_env``
+        (the hint's program also serves more rows: a split matvec runs as a 16-row matvec up to 16 rows and
+        reads x less often past them, docs/perf-notes.md #87)."""
         allowed = {v: [c for c in cs if TERMS[c.term].min_rows <= leading_rows(small, v, env, TERMS[c.term].rows_from_all_leading)]
                    for v, cs in alts.items()}
         model = large_rows_model(cost_model) if any(TERMS[c.term].min_rows for cs in allowed.values() for c in cs) \
             else cost_model
         costs, estimates = _choice_costs(small, allowed, model, env)
-        chosen = choose(small, allowed, costs.__getitem__)  # DAG extraction by cost
+        price = costs.__getitem__
+        if tie_env is not None:
+            more, _ = _choice_costs(small, allowed, model, tie_env)
+            price = lambda c: costs[c] + TIE_WEIGHT * more[c]  # noqa: E731
+        chosen = choose(small, allowed, price)  # DAG extraction by cost
         chosen = balance_siblings(small, allowed, chosen, estimates, model)  # Q, K, V share one wave
         return (expand(chosen, repeats) if repeats else chosen), model
 
-    chosen, model = extract(env)
+    chosen, model = extract(env, {**env, rows: min(max_dims[rows], TIE_ROWS * env.get(rows, 1))} if rows else None)
     t = stats.lap("extract", t)
     program = build_program(graph, chosen, env)  # buffers, operands, block ops
     t = stats.lap("build", t)
@@ -106,7 +117,8 @@ def _choice_costs(graph, alts, model: CostModel, env) -> dict:
         for c in cs:
             b = ProgramBuilder(graph, env)
             b.lower(c)
-            costs[c] = sum(model.seconds(op.estimate.bytes, op.estimate.instances, op.estimate.flops, op.estimate.steps) for op in b.ops)
+            costs[c] = sum(model.seconds(op.estimate.bytes, op.estimate.instances, op.estimate.flops, op.estimate.steps,
+                                           op.estimate.hops) for op in b.ops)
             if len(b.ops) == 1:
                 estimates[c] = b.ops[0].estimate
     return costs, estimates

@@ -341,6 +341,13 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
             ("rows_wide_glu96", "matvec", [Arg((64, 4096), T), Arg((12288, 4096), T), Arg((12288, 4096), T)],
              Arg((64, 12288), T), {"rows": 96, "mrows": mr(4096, False, 96, True), "m_last": True,
                                    "roles": ("x", "w", "w2"), "eps": 0.0}),
+            # split over K (matvec_split.cuh): llama's down projection (128 rows, 8 splits) and O (64, 4)
+            ("split_down", "matvec_split", [Arg((64, 8192), T), Arg((2048, 8192), T), Arg((64, 2048), T),
+                                            Arg((128, 64 * 128), f32), Arg((16,), i32)], Arg((64, 2048), T),
+             {"rows": 128, "splits": 8, "roles": ("x", "w", "r")}),
+            ("split_o", "matvec_split", [Arg((64, 2048), T), Arg((2048, 2048), T), Arg((128, 64 * 64), f32),
+                                         Arg((32,), i32)], Arg((64, 2048), T),
+             {"rows": 64, "splits": 4, "roles": ("x", "w")}),
         ]),
         ("kv_store", "kv_store", [Arg((6, 8, 64), T), Arg((6,), i32), Arg((6,), i32)], Arg((4, 8, 1024, 64), T), {}),
         ("kv_store_rope", "kv_store", [Arg((6, 8, 128), T), Arg((6,), i32), Arg((6,), i32), Arg((64,), f32),
@@ -638,6 +645,17 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
             ("mv_wide_few_rows", "matvec", [Arg((10, 512), T), Arg((300, 512), T), Arg((512,), T), Arg((10, 300), T)],
              Arg((10, 300), T), {"rows": 96, "mrows": 64, "m_last": True, "roles": ("x", "w", "g", "r"), "eps": 1e-5},
              {}),
+            # split over K (matvec_split.cuh), ragged in weight rows (200 = 3 tiles of 64 + 8): the wide tile's
+            # 64-row and 32-row stages, the staged body (10 rows) and, past one row tile, the unsplit matvec
+            *(("split" + label, "matvec_split",
+               [Arg((m, 1024), T), Arg((rows_n, 1024), T), *([Arg((m, rows_n), T)] if res else []),
+                Arg((-(-rows_n // tile) * splits, 64 * tile), f32), Arg((-(-rows_n // tile),), i32)], Arg((m, rows_n), T),
+               {"rows": tile, "splits": splits, "roles": ("x", "w", "r") if res else ("x", "w")},
+               {3 if res else 2: lambda v, gen: v.fill_(float("nan")), 4 if res else 3: lambda v, gen: v.zero_()})
+              for label, m, rows_n, tile, splits, res in (
+                  ("_res40", 40, 200, 64, 4, True), ("_20", 20, 200, 64, 2, False), ("_res10", 10, 200, 64, 4, True),
+                  ("_10_rows48", 10, 200, 48, 2, False), ("_unsplit70", 70, 200, 64, 4, True),
+                  ("_res64_rows48", 64, 100, 48, 2, True))),
         ]),
         ("mv_sum_norm", "matvec", [Arg((1, 1024), T), Arg((300, 1024), T), Arg((1024,), T), Arg((1, 1024), f32)],
          Arg((1, 300), T), {"rows": 24, "mrows": 1, "roles": ("x", "w", "g", "xa"), "eps": 1e-5}, {}),

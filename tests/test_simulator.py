@@ -327,3 +327,37 @@ def test_argmax_of_an_empty_row_is_refused_each_call():
     compare(k, g, {"a": torch.randn(2, 1)}, {}, {"S": 1}, 0)
     with pytest.raises(me.GraphError, match=r"argmax %1\(argmax\): the length of the reduced dim 0 outside \[1, 1\] \(S with S=0\)"):
         k(a=torch.randn(2, 0), S=0)
+
+
+def test_a_split_over_k_is_read_once_every_split_has_arrived():
+    """``matvec_split``: a batch's projection split over K, the last split to arrive sums the partials and
+    adds the residual; its reader waits for every split of the weight tiles it reads. Up to 16 x rows a
+    tile runs as unsplit 16-row parts; past one row tile of x rows (64) the split program is not the cheaper
+    one (one split there: its partials hold one tile), so the kernel takes its other regime. One split
+    short, a reader fails."""
+    g = me.Graph("split")
+    n = me.sym("n")
+    x = g.input("x", [n, 1024], me.bf16)
+    r = g.input("r", [n, 256], me.bf16)
+    y = r + me.linear(x, g.weight("wo", [256, 1024], me.bf16))
+    g.output("z", me.linear(y, g.weight("w2", [64, 256], me.bf16)))
+    torch.manual_seed(11)
+    weights = {"wo": torch.randn(256, 1024).to(torch.bfloat16) * 0.05, "w2": torch.randn(64, 256).to(torch.bfloat16) * 0.1}
+    k = me.compile(g, weights, backend="sim", max_dims={"n": 100}, dims_hint={"n": 32})
+    split = k.queue.entries[0]
+    assert split.op.kind == "matvec_split" and split.op.params["roles"] == ("x", "w", "r"), split.op
+    s = split.op.params["splits"]
+    tiles, parts = 256 // split.op.params["rows"], split.op.params["rows"] // 16
+    for rows in (9, 40, 64, 100):
+        args = {"x": torch.randn(rows, 1024).to(torch.bfloat16), "r": torch.randn(rows, 256).to(torch.bfloat16)}
+        compare(k, g, args, k.weights, {"n": rows}, 1e-2, INTERLEAVINGS)
+        env = k.queue.program.with_derived({"n": rows})
+        assert split.op.launch_count.eval(env) == tiles * (parts if rows <= 16 else s if rows <= 64 else 0)
+    reader = k.queue.entries[1]
+    dims = {"n": 40}
+    args = {"x": torch.randn(40, 1024).to(torch.bfloat16), "r": torch.randn(40, 256).to(torch.bfloat16)}
+    early = tuple(dataclasses.replace(w, expected=w.expected - 1) for w in reader.waits)
+    k.queue = dataclasses.replace(k.queue, entries=(split, dataclasses.replace(reader, waits=early)))
+    with pytest.raises(SimulationError, match="read unwritten elements"):
+        for seed in range(10):
+            k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), **args, **dims)

@@ -246,6 +246,12 @@ __device__ __forceinline__ void finish(float dot, float dot2, const float* rt, i
     out.p[m * out.s0 + n * out.s1] = from_f32<T>(y);
 }
 
+// ... or its f32 products as they are, a split's partial sum (run_wide for matvec_split.cuh): no rounding, no epilogue
+template <class T, bool GLU, bool RES>
+__device__ __forceinline__ void store_mma_output(float d, float, Mat<const T>, Mat<float> out, int m, long long n) {
+    out.p[m * out.s0 + n * out.s1] = d;
+}
+
 // Issue the 16-byte weight loads of step s of row group gi into wa (and wb), row slots [RB0, RB1).
 // A slot past the tile or past N loads the tile's last row again (cached, finite; write_group
 // drops its sums) instead of zeros: no select of zeros, no predicate (perf-notes #58; a predicated

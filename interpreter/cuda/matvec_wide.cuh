@@ -70,9 +70,10 @@ __host__ __device__ constexpr int staged_rows() {
     return !NORM || 16 * (K + 8) * (int)sizeof(T) <= 80 * 1024 ? 16 : 8 * (K + 8) * (int)sizeof(T) <= 80 * 1024 ? 8 : 0;
 }
 
-template <class T, int K, int ROWS, bool NORM, bool GLU, bool RES, int XM>
+// O: the output's element type, T (rounded, with the epilogue) or float (a split's partial products)
+template <class T, int K, int ROWS, bool NORM, bool GLU, bool RES, int XM, class O = T>
 __device__ __noinline__ bool run_wide(char* smem, Mat<const T> x, Vec<const T> g, float eps, Mat<const T> w,
-                                      Mat<const T> w2, Mat<const T> r, Mat<T> out, long long N, long long n_tile,
+                                      Mat<const T> w2, Mat<const T> r, Mat<O> out, long long N, long long n_tile,
                                       const MegaWaits wl, int mv) {
     using P = WidePlan<T, K, ROWS, NORM, GLU, XM>;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t4 = lane & 3;

@@ -2,7 +2,7 @@
 this package registers them all).
 
 One module a block op (``base.py``: :class:`BlockKind`, :class:`Term`, ``register``, ``term``,
-``fields``): ``matvec`` (+ ``matmul_rows``), ``gemm`` (tensor-core tiles for many rows), ``matvec_heads`` (QKV + RoPE + KV append),
+``fields``): ``matvec`` (+ ``matmul_rows``), ``matvec_split`` (a batch's narrow projections split over K), ``gemm`` (tensor-core tiles for many rows), ``matvec_heads`` (QKV + RoPE + KV append),
 ``matvec_argmax`` (LM head + argmax partials), ``glu_down`` (gated MLP + down projection as an f32
 sum, ``acc_residual``), ``moe`` (routed experts), ``attention`` (split-KV decode attention),
 ``ragged_attention`` (batches and prompts; ``flash_attention``: prompts on tensor cores), ``rownorm``, ``rope``, ``softmax``, ``argmax``,
@@ -11,7 +11,8 @@ sum, ``acc_residual``), ``moe`` (routed experts), ``attention`` (split-KV decode
 """
 
 from . import (  # noqa: F401
-    all_reduce, argmax, attention, elementwise, embedding, flash_attention, gemm, glu_down, kv_append, kv_store, matvec, matvec_argmax, matvec_heads, moe,
+    all_reduce, argmax, attention, elementwise, embedding, flash_attention, gemm, glu_down, kv_append, kv_store, matvec, matvec_argmax, matvec_heads, matvec_split,
+    moe,
     ragged_attention, rope, rownorm, sample, softmax,
 )
 from .base import NONE, REGISTRY, TERMS, BlockKind, CudaOperand, Partition, Term, fields, register, term

@@ -242,6 +242,11 @@ class BlockKind:
         tile), priced at ``CostModel.step_latency``; 0 where loads overlap freely."""
         return 0
 
+    def hops(self, op: "BlockOp", env: dict) -> int:
+        """Dependent round trips inside the op after its instances' work (a last arrival's combine),
+        each priced as a hand-off (``CostModel.op_overhead``); 0 for most kinds."""
+        return 0
+
     def tma_inputs(self, op: "BlockOp") -> tuple[int, ...]:
         """The inputs the body reads through TMA tensor maps (interpreter/tensor_maps.py)."""
         return ()

@@ -75,6 +75,7 @@ class Estimate:
     instances: int
     flops: float = 0.0
     steps: int = 0  # pipelined steps of all instances (CostModel.step_latency)
+    hops: int = 0  # dependent round trips after the instances' work (CostModel.op_overhead each)
 
 
 @dataclass
