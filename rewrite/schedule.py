@@ -39,6 +39,7 @@ class RewriteStats:
 TIE_ROWS = 4
 TIE_WEIGHT = 1e-3
 
+
 def rewrite(
     graph: Graph, *, cost_model: CostModel | None = None, dims_hint: dict[str, int] | None = None,
     stats: RewriteStats | None = None, max_dims: dict[str, int] | None = None,
@@ -69,8 +70,8 @@ def rewrite(
         """The choices at ``env``: tensor-core tiles only from their height up (``Term.min_rows``, against
         the value's rows: ``leading_rows``), then priced as their kernel image runs them (``large_rows_model``);
         alternatives within ~TIE_WEIGHT of each other at ``env`` are told apart by their price at ``tie_env``
-        (the hint's program also serves more rows: a split matvec runs as a 16-row matvec up to 16 rows and
-        reads x less often past them, docs/perf-notes.md #87)."""
+        (the hint's program also serves more rows: a split matvec runs as a matvec of half its tile height up
+        to 16 rows and reads x less often past them, docs/perf-notes.md #87)."""
         allowed = {v: [c for c in cs if TERMS[c.term].min_rows <= leading_rows(small, v, env, TERMS[c.term].rows_from_all_leading)]
                    for v, cs in alts.items()}
         model = large_rows_model(cost_model) if any(TERMS[c.term].min_rows for cs in allowed.values() for c in cs) \

@@ -339,3 +339,21 @@ def test_runtime_row_tiles_by_operand_layout():
         assert linear and all(op.params["mrows"] == 64 for op in linear), [op.params for op in mv]
         assert ("g" in linear[0].params["roles"]) == fused, (dt, linear[0].params)
         assert matmul and all(op.params["mrows"] <= 4 for op in matmul), [op.params for op in matmul]
+
+
+def test_a_batch_splits_its_residual_projections_over_k():
+    """At llama-3.2-1b's widths the step graph runs O and the down projection as ``matvec_split``: priced at
+    the 16-row hint it ties with a matvec of half its tile height (what it runs up to 16 rows), and the tie
+    goes to the split, which reads the batch's x half as often at 17-64 rows (rewrite/schedule.py: TIE_ROWS)."""
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), hidden=2048, intermediate=8192, heads=32, kv_heads=2)
+    graph, spec = build_step_graph(cfg, max_len=64, slots=4)
+    k = me.compile(graph, random_weights(spec, seed=1), backend="sim", max_dims={"n": 256, "r": 4, "ctx": 64},
+                   dims_hint={"n": 16, "r": 4, "ctx": 33})
+    small = [e.op for e in k.queue.entries if e.op.regime == 0]
+    splits = [op for op in small if op.kind == "matvec_split"]
+    assert len(splits) == 2 * cfg.layers and all(op.params["roles"] == ("x", "w", "r") for op in splits)
+    for op in splits:  # two halves a tile up to 16 rows, its splits up to 64
+        tiles = op.output.shape[1].value // op.params["rows"]
+        env = k.queue.program.with_derived
+        assert op.launch_count.eval(env({"n": 16, "r": 1, "ctx": 33})) == 2 * tiles
+        assert op.launch_count.eval(env({"n": 40, "r": 1, "ctx": 33})) == op.params["splits"] * tiles

@@ -4,16 +4,16 @@ Instance ``(j, i, s)`` takes weight rows ``[j*rows, ...)`` and x rows ``[i*64, .
 x rows (one row tile: a batch) it computes their products over K columns ``[s*K/S, (s+1)*K/S)``
 into an f32 partial tile, and the last of a tile's S splits to arrive (an arrival counter per weight
 tile, in the launch-zeroed counter bank) sums the partials in split order, rounds, adds the residual
-and stores the tile (interpreter/cuda/matvec_split.cuh). For at most 16 x rows nothing is split: ``s`` picks half of the
-tile's weight rows, over all of K, so the op runs as a matvec of ``rows / 2``-row tiles would (the
+and stores the tile (interpreter/cuda/matvec_split.cuh). For at most 16 x rows nothing is split:
+``s`` picks half of the tile's weight rows, over all of K, so the op runs as a matvec of ``rows / 2``-row tiles would (the
 combine's round trip costs more than the fewer x reads save there, docs/perf-notes.md #87, and the
 extractor, pricing a 16-row hint, sees the matvec's price and breaks the tie at 64 rows:
 rewrite/schedule.py); past 64 an instance is the unsplit matvec (the partials hold one row tile).
 
 Why: a batch's narrow projections (the O projection, the down projection: N = K / 4) as matvec
 tiles of 16-24 weight rows read the batch's x once per tile, 1 MB an instance against 256 KB of
-weights (docs/perf-notes.md #79); tiles of 64-128 weight rows read x a quarter as often, and the
-split over K keeps 128+ instances streaming.
+weights (docs/perf-notes.md #79); tiles of 32-64 weight rows read x a half to a quarter as often,
+and the split over K keeps 128+ instances streaming.
 """
 
 from __future__ import annotations
