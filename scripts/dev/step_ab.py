@@ -1,0 +1,73 @@
+"""Dev: one variant's round of a step-graph A/B (GPU): batched decode steps and prompt prefills of a preset,
+the step graph as ``examples/bench_batch.py`` compiles it (context 512, 65 slots, hint 16 rows), median ms
+of 30 timed launches a batch and 10 a prompt; one line of output.
+
+    python3 scripts/dev/step_ab.py PRESET BATCHES TAG [PREFILLS]
+    e.g. step_ab.py llama-3.2-1b 1,4,16,32,64 new 512,2048
+
+An A/B of code is this script run from each checkout in turn, rounds interleaved (the same code moves by a
+few % between runs and machines, so compare only within one run), e.g. with ``base`` a ``git archive`` of
+main and the working tree as ``new``:
+
+    for r in 1 2; do for v in base new; do PYTHONPATH=$v python3 scripts/dev/step_ab.py PRESET 1,16,64 $v; done; done
+
+(docs/perf-notes.md #84-#87 were measured this way.)
+"""
+import sys
+import time
+
+import torch
+
+import megaegg as me
+from megaegg.models import ModelConfig, build_step_graph, random_weights
+
+CTX, SLOTS, MAX_LEN = 512, 65, 2049
+
+
+def median_ms(launch, runs: int, warm: int) -> float:
+    for _ in range(warm):
+        launch()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(runs):
+        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        launch()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(e))
+    launch.check()
+    return sorted(ts)[runs // 2]
+
+
+def main(preset: str, batches: list[int], tag: str, prefills: list[int]) -> None:
+    cfg = ModelConfig.preset(preset)
+    graph, spec = build_step_graph(cfg, max_len=MAX_LEN, slots=SLOTS)
+    weights = random_weights(spec, seed=0, device="cuda")
+    t0 = time.time()
+    kernel = me.compile(graph, weights, backend="cuda", max_dims={"n": MAX_LEN - 1 + 64, "r": SLOTS, "ctx": MAX_LEN},
+                        dims_hint={"n": 16, "r": 16, "ctx": CTX + 1})
+    compile_s = time.time() - t0
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    caches = {n: (torch.randn(s, generator=gen, device="cuda") * 0.5).to(cfg.dtype.torch) for n, s in spec.caches.items()}
+
+    def i32(v):
+        return torch.tensor(v, dtype=torch.int32, device="cuda")
+
+    out = []
+    for b in batches:
+        ins = {"token": i32([(1234 + 17 * i) % cfg.vocab for i in range(b)]), "pos": i32([CTX] * b),
+               "slot": i32(list(range(b))), "out": i32(list(range(b)))}
+        out.append(f"b{b} {median_ms(kernel.launcher(**ins, **caches, n=b, r=b, ctx=CTX + 1), 30, 5):.3f}")
+    for t in prefills:
+        toks = (torch.arange(t, device="cuda", dtype=torch.int32) * 7919) % cfg.vocab
+        ins = {"token": toks, "pos": i32(list(range(t))), "slot": i32([0] * t), "out": i32([t - 1])}
+        out.append(f"p{t} {median_ms(kernel.launcher(**ins, **caches, n=t, r=1, ctx=t), 10, 3):.3f}")
+    print(f"{tag:5s} {preset} compile {compile_s:.0f} s: " + "  ".join(out), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (4, 5):
+        sys.exit(__doc__)
+    main(sys.argv[1], [int(b) for b in sys.argv[2].split(",")], sys.argv[3],
+         [int(t) for t in sys.argv[4].split(",")] if len(sys.argv) == 5 else [])
