@@ -69,7 +69,8 @@ def rewrite(
     def extract(env, tie_env=None):
         """The choices at ``env``: tensor-core tiles only from their height up (``Term.min_rows``, against
         the value's rows: ``leading_rows``), then priced as their kernel image runs them (``large_rows_model``);
-        alternatives within ~TIE_WEIGHT of each other at ``env`` are told apart by their price at ``tie_env``
+        each price gains TIE_WEIGHT x its price at ``tie_env``, which decides between alternatives that tie at
+        ``env`` (or differ there by less than TIE_WEIGHT of their difference at ``tie_env``)
         (the hint's program also serves more rows: a split matvec runs as a matvec of half its tile height up
         to 16 rows and reads x less often past them, docs/perf-notes.md #87)."""
         allowed = {v: [c for c in cs if TERMS[c.term].min_rows <= leading_rows(small, v, env, TERMS[c.term].rows_from_all_leading)]

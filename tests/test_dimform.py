@@ -173,3 +173,32 @@ def test_reshape_rejects_what_it_cannot_prove():
         me.reshape(x, [T, -1])
     with pytest.raises(me.ShapeError, match="element counts differ"):
         me.reshape(x, [S + 1, 6])
+
+
+@given(dims)
+@SETTINGS
+def test_bounds_hold_at_every_point(d):
+    """``lowering.queue.bounds`` (the sizes of buffers, counters and the trace, from the largest dims) holds at
+    every point with the symbols in [0, max], negative coefficients included (matvec_split's split count falls
+    as the rows grow); points that divide by 0 are not runtime points."""
+    from megaegg.lowering.queue import bounds
+
+    top = {"S": 64, "T": 7, "_i0": 3}
+    lo, hi = bounds(d, top)
+    for env in ENVS:
+        if any(env[k] > top[k] for k in top):
+            continue
+        try:
+            v = d.eval(env)
+        except ZeroDivisionError:
+            continue
+        assert lo <= v <= hi, (str(d), env, v, lo, hi)
+
+
+def test_a_count_that_falls_with_the_rows_is_bounded_by_its_largest_value():
+    from megaegg.blockops.matvec_split import split_count
+    from megaegg.lowering.queue import upper_bound
+
+    n = sym("n")
+    for top in (16, 40, 64, 65, 100, 2112):
+        assert upper_bound(split_count(n, 4), {"n": top}) >= max(split_count(n, 4).eval({"n": m}) for m in range(top + 1))

@@ -332,7 +332,7 @@ def test_argmax_of_an_empty_row_is_refused_each_call():
 def test_a_split_over_k_is_read_once_every_split_has_arrived():
     """``matvec_split``: a batch's projection split over K, the last split to arrive sums the partials and
     adds the residual; its reader waits for every split of the weight tiles it reads. Up to 16 x rows a
-    tile runs as unsplit 16-row parts; past one row tile of x rows (64) the split program is not the cheaper
+    tile runs as two unsplit halves; past one row tile of x rows (64) the split program is not the cheaper
     one (one split there: its partials hold one tile), so the kernel takes its other regime. One split
     short, a reader fails."""
     g = me.Graph("split")
@@ -347,12 +347,12 @@ def test_a_split_over_k_is_read_once_every_split_has_arrived():
     split = k.queue.entries[0]
     assert split.op.kind == "matvec_split" and split.op.params["roles"] == ("x", "w", "r"), split.op
     s = split.op.params["splits"]
-    tiles, parts = 256 // split.op.params["rows"], split.op.params["rows"] // 16
+    tiles = 256 // split.op.params["rows"]
     for rows in (9, 40, 64, 100):
         args = {"x": torch.randn(rows, 1024).to(torch.bfloat16), "r": torch.randn(rows, 256).to(torch.bfloat16)}
         compare(k, g, args, k.weights, {"n": rows}, 1e-2, INTERLEAVINGS)
         env = k.queue.program.with_derived({"n": rows})
-        assert split.op.launch_count.eval(env) == tiles * (parts if rows <= 16 else s if rows <= 64 else 0)
+        assert split.op.launch_count.eval(env) == tiles * (2 if rows <= 16 else s if rows <= 64 else 0)
     reader = k.queue.entries[1]
     dims = {"n": 40}
     args = {"x": torch.randn(40, 1024).to(torch.bfloat16), "r": torch.randn(40, 256).to(torch.bfloat16)}

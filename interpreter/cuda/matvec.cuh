@@ -249,6 +249,7 @@ __device__ __forceinline__ void finish(float dot, float dot2, const float* rt, i
 // ... or its f32 products as they are, a split's partial sum (run_wide for matvec_split.cuh): no rounding, no epilogue
 template <class T, bool GLU, bool RES>
 __device__ __forceinline__ void store_mma_output(float d, float, Mat<const T>, Mat<float> out, int m, long long n) {
+    static_assert(!GLU && !RES, "store_mma_output: a partial sum has no gate or residual (the combine applies them)");
     out.p[m * out.s0 + n * out.s1] = d;
 }
 
