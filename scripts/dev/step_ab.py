@@ -15,29 +15,24 @@ main and the working tree as ``new``:
 """
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import megaegg as me
 from megaegg.models import ModelConfig, build_step_graph, random_weights
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from bench_batch import timed  # noqa: E402  (the benches' timer: median ms of single launches)
+
 CTX, SLOTS, MAX_LEN = 512, 65, 2049
 
 
 def median_ms(launch, runs: int, warm: int) -> float:
-    for _ in range(warm):
-        launch()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(runs):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        launch()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(e))
+    """bench_batch.timed's median of single launches, then the launches' errors checked once."""
+    ms = timed(launch, runs, warm, cuda=True)
     launch.check()
-    return sorted(ts)[runs // 2]
+    return ms
 
 
 def main(preset: str, batches: list[int], tag: str, prefills: list[int]) -> None:
