@@ -40,17 +40,22 @@ def env_defines() -> dict[str, int]:
     return {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get("MEGAEGG_DEFINES", "").split(",") if kv)}
 
 
-# A program with two row regimes (ir/program.py: Regime) compiles into two kernel images from one source:
-# each holds the cases of one regime (MEGA_REGIME), so neither's register allocation pays for the other's
-# bodies. An image with tensor-core tiles (gemm) gets the shared memory they pipeline through (4 stages
-# of a 128 x 256 tile instead of 2); the others keep 120 KB, which the decode path wants (L1).
+# A program with row regimes (ir/program.py: Regime) compiles into one kernel image per band of row counts
+# from one source: each holds the cases of one band (MEGA_REGIME: its index), so none's register allocation
+# pays for the others' bodies. An image with tensor-core tiles (gemm) gets the shared memory they pipeline
+# through (4 stages of a 128 x 256 tile instead of 2); the others keep 120 KB, which the decode path wants (L1).
 TILE_SMEM = 200 * 1024
 
 
-def image_defines(q: WorkQueue, defs: dict[str, int]) -> list[dict[str, int]]:
-    """The defines of each kernel image of ``q``: one, or one per row regime."""
+def band_count(q: WorkQueue) -> int:
+    """How many bands of row counts ``q``'s program has (1: no row regime)."""
     regime = q.program.regime
-    images = [None] if regime is None else [0, 1]
+    return 1 if regime is None else regime.bands
+
+
+def image_defines(q: WorkQueue, defs: dict[str, int]) -> list[dict[str, int]]:
+    """The defines of each kernel image of ``q``: one, or one per band of its row regime, in band order."""
+    images = [None] if q.program.regime is None else range(band_count(q))
     out = []
     for r in images:
         d = dict(defs) if r is None else {**defs, "MEGA_REGIME": r}
@@ -61,12 +66,12 @@ def image_defines(q: WorkQueue, defs: dict[str, int]) -> list[dict[str, int]]:
     return out
 
 
-def regime_guard(regimes: set) -> tuple[str, str]:
-    """``#if`` / ``#endif`` lines around code that only entries of ``regimes`` run (None: every regime)."""
-    if None in regimes or regimes == {0, 1} or not regimes:
+def regime_guard(regimes: set, bands: int) -> tuple[str, str]:
+    """``#if`` / ``#endif`` lines around code that only entries of the bands ``regimes`` run (None: every
+    band), of a program of ``bands`` bands. An image compiled without MEGA_REGIME (-1) holds every band."""
+    if None in regimes or not regimes or set(regimes) >= set(range(bands)):
         return "", ""
-    (r,) = regimes
-    return f"#if MEGA_REGIME != {1 - r}", "#endif"
+    return " || ".join(["#if MEGA_REGIME < 0", *(f"MEGA_REGIME == {r}" for r in sorted(regimes))]), "#endif"
 
 
 def launch_shape(defs: dict[str, int]) -> tuple[int, int]:
@@ -331,15 +336,15 @@ def shared_cases(q: WorkQueue) -> tuple[list[str], EntryTable]:
             consts += [int(holes[k][j].removesuffix("LL")) for j in varying]
         ops = ", ".join(f"op{q.entries[k].op.id}" for k in members[:6]) + (" ..." if len(members) > 6 else "")
         head = f"      case {g}: {{  // {q.entries[members[0]].op.kind}: {ops} ({len(members)} entries)\n"
-        open_, close = regime_guard({q.entries[k].op.regime for k in members})
+        open_, close = regime_guard({q.entries[k].op.regime for k in members}, band_count(q))
         cases.append((open_ + "\n" if open_ else "") + head + body + "\n      } break;" + ("\n" + close if close else ""))
     return cases, EntryTable(tuple(variant), tuple(offset), LaunchPrefix.of(q), tuple(consts))
 
 
 def regime_dim_refs(q: WorkQueue) -> dict[str, str]:
     """A row regime's derived dims as ``args.dims[k]`` in the cases: the index is a literal, so the
-    two regimes' copies of an op (the same code over another dim) share one case, their indices in
-    the table (ir/program.py: Regime)."""
+    bands' copies of an op (the same code over another dim) share one case, their indices in the table
+    (ir/program.py: Regime)."""
     p = q.program
     if p.regime is None:
         return {}
@@ -363,23 +368,38 @@ def deferred_slots(q: WorkQueue) -> dict[str, str]:
     jobs = [REGISTRY[k].deferred for k in kinds]
     slots = {"DEFERRED_SHARED": [], "DEFERRED_DECL": [], "DEFERRED_RUN": []}
     for k, j in zip(kinds, jobs):
-        open_, close = regime_guard({e.op.regime for e in q.entries if e.op.kind == k})
+        open_, close = regime_guard({e.op.regime for e in q.entries if e.op.kind == k}, band_count(q))
         code = {"DEFERRED_SHARED": f"__shared__ {j.struct} {j.var};",
                 "DEFERRED_DECL": f"bool {j.var}_pending = false;",
                 # (the barrier: thread 0 filled the job)
-                "DEFERRED_RUN": f"if ({j.var}_pending) {{ mega_sync(); {j.run}({j.var}, smem); }}"}
+                "DEFERRED_RUN": deferred_run(q, k)}
         for name, text in code.items():
             slots[name].append(f"\n{open_}\n    {text}\n{close}\n" if open_ else text)
     return {name: " ".join(texts) for name, texts in slots.items()}
+
+
+def deferred_run(q: WorkQueue, kind: str) -> str:
+    """The run call of deferred kind ``kind``, with its template arguments for the ops that each image runs
+    (``BlockKind.deferred_template``: a tile shape only the large rows' image uses is not compiled into the
+    batch rows' one)."""
+    j = REGISTRY[kind].deferred
+    call = lambda ops: f"if ({j.var}_pending) {{ mega_sync(); {j.run}{REGISTRY[kind].deferred_template(ops)}({j.var}, smem); }}"
+    ops = [e.op for e in q.entries if e.op.kind == kind]
+    per_band = {r: call([op for op in ops if op.regime in (None, r)]) for r in range(band_count(q))
+                if any(op.regime in (None, r) for op in ops)}
+    if q.program.regime is None or len(set(per_band.values())) == 1:
+        return call(ops)
+    chain = [f"#{'if' if i == 0 else 'elif'} MEGA_REGIME == {r}\n    {text}" for i, (r, text) in enumerate(per_band.items())]
+    return "\n" + "\n".join(chain) + f"\n#else\n    {call(ops)}\n#endif\n"
 
 
 def render(q: WorkQueue) -> Rendered:
     """The kernel's source and entry table."""
     src = (CUDA_DIR / "megakernel.cu").read_text()
     cases, table = shared_cases(q)
-    kinds = []  # the bodies' files, each guarded by the regimes whose entries call it
+    kinds = []  # the bodies' files, each guarded by the bands whose entries call it
     for f in sorted({REGISTRY[e.op.kind].cuda_file for e in q.entries if REGISTRY[e.op.kind].cuda_file}):
-        open_, close = regime_guard({e.op.regime for e in q.entries if REGISTRY[e.op.kind].cuda_file == f})
+        open_, close = regime_guard({e.op.regime for e in q.entries if REGISTRY[e.op.kind].cuda_file == f}, band_count(q))
         kinds.append(f'{open_}\n#include "{f}"\n{close}' if open_ else f'#include "{f}"')
     symbols = q.program.symbols
     slots = {

@@ -119,6 +119,20 @@ def test_hugging_face_rotary_embedding_runs_as_written():
         close(got, want, tol=1e-5)
 
 
+def test_a_batched_outer_product_matmul():
+    """``inv_freq[None, :, None] @ pos[:, None, :]`` as some transformers versions write RoPE's angles: a
+    batched matmul over an inner dim of 1 is a broadcast product; b batched over ones only is a matrix."""
+    class M(nn.Module):
+        def forward(self, a, b, c):
+            return torch.cos(a @ b), a.transpose(1, 2) @ c
+
+    gen = torch.Generator().manual_seed(12)
+    a, b, c = torch.randn(1, 8, 1, generator=gen), torch.randn(1, 1, 6, generator=gen), torch.randn(1, 8, 5, generator=gen)
+    run = me.from_torch(M(), (a, b, c), backend="sim")
+    for got, want in zip(run(a, b, c), M()(a, b, c)):
+        close(got, want, tol=1e-5)
+
+
 def test_a_scalar_not_exact_in_the_dtype_is_refused_with_the_op():
     with pytest.raises(UnsupportedTorch, match=r"aten\.mul\.Tensor: mul by the scalar 0\.1: not exact in bf16"):
         me.from_torch(lambda x: x * 0.1, (torch.randn(4, 8).bfloat16(),), backend="sim")

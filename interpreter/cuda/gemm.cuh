@@ -1,15 +1,22 @@
-// gemm: one 128 x 256 output tile of out = x @ w^T on Hopper tensor cores (megaegg/blockops/gemm.py).
+// gemm: one output tile of out = x @ w^T on Hopper tensor cores (megaegg/blockops/gemm.py): 128 x 256
+// for a prompt, 64 x 64 or 64 x 128 for a batch of ~64 rows.
 // The tile itself is gemm_tile.cuh's. A gemm entry's case only fills a GemmJob (its tile, operands,
 // waits and signals); the interpreter runs the job after its switch, in ONE place for every gemm op
 // (gemm_run): the tile is ~40 KB of machine code, and it must be inlined into the kernel itself (a
 // wgmma pipeline does not cross a call), so inlining it into each case would multiply that and NVRTC's
-// time by the number of gemm cases. The barrier wait on x's producer is taken after the first weight
+// time by the number of gemm cases. gemm_run holds one copy per tile shape the kernel image uses (its
+// TILES mask, written by the renderer: interpreter/render.py deferred_slots). The barrier wait on x's producer is taken after the first weight
 // copies are in flight, so they overlap the hand-off.
 #pragma once
 #include "common.cuh"
 #include "gemm_tile.cuh"
 
-#define MEGA_GEMM_BN 256  // weight rows of a tile (a gated tile: 128 of w and 128 of w2)
+// The tile shapes (BM x BN weight rows; a gated tile: BN / 2 of w and of w2), one bit each.
+enum GemmTileShape : unsigned { GEMM_TILE_128x256 = 1u, GEMM_TILE_64x64 = 2u, GEMM_TILE_64x128 = 4u };
+template <int BM, int BN> constexpr unsigned gemm_tile_shape() {
+    static_assert((BM == 128 && BN == 256) || (BM == 64 && (BN == 64 || BN == 128)), "gemm: no such tile shape");
+    return BM == 128 ? GEMM_TILE_128x256 : BN == 64 ? GEMM_TILE_64x64 : GEMM_TILE_64x128;
+}
 #ifndef MEGA_MAX_SIGNALS
 #define MEGA_MAX_SIGNALS 4  // (the interpreter defines it: the most barrier sets one entry signals)
 #endif
@@ -21,8 +28,9 @@ __device__ __forceinline__ const CUtensorMap* mega_tmap(const char* table, long 
 
 // In shared memory: thread 0 of the case fills it, every thread reads it (after a block barrier).
 struct GemmJob {
-    bool ok;   // its operands' layout is one the tile takes
-    int epi;   // GemmEpi
+    bool ok;         // its operands' layout is one the tile takes
+    int epi;         // GemmEpi
+    unsigned shape;  // GemmTileShape
     const CUtensorMap *tmap_x, *tmap_w, *tmap_w2;
     GemmTileOut o;
     int K, m0, n0;
@@ -31,21 +39,22 @@ struct GemmJob {
     int nsig;
 };
 
-// What a gemm entry's case calls: its tile of out [M, N] (N_OUT columns a tile: 256, or 128 gated), r the
+// What a gemm entry's case calls: its BM x BN tile of out [M, N] (BN columns, BN / 2 gated), r the
 // residual (EPI == GEMM_RESID); m_tile / n_tile: the instance's tile. Strides are in elements. The
 // caller then sets job.wl and job.sig.
-template <int EPI, int N_OUT>
+template <int EPI, int BM, int BN>
 __device__ __forceinline__ void gemm(GemmJob& job, const CUtensorMap* tmap_x, const CUtensorMap* tmap_w,
                                      const CUtensorMap* tmap_w2, Mat<const __nv_bfloat16> r, Mat<__nv_bfloat16> out,
                                      long long M, long long N, int K, long long m_tile, long long n_tile) {
-    static_assert(N_OUT == (EPI == GEMM_GATED ? MEGA_GEMM_BN / 2 : MEGA_GEMM_BN), "gemm: a gated tile stores half its columns");
-    const long long m0 = m_tile * gemm_tile_detail::BM, n0 = n_tile * N_OUT;
+    constexpr int N_OUT = EPI == GEMM_GATED ? BN / 2 : BN;  // (a gated tile stores half its columns)
+    const long long m0 = m_tile * BM, n0 = n_tile * N_OUT;
     job.epi = EPI;
+    job.shape = gemm_tile_shape<BM, BN>();
     job.tmap_x = tmap_x;
     job.tmap_w = tmap_w;
     job.tmap_w2 = tmap_w2;
     job.o = GemmTileOut{out.p + m0 * out.s0 + n0, out.s0, EPI == GEMM_RESID ? r.p + m0 * r.s0 + n0 : nullptr, r.s0,
-                        (int)min_i64(M - m0, gemm_tile_detail::BM), (int)min_i64(N - n0, N_OUT)};
+                        (int)min_i64(M - m0, BM), (int)min_i64(N - n0, N_OUT)};
     job.K = K;
     job.m0 = (int)m0;
     job.n0 = (int)n0;
@@ -55,16 +64,27 @@ __device__ __forceinline__ void gemm(GemmJob& job, const CUtensorMap* tmap_x, co
 
 // After the switch: the tile, then its signals (the block barrier orders every thread's stores before
 // thread 0's releases, as every case's signals). On an abort or a layout error it stops early (the
-// interpreter then sees mega_abort_block or the error record).
+// interpreter then sees mega_abort_block or the error record). TILES: the shapes this image's cases use.
+template <int BM, int BN>
+__device__ __forceinline__ bool gemm_run_shape(const GemmJob& job, char* smem) {
+    return gemm_tile<BM, BN>(job.epi, job.tmap_x, job.tmap_w, job.tmap_w2, job.o, job.K, job.m0, job.n0, smem,
+                             [&] { return mega_wait_all(job.wl); });
+}
+template <unsigned TILES>
 __device__ __forceinline__ void gemm_run(const GemmJob& job, char* smem) {
-    if (!job.ok) {  // a layout the tile does not take
+    if (!job.ok || (job.shape & TILES) == 0) {  // a layout the tile does not take (or a shape not compiled in)
         if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
         mega_wait_all(job.wl);
         return;
     }
-    if (!gemm_tile<MEGA_GEMM_BN>(job.epi, job.tmap_x, job.tmap_w, job.tmap_w2, job.o, job.K, job.m0, job.n0, smem,
-                                 [&] { return mega_wait_all(job.wl); }))
-        return;
+    bool done = false;
+    if constexpr ((TILES & GEMM_TILE_128x256) != 0)
+        if (job.shape == GEMM_TILE_128x256) done = gemm_run_shape<128, 256>(job, smem);
+    if constexpr ((TILES & GEMM_TILE_64x64) != 0)
+        if (job.shape == GEMM_TILE_64x64) done = gemm_run_shape<64, 64>(job, smem);
+    if constexpr ((TILES & GEMM_TILE_64x128) != 0)
+        if (job.shape == GEMM_TILE_64x128) done = gemm_run_shape<64, 128>(job, smem);
+    if (!done) return;
     mega_sync();
     if (threadIdx.x == 0)
         for (int i = 0; i < job.nsig; ++i) mega_red_release(job.sig[i], 1u);

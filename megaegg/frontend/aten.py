@@ -232,6 +232,19 @@ def _chunk(t, node, args, kwargs):
     return _split(t, node, [x, -(-total.value // chunks), dim], {})
 
 
+def _matmul(t, node, args, kwargs):
+    """``a @ b``: b a matrix, or a batched product over an inner dim of 1 (an outer product: Hugging Face's
+    RoPE computes its angles as ``inv_freq[..., None] @ position_ids[:, None, :]``), or b batched over dims
+    of size 1 only."""
+    a, b = args[0], args[1]
+    if b.ndim > 2 and a.ndim >= 2 and a.shape[-1].is_const and a.shape[-1].value == 1 and \
+            b.shape[-2].is_const and b.shape[-2].value == 1:
+        return ops.mul(a, b)  # (broadcast: [..., M, 1] * [..., 1, N])
+    if b.ndim > 2 and all(d.is_const and d.value == 1 for d in b.shape[:-2]):
+        b = ops.reshape(b, list(b.shape[-2:]))
+    return ops.matmul(a, b)
+
+
 def _argmax(t, node, args, kwargs):
     x, dim, keepdim = _padded(args, [None, None, False])
     if dim is None or keepdim:
@@ -281,7 +294,7 @@ ATEN: dict[str, Entry] = {
     "aten.neg.default": lambda t, node, args, kwargs: ops.neg(args[0]),
     "aten.softmax.int": _softmax,
     "aten._softmax.default": lambda t, node, args, kwargs: ops.softmax(args[0], args[1]),
-    "aten.matmul.default": lambda t, node, args, kwargs: ops.matmul(args[0], args[1]),
+    "aten.matmul.default": _matmul,
     "aten.mm.default": lambda t, node, args, kwargs: ops.matmul(args[0], args[1]),
     "aten.reshape.default": _reshape,
     "aten.view.default": _reshape,

@@ -156,6 +156,30 @@ def test_tensor_core_tiles_of_a_prompt(rows):
             assert rel(out[name], ref[name]) < 1e-2, (n, name)
 
 
+def test_tensor_core_tiles_of_a_batch():
+    """The 64-row tiles (64 x 128 gated, 64 x 64 with the residual) that a batch of ~64 rows takes:
+    ragged N (4104 gate / up rows, 1000 output columns) and K (4104), 64 rows and fewer, within bf16
+    tolerance of the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(64)
+    dt = me.bf16
+    g = me.Graph("gemm_batch")
+    x = g.input("x", [N, 2048], dt)
+    h = me.rms_norm(x, g.weight("g", [2048], dt), 1e-5)
+    a = me.silu(me.linear(h, g.weight("wg", [4104, 2048], dt))) * me.linear(h, g.weight("wu", [4104, 2048], dt))
+    y = x + me.linear(a, g.weight("wd", [2048, 4104], dt))
+    g.output("y", y)
+    g.output("z", me.linear(y, g.weight("w", [1000, 2048], dt)))
+    w = {n: rand([d.value for d in t.shape], dt, gen) * 0.3 for n, t in g.weights.items()}
+    k = me.compile(g, w, backend="cuda", max_dims={"n": 64}, dims_hint={"n": 64})
+    shapes = [(e.op.params["bm"], e.op.params["bn"]) for e in k.queue.entries if e.op.kind == "gemm"]
+    assert shapes[:2] == [(64, 128), (64, 64)], [e.op.kind for e in k.queue.entries]
+    for n in (64, 37, 1, 50):
+        xs = rand([n, 2048], dt, gen)
+        out, ref = k(x=xs, n=n), me.run_reference(g, {"x": xs}, w, {"n": n})
+        for name in ("y", "z"):
+            assert rel(out[name], ref[name]) < 1e-2, (n, name)
+
+
 def test_tensor_core_tiles_read_a_callers_tensor():
     """x is the caller's tensor (its tensor map is encoded at each call whose pointer or row count
     changed): three calls with different tensors and row counts."""
