@@ -167,9 +167,11 @@ def cute_options() -> list[str]:
 
 def uses_cute(source: str, defines: dict[str, int] | None = None) -> bool:
     """Whether the source includes CuTe (a gemm body): not when its only include is guarded out for this
-    regime's image (render.py: regime_guard)."""
-    for m in re.finditer(r'(?:#if MEGA_REGIME != (\d)\n)?#include "gemm(?:_tile)?\.cuh"', source):
-        if m.group(1) is None or (defines or {}).get("MEGA_REGIME", -1) != int(m.group(1)):
+    band's image (render.py: regime_guard: ``#if MEGA_REGIME < 0 || MEGA_REGIME == 1 || ...``)."""
+    band = (defines or {}).get("MEGA_REGIME", -1)
+    for m in re.finditer(r'(?:#if (MEGA_REGIME < 0[^\n]*)\n)?#include "gemm(?:_tile)?\.cuh"', source):
+        guarded = m.group(1) and {int(b) for b in re.findall(r"MEGA_REGIME == (\d+)", m.group(1))}
+        if not guarded or band < 0 or band in guarded:
             return True
     return False
 

@@ -40,31 +40,52 @@ def env_defines() -> dict[str, int]:
     return {k: int(v) for k, v in (kv.split("=") for kv in os.environ.get("MEGAEGG_DEFINES", "").split(",") if kv)}
 
 
-# A program with two row regimes (ir/program.py: Regime) compiles into two kernel images from one source:
-# each holds the cases of one regime (MEGA_REGIME), so neither's register allocation pays for the other's
-# bodies. An image with tensor-core tiles (gemm) gets the shared memory they pipeline through (4 stages
-# of a 128 x 256 tile instead of 2); the others keep 120 KB, which the decode path wants (L1).
+# A program with row regimes (ir/program.py: Regime) compiles into one kernel image per band of row counts
+# from one source: each holds the cases of one band (MEGA_REGIME: its index), so none's register allocation
+# pays for the others' bodies. An image with tensor-core tiles (gemm) gets the shared memory they pipeline
+# through (4 stages of a 128 x 256 tile instead of 2); the others keep 120 KB, which the decode path wants (L1).
 TILE_SMEM = 200 * 1024
 # The most shared memory (static + dynamic) a block may opt in to on sm_90 (H100 / H200: 227 KB).
 SMEM_OPTIN = 227 * 1024
 
 
-def static_smem(q: WorkQueue) -> int:
-    """A bound on the kernel's static shared memory: megakernel.cu's entry tables (16 bytes an entry, every
-    regime's entries) and under 2 KB of the runtime's and the deferred jobs' variables (ptxas: ~1.2-1.4 KB)."""
-    return 16 * (len(q.entries) + 1) + 2048
+def band_entries(q: WorkQueue, band: int | None) -> range:
+    """The queue entries the image of ``band`` holds (None: every entry): a band's entries follow one another
+    (regimes.py: merge), or, if they do not, every entry."""
+    if band is None:
+        return range(len(q.entries))
+    mine = [i for i, e in enumerate(q.entries) if e.op.regime in (None, band)]
+    if not mine or mine != list(range(mine[0], mine[-1] + 1)):
+        return range(len(q.entries))
+    return range(mine[0], mine[-1] + 1)
+
+
+def static_smem(q: WorkQueue, band: int | None = None) -> int:
+    """A bound on the kernel image's static shared memory: megakernel.cu's entry tables (16 bytes an entry of
+    its band) and under 2 KB of the runtime's and the deferred jobs' variables (ptxas: ~1.2-1.4 KB)."""
+    return 16 * (len(band_entries(q, band)) + 1) + 2048
+
+
+def band_count(q: WorkQueue) -> int:
+    """How many bands of row counts ``q``'s program has (1: no row regime)."""
+    regime = q.program.regime
+    return 1 if regime is None else regime.bands
 
 
 def image_defines(q: WorkQueue, defs: dict[str, int]) -> list[dict[str, int]]:
-    """The defines of each kernel image of ``q``: one, or one per row regime. Dynamic shared memory is
-    capped where a long queue's entry tables leave less than it beside them (a traced 36-layer model's prompt
-    step, ~2200 entries: 35 KB of tables), so the bodies size their rings for what the block gets."""
-    regime = q.program.regime
-    images = [None] if regime is None else [0, 1]
-    cap = (SMEM_OPTIN - static_smem(q)) // 1024 * 1024
+    """The defines of each kernel image of ``q``: one, or one per band of its row regime, in band order,
+    each with its band's entries only (their tables are static shared memory: what the image takes beyond
+    its carve-out is L1 its bodies lose, perf-notes #88). Dynamic shared memory is capped where a long
+    queue's entry tables leave less than it beside them (a traced 36-layer model's prompt step, ~2200
+    entries: 35 KB of tables), so the bodies size their rings for what the block gets."""
+    images = [None] if q.program.regime is None else range(band_count(q))
     out = []
     for r in images:
         d = dict(defs) if r is None else {**defs, "MEGA_REGIME": r}
+        entries = band_entries(q, r)
+        if len(entries) < len(q.entries):  # the band's entries only (megakernel.cu: MEGA_ENTRY0)
+            d["MEGA_ENTRY0"], d["MEGA_IMAGE_ENTRIES"] = entries.start, len(entries)
+        cap = (SMEM_OPTIN - static_smem(q, r)) // 1024 * 1024
         tiles = any(e.op.kind == "gemm" and (r is None or e.op.regime in (None, r)) for e in q.entries)
         if "MEGA_SMEM" not in env_defines():
             d["MEGA_SMEM"] = min(TILE_SMEM if tiles else d["MEGA_SMEM"], cap)
@@ -72,12 +93,12 @@ def image_defines(q: WorkQueue, defs: dict[str, int]) -> list[dict[str, int]]:
     return out
 
 
-def regime_guard(regimes: set) -> tuple[str, str]:
-    """``#if`` / ``#endif`` lines around code that only entries of ``regimes`` run (None: every regime)."""
-    if None in regimes or regimes == {0, 1} or not regimes:
+def regime_guard(regimes: set, bands: int) -> tuple[str, str]:
+    """``#if`` / ``#endif`` lines around code that only entries of the bands ``regimes`` run (None: every
+    band), of a program of ``bands`` bands. An image compiled without MEGA_REGIME (-1) holds every band."""
+    if None in regimes or not regimes or set(regimes) >= set(range(bands)):
         return "", ""
-    (r,) = regimes
-    return f"#if MEGA_REGIME != {1 - r}", "#endif"
+    return " || ".join(["#if MEGA_REGIME < 0", *(f"MEGA_REGIME == {r}" for r in sorted(regimes))]), "#endif"
 
 
 def launch_shape(defs: dict[str, int]) -> tuple[int, int]:
@@ -317,8 +338,11 @@ class Rendered:
 
 
 def shared_cases(q: WorkQueue) -> tuple[list[str], EntryTable]:
-    """One ``case`` per distinct entry code, literals that differ between its entries read from the table."""
-    groups: dict[str, list[int]] = {}
+    """One ``case`` per distinct entry code of a band, literals that differ between its entries read from the
+    table. Bands do not share cases: each image compiles its own band's only, and a case shared with another
+    band holds as table loads what differs between them (with four bands, the decode image's kernel function
+    spilled 3x as much, perf-notes #88)."""
+    groups: dict[tuple, list[int]] = {}
     holes: list[list[str]] = []
     tmaps = tensor_maps.plan(q)[1]
     regime_dims = regime_dim_refs(q)
@@ -327,10 +351,10 @@ def shared_cases(q: WorkQueue) -> tuple[list[str], EntryTable]:
         for name, ref in regime_dims.items():
             text = re.sub(rf"\b{dimc(name)}\b", ref, text)
         skeleton, literals = _holes(text)
-        groups.setdefault(skeleton, []).append(k)
+        groups.setdefault((e.op.regime, skeleton), []).append(k)
         holes.append(literals)
     cases, variant, offset, consts = [], [0] * len(q.entries), [0] * len(q.entries), []
-    for g, (skeleton, members) in enumerate(groups.items()):
+    for g, ((_, skeleton), members) in enumerate(groups.items()):
         columns = list(zip(*(holes[k] for k in members)))
         varying = [j for j, col in enumerate(columns) if len(set(col)) > 1]
         fill = iter([col[0] if j not in varying else f"e{varying.index(j)}" for j, col in enumerate(columns)])
@@ -342,15 +366,15 @@ def shared_cases(q: WorkQueue) -> tuple[list[str], EntryTable]:
             consts += [int(holes[k][j].removesuffix("LL")) for j in varying]
         ops = ", ".join(f"op{q.entries[k].op.id}" for k in members[:6]) + (" ..." if len(members) > 6 else "")
         head = f"      case {g}: {{  // {q.entries[members[0]].op.kind}: {ops} ({len(members)} entries)\n"
-        open_, close = regime_guard({q.entries[k].op.regime for k in members})
+        open_, close = regime_guard({q.entries[k].op.regime for k in members}, band_count(q))
         cases.append((open_ + "\n" if open_ else "") + head + body + "\n      } break;" + ("\n" + close if close else ""))
     return cases, EntryTable(tuple(variant), tuple(offset), LaunchPrefix.of(q), tuple(consts))
 
 
 def regime_dim_refs(q: WorkQueue) -> dict[str, str]:
     """A row regime's derived dims as ``args.dims[k]`` in the cases: the index is a literal, so the
-    two regimes' copies of an op (the same code over another dim) share one case, their indices in
-    the table (ir/program.py: Regime)."""
+    bands' copies of an op (the same code over another dim) share one case, their indices in the table
+    (ir/program.py: Regime)."""
     p = q.program
     if p.regime is None:
         return {}
@@ -374,23 +398,38 @@ def deferred_slots(q: WorkQueue) -> dict[str, str]:
     jobs = [REGISTRY[k].deferred for k in kinds]
     slots = {"DEFERRED_SHARED": [], "DEFERRED_DECL": [], "DEFERRED_RUN": []}
     for k, j in zip(kinds, jobs):
-        open_, close = regime_guard({e.op.regime for e in q.entries if e.op.kind == k})
+        open_, close = regime_guard({e.op.regime for e in q.entries if e.op.kind == k}, band_count(q))
         code = {"DEFERRED_SHARED": f"__shared__ {j.struct} {j.var};",
                 "DEFERRED_DECL": f"bool {j.var}_pending = false;",
                 # (the barrier: thread 0 filled the job)
-                "DEFERRED_RUN": f"if ({j.var}_pending) {{ mega_sync(); {j.run}({j.var}, smem); }}"}
+                "DEFERRED_RUN": deferred_run(q, k)}
         for name, text in code.items():
             slots[name].append(f"\n{open_}\n    {text}\n{close}\n" if open_ else text)
     return {name: " ".join(texts) for name, texts in slots.items()}
+
+
+def deferred_run(q: WorkQueue, kind: str) -> str:
+    """The run call of deferred kind ``kind``, with its template arguments for the ops that each image runs
+    (``BlockKind.deferred_template``: a tile shape only the large rows' image uses is not compiled into the
+    batch rows' one)."""
+    j = REGISTRY[kind].deferred
+    call = lambda ops: f"if ({j.var}_pending) {{ mega_sync(); {j.run}{REGISTRY[kind].deferred_template(ops)}({j.var}, smem); }}"
+    ops = [e.op for e in q.entries if e.op.kind == kind]
+    per_band = {r: call([op for op in ops if op.regime in (None, r)]) for r in range(band_count(q))
+                if any(op.regime in (None, r) for op in ops)}
+    if q.program.regime is None or len(set(per_band.values())) == 1:
+        return call(ops)
+    chain = [f"#{'if' if i == 0 else 'elif'} MEGA_REGIME == {r}\n    {text}" for i, (r, text) in enumerate(per_band.items())]
+    return "\n" + "\n".join(chain) + f"\n#else\n    {call(ops)}\n#endif\n"
 
 
 def render(q: WorkQueue) -> Rendered:
     """The kernel's source and entry table."""
     src = (CUDA_DIR / "megakernel.cu").read_text()
     cases, table = shared_cases(q)
-    kinds = []  # the bodies' files, each guarded by the regimes whose entries call it
+    kinds = []  # the bodies' files, each guarded by the bands whose entries call it
     for f in sorted({REGISTRY[e.op.kind].cuda_file for e in q.entries if REGISTRY[e.op.kind].cuda_file}):
-        open_, close = regime_guard({e.op.regime for e in q.entries if REGISTRY[e.op.kind].cuda_file == f})
+        open_, close = regime_guard({e.op.regime for e in q.entries if REGISTRY[e.op.kind].cuda_file == f}, band_count(q))
         kinds.append(f'{open_}\n#include "{f}"\n{close}' if open_ else f'#include "{f}"')
     symbols = q.program.symbols
     slots = {

@@ -50,22 +50,21 @@ class LaunchStats:
 
 
 class CudaRunner:
-    def __init__(self, queue: WorkQueue, cubin: bytes, bound: dict[int, torch.Tensor], device: torch.device,
-                 *, defines: dict[str, int], table: list[int], trace_instances: int = 0,
-                 cubin_large: bytes | None = None) -> None:
+    def __init__(self, queue: WorkQueue, cubins: list[bytes], bound: dict[int, torch.Tensor], device: torch.device,
+                 *, defines: dict[str, int], table: list[int], trace_instances: int = 0) -> None:
         self.q = queue
         self.device = device
         torch.empty(1, device=device)  # torch creates the primary context lazily: touch it first
         props = torch.cuda.get_device_properties(device)
         self.sms = props.multi_processor_count
-        # the kernel image, or one a row regime (render.py: image_defines), each launched as compiled
-        regime = queue.program.regime
-        cubins = [cubin] if regime is None else [cubin, cubin_large]
-        if any(c is None for c in cubins):
-            raise RuntimeError("a program with row regimes needs both kernel images (compile_cuda builds them)")
-        self.images = [KernelImage.load(c, d, device) for c, d in zip(cubins, image_defines(queue, defines))]
-        if regime is not None:
-            self._large_dim = queue.program.symbols.index(regime.derived[1])
+        # the kernel image, or one a band of the row regime (render.py: image_defines), each launched as compiled
+        self._regime = regime = queue.program.regime
+        variants = image_defines(queue, defines)
+        if len(cubins) != len(variants) or any(c is None for c in cubins):
+            raise RuntimeError(f"the program needs {len(variants)} kernel image(s), one a band of its row regime; "
+                               f"got {len(cubins)} (compile_cuda builds them)")
+        self.images = [KernelImage.load(c, d, device) for c, d in zip(cubins, variants)]
+        self._rows_dim = None if regime is None else queue.program.symbols.index(regime.symbol)
         self.func, self.threads, self.smem = self.images[0].func, self.images[0].threads, self.images[0].smem
         mem = queue.memory
         try:  # (megaegg.compiler.Kernel checked these fit; another process may have taken the memory since)
@@ -130,7 +129,7 @@ class CudaRunner:
         if self.tmaps is not None and self.tmaps.per_call:
             self.tmaps.update({buf: t.data_ptr() for buf, t in tensors.items()}, dict(zip(self.q.program.symbols, dims)))
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        img = self.images[1 if len(self.images) > 1 and dims[self._large_dim] > 0 else 0]
+        img = self.images[0 if self._rows_dim is None else self._regime.band(dims[self._rows_dim])]
         grid, params = (img.func, self.sms, 1, 1, img.threads, 1, 1, img.smem, stream), ctypes.addressof(self._param)
         _drv(driver.cuLaunchKernel(*grid, params, 0), "cuLaunchKernel")
         self.parity ^= 1

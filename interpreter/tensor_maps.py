@@ -4,8 +4,8 @@ operands into shared memory.
 A kind lists the inputs it reads this way (``BlockKind.tma_inputs``); :func:`plan` gives each such
 (op, input) one map of the kernel's table (``args.tmaps``, 128 bytes each, 64-byte aligned in global
 memory), described by a :class:`TensorMapSpec`: a 2-D bf16 view ``[rows, cols]`` with contiguous
-rows, box ``{64, 128}`` (64 elements = one 128-byte swizzle row, 128 rows), 128-byte swizzle, zeros
-out of bounds. The host encodes them (:class:`TensorMapTable`, the driver's
+rows, box ``{64, box_rows}`` (64 elements = one 128-byte swizzle row; the rows the kind copies at once:
+``BlockKind.tma_box_rows``), 128-byte swizzle, zeros out of bounds. The host encodes them (:class:`TensorMapTable`, the driver's
 ``cuTensorMapEncodeTiled``): arena and weight operands once, a caller's tensor again whenever its
 pointer or its row count changes. Rows past the runtime row count of an arena buffer hold stale data;
 the bodies never store the products of those rows.
@@ -20,7 +20,7 @@ from typing import Mapping
 from ..blockops import REGISTRY
 from ..lowering.queue import WorkQueue, upper_bound
 
-BOX_COLS, BOX_ROWS = 64, 128
+BOX_COLS = 64
 MAP_BYTES = 128
 
 
@@ -43,6 +43,7 @@ class TensorMapSpec:
     row_stride: int
     rows_dim: object  # Dim: the view's row count
     itemsize: int
+    box_rows: int = 128
 
 
 def plan(q: WorkQueue) -> tuple[list[TensorMapSpec], dict[tuple[int, int], int]]:
@@ -63,7 +64,7 @@ def plan(q: WorkQueue) -> tuple[list[TensorMapSpec], dict[tuple[int, int], int]]
                 raise TensorMapError(f"{what}: a tensor map needs 16-byte aligned rows")
             index[(op.id, k)] = len(specs)
             specs.append(TensorMapSpec(op.id, k, o.buffer, lay.offset.value, lay.shape[1].value, lay.stride[0].value,
-                                       lay.shape[0], item))
+                                       lay.shape[0], item, REGISTRY[op.kind].tma_box_rows(op, k)))
     return specs, index
 
 
@@ -86,7 +87,7 @@ def encode(base: int, spec: TensorMapSpec, rows: int) -> bytes:
     u64, u32 = d.cuuint64_t, d.cuuint32_t
     tmap = _drv(d.cuTensorMapEncodeTiled(
         d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, addr,
-        [u64(spec.cols), u64(rows)], [u64(spec.row_stride * spec.itemsize)], [u32(BOX_COLS), u32(BOX_ROWS)],
+        [u64(spec.cols), u64(rows)], [u64(spec.row_stride * spec.itemsize)], [u32(BOX_COLS), u32(spec.box_rows)],
         [u32(1), u32(1)], d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), f"cuTensorMapEncodeTiled (op{spec.op} input {spec.input})")

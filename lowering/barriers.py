@@ -184,7 +184,7 @@ def derive_barriers(program: BlockProgram) -> BarrierPlan:
                 if producer.output.buffer != operand.buffer:
                     continue
                 if None not in (producer.regime, consumer.regime) and producer.regime != consumer.regime:
-                    continue  # two row regimes never run in one launch (ir/program.py: Regime)
+                    continue  # two bands of a row regime never run in one launch (ir/program.py: Regime)
                 peer = buf.kind == "peer"
                 pair = _derive_pair(_as_rank0(producer) if peer else producer, consumer, k, buf)
                 if pair is not None:

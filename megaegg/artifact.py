@@ -10,7 +10,8 @@ zip file (no pickle: loading never runs code):
   queue, encoded by :class:`_Encoder`: only the dataclasses of ``_classes()`` can come
   back) and a ``digest``: the sha256 of the canonical JSON of all of that;
 - ``constants.safetensors``: the graph's constant tensors, by buffer id;
-- ``kernel.cu`` and, when compiled, ``kernel.cubin``.
+- ``kernel.cu`` and, when compiled, ``kernel.cubin``; a program with row regimes has one kernel image
+  per band: ``kernel.cubin`` is band 0's, ``kernel.1.cubin``, ``kernel.2.cubin``, ... the others'.
 
 :meth:`Artifact.load` checks every hash and validates what it decodes (Dim ops, dtypes,
 classes, field names and types), so an edited or corrupt file is an :class:`ArtifactError`
@@ -60,8 +61,16 @@ from .graph import Graph, GraphError
 FORMAT = "megaegg-artifact"
 FORMAT_VERSION = 2  # 2: artifact.json carries the sha256 of every part and a digest of itself
 META = "artifact.json"
-PARTS = ("constants.safetensors", "kernel.cu", "kernel.cubin", "kernel.large.cubin")  # the parts artifact.json hashes
 REQUIRED = (META, "constants.safetensors", "kernel.cu")
+MAX_IMAGES = 16  # kernel images an artifact may hold (one a band of row counts: ir/program.py Regime)
+
+
+def image_part(i: int) -> str:
+    """The part holding kernel image ``i`` (band ``i`` of a row regime; 0: the only one without)."""
+    return "kernel.cubin" if i == 0 else f"kernel.{i}.cubin"
+
+
+PARTS = ("constants.safetensors", "kernel.cu", *map(image_part, range(MAX_IMAGES)))  # the parts artifact.json hashes
 log = logging.getLogger("megaegg")
 
 
@@ -82,23 +91,33 @@ def _meta_digest(meta: Mapping[str, Any]) -> str:
 
 @dataclass
 class Artifact:
-    """Everything needed to run without recompiling: the queue, source, defines, cubin and constants."""
+    """Everything needed to run without recompiling: the queue, source, defines, cubins and constants."""
 
     queue: "WorkQueue"  # noqa: F821 (megaegg.lowering.queue)
     source: str
     table: list[int]  # the entry table the kernel reads (interpreter/render.py: EntryTable)
-    cubin: bytes | None
     constants: dict[int, torch.Tensor]
+    # the kernel images, in band order: one, or one a band of the program's row regime
+    # (interpreter/render.py: image_defines); none before NVRTC
+    cubins: list[bytes] = field(default_factory=list)
     defines: dict[str, int] = field(default_factory=dict)  # what the source was (or is to be) compiled with
     timings: dict[str, float] = field(default_factory=dict)
-    # a program with row regimes: ``cubin`` is the image of its regime 0, this of its regime 1
-    # (interpreter/render.py: image_defines)
-    cubin_large: bytes | None = None
+
+    @property
+    def images_needed(self) -> int:
+        """How many kernel images the queue needs."""
+        regime = self.queue.program.regime
+        return 1 if regime is None else regime.bands
+
+    @property
+    def cubin(self) -> bytes | None:
+        """The first kernel image (the only one without a row regime), or None."""
+        return self.cubins[0] if self.cubins else None
 
     @property
     def compiled(self) -> bool:
         """Whether every kernel image the queue needs is here."""
-        return self.cubin is not None and (self.queue.program.regime is None or self.cubin_large is not None)
+        return len(self.cubins) == self.images_needed
 
     def save(self, path: str | Path) -> None:
         """Write the artifact to ``path`` (one zip file; written whole, then renamed into place). A folder
@@ -123,10 +142,10 @@ class Artifact:
         constants = {str(k): t.contiguous() for k, t in self.constants.items()}
         parts = {"constants.safetensors": save_tensors(constants) if constants else b"",
                  "kernel.cu": self.source.encode()}
-        if self.cubin is not None:
-            parts["kernel.cubin"] = bytes(self.cubin)
-        if self.cubin_large is not None:
-            parts["kernel.large.cubin"] = bytes(self.cubin_large)
+        if len(self.cubins) > MAX_IMAGES:
+            raise ArtifactError(f"{where}: {len(self.cubins)} kernel images, at most {MAX_IMAGES}")
+        for i, image in enumerate(self.cubins):
+            parts[image_part(i)] = bytes(image)
         body = {"defines": self.defines, "timings": self.timings, "table": list(self.table),
                 "queue": encode(self.queue)}
         meta = {
@@ -226,7 +245,9 @@ def _load(path: Path) -> Artifact:
         source = raw["kernel.cu"].decode()
     except UnicodeDecodeError as e:
         raise bad("kernel.cu", f"not UTF-8 ({e})") from None
-    cubin = raw.get("kernel.cubin")
+    cubins = []  # the images up to the first missing one: an artifact missing one is not compiled
+    while image_part(len(cubins)) in raw:
+        cubins.append(raw[image_part(len(cubins))])
     try:
         body = json.loads(meta["body"]) if isinstance(meta.get("body"), str) else None
         if not isinstance(body, dict) or set(body) != {"defines", "timings", "table", "queue"}:
@@ -253,9 +274,8 @@ def _load(path: Path) -> Artifact:
                 or t.numel() != _numel(b.shape):
             raise bad("constants.safetensors", f"constant {b.name!r} is {t.dtype}{list(t.shape)}, "
                                                f"the queue wants {b.dtype}{[str(d) for d in b.shape]}")
-    return Artifact(queue=queue, source=source, table=list(table), cubin=cubin, constants=constants,
-                    defines=dict(defines), timings={k: float(v) for k, v in timings.items()},
-                    cubin_large=raw.get("kernel.large.cubin"))
+    return Artifact(queue=queue, source=source, table=list(table), constants=constants, cubins=cubins,
+                    defines=dict(defines), timings={k: float(v) for k, v in timings.items()})
 
 
 def _numel(shape) -> int:

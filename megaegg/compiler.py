@@ -93,7 +93,7 @@ def build_artifact(
         if b.kind == "constant":
             node = next(n for n in graph.nodes if n.op == "constant" and n.name == b.name)
             constants[b.id] = node.attrs["value"]
-    art = Artifact(queue=queue, source=rendered.source, table=rendered.table.words(), cubin=None, constants=constants,
+    art = Artifact(queue=queue, source=rendered.source, table=rendered.table.words(), constants=constants,
                    defines=defs, timings=timings)
     if compile_cuda:
         compile_kernel(art)
@@ -105,15 +105,15 @@ def compile_kernel(art: Artifact) -> None:
     log.info("nvrtc: compiling %d KB of CUDA (cold: ~10-60 s; cached cubins load at once) ...", len(art.source) // 1024)
     t0 = time.perf_counter()
     images, cached = kernel_images(art.source, art.defines, art.queue)
-    art.cubin, art.cubin_large = images[0], (images[1] if len(images) > 1 else None)
+    art.cubins = images
     art.timings["nvrtc"] = time.perf_counter() - t0
     art.timings["nvrtc_cached"] = float(cached)
     log.info("nvrtc: %s", "cubin cache hit" if cached else f"compiled in {art.timings['nvrtc']:.1f} s")
 
 
 def kernel_images(source: str, defs: Mapping[str, int], queue) -> tuple[list[bytes], bool]:
-    """The cubin of ``source``, or with row regimes one per regime (compiled side by side; their defines:
-    ``interpreter.image_defines``); and whether all came from the cubin cache."""
+    """The cubin of ``source``, or with a row regime one per band, in band order (compiled side by side;
+    their defines: ``interpreter.image_defines``); and whether all came from the cubin cache."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .interpreter import compile_cubin, image_defines
@@ -378,8 +378,8 @@ class Kernel:
 
             if not artifact.compiled:
                 raise GraphError("artifact was built without a cubin (compile_cuda=False): build it for backend 'cuda'")
-            self._runner = CudaRunner(self.queue, artifact.cubin, bound, self.device, defines=artifact.defines,
-                                      table=artifact.table, cubin_large=artifact.cubin_large)
+            self._runner = CudaRunner(self.queue, artifact.cubins, bound, self.device, defines=artifact.defines,
+                                      table=artifact.table)
 
     # --- binding and validation ----------------------------------------------------------
     def _bind_weights(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -574,9 +574,8 @@ class Kernel:
             traced = {**self.artifact.defines, "MEGA_TRACE": 1}
             images, _ = kernel_images(self.artifact.source, traced, self.queue)
             cap = sum(upper_bound(e.launch, self.queue.max_dims) for e in self.queue.entries)
-            self._traced = CudaRunner(self.queue, images[0], self.bound, self.device, defines=traced,
-                                      table=self.artifact.table, trace_instances=cap,
-                                      cubin_large=images[1] if len(images) > 1 else None)
+            self._traced = CudaRunner(self.queue, images, self.bound, self.device, defines=traced,
+                                      table=self.artifact.table, trace_instances=cap)
         run = self._traced
         dim_list = [dims[s] for s in self.program.symbols]
         run.launch(dim_list, tensors)  # warm-up: module load, caches

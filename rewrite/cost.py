@@ -36,7 +36,7 @@ class CostModel:
     step_latency: float = 1.9e-6
     stages_in_flight: int = 1
 
-    def seconds(self, nbytes: int, instances: int, flops: float = 0.0, steps: int = 0, hops: int = 0) -> float:
+    def seconds(self, nbytes: int, instances: int, flops: float = 0.0, steps: float = 0, hops: int = 0) -> float:
         """Time for ``instances`` equal instances moving ``nbytes`` in all, doing ``flops`` on tensor
         cores and ``steps`` pipelined steps (an instance streams, computes and waits at once: the slowest
         of the three counts), then ``hops`` dependent round trips (a last arrival's combine)."""

@@ -1,16 +1,18 @@
-"""One choice per runtime row count, no rebuild: two programs in one kernel (``ir/program.py``: Regime).
+"""One choice per runtime row count, no rebuild: a program per band of row counts in one kernel
+(``ir/program.py``: Regime).
 
 The extractor prices every alternative at one binding of the runtime dims (the hint). A batch of
 16 rows and a prompt of 2048 want different block ops (the matvec path reads the weights once for
 any row count up to a point; tensor-core tiles do 128 x 256 products per weight tile read): so when
 the graph's row count (the leading dim of a linear's input) may grow past the hint, the choices are
-made again at the largest row count. If they differ, both programs go into the kernel: the small one
-for at most ``threshold`` rows, the large one past it, where the cost model puts their crossing.
+made again where a term's ``min_rows`` lets new tiles in and at the largest row count. Each distinct
+choice is a program; consecutive ones are split where the cost model puts their crossing
+(``bands``), and a program that wins nowhere is dropped. The rest go into the kernel, one per band.
 
 Each program's launch counts use its own derived dim (``Regime.derived``), equal to the row count
-in its regime and 0 in the other, so only one program launches instances. The two share the graph's
+in its band and 0 in the others, so only one program launches instances. They share the graph's
 inputs, weights, caches and outputs; their intermediates are their own. No barrier joins them: the
-barrier derivation skips pairs of ops of different regimes (they never run in one launch).
+barrier derivation skips pairs of ops of different bands (they never run in one launch).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def row_symbol(graph: Graph, env: Mapping[str, int], max_dims: Mapping[str, int]
     return max(sorted(found), key=lambda s: max_dims[s], default=None)
 
 
+INTERMEDIATE = ("scratch", "accum", "peer")  # a program's own buffers; the others are the graph's, shared
+
 LARGE_ROWS_STAGES_IN_FLIGHT = 3  # a 128 x 256 gemm tile's ring in the large rows' image: 4 x 48 KB
 
 
@@ -62,14 +66,15 @@ def program_seconds(program: BlockProgram, env: Mapping[str, int], model: CostMo
 
 
 def threshold(small: BlockProgram, large: BlockProgram, symbol: str, env: Mapping[str, int], top: int,
-              model: CostModel, model_large: CostModel) -> int | None:
+              model: CostModel, model_large: CostModel, lo: int | None = None) -> int | None:
     """The most rows for which ``small`` is not dearer than ``large`` (each priced by its image's model;
-    powers of two from the hint up, then a bisection), or None when ``small`` is never dearer up to ``top``."""
+    powers of two from ``lo`` (default: the hint) up, then a bisection; ``lo - 1`` when ``large`` wins
+    at ``lo`` already), or None when ``small`` is never dearer up to ``top``."""
     def large_wins(v: int) -> bool:
         e = {**env, symbol: v}
         return program_seconds(large, e, model_large) < program_seconds(small, e, model)
 
-    lo = max(1, env.get(symbol, 1))
+    lo = max(1, env.get(symbol, 1) if lo is None else lo)
     if large_wins(lo):
         return lo - 1 if lo > 1 else 0
     hi = lo
@@ -83,16 +88,62 @@ def threshold(small: BlockProgram, large: BlockProgram, symbol: str, env: Mappin
     return lo
 
 
-def merge(small: BlockProgram, large: BlockProgram, regime: Regime) -> BlockProgram:
-    """``small``'s ops (regime 0) then ``large``'s (regime 1), each with its launch counts over its own
+def bands(programs: list[BlockProgram], models: list[CostModel], symbol: str, env: Mapping[str, int],
+          top: int) -> tuple[list[BlockProgram], tuple[int, ...]]:
+    """The programs that win a band of row counts and the thresholds between them (strictly increasing).
+    ``programs`` are the candidates in ascending order of the row count they were chosen at (the first at
+    the hint ``env``), ``models`` their images' cost models. Each crossing is searched from the previous
+    threshold up (the first from the hint). A candidate that never beats the last kept program up to ``top``
+    is dropped; one that beats it all through its band (a crossing not above the previous threshold) drops
+    that program instead, and is compared with the one before. The first band holds at least the hint's row
+    count: the hint's program is the extractor's choice there among the terms that fit those rows, and a
+    later program's taller tiles, priced at the hint, are priced as if they ran there at full speed, which
+    they do not (64-row tiles at 16 rows do 4x their products and pay each instance's whole fixed cost:
+    llama-3.2-1b's batch-16 step 1.97 ms against 1.49, docs/perf-notes.md #88)."""
+    kept, costs, cuts = [programs[0]], [models[0]], []
+    for p, m in zip(programs[1:], models[1:]):
+        while True:
+            at = threshold(kept[-1], p, symbol, env, top, costs[-1], m, lo=cuts[-1] + 1 if cuts else None)
+            if at is None:  # ``p`` never beats the program before it
+                break
+            if not cuts:  # the hint's rows stay the hint's program's (see above)
+                at = max(at, env.get(symbol, 1))
+            if cuts and at <= cuts[-1]:  # ``p`` wins all of the last kept program's band: drop that one
+                del kept[-1], costs[-1], cuts[-1]
+                continue
+            kept.append(p)
+            costs.append(m)
+            cuts.append(at)
+            break
+    return kept, tuple(cuts)
+
+
+def merge(programs: list[BlockProgram], regime: Regime) -> BlockProgram:
+    """Band ``i``'s ops are ``programs[i]``'s, in band order, each with its launch counts over its band's
     derived dim. Buffers the graph owns (inputs, weights, constants, caches) and the outputs are shared,
-    matched by name; ``large``'s intermediates are appended."""
-    buffers = list(small.buffers)
-    shared = {(b.name, b.kind, b.transposed): b.id for b in small.buffers if b.kind not in ("scratch", "accum", "peer")}
-    remap: dict[int, int] = {}
-    for name, o in large.outputs.items():  # an output is one buffer, whichever program writes it
-        remap[o.buffer] = small.outputs[name].buffer
-    for b in large.buffers:
+    matched by name (program 0's, first); each later program's intermediates are appended."""
+    first = programs[0]
+    assert len(programs) == regime.bands, (len(programs), regime)
+    buffers = list(first.buffers)
+    shared = {(b.name, b.kind, b.transposed): b.id for b in first.buffers if b.kind not in INTERMEDIATE}
+    ops: list[BlockOp] = []
+    for band, (p, dim) in enumerate(zip(programs, regime.derived)):
+        remap = {b.id: b.id for b in p.buffers} if band == 0 else _shared_buffers(p, first, shared, buffers)
+
+        def moved(o: Operand, remap=remap) -> Operand:
+            return dataclasses.replace(o, buffer=remap[o.buffer])
+
+        base = len(ops)  # (op ids are positions)
+        ops += [gated(op, base + op.id, band, regime.symbol, dim, moved) for op in p.ops]
+    return dataclasses.replace(first, buffers=buffers, ops=ops, symbols=first.symbols + regime.derived, regime=regime)
+
+
+def _shared_buffers(p: BlockProgram, first: BlockProgram, shared: dict, buffers: list) -> dict[int, int]:
+    """``p``'s buffer ids -> the merged program's: its outputs are ``first``'s, the graph's buffers those
+    of ``shared`` (by name), the rest appended to ``buffers`` (and a graph's buffer added to ``shared``,
+    so a later program finds it: a transposed weight that only the tiles of two bands read)."""
+    remap = {o.buffer: first.outputs[name].buffer for name, o in p.outputs.items()}  # one buffer, whichever writes it
+    for b in p.buffers:
         if b.id in remap:
             continue
         key = (b.name, b.kind, b.transposed)
@@ -101,21 +152,16 @@ def merge(small: BlockProgram, large: BlockProgram, regime: Regime) -> BlockProg
         else:
             remap[b.id] = len(buffers)
             buffers.append(dataclasses.replace(b, id=len(buffers)))
-
-    def moved(o: Operand) -> Operand:
-        return dataclasses.replace(o, buffer=remap[o.buffer])
-
-    small_dim, large_dim = regime.derived
-    ops = [gated(op, op.id, 0, regime.symbol, small_dim, lambda o: o) for op in small.ops]
-    ops += [gated(op, len(small.ops) + op.id, 1, regime.symbol, large_dim, moved) for op in large.ops]
-    return dataclasses.replace(small, buffers=buffers, ops=ops, symbols=small.symbols + regime.derived, regime=regime)
+            if b.kind not in INTERMEDIATE:
+                shared[key] = remap[b.id]
+    return remap
 
 
 def gated(op: BlockOp, new_id: int, regime: int, symbol: str, derived: str, moved: Callable[[Operand], Operand]) -> BlockOp:
-    """``op`` in ``regime``: its grid over the regime's derived dim, and 0 outside the regime (a single
+    """``op`` in band ``regime``: its grid over the band's derived dim, and 0 outside the band (a single
     instance becomes a grid of ``min(1, derived)``); its operands moved to the merged program's buffers."""
     grid = tuple(g.subs({symbol: sym(derived)}) for g in op.grid)
-    # the whole grid times min(1, derived): 0 outside the regime even where the launch count does not
+    # the whole grid times min(1, derived): 0 outside the band even where the launch count does not
     # vanish with the rows (a grid over n + 8 rows, or none at all)
     grid = (grid[0] * dmin(1, sym(derived)), *grid[1:]) if grid else (dmin(1, sym(derived)),)
     out = BlockOp(id=new_id, kind=op.kind, sources=op.sources, inputs=tuple(moved(o) for o in op.inputs),

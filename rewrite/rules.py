@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from egglog import String, eq, f64, i64, ne, rule, ruleset, union
 
+from ..blockops.gemm import GEMM_SPLITS, GEMM_TILES  # (x rows, weight rows) of a tensor-core tile, its K splits
 from .terms import NONE, Op, acc, node
 
 # Rows of the weight per matvec instance. 16 rows x K=2048 x bf16 = 64 KB per instance;
@@ -24,7 +25,6 @@ MOE_ROWS = (8, 16, 32, 64, 128)  # rows of one expert's MLP per moe_glu_down ins
 ALL_REDUCE_TILES = (1024, 4096)  # elements per all-reduce instance
 # (weight rows, K splits) of a batch's matvec split over K (blockops/matvec_split.py: fits a runtime row count)
 SPLIT_TILES = tuple((r, s) for r in (32, 48, 64) for s in (2, 4))
-GEMM_BN = (256,)  # weight rows of a tensor-core tile (blockops/gemm.py; the term fits runtime rows only)
 
 # Graph ops with no rules of their own (``Op.other``): their terms and the tile field they share.
 OTHER_TERMS: dict[str, tuple[tuple[str, ...], str | None, tuple[int, ...]]] = {
@@ -50,9 +50,9 @@ def rms_norm_rows(i, x, g, eps) -> tuple:
     return tuple(union(node(i)).with_(Op.rms_norm_rows(x=x, g=g, eps=eps, rows_per=t)) for t in ROW_TILES)
 
 
-def gemm(x, w, *, w2=NONE, r=NONE, bn) -> Op:
+def gemm(x, w, *, w2=NONE, r=NONE, bm, bn, splits=1) -> Op:
     """``Op.gemm`` with its optional fusions absent unless given."""
-    return Op.gemm(x=x, w=w, w2=w2, r=r, bn=bn)
+    return Op.gemm(x=x, w=w, w2=w2, r=r, bm=bm, bn=bn, splits=splits)
 
 
 lowering = ruleset(name="lowering")
@@ -62,7 +62,8 @@ fusion = ruleset(name="fusion")
 @lowering.register
 def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, dt: String, st: String, i: i64):
     yield rule(eq(node(i)).to(Op.linear(x=x, w=w))).then(*(union(node(i)).with_(matvec(x, w, rows=r)) for r in MATVEC_ROWS))
-    yield rule(eq(node(i)).to(Op.linear(x=x, w=w))).then(*(union(node(i)).with_(gemm(x, w, bn=n)) for n in GEMM_BN))
+    yield rule(eq(node(i)).to(Op.linear(x=x, w=w))).then(*(union(node(i)).with_(gemm(x, w, bm=m, bn=n, splits=k))
+                                                               for m, n in GEMM_TILES for k in GEMM_SPLITS[m]))
     yield rule(eq(node(i)).to(Op.rms_norm(x=x, g=g, eps=eps))).then(*rms_norm_rows(i, x, g, eps))
     for build in (lambda: Op.add(a=a, b=b, same_shape=s), lambda: Op.mul(a=a, b=b, same_shape=s), lambda: Op.silu(a=a),
                   lambda: Op.cast(a=a, dtype=dt, src=st), lambda: Op.sub(a=a, b=b), lambda: Op.div(a=a, b=b),
@@ -138,21 +139,24 @@ def _fuse_split(x: i64, w: i64, r: i64, b: i64, i: i64):
 
 
 @fusion.register
-def _fuse_gemm(x: i64, w: i64, w2: i64, r: i64, a: i64, b: i64, u: i64, bn: i64, bn2: i64, i: i64):
+def _fuse_gemm(x: i64, w: i64, w2: i64, r: i64, a: i64, b: i64, u: i64, bm: i64, bn: i64, bn2: i64, k: i64, i: i64):
     # Residual epilogue: r + gemm(...) (either operand order).
     for lhs in (Op.add(a=r, b=b, same_shape=1), Op.add(a=b, b=r, same_shape=1)):
         yield rule(
             eq(node(i)).to(lhs),
-            eq(node(b)).to(gemm(x, w, w2=w2, bn=bn)),
-        ).then(union(node(i)).with_(gemm(x, w, w2=w2, r=r, bn=bn)))
-    # Gated MLP: silu(x w^T) * (x w2^T) -> one tile over 128 rows of each weight.
-    for lhs in (Op.mul(a=a, b=u, same_shape=1), Op.mul(a=u, b=a, same_shape=1)):
-        yield rule(
-            eq(node(i)).to(lhs),
-            eq(node(a)).to(Op.silu(a=b)),
-            eq(node(b)).to(gemm(x, w, bn=bn)),
-            eq(node(u)).to(gemm(x, w2, bn=bn2)),
-        ).then(union(node(i)).with_(gemm(x, w, w2=w2, bn=256)))
+            eq(node(b)).to(gemm(x, w, w2=w2, bm=bm, bn=bn, splits=k)),
+        ).then(union(node(i)).with_(gemm(x, w, w2=w2, r=r, bm=bm, bn=bn, splits=k)))
+    # Gated MLP: silu(x w^T) * (x w2^T) -> one tile over bn / 2 rows of each weight (the widest tile of
+    # its height: 128 + 128 rows, or 64 + 64 for 64 x rows).
+    for m in sorted({m for m, _ in GEMM_TILES}):
+        widest = max(n for mm, n in GEMM_TILES if mm == m)
+        for lhs in (Op.mul(a=a, b=u, same_shape=1), Op.mul(a=u, b=a, same_shape=1)):
+            yield rule(
+                eq(node(i)).to(lhs),
+                eq(node(a)).to(Op.silu(a=b)),
+                eq(node(b)).to(gemm(x, w, bm=m, bn=bn, splits=k)),
+                eq(node(u)).to(gemm(x, w2, bm=m, bn=bn2, splits=k)),
+            ).then(union(node(i)).with_(gemm(x, w, w2=w2, bm=m, bn=widest, splits=k)))
 
 
 @fusion.register

@@ -16,7 +16,7 @@ from .layers import Repeats, expand, find_repeats, reduce
 from ..ir.program import BlockProgram, Regime
 from ..blockops import TERMS
 from ..blockops.base import Sum
-from .regimes import large_rows_model, merge, row_symbol, threshold
+from .regimes import bands, large_rows_model, merge, row_symbol
 from .rules import fusion, lowering
 from .siblings import balance_siblings
 
@@ -45,8 +45,9 @@ def rewrite(
     stats: RewriteStats | None = None, max_dims: dict[str, int] | None = None,
 ) -> BlockProgram:
     """``graph`` as block ops chosen for the runtime dims ``dims_hint``; with ``max_dims``, and a row
-    count that may grow past its hint, a second program chosen for the most rows joins it, run past the
-    row count where the cost model says it wins (``regimes.py``)."""
+    count that may grow past its hint, the programs chosen for more rows (at each tile's height, and at
+    the most rows) join it, each run in the band of row counts where the cost model says it wins
+    (``regimes.py``)."""
     cost_model = cost_model or CostModel()
     env = {s: DEFAULT_DIM_HINT for s in graph.symbols()} | dict(dims_hint or {})
     stats = stats or RewriteStats()
@@ -67,15 +68,15 @@ def rewrite(
     rows = row_symbol(graph, env, max_dims)
 
     def extract(env, tie_env=None):
-        """The choices at ``env``: tensor-core tiles only from their height up (``Term.min_rows``, against
+        """The choices at ``env``: tensor-core tiles only from their height up (``Term.rows_needed``, against
         the value's rows: ``leading_rows``), then priced as their kernel image runs them (``large_rows_model``);
         each price gains TIE_WEIGHT x its price at ``tie_env``, which decides between alternatives that tie at
         ``env`` (or differ there by less than TIE_WEIGHT of their difference at ``tie_env``)
         (the hint's program also serves more rows: a split matvec runs as a matvec of half its tile height up
         to 16 rows and reads x less often past them, docs/perf-notes.md #87)."""
-        allowed = {v: [c for c in cs if TERMS[c.term].min_rows <= leading_rows(small, v, env, TERMS[c.term].rows_from_all_leading)]
+        allowed = {v: [c for c in cs if TERMS[c.term].rows_needed(c.named) <= leading_rows(small, v, env, TERMS[c.term].rows_from_all_leading)]
                    for v, cs in alts.items()}
-        model = large_rows_model(cost_model) if any(TERMS[c.term].min_rows for cs in allowed.values() for c in cs) \
+        model = large_rows_model(cost_model) if any(TERMS[c.term].rows_needed(c.named) for cs in allowed.values() for c in cs) \
             else cost_model
         costs, estimates = _choice_costs(small, allowed, model, env)
         price = costs.__getitem__
@@ -90,16 +91,27 @@ def rewrite(
     t = stats.lap("extract", t)
     program = build_program(graph, chosen, env)  # buffers, operands, block ops
     t = stats.lap("build", t)
-    if rows is not None and program.ranks == 1:  # the choices for the most rows, and where they start to win
-        env_large = {**env, rows: max_dims[rows]}
-        chosen_large, model_large = extract(env_large)
-        if chosen_large != chosen:
-            large = build_program(graph, chosen_large, env_large)
-            at = threshold(program, large, rows, env, max_dims[rows], model, model_large)
-            if at is not None:
-                program = merge(program, large, Regime(rows, at))
+    if rows is not None and program.ranks == 1:  # the choices for more rows, and where they start to win
+        programs, models, last = [program], [model], chosen
+        for at in row_points(alts, env[rows], max_dims[rows]):
+            env_at = {**env, rows: at}
+            chosen_at, model_at = extract(env_at)
+            if chosen_at != last:  # (the same choices as the row count before: the same program)
+                programs.append(build_program(graph, chosen_at, env_at))
+                models.append(model_at)
+                last = chosen_at
+        kept, cuts = bands(programs, models, rows, env, max_dims[rows])
+        if cuts:
+            program = merge(kept, Regime(rows, cuts))
         stats.lap("regimes", t)
     return program
+
+
+def row_points(alts, hint: int, top: int) -> list[int]:
+    """The row counts past the hint to choose again at, ascending: each alternative's ``rows_needed`` between the hint
+    and ``top`` (where a tile starts to fit), and ``top``."""
+    heights = {TERMS[c.term].rows_needed(c.named) for cs in alts.values() for c in cs}
+    return sorted(h for h in heights if hint < h < top) + [top]
 
 
 def leading_rows(graph: Graph, v, env, all_leading: bool = False) -> int:

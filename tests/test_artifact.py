@@ -360,7 +360,7 @@ def _flip(data: bytes, at: int) -> bytes:
 def _with_cubin(entry):
     """The cache entry again, with a cubin (a simulator compile stores none)."""
     art = Artifact.load(entry)
-    art.cubin = b"\x7fELF" + bytes(range(256)) * 4
+    art.cubins = [b"\x7fELF" + bytes(range(256)) * 4]
     art.save(entry)
 
 
@@ -537,7 +537,7 @@ def test_resigned_constants_are_checked_against_the_queue_and_the_graph(cache, c
 
 def test_load_names_the_part_that_does_not_match(tmp_path):
     art = build_artifact(_small_graph(), compile_cuda=False)
-    art.cubin = b"\x7fELF" + bytes(100)
+    art.cubins = [b"\x7fELF" + bytes(100)]
     art.save(tmp_path / "a.megaegg")
     good = _members(tmp_path / "a.megaegg")
     for name in ("constants.safetensors", "kernel.cu", "kernel.cubin"):
@@ -764,9 +764,9 @@ def test_cli_with_the_cache_on_a_file_warns_once_and_works(tmp_path):
     assert f.read_text() == "root:x:0:0::/root:/bin/sh\n"
 
 
-def test_both_kernel_images_of_a_row_regime_round_trip(tmp_path):
-    """A program with row regimes keeps its second kernel image (``cubin_large``) through save and load,
-    and an artifact missing it is not compiled for the cuda backend."""
+def test_every_kernel_image_of_a_row_regime_round_trips(tmp_path):
+    """A program with row regimes keeps one kernel image a band (``cubins``) through save and load, and an
+    artifact missing one is not compiled for the cuda backend."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -776,9 +776,36 @@ def test_both_kernel_images_of_a_row_regime_round_trip(tmp_path):
     from megaegg.compiler import build_artifact
 
     art = build_artifact(mlp(), max_dims={"n": 1024}, dims_hint={"n": 16}, compile_cuda=False)
-    assert art.queue.program.regime is not None and not art.compiled
-    art.cubin, art.cubin_large = b"image of few rows", b"image of many rows"
+    regime = art.queue.program.regime
+    assert regime is not None and not art.compiled and art.images_needed == regime.bands
+    art.cubins = [f"image of band {i}".encode() for i in range(regime.bands)]
     art.save(tmp_path / "a.megaegg")
     back = Artifact.load(tmp_path / "a.megaegg")
-    assert (back.cubin, back.cubin_large, back.compiled) == (art.cubin, art.cubin_large, True)
+    assert (back.cubins, back.cubin, back.compiled) == (art.cubins, art.cubins[0], True)
     assert back.queue.program.regime == art.queue.program.regime
+    art.cubins = art.cubins[:-1]
+    art.save(tmp_path / "b.megaegg")
+    assert not Artifact.load(tmp_path / "b.megaegg").compiled
+
+
+def test_three_kernel_images_round_trip(tmp_path):
+    """Three bands' images: saved as kernel.cubin, kernel.1.cubin and kernel.2.cubin, each hashed; loaded back
+    in band order; a missing middle one leaves the artifact not compiled, an edited one is an error."""
+    from megaegg.ir.program import Regime
+
+    art = build_artifact(_small_graph(), compile_cuda=False)
+    program = dataclasses.replace(art.queue.program, regime=Regime("n", (8, 64)))
+    art.queue = dataclasses.replace(art.queue, program=program)
+    art.cubins = [b"\x7fELF band 0", b"\x7fELF band 1", b"\x7fELF band 2"]
+    assert art.images_needed == 3 and art.compiled
+    art.save(tmp_path / "a.megaegg")
+    good = _members(tmp_path / "a.megaegg")
+    assert {"kernel.cubin", "kernel.1.cubin", "kernel.2.cubin"} <= set(good) and "kernel.3.cubin" not in good
+    back = Artifact.load(tmp_path / "a.megaegg")
+    assert back.cubins == art.cubins and back.compiled and back.queue.program.regime == Regime("n", (8, 64))
+    art.cubins = [art.cubins[0], art.cubins[2]]  # (band 1's image lost)
+    art.save(tmp_path / "b.megaegg")
+    assert not Artifact.load(tmp_path / "b.megaegg").compiled
+    _write_zip(tmp_path / "c.megaegg", {**good, "kernel.1.cubin": _flip(good["kernel.1.cubin"], 2)})
+    with pytest.raises(ArtifactError, match=r"kernel\.1\.cubin: does not match its hash"):
+        Artifact.load(tmp_path / "c.megaegg")

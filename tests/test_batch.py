@@ -342,9 +342,10 @@ def test_runtime_row_tiles_by_operand_layout():
 
 
 def test_a_batch_splits_its_residual_projections_over_k():
-    """At llama-3.2-1b's widths the step graph runs O and the down projection as ``matvec_split``: priced at
-    the 16-row hint it ties with a matvec of half its tile height (what it runs up to 16 rows), and the tie
-    goes to the split, which reads the batch's x half as often at 17-64 rows (rewrite/schedule.py: TIE_ROWS)."""
+    """At llama-3.2-1b's widths the step graph's hint program runs O and the down projection as
+    ``matvec_split``: priced at the 16-row hint it ties with a matvec of half its tile height (what it runs up
+    to 16 rows), and the tie goes to the split (rewrite/schedule.py: TIE_ROWS). Past the hint the band of
+    17-65 rows takes 64-row tensor-core tiles, the down projections split over K (gemm ``splits``)."""
     cfg = dataclasses.replace(ModelConfig.preset("tiny"), hidden=2048, intermediate=8192, heads=32, kv_heads=2)
     graph, spec = build_step_graph(cfg, max_len=64, slots=4)
     k = me.compile(graph, random_weights(spec, seed=1), backend="sim", max_dims={"n": 256, "r": 4, "ctx": 64},
@@ -352,8 +353,14 @@ def test_a_batch_splits_its_residual_projections_over_k():
     small = [e.op for e in k.queue.entries if e.op.regime == 0]
     splits = [op for op in small if op.kind == "matvec_split"]
     assert len(splits) == 2 * cfg.layers and all(op.params["roles"] == ("x", "w", "r") for op in splits)
-    for op in splits:  # two halves a tile up to 16 rows, its splits up to 64
+    env = k.queue.program.with_derived
+    for op in splits:  # two halves a tile up to 16 rows (the band's last); none past it
         tiles = op.output.shape[1].value // op.params["rows"]
-        env = k.queue.program.with_derived
         assert op.launch_count.eval(env({"n": 16, "r": 1, "ctx": 33})) == 2 * tiles
-        assert op.launch_count.eval(env({"n": 40, "r": 1, "ctx": 33})) == op.params["splits"] * tiles
+        assert op.launch_count.eval(env({"n": 40, "r": 1, "ctx": 33})) == 0
+    batch = [e.op for e in k.queue.entries if e.op.regime == 1]
+    down = [op for op in batch if op.kind == "gemm" and op.inputs[0].shape[1].value == cfg.intermediate]
+    split_tiles = [op for op in down if op.params.get("splits", 1) > 1 and "r" in op.params["roles"]]
+    assert len(split_tiles) == cfg.layers, [(op.kind, op.params) for op in batch]
+    for op in split_tiles:
+        assert op.launch_count.eval(env({"n": 40, "r": 1, "ctx": 33})) == op.grid[0].eval(env({"n": 40})) * op.params["splits"]

@@ -64,17 +64,20 @@ def _one_row():
 
 
 def test_a_consumer_tile_waits_only_for_the_producer_tiles_of_its_rows():
-    """z's tile of rows [128 i, 128 i + 128) waits on one counter, row tile i of the op writing y, for all of
-    that op's column tiles; not on the whole op."""
+    """z's tile of rows [bm i, bm i + bm) waits on one counter, row tile i of the op writing y (tiles of the
+    same height here), for all of that op's column tiles; not on the whole op."""
     g = mlp()
     k = me.compile(g, weights(g), backend="sim", max_dims={"n": 1024}, dims_hint={"n": 1024})
     ops = [e for e in k.queue.entries if e.op.kind == "gemm"]
     down, last = ops[1], ops[2]
+    bm = down.op.params["bm"]
+    assert last.op.params["bm"] == bm
     (w,) = [w for w in last.waits if k.queue.barriers.sets[w.barrier_set].producer == down.op.id]
     s = k.queue.barriers.sets[w.barrier_set]
     env = {"n": 1000}
-    assert s.count.eval(env) == 8  # one counter per 128-row tile
-    assert [w.index.eval({**env, "_i0": 0, "_i1": i}) for i in range(8)] == list(range(8))
+    tiles = -(-1000 // bm)
+    assert s.count.eval(env) == tiles  # one counter per row tile
+    assert [w.index.eval({**env, "_i0": 0, "_i1": i}) for i in range(tiles)] == list(range(tiles))
     assert w.expected.eval({**env, "_i0": 0, "_i1": 3}) == down.op.grid[0].eval(env)  # every column tile of those rows
 
 
@@ -91,6 +94,71 @@ def test_simulator_matches_the_reference_under_adversarial_interleavings():
         for name in ("y", "z"):
             err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
             assert err < 1e-2, (rows, name, err)
+
+
+def test_a_batch_takes_64_row_tiles_and_they_match_the_reference():
+    """At ~64 rows the linears of a wide MLP are 64-row tiles (64 x 128 gated: 64 rows of each weight; 64 x 64
+    with the residual), ragged in N and K; the simulator under adversarial interleavings equals the
+    reference, and a dropped wait is caught."""
+    g = mlp(k=2048, f=4104, out=1000)
+    w = weights(g)
+    k = me.compile(g, w, backend="sim", max_dims={"n": 64}, dims_hint={"n": 64})
+    assert [(e.op.params["bm"], e.op.params["bn"]) for e in k.queue.entries if e.op.kind == "gemm"][:2] == [(64, 128), (64, 64)]
+    gen = torch.Generator().manual_seed(4)
+    for rows, sch in ((64, Interleaving(sms=5, seed=1, adversarial=True)), (37, Interleaving(sms=16, seed=2, adversarial=True))):
+        x = torch.randn(rows, 2048, generator=gen).to(torch.bfloat16)
+        out = k.simulate(sch, x=x.clone(), n=rows)
+        ref = me.run_reference(g, {"x": x}, w, {"n": rows})
+        for name in ("y", "z"):
+            err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+            assert err < 1e-2, (rows, name, err)
+    q0 = k.queue
+    k.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "gemm" else e
+                                                    for e in q0.entries))
+    with pytest.raises(SimulationError, match=r"gemm .* read unwritten elements"):
+        for seed in range(8):
+            k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), x=torch.randn(64, 2048).to(torch.bfloat16), n=64)
+
+
+def test_a_batch_splits_its_tiles_over_k():
+    """At ~64 rows a projection with few weight tiles splits K (the last split to arrive sums the f32
+    partials and applies the epilogue): a residual projection and a gated MLP whose gate / up and output
+    projections split, ragged in N (1000 output columns). The simulator under adversarial interleavings
+    equals the reference at 17-64 rows; each split tile launches S instances there, one past 64 rows;
+    a reader one split short fails."""
+    g = me.Graph("gemm_split")
+    x = g.input("x", [N, 2048], me.bf16)
+    y = x + me.linear(g.input("h", [N, 4096], me.bf16), g.weight("wo", [2048, 4096], me.bf16))
+    a = me.silu(me.linear(y, g.weight("wg", [1536, 2048], me.bf16))) * me.linear(y, g.weight("wu", [1536, 2048], me.bf16))
+    g.output("y", y)
+    g.output("z", me.linear(a, g.weight("w", [1000, 1536], me.bf16)))
+    w = weights(g, seed=5)
+    k = me.compile(g, w, backend="sim", max_dims={"n": 64}, dims_hint={"n": 64})
+    split = [e for e in k.queue.entries if e.op.kind == "gemm" and e.op.params.get("splits", 1) > 1]
+    assert {e.op.params["roles"] for e in split} >= {("x", "w", "r"), ("x", "w", "w2")}, [e.op for e in k.queue.entries]
+    gen = torch.Generator().manual_seed(6)
+    for rows, sch in ((64, Interleaving(sms=5, seed=1, adversarial=True)), (17, Interleaving(sms=16, seed=2, adversarial=True)),
+                      (40, Interleaving(sms=7, seed=3))):
+        ins = {"x": torch.randn(rows, 2048, generator=gen).to(torch.bfloat16),
+               "h": torch.randn(rows, 4096, generator=gen).to(torch.bfloat16)}
+        out = k.simulate(sch, **{n: t.clone() for n, t in ins.items()}, n=rows)
+        ref = me.run_reference(g, ins, w, {"n": rows})
+        for name in ("y", "z"):
+            err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+            assert err < 1e-2, (rows, name, err)
+        for e in split:
+            assert e.op.launch_count.eval({"n": rows}) == e.op.grid[0].eval({}) * e.op.params["splits"]
+    assert all(e.op.launch_count.eval({"n": 100}) == e.op.grid[0].eval({}) * 2 for e in split)  # (2 row tiles, unsplit)
+    resid = next(e for e in split if e.op.params["roles"] == ("x", "w", "r"))
+    readers = [e for e in k.queue.entries if any(k.queue.barriers.sets[wt.barrier_set].producer == resid.op.id for wt in e.waits)]
+    assert readers
+    early = {id(e): dataclasses.replace(e, waits=tuple(dataclasses.replace(wt, expected=wt.expected - 1) for wt in e.waits))
+             for e in readers}
+    k.queue = dataclasses.replace(k.queue, entries=tuple(early.get(id(e), e) for e in k.queue.entries))
+    with pytest.raises(SimulationError, match="read unwritten elements"):
+        for seed in range(10):
+            k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), x=torch.randn(40, 2048).to(torch.bfloat16),
+                       h=torch.randn(40, 4096).to(torch.bfloat16), n=40)
 
 
 def test_a_dropped_gemm_wait_is_caught():
@@ -115,7 +183,17 @@ def test_tensor_maps_of_the_operands():
     gemm = next(e for e in k.queue.entries if e.op.kind == "gemm")
     assert index[(gemm.op.id, 0)] == 0 and index[(gemm.op.id, 2)] == 2
     source = render(k.queue).source
-    assert "mega_tmap(args.tmaps, 2)" in source and source.count("gemm_run(gemm_job, smem)") == 1
+    # one run call, compiled for the tile shapes the ops use
+    shapes = sorted({(e.op.params["bm"], e.op.params["bn"]) for e in k.queue.entries if e.op.kind == "gemm"}, reverse=True)
+    run = "gemm_run<" + " | ".join(f"GEMM_TILE_{m}x{n}" for m, n in shapes) + ">(gemm_job, smem)"
+    assert "mega_tmap(args.tmaps, 2)" in source and source.count("gemm_run<") == 1 and run in source, run
+    # each map's box: x's is the tile's rows; a weight's the tile's weight rows (a gated tile: half of each)
+    ops = {e.op.id: e.op for e in k.queue.entries}
+    for spec in specs:
+        p = ops[spec.op].params
+        role = p["roles"][spec.input]
+        want = p["bm"] if role == "x" else p["bn"] // 2 if "w2" in p["roles"] else min(p["bn"], 128)
+        assert spec.box_rows == want, (role, p)
 
 
 def test_an_operand_a_tensor_map_cannot_describe_is_one_error():
@@ -132,21 +210,21 @@ def test_an_operand_a_tensor_map_cannot_describe_is_one_error():
 
 
 def test_one_kernel_chooses_by_row_count():
-    """Compiled for 16 rows and up to 1024: the matvec program below the cost model's crossing, the
-    tensor-core one past it, in one kernel (no rebuild); each call launches only its own regime's ops,
-    and both match the reference under adversarial interleavings."""
+    """Compiled for 16 rows and up to 1024: the matvec program below the cost model's first crossing, the
+    tensor-core one past the last, in one kernel (no rebuild); each call launches only its own band's ops,
+    and every band matches the reference under adversarial interleavings."""
     g = mlp()
     w = weights(g)
     k = me.compile(g, w, backend="sim", max_dims={"n": 1024}, dims_hint={"n": 16})
     regime = k.program.regime
-    assert regime is not None and regime.symbol == "n" and 16 <= regime.threshold < 1024
-    by = {r: {e.op.kind for e in k.queue.entries if e.op.regime == r} for r in (0, 1)}
-    assert "gemm" in by[1] and "gemm" not in by[0] and "matvec" in by[0]
+    assert regime is not None and regime.symbol == "n" and 16 <= regime.thresholds[0] and regime.thresholds[-1] < 1024
+    by = {r: {e.op.kind for e in k.queue.entries if e.op.regime == r} for r in range(regime.bands)}
+    assert "gemm" in by[regime.bands - 1] and "gemm" not in by[0] and "matvec" in by[0]
     gen = torch.Generator().manual_seed(4)
-    for rows in (5, regime.threshold, regime.threshold + 1, 700):
+    for rows in (5, *(r for t in regime.thresholds for r in (t, t + 1)), 700):
         dims = k.program.with_derived({"n": rows})
         launched = {e.op.regime for e in k.queue.entries if e.launch.eval(dims) > 0}
-        assert launched == {0 if rows <= regime.threshold else 1}, rows
+        assert launched == {regime.band(rows)}, rows
         x = torch.randn(rows, 520, generator=gen).to(torch.bfloat16)
         out = k.simulate(Interleaving(sms=8, seed=rows, adversarial=True), x=x.clone(), n=rows)
         ref = me.run_reference(g, {"x": x}, w, {"n": rows})
@@ -240,9 +318,9 @@ def test_decode_rows_keep_the_split_kv_path():
 
 
 def test_each_row_regime_compiles_into_its_own_image():
-    """A program with row regimes compiles into two kernel images from one source: the few-rows image
-    without the tensor-core tile (and its CuTe headers) at the decode path's 120 KB of shared memory, the
-    many-rows image with it and 200 KB (a 4-stage ring). NVRTC, no GPU; skipped without NVRTC or CUTLASS."""
+    """A program with row regimes compiles into one kernel image a band from one source: the fewest rows'
+    image without the tensor-core tile (and its CuTe headers) at the decode path's 120 KB of shared memory,
+    the most rows' with it and 200 KB (a 4-stage ring). NVRTC, no GPU; skipped without NVRTC or CUTLASS."""
     nvrtc = pytest.importorskip("megaegg.interpreter.nvrtc")
     try:
         nvrtc.nvrtc_version()
@@ -253,11 +331,14 @@ def test_each_row_regime_compiles_into_its_own_image():
     from megaegg.interpreter import image_defines
 
     art = build_artifact(mlp(), max_dims={"n": 1024}, dims_hint={"n": 16}, compile_cuda=False)
-    small, large = image_defines(art.queue, art.defines)
-    assert (small["MEGA_REGIME"], small["MEGA_SMEM"], large["MEGA_REGIME"], large["MEGA_SMEM"]) == (0, 120 * 1024, 1, 200 * 1024)
+    bands = art.queue.program.regime.bands
+    variants = image_defines(art.queue, art.defines)
+    small, large = variants[0], variants[-1]
+    assert [d["MEGA_REGIME"] for d in variants] == list(range(bands))
+    assert (small["MEGA_SMEM"], large["MEGA_SMEM"]) == (120 * 1024, 200 * 1024)
     assert not nvrtc.uses_cute(art.source, small) and nvrtc.uses_cute(art.source, large)
     images, _ = kernel_images(art.source, art.defines, art.queue)
-    assert len(images) == 2 and all(images)
+    assert len(images) == bands and all(images)
 
 
 def test_a_long_queue_caps_the_dynamic_shared_memory():
@@ -269,11 +350,13 @@ def test_a_long_queue_caps_the_dynamic_shared_memory():
 
     art = me.compile(mlp(), weights(mlp()), backend="sim", max_dims={"n": 1024}, dims_hint={"n": 16})
     q = art.queue
-    assert [d["MEGA_SMEM"] for d in image_defines(q, {"MEGA_THREADS": 256, "MEGA_SMEM": 120 * 1024})] == [120 * 1024, 200 * 1024]
+    short = image_defines(q, {"MEGA_THREADS": 256, "MEGA_SMEM": 120 * 1024})
+    assert (short[0]["MEGA_SMEM"], short[-1]["MEGA_SMEM"]) == (120 * 1024, 200 * 1024)
     long_q = dataclasses.replace(q, entries=q.entries * 400)  # (only their count and kinds matter here)
-    small, large = image_defines(long_q, {"MEGA_THREADS": 256, "MEGA_SMEM": 120 * 1024})
+    defs = image_defines(long_q, {"MEGA_THREADS": 256, "MEGA_SMEM": 120 * 1024})
+    small, large = defs[0], defs[-1]
     assert small["MEGA_SMEM"] == 120 * 1024
-    assert large["MEGA_SMEM"] < 200 * 1024 and large["MEGA_SMEM"] + static_smem(long_q) <= SMEM_OPTIN
+    assert large["MEGA_SMEM"] < 200 * 1024 and large["MEGA_SMEM"] + static_smem(long_q, len(defs) - 1) <= SMEM_OPTIN
     assert large["MEGA_SMEM"] % 1024 == 0
 
 
@@ -291,8 +374,150 @@ def test_a_regime_launches_nothing_even_where_its_rows_do_not_vanish():
     for n in (4, 161, 300):
         if k.program.regime is not None:
             dims = k.program.with_derived({"n": n})
-            assert {e.op.regime for e in k.queue.entries if e.launch.eval(dims) > 0} <= {None, 0 if n <= k.program.regime.threshold else 1}
+            assert {e.op.regime for e in k.queue.entries if e.launch.eval(dims) > 0} <= {None, k.program.regime.band(n)}
         ins = {"x": torch.randn(n, 256, generator=gen), "c": torch.randn(8, 256, generator=gen)}
         out = k.simulate(Interleaving(sms=4, seed=n, adversarial=True), **ins, n=n)
         ref = me.run_reference(g, ins, w, {"n": n})
         assert torch.allclose(out["y"], ref["y"], atol=1e-4, rtol=1e-4), n
+
+
+def test_a_regime_of_three_bands_names_and_values_its_dims():
+    """Three bands of rows (at most 8, 9..64, more): one derived dim a band, the row count in its band's
+    and 0 in the others'; two bands keep their names (``n_rows_le80`` / ``n_rows_gt80``)."""
+    from megaegg.ir.program import Regime
+
+    r = Regime("n", (8, 64))
+    assert (r.bands, r.derived) == (3, ("n_rows_le8", "n_rows_gt8_le64", "n_rows_gt64"))
+    for n, band in ((0, 0), (1, 0), (8, 0), (9, 1), (64, 1), (65, 2), (4096, 2)):
+        assert r.band(n) == band, n
+        assert r.values({"n": n}) == {d: n if i == band else 0 for i, d in enumerate(r.derived)}, n
+    two = Regime("n", (80,))
+    assert two.derived == ("n_rows_le80", "n_rows_gt80")
+    assert two.values({"n": 80}) == {"n_rows_le80": 80, "n_rows_gt80": 0}
+    assert two.values({"n": 81}) == {"n_rows_le80": 0, "n_rows_gt80": 81}
+    for bad in ((), (64, 8), (8, 8)):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            Regime("n", bad)
+
+
+def test_three_programs_merge_into_one_kernel():
+    """The programs chosen at 16, 128 and 1024 rows merged into three bands: the graph's buffers once, each
+    program's intermediates its own, each band's ops launching nothing outside it (even at 0 rows: no
+    grid of n + c); the merged kernel matches the reference in every band under adversarial interleavings."""
+    from megaegg.artifact import Artifact
+    from megaegg.compiler import Kernel
+    from megaegg.ir.program import Regime
+    from megaegg.lowering import build_queue
+    from megaegg.rewrite import rewrite
+    from megaegg.rewrite.regimes import merge
+
+    g = mlp()
+    w = weights(g)
+    programs = [rewrite(g, dims_hint={"n": n}) for n in (16, 128, 1024)]
+    regime = Regime("n", (40, 300))
+    p = merge(programs, regime)
+    assert p.regime == regime and p.symbols == ("n", *regime.derived) and p.user_symbols == ("n",)
+    assert [sum(op.regime == b for op in p.ops) for b in range(3)] == [len(q.ops) for q in programs]
+    assert [op.id for op in p.ops] == list(range(len(p.ops)))
+    graph_owned = [(b.name, b.kind, b.transposed) for b in p.buffers if b.kind not in ("scratch", "accum", "peer")]
+    assert len(graph_owned) == len(set(graph_owned))  # (inputs, weights and outputs: one buffer each)
+    own = [sum(b.kind in ("scratch", "accum", "peer") and b.id not in {o.buffer for o in q.outputs.values()} for b in q.buffers)
+           for q in programs[1:]]  # (an output is program 0's buffer, whichever program writes it)
+    assert len(p.buffers) == len(programs[0].buffers) + sum(own)
+    for n in (0, 1, 40, 41, 300, 301, 700):
+        dims = p.with_derived({"n": n})
+        launched = {op.regime for op in p.ops if op.launch_count.eval(dims) > 0}
+        assert launched <= {regime.band(n)} and (n == 0 or launched == {regime.band(n)}), n
+    q = build_queue(p, {"n": 1024})
+    r = render(q)
+    k = Kernel(Artifact(queue=q, source=r.source, table=r.table.words(), constants={}), w, backend="sim")
+    gen = torch.Generator().manual_seed(5)
+    for rows in (7, 200, 333):  # one a band
+        x = torch.randn(rows, 520, generator=gen).to(torch.bfloat16)
+        out = k.simulate(Interleaving(sms=8, seed=rows, adversarial=True), x=x.clone(), n=rows)
+        ref = me.run_reference(g, {"x": x}, w, {"n": rows})
+        for name in ("y", "z"):
+            err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+            assert err < 1e-2, (rows, name, err)
+
+
+def test_bands_keep_the_programs_that_win_somewhere():
+    """``bands``: the crossings of consecutive candidates, searched from the previous one up; a candidate that
+    never wins in its band (its crossing not above the previous threshold) or never beats the one before
+    (no crossing) is dropped; the hint's rows (16) stay in the first band, whatever a later program's price
+    there. Costs here are per program: a * rows + b."""
+    from megaegg.rewrite import regimes
+
+    def run(lines, top=1000):
+        programs = [object() for _ in lines]
+        cost = dict(zip(map(id, programs), lines))
+        seconds = lambda p, env, model: cost[id(p)][0] * env["n"] + cost[id(p)][1]  # noqa: E731
+        old, regimes.program_seconds = regimes.program_seconds, seconds
+        try:
+            kept, cuts = regimes.bands(programs, [None] * len(lines), "n", {"n": 16}, top)
+        finally:
+            regimes.program_seconds = old
+        return [programs.index(p) for p in kept], cuts
+
+    assert run([(10, 0), (5, 200), (1, 1000)]) == ([0, 1, 2], (40, 200))  # (ties go to the fewer rows' program)
+    assert run([(10, 0), (5, 200)]) == ([0, 1], (40,))
+    assert run([(10, 0), (9, 1000), (1, 1000)]) == ([0, 2], (111,))  # 1 beats 0 only past the top
+    assert run([(10, 0), (5, 200), (5, 300)]) == ([0, 1], (40,))  # 2 never beats 1
+    assert run([(10, 0), (5, 200), (6, 0)]) == ([0, 2], (16,))  # 2 beats 1 all through 1's band: 1 dropped
+    assert run([(1, 0), (5, 200)]) == ([0], ())  # nothing beats the hint's program
+    assert run([(10, 0), (1, 0)]) == ([0, 1], (16,))  # 1 wins at the hint already: band 0 still holds the hint
+
+
+def test_regime_guards_name_the_bands_that_run_the_code():
+    """``#if`` around code only some bands run; nothing where every band (or any entry outside a band) runs
+    it; an image compiled without MEGA_REGIME holds all; ``uses_cute`` reads the guard of a gemm include."""
+    from megaegg.interpreter.nvrtc import uses_cute
+    from megaegg.interpreter.render import regime_guard
+
+    assert regime_guard({0, 1, 2}, 3) == ("", "") and regime_guard({None, 1}, 3) == ("", "") and regime_guard(set(), 3) == ("", "")
+    assert regime_guard({1}, 3) == ("#if MEGA_REGIME < 0 || MEGA_REGIME == 1", "#endif")
+    assert regime_guard({2, 0}, 3) == ("#if MEGA_REGIME < 0 || MEGA_REGIME == 0 || MEGA_REGIME == 2", "#endif")
+    assert regime_guard({0}, 2) == ("#if MEGA_REGIME < 0 || MEGA_REGIME == 0", "#endif")
+    open_, close = regime_guard({1, 2}, 3)
+    src = f'{open_}\n#include "gemm.cuh"\n{close}\n'
+    assert [uses_cute(src, {"MEGA_REGIME": b}) for b in range(3)] == [False, True, True]
+    assert uses_cute(src) and uses_cute('#include "gemm.cuh"\n', {"MEGA_REGIME": 0})
+
+
+def test_the_runner_launches_the_image_of_the_calls_band(monkeypatch):
+    """CudaRunner with the driver stubbed: one image a band, loaded with its band's defines, and each call
+    launches the image of its row count's band; fewer images than bands is an error."""
+    import types
+
+    from cuda.bindings import driver  # (imports without a GPU)
+
+    from megaegg.interpreter import defines, runtime
+    from megaegg.ir.program import Regime
+    from megaegg.lowering import build_queue
+    from megaegg.rewrite import rewrite
+    from megaegg.rewrite.regimes import merge
+
+    ok = driver.CUresult.CUDA_SUCCESS
+    launched = []
+    monkeypatch.setattr(driver, "cuModuleLoadData", lambda cubin: (ok, cubin))
+    monkeypatch.setattr(driver, "cuModuleGetFunction", lambda m, name: (ok, m))  # (the function: its image's bytes)
+    monkeypatch.setattr(driver, "cuFuncSetAttribute", lambda *a: (ok,))
+    monkeypatch.setattr(driver, "cuFuncGetAttribute", lambda *a: (ok, 1536))  # (static shared memory)
+    monkeypatch.setattr(driver, "cuLaunchKernel", lambda *a: launched.append(a[0]) or (ok,))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=4))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(runtime, "smem_bytes", lambda d: 1 << 20)
+
+    g = mlp(dt=me.f32)  # (f32: no tensor-core tiles, no tensor maps)
+    regime = Regime("n", (8, 64))
+    p = merge([rewrite(g, dims_hint={"n": n}) for n in (4, 32, 512)], regime)
+    q = build_queue(p, {"n": 1024})
+    table = render(q).table.words()
+    images = [b"band 0", b"band 1", b"band 2"]
+    r = runtime.CudaRunner(q, images, {}, torch.device("cpu"), defines=defines(), table=table)
+    for n in (1, 8, 9, 64, 65, 1024):
+        dims = p.with_derived({"n": n})
+        r.launch([dims[s] for s in p.symbols], {})
+        assert launched[-1] == images[regime.band(n)], n
+    with pytest.raises(RuntimeError, match="needs 3 kernel image"):
+        runtime.CudaRunner(q, images[:2], {}, torch.device("cpu"), defines=defines(), table=table)

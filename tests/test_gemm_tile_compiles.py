@@ -1,5 +1,5 @@
 """The Hopper GEMM tile body (interpreter/cuda/gemm_tile.cuh: TMA + mbarrier ring + wgmma through CuTe)
-compiles for sm_90a with NVRTC, in the test kernel of scripts/dev/gemm_probe.py (BN = 128 only: ~6 s),
+compiles for sm_90a with NVRTC, in the test kernel of scripts/dev/gemm_probe.py (the 64 x 128 tile only: ~6 s),
 without spills or serialised wgmmas, and its machine code has wgmma in it. No GPU needed; skipped (one
 reason) without NVRTC or the CUTLASS headers (the nvidia-cutlass wheel, or $CUTLASS_INCLUDE).
 The GPU check and timing: ``python3 scripts/dev/gemm_probe.py`` on an H100 / H200."""
@@ -47,13 +47,13 @@ def test_gemm_tile_compiles_for_sm90a():
         probe.cccl_include()
     except probe.MissingHeaders as e:
         pytest.skip(str(e))
-    res = probe.compile_probe(bns=(128,))
+    res = probe.compile_probe(tiles=((64, 128),))
     log = res["log"]
     print(f"\nNVRTC {res['seconds']:.1f} s, cubin {len(res['cubin'])} bytes, machine code {probe.text_bytes(res['cubin'])}")
     assert "C7510" not in log and "serialized" not in log, f"ptxas serialised the wgmmas:\n{log}"
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
     assert spills and not any(spills), f"the tile spills:\n{log}"
-    assert probe.text_bytes(res["cubin"]).get("gemm_probe_bn128", 0) > 0
+    assert probe.text_bytes(res["cubin"]).get("gemm_probe_64x128", 0) > 0
     counted = probe.wgmma_count(res["cubin"])
     if counted is not None:
         n, where = counted

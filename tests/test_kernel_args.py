@@ -88,7 +88,7 @@ def test_the_runner_writes_the_fields_by_name(monkeypatch):
     assert q.memory.peer is not None
     bound = {b: torch.empty(2) for b in list(slots)[::2]}
     tensors = {b: torch.empty(2) for b in slots if b not in bound}
-    r = runtime.CudaRunner(q, b"", bound, torch.device("cpu"), defines=art.defines, table=art.table)
+    r = runtime.CudaRunner(q, [b""], bound, torch.device("cpu"), defines=art.defines, table=art.table)
     r.set_peers(1, [111, 222])
     r.launch([37] * len(q.program.symbols), tensors)
     r.launch([41] * len(q.program.symbols), tensors)

@@ -60,7 +60,7 @@ def test_prompt_k_and_v_join_q_on_gemm_tiles():
     graph, _spec = build_step_graph(cfg, max_len=2049, slots=65)
     program = rewrite(graph, cost_model=MODEL, dims_hint={"n": 16, "r": 16, "ctx": 513},
                       max_dims={"n": 2112, "r": 65, "ctx": 2049})
-    large = [op for op in program.ops if op.regime == 1]
+    large = [op for op in program.ops if op.regime == program.regime.bands - 1]  # (the most rows' band)
     gemm_weights = {op.inputs[roles(op)["w"]].buffer for op in large if op.kind == "gemm"}
     layer_weights = [b.id for b in program.buffers if b.kind == "weight" and ".layers." in b.name
                      and b.name.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj")]

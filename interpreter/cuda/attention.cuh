@@ -645,17 +645,10 @@ __device__ __noinline__ void attn_partial_merge(char* smem, Mat<const T> q, Ten3
                                                 long long L, long long chunk, float scale, Mat<float> part,
                                                 unsigned* arrive, Mat<T> out, long long c0, long long c1) {
     in_global(q, kc, vc, part, out);
-    __shared__ int last;
     attn_partial<T, D, G>(smem, q, kc, vc, L, chunk, scale, part, c0, c1);
-    mega_sync();  // every thread's partial stores before thread 0's arrival
-    if (threadIdx.x == 0) {
-        unsigned before;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(arrive + c0) : "memory");
-        last = before == (unsigned)((L + chunk - 1) / chunk - 1);
-    }
-    mega_sync();
     // (c0 + 1) * G: the merge's bound on query heads, never reached (the head's G query heads exist)
-    if (last) attn_merge<T, D>(Mat<const float>{part.p, part.s0, part.s1}, L, chunk, (c0 + 1) * G, G, out, c0);
+    if (mega_last_arrival(arrive + c0, (unsigned)((L + chunk - 1) / chunk)))
+        attn_merge<T, D>(Mat<const float>{part.p, part.s0, part.s1}, L, chunk, (c0 + 1) * G, G, out, c0);
 }
 
 // Ragged attention (blockops/ragged_attention.py): row c0 of q attends cache rows [0, pos[c0]] of
@@ -682,7 +675,6 @@ __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, T
                                                   long long Hkv, float scale, float* part, unsigned* arrive,
                                                   Ten3<T> out, long long c0, long long c1, long long c2) {
     in_global(q, kc, vc, pos, slot, out);
-    __shared__ int last;
     const long long p = pos.p[c0 * pos.s0], s = slot.p[c0 * slot.s0];
     if (!ragged_row_ok(p, min_i64(max_len, length), s, slots)) return;
     const long long chunk = (length + splits - 1) / splits, nsplit = (p + chunk) / chunk;  // ceil((p + 1) / chunk)
@@ -702,12 +694,6 @@ __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, T
         }
     }
     if (!mma) attn_partial<T, D, G>(smem, qr, kr, vr, p + 1, chunk, scale, pr, c1, c2);
-    mega_sync();  // every thread's partial stores before thread 0's arrival
-    if (threadIdx.x == 0) {
-        unsigned before;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(arrive + c0 * Hkv + c1) : "memory");
-        last = before == (unsigned)(nsplit - 1);
-    }
-    mega_sync();
-    if (last) attn_merge<T, D>(Mat<const float>{pr.p, pr.s0, pr.s1}, p + 1, chunk, (c1 + 1) * G, G, out.at(c0), c1);
+    if (mega_last_arrival(arrive + c0 * Hkv + c1, (unsigned)nsplit))  // (the last split merges)
+        attn_merge<T, D>(Mat<const float>{pr.p, pr.s0, pr.s1}, p + 1, chunk, (c1 + 1) * G, G, out.at(c0), c1);
 }

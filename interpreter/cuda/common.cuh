@@ -327,6 +327,23 @@ __device__ __forceinline__ float block_reduce_max(float v, float* red) {
     return warp_max(lane < MEGA_WARPS ? red[lane] : MEGA_NEG_INF);
 }
 
+// The arrival-counter protocol of a split op (docs/barriers.md): this block's arrival at `counter`, one of
+// `of` instances that each wrote a part (attn_partial_merge, ragged_partial_merge, matvec_split, a split
+// gemm tile). Every thread's stores come before thread 0's acq_rel add: as the protocol's signal it
+// releases them, and the instance that sees of - 1 (the last to arrive) acquires every other one's.
+// Returns whether this block is the last, the same in every thread; all threads must call it.
+__device__ __noinline__ bool mega_last_arrival(unsigned* counter, unsigned of) {
+    __shared__ int last;
+    mega_sync();
+    if (threadIdx.x == 0) {
+        unsigned before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+        last = before == of - 1;
+    }
+    mega_sync();
+    return last;
+}
+
 // Online-softmax pair (running max m, sum s of exp(x - m)): merge two partial states.
 __device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, float s2) {
     const float mn = fmaxf(m, m2);

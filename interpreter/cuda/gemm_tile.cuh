@@ -12,12 +12,16 @@
 // -default-device (CUTLASS has unannotated constexpr helpers). The megakernel's
 // gemm kind (gemm.cuh, megaegg/blockops/gemm.py) calls it; so does scripts/dev/gemm_probe.py.
 //
-// Tile shape (fixed BM = 128, BK = 64; BN a template parameter, 128 or 256):
+// Tile shape (BK = 64; BM and BN template parameters: 128 x 256, or 64 x 64 / 64 x 128 for a batch of
+// at most ~64 rows, where a 128-row tile would be half zeros and too few tiles would share the weights):
 // - BM = 128: the block's 256 threads are two warpgroups, each owning a 64-row half of the tile with
 //   one wgmma m64nBNk16 per 16 of K (CuTe tiled MMA: the atom SM90_64xBNx16_F32BF16BF16_SS, 2x1x1).
+// - BM = 64: warpgroup 0 alone runs the wgmmas (1x1x1) and the epilogue; warpgroup 1 waits at the end.
+//   Such a tile is for memory-bound row counts: one warpgroup's MMAs take ~1/4 of a stage's copy time.
 // - BK = 64: 64 bf16 = 128 bytes, one row of the 128-byte swizzle (GMMA::Layout_K_SW128_Atom; the
 //   tensor maps use CU_TENSOR_MAP_SWIZZLE_128B, whose inner box may not exceed 128 bytes). A stage is
-//   x's box {64, 128} (16 KB) and BN / 128 weight boxes {64, 128} (BN * 128 bytes).
+//   x's box {64, BM} (BM * 128 bytes) and the weight boxes (BN * 128 bytes): one box of BN rows (two of
+//   128 for BN = 256), or for a gated tile one box of BN / 2 rows from each weight (GemmTile::w_box).
 // - STAGES: as many as fit MEGA_SMEM after 1 KB of alignment slack and the barriers: with 120 KB,
 //   BN = 128 -> 3 stages of 32 KB (96 KB), BN = 256 -> 2 stages of 48 KB (96 KB). At least 2.
 //   Accumulators: BN / 2 f32 registers a thread (64 or 128).
@@ -26,7 +30,7 @@
 // 0 issues the TMA copies. k-tile kt lives in slot kt % STAGES; each slot has two mbarriers:
 // - full[s] (count 1): thread 0's arrive.expect_tx(bytes of both boxes) + the two copies' complete_tx.
 //   k-tile kt completes phase kt / STAGES of full[kt % STAGES] (0-based): its consumers wait on that parity.
-// - empty[s] (count MEGA_WARPS): lane 0 of each warp arrives once its warpgroup's wgmma of that k-tile
+// - empty[s] (count: the warps running wgmmas): lane 0 of each such warp arrives once its warpgroup's wgmma of that k-tile
 //   completed (wgmma.wait_group). Thread 0 loads k-tile j >= STAGES into slot s = j % STAGES only after
 //   the release of k-tile j - STAGES, which completes phase (j - STAGES) / STAGES of empty[s]: it waits
 //   on that parity.
@@ -84,17 +88,19 @@ typedef struct CUtensorMap_st {
 
 namespace gemm_tile_detail {
 
-constexpr int BM = 128;  // two warpgroups x 64 rows
 constexpr int BK = 64;   // 64 bf16 = 128 bytes: one 128-byte swizzle row
 
 // Bytes of one ring slot (both operands' boxes) and the most stages MEGA_SMEM holds.
-__host__ __device__ constexpr int stage_bytes(int bn) { return (BM + bn) * BK * 2; }
-__host__ __device__ constexpr int smem_needed(int bn, int stages) {
-    return 1024 /* align the ring to 1024 */ + stages * stage_bytes(bn) + 2 * stages * 8 /* mbarriers */;
+__host__ __device__ constexpr int stage_bytes(int bm, int bn) { return (bm + bn) * BK * 2; }
+__host__ __device__ constexpr int smem_needed(int bm, int bn, int stages) {
+    return 1024 /* align the ring to 1024 */ + stages * stage_bytes(bm, bn) + 2 * stages * 8 /* mbarriers */;
 }
-__host__ __device__ constexpr int max_stages(int bn) {
-    return cmin(8, (MEGA_SMEM - 1024 - 2 * 8 * 8) / stage_bytes(bn));  // (barriers: at most 8 stages)
+__host__ __device__ constexpr int max_stages(int bm, int bn) {
+    return cmin(8, (MEGA_SMEM - 1024 - 2 * 8 * 8) / stage_bytes(bm, bn));  // (barriers: at most 8 stages)
 }
+// Rows of a weight box: a gated tile takes BN / 2 rows of each weight, a plain one its BN rows in boxes
+// of at most 128 (the host encodes each weight's tensor map with this box: blockops/gemm.py w_box_rows).
+__host__ __device__ constexpr int w_box(int bn, bool gated) { return gated ? bn / 2 : cmin(bn, 128); }
 
 __device__ __forceinline__ unsigned long long globaltimer() {
     unsigned long long t;
@@ -135,6 +141,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // The tiled MMA: two warpgroups stacked along M, each a 64 x BN x 16 wgmma reading A and B from
 // shared memory (SS), both K-major.
 template <int BN> struct Mma;
+template <> struct Mma<64> {
+    using Atom = cute::SM90_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>;
+};
 template <> struct Mma<128> {
     using Atom = cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>;
 };
@@ -152,24 +161,28 @@ struct GemmTileOut {
     const __nv_bfloat16* r;  // RESID: the residual, out = T(r + T(acc)); else unused
     long long ldr;
     int rows, cols;
+    // A split of K (gemm.cuh): the f32 accumulators as they are, part[row * BN + col] for the tile's first
+    // `rows` rows (a gated tile's w2 half at columns BN / 2 ..), instead of the epilogue into out
+    float* part = nullptr;
 };
 
 // What the tile's epilogue computes from the f32 accumulators (rounded as the unfused ops store):
 // PLAIN out = T(acc); RESID out = T(r + T(acc)); GATED (BN = 256: columns [0, 128) are x w^T, [128, 256)
-// x w2^T for the same 128 weight rows) out = T(T(silu(T(y))) * T(u)), 128 output columns.
+// x w2^T for the same 128 weight rows; in general the tile's BN / 2 rows of each) out = T(T(silu(T(y))) *
+// T(u)), BN / 2 output columns.
 enum GemmEpi { GEMM_PLAIN = 0, GEMM_RESID = 1, GEMM_GATED = 2 };
 
 namespace gemm_tile_detail {
 // The epilogue: a thread holds pairs of adjacent columns (c, c + 1) of one row: one 4-byte store each
 // where out allows it. (Each quad of lanes writes 16 contiguous bytes of a row; a shared-memory staged,
 // 16-byte-per-lane or TMA store is the next step.)
-template <int EPI, class Acc, class Coords>
+template <int EPI, int BN, class Acc, class Coords>
 __device__ __forceinline__ void store(const Acc& acc, const Coords& tCcC, const GemmTileOut& o) {
     using namespace cute;
     const bool vec = (o.ldo % 2 == 0) && ((reinterpret_cast<unsigned long long>(o.out) & 3ull) == 0) &&
                      (EPI != GEMM_RESID || ((o.ldr % 2 == 0) && ((reinterpret_cast<unsigned long long>(o.r) & 3ull) == 0)));
-    // GATED: the accumulators of columns [128, 256) are the second half of a thread's (the m64n256 atom's
-    // values run over N last: value v + size / 2 is column c + 128 of the same row; checked below)
+    // GATED: the accumulators of columns [BN / 2, BN) are the second half of a thread's (the m64nBN atom's
+    // values run over N last: value v + size / 2 is column c + BN / 2 of the same row; checked below)
     constexpr int NV = EPI == GEMM_GATED ? decltype(size(acc))::value / 2 : decltype(size(acc))::value;
     static_assert(NV % 2 == 0, "gemm_tile: accumulators come in column pairs");
     auto value = [&](int i) -> float {
@@ -186,7 +199,7 @@ __device__ __forceinline__ void store(const Acc& acc, const Coords& tCcC, const 
         const int r = get<0>(tCcC(i)), c = get<1>(tCcC(i));
         const int r1 = get<0>(tCcC(i + 1)), c1 = get<1>(tCcC(i + 1));
         if constexpr (EPI == GEMM_GATED) {  // (compiles away: the layout is known at compile time)
-            if (get<1>(tCcC(i + NV)) != c + 128 || get<0>(tCcC(i + NV)) != r) __trap();
+            if (get<1>(tCcC(i + NV)) != c + BN / 2 || get<0>(tCcC(i + NV)) != r) __trap();
         }
         float v0 = value(i), v1 = value(i + 1);
         __nv_bfloat16* p = o.out + (long long)r * o.ldo + c;
@@ -209,33 +222,49 @@ __device__ __forceinline__ void store(const Acc& acc, const Coords& tCcC, const 
         }
     }
 }
+
+// A split's f32 products into o.part (row stride BN): two adjacent columns a store (8 bytes).
+template <int BN, class Acc, class Coords>
+__device__ __forceinline__ void store_partial(const Acc& acc, const Coords& tCcC, const GemmTileOut& o) {
+    using namespace cute;
+    constexpr int NV = decltype(size(acc))::value;
+    CUTE_UNROLL
+    for (int i = 0; i < NV; i += 2) {
+        const int r = get<0>(tCcC(i)), c = get<1>(tCcC(i));
+        if (get<0>(tCcC(i + 1)) != r || get<1>(tCcC(i + 1)) != c + 1 || c % 2) __trap();  // (compiles away)
+        if (r < o.rows) *reinterpret_cast<float2*>(o.part + r * BN + c) = make_float2(acc(i), acc(i + 1));
+    }
+}
 }  // namespace gemm_tile_detail
 
 // The block's 256 threads (two warpgroups) compute one output tile; all must call it with the same
 // arguments. `smem`: the dynamic shared memory (MEGA_SMEM bytes; used whole for the call's duration).
-// tmap_x / tmap_w / tmap_w2: tensor maps of x [M, K] and w, w2 [N, K] in global memory, all with box
-// {64, 128}. The tile's B operand is BN weight rows: w's rows [n0, n0 + BN), or (GATED) w's and w2's
-// rows [n0, n0 + 128). K == 0 stores zeros (PLAIN).
+// tmap_x / tmap_w / tmap_w2: tensor maps of x [M, K] and w, w2 [N, K] in global memory, with boxes
+// {64, BM} (x) and {64, w_box(BN, gated)} (the weights). The tile's B operand is BN weight rows: w's
+// rows [n0, n0 + BN), or (GATED) w's and w2's rows [n0, n0 + BN / 2), over K columns [k0, k0 + K) (a split:
+// with o.part, the f32 products go there instead of the epilogue). K == 0 stores zeros (PLAIN).
 // `wait_inputs`: called by every thread after the weights' first copies are issued and before x's: the
 // barrier wait on x's producer (the megakernel's mega_wait_all); it returns false to abort, and then the
 // tile drains its copies and returns false without storing.
 // `epi`: a GemmEpi, a runtime value (the megakernel inlines one tile for every gemm op: one copy of
-// its code, each epilogue's store loop once); GEMM_GATED needs BN = 256.
-template <int BN, int STAGES = gemm_tile_detail::max_stages(BN), class WaitInputs>
+// its code, each epilogue's store loop once).
+template <int BM, int BN, int STAGES = gemm_tile_detail::max_stages(BM, BN), class WaitInputs>
 __device__ __forceinline__ bool gemm_tile(int epi, const CUtensorMap* tmap_x, const CUtensorMap* tmap_w,
-                                          const CUtensorMap* tmap_w2, const GemmTileOut& o, int K, int m0, int n0,
-                                          char* smem, WaitInputs&& wait_inputs) {
+                                          const CUtensorMap* tmap_w2, const GemmTileOut& o, int K, int k0, int m0,
+                                          int n0, char* smem, WaitInputs&& wait_inputs) {
     using namespace cute;
     using namespace gemm_tile_detail;
     static_assert(MEGA_THREADS == 256, "gemm_tile: two warpgroups, 256 threads");
-    static_assert(BN == 128 || BN == 256, "gemm_tile: BN is 128 or 256");
+    static_assert(BM == 64 || BM == 128, "gemm_tile: BM is 64 or 128");
+    static_assert(BN == 64 || BN == 128 || BN == 256, "gemm_tile: BN is 64, 128 or 256");
     static_assert(STAGES >= 2, "gemm_tile: the ring needs 2 stages (refill of slot kt-1 waits on iteration kt)");
-    static_assert(smem_needed(BN, STAGES) <= MEGA_SMEM, "gemm_tile: the ring does not fit MEGA_SMEM");
+    static_assert(smem_needed(BM, BN, STAGES) <= MEGA_SMEM, "gemm_tile: the ring does not fit MEGA_SMEM");
     using T = cute::bfloat16_t;
-    constexpr uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, BOX_B = 128 * BK * 2;
+    constexpr uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
     constexpr uint32_t TX_BYTES = A_BYTES + B_BYTES;  // full boxes, zero-filled parts included
+    constexpr int MMA_THREADS = BM / 64 * 128;        // the warpgroups running wgmmas (one per 64 rows)
 
-    // --- shared memory: [pad to 1024][A ring: STAGES x 16 KB][B ring: STAGES x BN*128][full][empty] ---
+    // --- shared memory: [pad to 1024][A ring: STAGES x BM*128][B ring: STAGES x BN*128][full][empty] ---
     // 128-byte swizzle is a function of the shared address bits 4-9: each operand buffer must start
     // 1024-byte aligned for the TMA's swizzle and the wgmma descriptors' (base offset 0) to agree.
     const uint32_t s0 = (uint32_t)__cvta_generic_to_shared(smem);
@@ -256,7 +285,7 @@ __device__ __forceinline__ bool gemm_tile(int epi, const CUtensorMap* tmap_x, co
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), MEGA_WARPS);
+            mbar_init(empty(s), MMA_THREADS / 32);
         }
         // make the initialised barriers visible to the async proxy (the TMA unit's complete_tx)
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -274,20 +303,20 @@ __device__ __forceinline__ bool gemm_tile(int epi, const CUtensorMap* tmap_x, co
     // (coordinates innermost first: {k, row}). Thread 0 only. The first stages' weights go out before
     // the wait on x's producer, x's after it.
     const uint64_t hint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+    const bool gated = epi == GEMM_GATED;
+    const int wb = w_box(BN, gated);  // a gated tile: w's box, then w2's
     auto issue_w = [&](int kt) {
         const int s = kt % STAGES;
         mbar_arrive_expect_tx(full(s), TX_BYTES);
-        CUTE_UNROLL
-        for (int b = 0; b < BN / 128; ++b) {
-            const bool second = BN == 256 && epi == GEMM_GATED && b == 1;  // (w2's rows of a gated tile)
-            const CUtensorMap* m = second ? tmap_w2 : tmap_w;
-            const int row = second ? n0 : n0 + 128 * b;
-            SM90_TMA_LOAD_2D::copy(m, bar_ptr + s, hint, ring_b + s * (BN * BK) + b * (BOX_B / 2), kt * BK, row);
+        for (int b = 0; b < BN / wb; ++b) {
+            const CUtensorMap* m = gated && b == 1 ? tmap_w2 : tmap_w;
+            const int row = gated ? n0 : n0 + wb * b;
+            SM90_TMA_LOAD_2D::copy(m, bar_ptr + s, hint, ring_b + s * (BN * BK) + b * (wb * BK), k0 + kt * BK, row);
         }
     };
     auto issue_x = [&](int kt) {
         const int s = kt % STAGES;
-        SM90_TMA_LOAD_2D::copy(tmap_x, bar_ptr + s, hint, ring_a + s * (BM * BK), kt * BK, m0);
+        SM90_TMA_LOAD_2D::copy(tmap_x, bar_ptr + s, hint, ring_a + s * (BM * BK), k0 + kt * BK, m0);
     };
     const int first = cmin(STAGES, KT);
     if (tid == 0) {
@@ -326,7 +355,8 @@ __device__ __forceinline__ bool gemm_tile(int epi, const CUtensorMap* tmap_x, co
     // permuted by address bits [4:6] ^= [7:9]; boxes (stages) one after another. CuTe's form of it: the
     // unswizzled layout dense in that order, composed with Swizzle<3,4,3> applied to byte addresses
     // (smem_ptr_flag; CuTe's own TMA code maps Swizzle<3,4,3> to SWIZZLE_128B: get_tma_swizzle_bits).
-    // A B slot of 256 rows is two boxes of 128 rows one after the other: the same dense order.
+    // A B slot of two boxes (256 rows, or a gated tile's two halves) holds them one after the other: the
+    // same dense order (each box a multiple of 8 rows: whole 1024-byte swizzle atoms).
     static_assert(is_same_v<remove_cvref_t<decltype(LayoutA{}.layout_a())>, Swizzle<3, 4, 3>> &&
                       is_same_v<remove_cvref_t<decltype(LayoutB{}.layout_a())>, Swizzle<3, 4, 3>>,
                   "gemm_tile: the smem layouts must use the 128-byte swizzle (the tensor maps' SWIZZLE_128B)");
@@ -336,7 +366,10 @@ __device__ __forceinline__ bool gemm_tile(int epi, const CUtensorMap* tmap_x, co
                   "gemm_tile: the smem layouts must be the TMA boxes' order: rows of BK, then stages");
     Tensor sA = make_tensor(make_smem_ptr(ring_a), LayoutA{});  // (BM, BK, STAGES)
     Tensor sB = make_tensor(make_smem_ptr(ring_b), LayoutB{});  // (BN, BK, STAGES)
-    auto tiled_mma = make_tiled_mma(typename Mma<BN>::Atom{}, Layout<Shape<_2, _1, _1>>{});
+    auto tiled_mma = make_tiled_mma(typename Mma<BN>::Atom{}, Layout<Shape<Int<BM / 64>, _1, _1>>{});
+    // (BM = 64: warpgroup 1 goes to the end. The warpgroup index through a shuffle, as CUTLASS's
+    // canonical_warp_group_idx: ptxas then knows the branch is warp-uniform and keeps the wgmmas async.)
+    if (BM == 128 || __shfl_sync(0xffffffffu, tid / 128, 0) * 128 < MMA_THREADS) {
     auto thr_mma = tiled_mma.get_thread_slice(tid);
     Tensor tCsA = thr_mma.partition_A(sA);          // (MMA, MMA_M, MMA_K, STAGES)
     Tensor tCsB = thr_mma.partition_B(sB);          // (MMA, MMA_N, MMA_K, STAGES)
@@ -377,14 +410,11 @@ __device__ __forceinline__ bool gemm_tile(int epi, const CUtensorMap* tmap_x, co
     // --- epilogue: f32 -> bf16, straight from the accumulators to global memory --------------------
     Tensor cC = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
     Tensor tCcC = thr_mma.partition_C(cC);  // the (row, col) of each accumulator
-    if constexpr (BN == 256) {
-        if (epi == GEMM_GATED) gemm_tile_detail::store<GEMM_GATED>(acc, tCcC, o);
-        else if (epi == GEMM_RESID) gemm_tile_detail::store<GEMM_RESID>(acc, tCcC, o);
-        else gemm_tile_detail::store<GEMM_PLAIN>(acc, tCcC, o);
-    } else {
-        if (epi == GEMM_RESID) gemm_tile_detail::store<GEMM_RESID>(acc, tCcC, o);
-        else gemm_tile_detail::store<GEMM_PLAIN>(acc, tCcC, o);
-    }
+    if (o.part != nullptr) gemm_tile_detail::store_partial<BN>(acc, tCcC, o);
+    else if (epi == GEMM_GATED) gemm_tile_detail::store<GEMM_GATED, BN>(acc, tCcC, o);
+    else if (epi == GEMM_RESID) gemm_tile_detail::store<GEMM_RESID, BN>(acc, tCcC, o);
+    else gemm_tile_detail::store<GEMM_PLAIN, BN>(acc, tCcC, o);
+    }  // (the warpgroups running wgmmas)
 
     retire();  // (every warp's wgmmas are done and every barrier wait passed)
     return true;

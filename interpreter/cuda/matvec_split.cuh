@@ -3,11 +3,9 @@
 // [c1*64, +64) (x, r and out arrive advanced to them); what c2 is depends on M, the x rows of the op:
 // - 16 < M <= 64 (one row tile): K columns [c2*K/S, +K/S). Each split runs the wide tile
 //   (matvec_wide.cuh) on its columns with f32 output into its partial tile part[(c0*S + c2) * 64 * ROWS
-//   ...] ([x row][weight row]); then a block barrier and thread 0's acq_rel add to the tile's arrival
-//   counter arrive[c0] (in the launch-zeroed counter bank): as the counter protocol's signal it releases
-//   the block's stores, and the split that sees S - 1 acquires every other split's (docs/barriers.md, as
-//   attn_partial_merge). That last split sums the partials in split order (the same sum whichever
-//   arrives last), rounds, adds the residual and stores the tile.
+//   ...] ([x row][weight row]); then its arrival at the tile's counter arrive[c0] (in the launch-zeroed
+//   counter bank; common.cuh: mega_last_arrival). The last split sums the partials in split order (the
+//   same sum whichever arrives last), rounds, adds the residual and stores the tile.
 // - M <= 16: nothing is split. c2 (0 or 1) picks half of the tile's weight rows, [c0*ROWS + c2*ROWS/2,
 //   +ROWS/2), over all of K, the staged body writing out directly, as a matvec of ROWS/2-row tiles would:
 //   at so few rows the combine, a dependent round trip, costs more than the fewer x reads of larger tiles
@@ -34,19 +32,6 @@ __device__ __noinline__ bool split_products(char* smem, const T* xp, long long x
                                                                       n_tile, wl, (int)mvalid);
     return run_wide<T, KS, ROWS, false, false, false, 64, float>(smem, x, Vec<const T>{}, 0.0f, w, none, none, out, N,
                                                                   n_tile, wl, (int)mvalid);
-}
-
-// A split's arrival at its tile's counter: whether it is the last of `splits` (the same in every thread).
-__device__ __noinline__ bool split_arrive(unsigned* counter, int splits) {
-    __shared__ int last;
-    mega_sync();  // every thread's partial stores before thread 0's arrival
-    if (threadIdx.x == 0) {
-        unsigned before;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
-        last = before == (unsigned)(splits - 1);
-    }
-    mega_sync();
-    return last;
 }
 
 // The last split: the S partial tiles summed in split order, rounded, the residual added, stored.
@@ -106,6 +91,6 @@ __device__ __forceinline__ void matvec_split(char* smem, Mat<const T> x, Mat<con
     if (!matvec_impl::split_products<T, KS, ROWS>(smem, x.p + split * KS, x.s0, w.p + split * KS, w.s0,
                                                   tiles + split * (MEGA_WIDE_M * ROWS), N, n_tile, mvalid, wl))
         return;
-    if (matvec_impl::split_arrive(arrive + n_tile, S))
+    if (mega_last_arrival(arrive + n_tile, S))
         matvec_impl::split_combine<T, S, ROWS, HAS_RES>(tiles, r.p, r.s0, r.s1, out.p, out.s0, out.s1, N, n_tile, mvalid);
 }

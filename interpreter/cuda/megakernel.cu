@@ -39,6 +39,13 @@
 #define MEGA_COUNTERS /*@COUNTERS@*/
 #define MEGA_LAUNCHES /*@LAUNCHES@*/  // distinct launch counts that are runtime expressions
 #define MEGA_CONSTS_AT (2 * MEGA_ENTRIES + (1 + MEGA_LAUNCHES) * (MEGA_ENTRIES + 1))  // table: the constants
+// An image of one band of a row regime (interpreter/render.py: image_defines) holds the band's entries
+// only, [MEGA_ENTRY0, MEGA_ENTRY0 + MEGA_IMAGE_ENTRIES) of the queue: its tables are static shared memory,
+// and shared memory beyond the carve-out the image needs is L1 the bodies lose (perf-notes #88).
+#ifndef MEGA_ENTRY0
+#define MEGA_ENTRY0 0
+#define MEGA_IMAGE_ENTRIES MEGA_ENTRIES
+#endif
 #define MEGA_MAX_RANKS 8  // GPUs of a tensor-parallel group (megaegg/ops.py: MAX_RANKS)
 
 // struct MegaArgs, the by-value argument struct, and the static_asserts of its layout: interpreter/kernel_args.py
@@ -46,8 +53,8 @@
 
 extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const __grid_constant__ MegaArgs args) {
   extern __shared__ __align__(16) char smem[];
-  __shared__ long long prefix[MEGA_ENTRIES + 1];
-  __shared__ int entry_case[MEGA_ENTRIES + 1], entry_consts[MEGA_ENTRIES + 1];  // (+1: a queue may be empty)
+  __shared__ long long prefix[MEGA_IMAGE_ENTRIES + 1];  // (image-local entries: queue entry MEGA_ENTRY0 + e)
+  __shared__ int entry_case[MEGA_IMAGE_ENTRIES + 1], entry_consts[MEGA_IMAGE_ENTRIES + 1];  // (+1: a queue may be empty)
   __shared__ long long claimed;
   /*@DEFERRED_SHARED@*/
 
@@ -63,19 +70,21 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     mega_control_ptr = control;
     mega_abort_block = 0;
   }
-  {  // the first instance of every entry, from the table (render.py: LaunchPrefix)
+  {  // the first instance of every entry, from the table (render.py: LaunchPrefix), less the image's first
     const long long launch[MEGA_LAUNCHES] = {/*@LAUNCH_VALUES@*/};
     const long long* base = args.table + 2 * MEGA_ENTRIES;
-    for (int e = threadIdx.x; e <= MEGA_ENTRIES; e += blockDim.x) {
+    auto first = [&](int e) {
       long long p = base[e];
 #pragma unroll
       for (int j = 0; j < MEGA_LAUNCHES; ++j) p += base[(j + 1) * (MEGA_ENTRIES + 1) + e] * launch[j];
-      prefix[e] = p;
-    }
+      return p;
+    };
+    const long long p0 = MEGA_ENTRY0 ? first(MEGA_ENTRY0) : 0;  // (0 in a band's launch: the bands before launch nothing)
+    for (int e = threadIdx.x; e <= MEGA_IMAGE_ENTRIES; e += blockDim.x) prefix[e] = first(MEGA_ENTRY0 + e) - p0;
   }
-  for (int e = threadIdx.x; e < MEGA_ENTRIES; e += blockDim.x) {
-    entry_case[e] = (int)args.table[e];
-    entry_consts[e] = (int)args.table[MEGA_ENTRIES + e];
+  for (int e = threadIdx.x; e < MEGA_IMAGE_ENTRIES; e += blockDim.x) {
+    entry_case[e] = (int)args.table[MEGA_ENTRY0 + e];
+    entry_consts[e] = (int)args.table[MEGA_ENTRIES + MEGA_ENTRY0 + e];
   }
   {  // zero the other parity's counters and claim counter for the next launch
     unsigned* next = args.counters + (parity ? 0 : MEGA_COUNTERS);
@@ -85,9 +94,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     if (blockIdx.x == 0 && threadIdx.x == 0) control[1 - parity] = 0;
   }
   __syncthreads();
-  const long long total = prefix[MEGA_ENTRIES];
-  auto find_entry = [&](long long g) {  // entry e holds instances [prefix[e], prefix[e+1])
-    int lo = 0, hi = MEGA_ENTRIES - 1;
+  const long long total = prefix[MEGA_IMAGE_ENTRIES];
+  auto find_entry = [&](long long g) {  // image entry e holds instances [prefix[e], prefix[e+1])
+    int lo = 0, hi = MEGA_IMAGE_ENTRIES - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
       if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
@@ -103,7 +112,11 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       // claim past an abort runs nothing, and the next launch starts from the other parity's counter)
       const long long c = (long long)atomicAdd(&control[parity], 1ULL);
       claimed = *(volatile unsigned long long*)&control[2] ? total : c;
-      if (claimed < total) { mega_cur_entry = find_entry(claimed); mega_cur_instance = claimed - prefix[mega_cur_entry]; }
+      if (claimed < total) {
+        const int e = find_entry(claimed);
+        mega_cur_entry = MEGA_ENTRY0 + e;  // (the queue's entry, for error records)
+        mega_cur_instance = claimed - prefix[e];
+      }
     }
     __syncthreads();
     const long long g = claimed;
@@ -115,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
 #endif
     const long long* E = args.table + MEGA_CONSTS_AT + entry_consts[entry];  // this entry's constants
     (void)E;
-    if (threadIdx.x == 32 && entry + 1 < MEGA_ENTRIES) {  // the next entry's constants into L1: its first
+    if (threadIdx.x == 32 && entry + 1 < MEGA_IMAGE_ENTRIES) {  // the next entry's constants into L1: its first
       const long long* next = args.table + MEGA_CONSTS_AT + entry_consts[entry + 1];  // instance here finds them
       asm volatile("prefetch.global.L1 [%0];" :: "l"(next));
       asm volatile("prefetch.global.L1 [%0];" :: "l"(next + 15));  // (in the table: render.py PREFETCH_PAD)
@@ -133,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       unsigned smid;
       asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
       unsigned long long* rec = args.trace + 4 * g;
-      rec[0] = ((unsigned long long)entry << 40) | ((unsigned long long)smid << 32) | (unsigned long long)local;
+      rec[0] = ((unsigned long long)(MEGA_ENTRY0 + entry) << 40) | ((unsigned long long)smid << 32) | (unsigned long long)local;
       rec[1] = t_claim;
       rec[2] = t_waited ? t_waited : t_claim;
       rec[3] = mega_globaltimer();

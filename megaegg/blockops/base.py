@@ -97,6 +97,10 @@ class Term:
     # take it)
     rows_from_all_leading: ClassVar[bool] = False
 
+    def rows_needed(self, args: Mapping[str, Any]) -> int:
+        """``min_rows`` for these arguments (a tile family's taller tiles need more rows)."""
+        return self.min_rows
+
     def refs(self, graph, args: Mapping[str, Any]) -> tuple:
         """The values this alternative reads (node ids and Sums); its own node's inputs for a term
         with a ``node`` field and no ``ref``, else its ``ref`` and ``sum`` fields."""
@@ -237,7 +241,7 @@ class BlockKind:
         beside the bytes); 0 for the memory-bound kinds."""
         return 0.0
 
-    def pipeline_steps(self, op: "BlockOp", env: dict) -> int:
+    def pipeline_steps(self, op: "BlockOp", env: dict) -> float:
         """Steps of all instances that each wait for a copy through a shared-memory ring (k-tiles of a
         tile), priced at ``CostModel.step_latency``; 0 where loads overlap freely."""
         return 0
@@ -250,6 +254,14 @@ class BlockKind:
     def tma_inputs(self, op: "BlockOp") -> tuple[int, ...]:
         """The inputs the body reads through TMA tensor maps (interpreter/tensor_maps.py)."""
         return ()
+
+    def deferred_template(self, ops: list["BlockOp"]) -> str:
+        """A deferred kind's template arguments of its run function for these ops (one kernel image's)."""
+        return ""
+
+    def tma_box_rows(self, op: "BlockOp", k: int) -> int:
+        """Rows of the box in which the body copies input ``k`` (a ``tma_inputs`` one; 64 columns wide)."""
+        return 128
 
 
 def c_call(fn: str, template: list, args: list[tuple[str, str]]) -> str:

@@ -8,6 +8,7 @@ through a chain of views (reshape, permute, slice, expand) that the layout algeb
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -74,7 +75,7 @@ class Estimate:
     bytes: int
     instances: int
     flops: float = 0.0
-    steps: int = 0  # pipelined steps of all instances (CostModel.step_latency)
+    steps: float = 0  # pipelined steps of all instances (CostModel.step_latency)
     hops: int = 0  # dependent round trips after the instances' work (CostModel.op_overhead each)
 
 
@@ -97,8 +98,8 @@ class BlockOp:
     writes: Footprint
     params: dict[str, Any] = field(default_factory=dict)
     estimate: Estimate | None = None
-    # Which of the program's two row regimes runs this op (``Regime``: 0 at most ``threshold`` rows,
-    # 1 past it), or None: always. Ops of different regimes never run in the same launch.
+    # Which band of the program's row regime runs this op (``Regime``: its index, by row count), or
+    # None: always. Ops of different bands never run in the same launch.
     regime: int | None = None
 
     @property
@@ -142,23 +143,41 @@ class RangeCheck:
 
 @dataclass(frozen=True)
 class Regime:
-    """A choice by runtime row count, made on the device at no rebuild: the program holds two sets of
-    ops, one chosen for at most ``threshold`` rows of runtime dim ``symbol`` (the matvec path, say) and
-    one for more (tensor-core tiles). Each set's launch counts are expressions of its own derived dim,
-    ``symbol`` itself in its regime and 0 in the other, so the other set launches no instance."""
+    """A choice by runtime row count, made on the device at no rebuild: the program holds one set of ops
+    per band of row counts of runtime dim ``symbol`` (the matvec path for a decode batch, tensor-core
+    tiles for a prompt). Band ``i`` holds the counts ``n`` with ``thresholds[i - 1] < n <= thresholds[i]``
+    (band 0: ``n <= thresholds[0]``; the last band: ``n > thresholds[-1]``). Each set's launch counts are
+    expressions of its own derived dim, ``symbol`` itself in its band and 0 in the others, so the other
+    sets launch no instance."""
 
     symbol: str
-    threshold: int
+    thresholds: tuple[int, ...]  # strictly increasing: k - 1 of them for k bands
+
+    def __post_init__(self) -> None:
+        t = self.thresholds
+        if not t or any(a >= b for a, b in zip(t, t[1:])):
+            raise ValueError(f"row regime of {self.symbol!r}: thresholds {t} are not strictly increasing")
 
     @property
-    def derived(self) -> tuple[str, str]:
-        """The two derived dims (regime 0's, regime 1's)."""
-        return (f"{self.symbol}_rows_le{self.threshold}", f"{self.symbol}_rows_gt{self.threshold}")
+    def bands(self) -> int:
+        return len(self.thresholds) + 1
+
+    @property
+    def derived(self) -> tuple[str, ...]:
+        """The derived dims, one a band, in band order."""
+        s, t = self.symbol, self.thresholds
+        middle = tuple(f"{s}_rows_gt{a}_le{b}" for a, b in zip(t, t[1:]))
+        return (f"{s}_rows_le{t[0]}", *middle, f"{s}_rows_gt{t[-1]}")
+
+    def band(self, n: int) -> int:
+        """The band of row count ``n``."""
+        return bisect.bisect_left(self.thresholds, n)
 
     def values(self, dims: Mapping[str, int]) -> dict[str, int]:
+        """Each derived dim's value: the row count in its band, 0 in the others."""
         n = dims[self.symbol]
-        small, large = self.derived
-        return {small: n if n <= self.threshold else 0, large: n if n > self.threshold else 0}
+        b = self.band(n)
+        return {d: n if i == b else 0 for i, d in enumerate(self.derived)}
 
 
 @dataclass

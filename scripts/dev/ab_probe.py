@@ -182,15 +182,19 @@ def load_any_artifact(path: str):
 
     from safetensors.torch import load as load_tensors
 
-    from megaegg.artifact import Artifact, decode
+    from megaegg.artifact import Artifact, decode, image_part
 
     with zipfile.ZipFile(path) as z:
         meta = json.loads(z.read("artifact.json"))
         body = json.loads(meta["body"]) if "body" in meta else meta  # (format 2 nests them in a JSON string)
         blob = z.read("constants.safetensors")
         constants = {int(k): t for k, t in load_tensors(blob).items()} if blob else {}
+        names = set(z.namelist())
+        cubins = []  # every band's kernel image, in band order
+        while image_part(len(cubins)) in names:
+            cubins.append(z.read(image_part(len(cubins))))
         return Artifact(queue=decode(body["queue"]), source=z.read("kernel.cu").decode(), table=body["table"],
-                        cubin=z.read("kernel.cubin"), constants=constants, defines=body["defines"])
+                        cubins=cubins, constants=constants, defines=body["defines"])
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@ in a persistent test kernel, checked against torch and timed next to torch.matmu
 
     python3 scripts/dev/gemm_probe.py                  # compile, check, time (needs an sm_90 GPU)
     python3 scripts/dev/gemm_probe.py --compile-only   # everything but the launches (no GPU needed)
-    python3 scripts/dev/gemm_probe.py --bn 128 --shapes 2048,2048,2048 200,300,136
+    python3 scripts/dev/gemm_probe.py --tile 64x128 --shapes 2048,2048,2048 200,300,136
 
 The test kernel: a persistent grid (one block of 256 threads per SM, 132 on an H100 / H200) where
-block b computes the output tiles t = b, b + gridDim.x, ... (128 x BN each; M fastest) by calling
-``gemm_tile<BN>``, once for BN = 128 and once for BN = 256 (two kernels of one NVRTC program).
+block b computes the output tiles t = b, b + gridDim.x, ... (BM x BN each; M fastest) by calling
+``gemm_tile<BM, BN>``, one kernel per tile shape (``TILES``, ``--tile``) in one NVRTC program.
 out = x @ w.T for x [M, K], w [N, K] (the Linear weight layout), bf16 in and out, f32 accumulation.
 
 Headers: CUTLASS's (the ``nvidia-cutlass`` wheel, ``cutlass_library/source/include``; found through
@@ -16,7 +16,7 @@ cuda-pathfinder, or ``$CCCL_INCLUDE``). A missing one stops the probe with one l
 Nothing here imports the megaegg package (the device machine may lack egglog): interpreter/nvrtc.py is
 loaded by its path for the NVRTC call and the include discovery.
 
-Per shape and BN: max relative error ``|out - ref| / max|ref|`` and Frobenius ``||out - ref|| / ||ref||``
+Per shape and tile: max relative error ``|out - ref| / max|ref|`` and Frobenius ``||out - ref|| / ||ref||``
 against ``x.float() @ w.float().T`` (pass: both < 1e-2), a check that nothing was written past row M
 (the output buffer has sentinel rows below), and the median of 20 timed launches after 3 warm-ups
 (CUDA events) as TFLOP/s, with torch.matmul's (cuBLAS) measured the same way in the same run.
@@ -45,8 +45,7 @@ NVRTC_PY = ROOT / "interpreter" / "nvrtc.py"
 # The megakernel's block shape (interpreter/render.py: THREADS, SMEM_BYTES), taken from it when megaegg
 # imports, else these (its values when this probe was written).
 THREADS, SMEM_BYTES = 256, 122880
-BM = 128
-BNS = (128, 256)
+TILES = ((128, 128), (128, 256), (64, 64), (64, 128))  # (BM, BN): gemm_tile<BM, BN>
 DEVICE = "cuda"  # (where run_shape makes its tensors)
 DEFAULT_SHAPES = [(128, 128, 64), (200, 300, 136), (1, 200, 72), (333, 520, 1000),
                   (2048, 2048, 2048), (2048, 8192, 2048), (2048, 2048, 8192), (4096, 4096, 4096)]
@@ -58,23 +57,23 @@ KERNEL = r"""{defines}
 #include "gemm_tile.cuh"
 
 // Persistent: block b takes tiles b, b + gridDim.x, ... (M fastest: neighbouring blocks share w's tile).
-template <int BN>
+template <int BM, int BN>
 __device__ __forceinline__ void gemm_probe(const CUtensorMap* tmap_x, const CUtensorMap* tmap_w,
                                            __nv_bfloat16* out, long long ldo, int M, int N, int K) {{
-    const int tiles_m = (M + {bm} - 1) / {bm}, tiles_n = (N + BN - 1) / BN;
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
     for (int t = blockIdx.x; t < tiles_m * tiles_n; t += gridDim.x) {{
-        const int m0 = (t % tiles_m) * {bm}, n0 = (t / tiles_m) * BN;
+        const int m0 = (t % tiles_m) * BM, n0 = (t / tiles_m) * BN;
         const GemmTileOut o{{out + (long long)m0 * ldo + n0, ldo, nullptr, 0, M - m0, N - n0}};
-        gemm_tile<BN>(GEMM_PLAIN, tmap_x, tmap_w, nullptr, o, K, m0, n0, mega_dyn_smem, [] {{ return true; }});
+        gemm_tile<BM, BN>(GEMM_PLAIN, tmap_x, tmap_w, nullptr, o, K, 0, m0, n0, mega_dyn_smem, [] {{ return true; }});
     }}
 }}
 {kernels}
 """
 KERNEL_ONE = r"""
 extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1)
-gemm_probe_bn{bn}(const CUtensorMap* tmap_x, const CUtensorMap* tmap_w, __nv_bfloat16* out, long long ldo,
+gemm_probe_{bm}x{bn}(const CUtensorMap* tmap_x, const CUtensorMap* tmap_w, __nv_bfloat16* out, long long ldo,
                   int M, int N, int K) {{
-    gemm_probe<{bn}>(tmap_x, tmap_w, out, ldo, M, N, K);
+    gemm_probe<{bm}, {bn}>(tmap_x, tmap_w, out, ldo, M, N, K);
 }}
 """
 
@@ -120,12 +119,12 @@ def _wrap(fn):
         raise MissingHeaders(str(e)) from None
 
 
-def kernel_source(bns=BNS, smem: int | None = None, defines: tuple[str, ...] = ()) -> tuple[str, int, int]:
+def kernel_source(tiles=TILES, smem: int | None = None, defines: tuple[str, ...] = ()) -> tuple[str, int, int]:
     threads, default_smem = block_shape()
     smem = smem or default_smem
-    src = KERNEL.format(threads=threads, smem=smem, bm=BM,
+    src = KERNEL.format(threads=threads, smem=smem,
                         defines="".join(f"\n#define {d.replace('=', ' ', 1)}" for d in defines),
-                        kernels="".join(KERNEL_ONE.format(bn=bn) for bn in bns))
+                        kernels="".join(KERNEL_ONE.format(bm=bm, bn=bn) for bm, bn in tiles))
     return src, threads, smem
 
 
@@ -136,11 +135,11 @@ def compile_options(nv, arch: str = "sm_90a") -> list[str]:
     return opts + _wrap(nv.cute_options)
 
 
-def compile_probe(bns=BNS, arch: str = "sm_90a", smem: int | None = None, defines: tuple[str, ...] = ()) -> dict:
+def compile_probe(tiles=TILES, arch: str = "sm_90a", smem: int | None = None, defines: tuple[str, ...] = ()) -> dict:
     """NVRTC-compile the probe kernels: {cubin, log, seconds, source, threads, smem} (CompileError: NVRTC's log)."""
     nv = load_nvrtc_module()
     opts = compile_options(nv, arch)
-    src, threads, smem = kernel_source(bns, smem, defines)
+    src, threads, smem = kernel_source(tiles, smem, defines)
     t0 = time.perf_counter()
     if arch.startswith("compute_"):
         out, text = _nvrtc_ptx(src, opts), ""
@@ -291,7 +290,7 @@ def encode_tmap(t, box_rows: int) -> bytes:
 
 
 class Probe:
-    def __init__(self, cubin: bytes, smem: int, threads: int, bns) -> None:
+    def __init__(self, cubin: bytes, smem: int, threads: int, tiles) -> None:
         import torch
         from cuda.bindings import driver
 
@@ -304,18 +303,18 @@ class Probe:
         # Every tensor-map buffer stays allocated until the end: a freed one's address could come back for
         # the next shape while the TMA unit still caches the old descriptor at that address.
         self.maps = []
-        for bn in bns:
-            f = _drv(driver.cuModuleGetFunction(self.module, f"gemm_probe_bn{bn}".encode()), "cuModuleGetFunction")
+        for bm, bn in tiles:
+            f = _drv(driver.cuModuleGetFunction(self.module, f"gemm_probe_{bm}x{bn}".encode()), "cuModuleGetFunction")
             _drv(driver.cuFuncSetAttribute(
                 f, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem), "cuFuncSetAttribute")
-            self.funcs[bn] = f
+            self.funcs[(bm, bn)] = f
 
-    def prepare(self, bn: int, x, w, out):
-        """The launch of gemm_probe_bn{bn} on x, w -> out: a closure (its tensor maps and arguments kept alive)."""
+    def prepare(self, tile: tuple[int, int], x, w, out):
+        """The launch of gemm_probe_{BM}x{BN} on x, w -> out: a closure (its tensor maps and arguments kept alive)."""
         import torch
         from cuda.bindings import driver
 
-        maps = torch.frombuffer(bytearray(encode_tmap(x, BM) + encode_tmap(w, 128)), dtype=torch.uint8).to("cuda")
+        maps = torch.frombuffer(bytearray(encode_tmap(x, tile[0]) + encode_tmap(w, min(tile[1], 128))), dtype=torch.uint8).to("cuda")
         assert maps.data_ptr() % 64 == 0, "a CUtensorMap in global memory must be 64-byte aligned"
         self.maps.append(maps)
         m, k = x.shape
@@ -323,7 +322,7 @@ class Probe:
         args = [ctypes.c_void_p(maps.data_ptr()), ctypes.c_void_p(maps.data_ptr() + 128), ctypes.c_void_p(out.data_ptr()),
                 ctypes.c_longlong(out.stride(0)), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        func = self.funcs[bn]
+        func = self.funcs[tile]
 
         def launch():
             stream = torch.cuda.current_stream().cuda_stream
@@ -351,7 +350,7 @@ def median_ms(fn, warmup: int = 3, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_shape(probe: Probe, bns, m: int, n: int, k: int, time_it: bool) -> bool:
+def run_shape(probe: Probe, tiles, m: int, n: int, k: int, time_it: bool) -> bool:
     import torch
 
     torch.manual_seed(m * 1000003 + n * 1009 + k)
@@ -361,23 +360,24 @@ def run_shape(probe: Probe, bns, m: int, n: int, k: int, time_it: bool) -> bool:
     flops = 2.0 * m * n * k
     ok = True
     cells = []
-    for bn in bns:
-        pad = BM  # sentinel rows below out: a store past row M lands there
+    for bm, bn in tiles:
+        name = f"{bm}x{bn}"
+        pad = 128  # sentinel rows below out: a store past row M lands there
         buf = torch.full((m + pad, n), float("nan"), device=DEVICE, dtype=torch.bfloat16)
         out = buf[:m]
         sentinel = torch.tensor(-7.0, dtype=torch.bfloat16, device=DEVICE)
         buf[m:] = sentinel
         try:
-            launch = probe.prepare(bn, x, w, out)
+            launch = probe.prepare((bm, bn), x, w, out)
         except Exception as e:  # (a tensor map the driver refused: the next shapes can still run)
-            print(f"({m}, {n}, {k}) BN={bn}: FAILED to prepare: {e}", flush=True)
+            print(f"({m}, {n}, {k}) {name}: FAILED to prepare: {e}", flush=True)
             ok = False
             continue
         try:
             launch()
             torch.cuda.synchronize()
         except Exception as e:  # a trap (barrier timeout) or a fault: the context is gone
-            raise SystemExit(f"({m}, {n}, {k}) BN={bn}: the kernel FAILED ({e}); the CUDA context is lost, stopping")
+            raise SystemExit(f"({m}, {n}, {k}) {name}: the kernel FAILED ({e}); the CUDA context is lost, stopping")
         diff = (out.float() - ref)
         max_rel = (diff.abs().max() / ref.abs().max().clamp_min(1e-30)).item()
         fro_rel = (diff.norm() / ref.norm().clamp_min(1e-30)).item()
@@ -385,7 +385,7 @@ def run_shape(probe: Probe, bns, m: int, n: int, k: int, time_it: bool) -> bool:
         below_ok = bool((buf[m:] == sentinel).all().item())
         good = max_rel < 1e-2 and fro_rel < 1e-2 and nan == 0 and below_ok
         ok &= good
-        cell = (f"BN={bn}: {'ok' if good else 'WRONG'} max_rel {max_rel:.1e} fro_rel {fro_rel:.1e}"
+        cell = (f"{name}: {'ok' if good else 'WRONG'} max_rel {max_rel:.1e} fro_rel {fro_rel:.1e}"
                 + (f" nan {nan}" if nan else "") + ("" if below_ok else " WROTE PAST ROW M"))
         if not good:  # where it goes wrong: a swizzle / descriptor mismatch shows as a pattern of rows and k-chunks
             bad = ~((out.float() - ref).abs() <= 1e-2 * ref.abs().max())
@@ -393,7 +393,7 @@ def run_shape(probe: Probe, bns, m: int, n: int, k: int, time_it: bool) -> bool:
             if rows.numel():
                 r, c = rows[0].item(), cols[0].item()
                 cell += (f" [{bad.float().mean().item():.1%} bad; first at ({r}, {c}): {out[r, c].item():.4g} vs "
-                         f"{ref[r, c].item():.4g}; bad rows mod 128: {sorted(set((rows % BM).tolist()))[:12]}...; "
+                         f"{ref[r, c].item():.4g}; bad rows mod {bm}: {sorted(set((rows % bm).tolist()))[:12]}...; "
                          f"bad cols mod {bn}: {sorted(set((cols % bn).tolist()))[:12]}...]")
         if time_it:
             ms = median_ms(launch)
@@ -417,15 +417,16 @@ def parse_shape(s: str) -> tuple[int, int, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compile-only", action="store_true", help="compile and report; no GPU needed")
-    ap.add_argument("--bn", type=int, choices=BNS, action="append", help="BN to build (default: 128 and 256)")
+    ap.add_argument("--tile", choices=[f"{m}x{n}" for m, n in TILES], action="append",
+                    help="BMxBN tile to build (default: all)")
     ap.add_argument("--shapes", type=parse_shape, nargs="+", help="M,N,K ... (default: a ragged and a large set)")
     ap.add_argument("--smem", type=int, help="dynamic shared memory bytes (default: the megakernel's decode image; "
                     "its tile image has interpreter/render.py's TILE_SMEM)")
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel source (a variant)")
     a = ap.parse_args(argv)
-    bns = tuple(a.bn or BNS)
+    tiles = tuple(tuple(int(v) for v in t.split("x")) for t in a.tile) if a.tile else TILES
     try:
-        res = compile_probe(bns, smem=a.smem, defines=tuple(a.define))
+        res = compile_probe(tiles, smem=a.smem, defines=tuple(a.define))
     except MissingHeaders as e:
         print(f"gemm_probe: {e}", file=sys.stderr)
         return 2
@@ -438,12 +439,12 @@ def main(argv=None) -> int:
         print("gemm_probe: needs an sm_90 GPU (H100 / H200); use --compile-only here", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the f32 reference in f32
-    probe = Probe(res["cubin"], res["smem"], res["threads"], bns)
+    probe = Probe(res["cubin"], res["smem"], res["threads"], tiles)
     print(f"{probe.device_name}: {probe.sms} SMs, grid {probe.sms} x {probe.threads}, {probe.smem} B dynamic smem; "
           f"torch {torch.__version__}")
     ok = True
     for m, n, k in a.shapes or DEFAULT_SHAPES:
-        ok &= run_shape(probe, bns, m, n, k, time_it=True)
+        ok &= run_shape(probe, tiles, m, n, k, time_it=True)
     print("ALL OK" if ok else "SOME FAILED")
     return 0 if ok else 1
 

@@ -156,6 +156,53 @@ def test_tensor_core_tiles_of_a_prompt(rows):
             assert rel(out[name], ref[name]) < 1e-2, (n, name)
 
 
+def test_tensor_core_tiles_of_a_batch():
+    """The 64-row tiles (64 x 128 gated, 64 x 64 with the residual) that a batch of ~64 rows takes:
+    ragged N (4104 gate / up rows, 1000 output columns) and K (4104), 64 rows and fewer, within bf16
+    tolerance of the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(64)
+    dt = me.bf16
+    g = me.Graph("gemm_batch")
+    x = g.input("x", [N, 2048], dt)
+    h = me.rms_norm(x, g.weight("g", [2048], dt), 1e-5)
+    a = me.silu(me.linear(h, g.weight("wg", [4104, 2048], dt))) * me.linear(h, g.weight("wu", [4104, 2048], dt))
+    y = x + me.linear(a, g.weight("wd", [2048, 4104], dt))
+    g.output("y", y)
+    g.output("z", me.linear(y, g.weight("w", [1000, 2048], dt)))
+    w = {n: rand([d.value for d in t.shape], dt, gen) * 0.3 for n, t in g.weights.items()}
+    k = me.compile(g, w, backend="cuda", max_dims={"n": 64}, dims_hint={"n": 64})
+    shapes = [(e.op.params["bm"], e.op.params["bn"]) for e in k.queue.entries if e.op.kind == "gemm"]
+    assert shapes[:2] == [(64, 128), (64, 64)], [e.op.kind for e in k.queue.entries]
+    for n in (64, 37, 1, 50):
+        xs = rand([n, 2048], dt, gen)
+        out, ref = k(x=xs, n=n), me.run_reference(g, {"x": xs}, w, {"n": n})
+        for name in ("y", "z"):
+            assert rel(out[name], ref[name]) < 1e-2, (n, name)
+
+
+def test_tensor_core_tiles_split_over_k():
+    """The 64-row tiles split over K (f32 partials, the last split to arrive sums them and applies the
+    epilogue): a residual projection, a gated MLP and a plain projection with ragged N (1000), at 64 rows
+    and fewer, and past one row tile (unsplit), within bf16 tolerance of the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(65)
+    dt = me.bf16
+    g = me.Graph("gemm_split")
+    x = g.input("x", [N, 2048], dt)
+    y = x + me.linear(g.input("h", [N, 4096], dt), g.weight("wo", [2048, 4096], dt))
+    a = me.silu(me.linear(y, g.weight("wg", [1536, 2048], dt))) * me.linear(y, g.weight("wu", [1536, 2048], dt))
+    g.output("y", y)
+    g.output("z", me.linear(a, g.weight("w", [1000, 1536], dt)))
+    w = {n: rand([d.value for d in t.shape], dt, gen) * 0.3 for n, t in g.weights.items()}
+    k = me.compile(g, w, backend="cuda", max_dims={"n": 100}, dims_hint={"n": 64})
+    split = {e.op.params["roles"] for e in k.queue.entries if e.op.kind == "gemm" and e.op.params.get("splits", 1) > 1}
+    assert split >= {("x", "w", "r"), ("x", "w", "w2")}, [e.op for e in k.queue.entries]
+    for n in (64, 17, 40, 100, 64):
+        ins = {"x": rand([n, 2048], dt, gen), "h": rand([n, 4096], dt, gen)}
+        out, ref = k(**ins, n=n), me.run_reference(g, ins, w, {"n": n})
+        for name in ("y", "z"):
+            assert rel(out[name], ref[name]) < 1e-2, (n, name)
+
+
 def test_tensor_core_tiles_read_a_callers_tensor():
     """x is the caller's tensor (its tensor map is encoded at each call whose pointer or row count
     changed): three calls with different tensors and row counts."""
