@@ -5,16 +5,15 @@ The linear of a batch or a prompt (M a runtime dim): each instance reads a ``bm`
 ``bn`` weight rows once from shared memory for ``bm`` x ``bn`` products, where the matvec reads its
 weight rows once per 16 x rows (docs/perf-notes.md #68). Tiles (``GEMM_TILES``): 128 x 256 for a
 prompt; 64 x 64 and 64 x 128 for a batch of ~64 rows, memory-bound, where a 128-row tile would be half
-zeros and a narrow projection would make too few tiles to stream its weights on every SM. Its grid is ``(N tiles, M tiles)``, the
-weight tiles outermost as the runtime-M matvec's, so the instances sharing a weight tile run back to
-back and it streams from HBM about once. Its footprints are tiles, so a consumer's tile waits only
-for the producer tiles it reads.
+zeros. Its grid is ``(N tiles, M tiles[, splits])``, the weight tiles outermost as the runtime-M
+matvec's, so the instances sharing a weight tile run back to back and it streams from HBM about once.
+Its footprints are tiles, so a consumer's tile waits only for the producer tiles it reads.
 
 Operand roles (``params["roles"]``): ``x``, ``w`` and optionally ``w2`` (gated: ``out = silu(x w^T) *
-(x w2^T)``, ``bn / 2`` output columns a tile from ``bn / 2`` rows of each weight) and ``r`` (residual: ``out = r +
-x w^T``). x, w and w2 are read through tensor maps (``tma_inputs``): bf16, rows contiguous, 16-byte
-aligned row strides (``GemmTerm.fits``). Rounding follows the unfused ops, as the matvec's does; an
-RMSNorm before it is its own op (``rms_norm_rows``).
+(x w2^T)``, ``bn / 2`` output columns a tile from ``bn / 2`` rows of each weight) and ``r`` (residual:
+``out = r + x w^T``). x, w and w2 are read through tensor maps (``tma_inputs``): bf16, rows contiguous,
+16-byte aligned row strides (``GemmTerm.fits``). Rounding follows the unfused ops, as the matvec's does;
+an RMSNorm before it is its own op (``rms_norm_rows``).
 
 Split over K (``splits`` S > 1, 64-row tiles): for at most ``bm`` x rows (one row tile: a batch) instance
 ``(j, i, s)`` computes its tile's products over K columns ``[s*K/S, (s+1)*K/S)`` into an f32 partial tile,
@@ -47,7 +46,6 @@ GEMM_TILES = ((128, 256), (64, 64), (64, 128))
 MMA_SHARE = {128: 1.0, 64: 0.5}
 GEMM_SPLITS = {128: (1,), 64: (1, 2, 4, 8)}  # K splits a tile of bm rows may take
 MIN_SPLIT_K = 256  # K columns a split reads, at least (4 k-tiles: the ring's depth)
-TC_FLOPS = 6.0e14  # dense bf16 tensor-core rate the cost model assumes (H100 / H200: ~600-790 TFLOP/s)
 
 
 @register
