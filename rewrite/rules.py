@@ -140,12 +140,13 @@ def _fuse_split(x: i64, w: i64, r: i64, b: i64, i: i64):
 
 @fusion.register
 def _fuse_gemm(x: i64, w: i64, w2: i64, r: i64, a: i64, b: i64, u: i64, bm: i64, bn: i64, bn2: i64, k: i64, i: i64):
-    # Residual epilogue: r + gemm(...) (either operand order).
+    # Residual epilogue: r + gemm(...) (either operand order), of a plain tile (gemm.cuh has no epilogue
+    # that both gates and adds).
     for lhs in (Op.add(a=r, b=b, same_shape=1), Op.add(a=b, b=r, same_shape=1)):
         yield rule(
             eq(node(i)).to(lhs),
-            eq(node(b)).to(gemm(x, w, w2=w2, bm=bm, bn=bn, splits=k)),
-        ).then(union(node(i)).with_(gemm(x, w, w2=w2, r=r, bm=bm, bn=bn, splits=k)))
+            eq(node(b)).to(gemm(x, w, bm=bm, bn=bn, splits=k)),
+        ).then(union(node(i)).with_(gemm(x, w, r=r, bm=bm, bn=bn, splits=k)))
     # Gated MLP: silu(x w^T) * (x w2^T) -> one tile over bn / 2 rows of each weight (the widest tile of
     # its height: 128 + 128 rows, or 64 + 64 for 64 x rows).
     for m in sorted({m for m, _ in GEMM_TILES}):

@@ -161,6 +161,45 @@ def test_a_batch_splits_its_tiles_over_k():
                        h=torch.randn(40, 4096).to(torch.bfloat16), n=40)
 
 
+def test_a_split_tile_past_one_row_tile_runs_unsplit(monkeypatch):
+    """The program chosen at 64 rows kept for up to 131 (the bands forced to one): past 64 x rows a split
+    tile's launch count drops its split axis and each instance runs all of K; equal to the reference."""
+    from megaegg.rewrite import schedule
+
+    monkeypatch.setattr(schedule, "bands", lambda programs, *a: ([programs[0]], ()))
+    g = me.Graph("gemm_split_one_band")
+    x = g.input("x", [N, 2048], me.bf16)
+    g.output("y", x + me.linear(g.input("h", [N, 4096], me.bf16), g.weight("wo", [2048, 4096], me.bf16)))
+    w = weights(g, seed=7)
+    k = me.compile(g, w, backend="sim", max_dims={"n": 131}, dims_hint={"n": 64})
+    (op,) = [e.op for e in k.queue.entries]
+    assert op.kind == "gemm" and op.params.get("splits", 1) > 1 and op.regime is None, op
+    gen = torch.Generator().manual_seed(8)
+    for rows in (100, 131, 40):
+        ins = {"x": torch.randn(rows, 2048, generator=gen).to(torch.bfloat16), "h": torch.randn(rows, 4096, generator=gen).to(torch.bfloat16)}
+        assert op.launch_count.eval({"n": rows}) == op.grid[0].eval({}) * (-(-rows // 64) if rows > 64 else op.params["splits"])
+        out = k.simulate(Interleaving(sms=6, seed=rows, adversarial=True), **{n: t.clone() for n, t in ins.items()}, n=rows)
+        ref = me.run_reference(g, ins, w, {"n": rows})
+        assert ((out["y"].float() - ref["y"].float()).norm() / ref["y"].float().norm()).item() < 1e-2, rows
+
+
+def test_a_gated_tile_takes_no_residual():
+    """r + silu(x wg^T) * (x wu^T) on tensor-core tiles: a tile's epilogue gates or adds, not both
+    (gemm.cuh: GemmEpi; a gated tile given the residual once dropped it on the GPU, where the simulator,
+    computing the definition, still matched), so the add stays its own op; the program equals the
+    reference."""
+    g = me.Graph("gated_residual")
+    x = g.input("x", [N, 4096], me.bf16)
+    g.output("y", x + me.silu(me.linear(x, g.weight("wg", [4096, 4096], me.bf16))) * me.linear(x, g.weight("wu", [4096, 4096], me.bf16)))
+    w = weights(g, seed=9)
+    k = me.compile(g, w, backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
+    tiles = [e.op.params["roles"] for e in k.queue.entries if e.op.kind == "gemm"]
+    assert tiles == [("x", "w", "w2")], [(e.op.kind, e.op.params.get("roles")) for e in k.queue.entries]
+    xs = torch.randn(200, 4096, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    out, ref = k.simulate(Interleaving(sms=4, seed=1, adversarial=True), x=xs.clone(), n=200), me.run_reference(g, {"x": xs}, w, {"n": 200})
+    assert ((out["y"].float() - ref["y"].float()).norm() / ref["y"].float().norm()).item() < 1e-2
+
+
 def test_a_dropped_gemm_wait_is_caught():
     g = mlp()
     k = me.compile(g, weights(g), backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})

@@ -63,7 +63,7 @@ __device__ __forceinline__ void gemm(GemmJob& job, const CUtensorMap* tmap_x, co
     job.tmap_w = tmap_w;
     job.tmap_w2 = tmap_w2;
     job.o = GemmTileOut{out.p + m0 * out.s0 + n0, out.s0, EPI == GEMM_RESID ? r.p + m0 * r.s0 + n0 : nullptr, r.s0,
-                        (int)min_i64(M - m0, BM), (int)min_i64(N - n0, N_OUT)};
+                        (int)min_i64(M - m0, BM), (int)min_i64(N - n0, N_OUT), nullptr};
     // split over K only while the rows are one tile (the launch count makes c2 = 0 past it)
     job.splits = M <= BM ? splits : 1;
     job.split = (int)split;
@@ -90,7 +90,9 @@ __device__ __forceinline__ bool gemm_run_shape(const GemmJob& job, char* smem) {
     if (!gemm_tile<BM, BN>(job.epi, job.tmap_x, job.tmap_w, job.tmap_w2, o, job.K, job.k0, job.m0, job.n0, smem,
                            [&] { return mega_wait_all(job.wl); }))
         return false;
-    if (job.part != nullptr && mega_last_arrival(job.arrive, (unsigned)job.splits)) gemm_combine<BM, BN>(job);
+    if constexpr (BM == 64) {  // (only 64-row tiles split: blockops/gemm.py GEMM_SPLITS)
+        if (job.part != nullptr && mega_last_arrival(job.arrive, (unsigned)job.splits)) gemm_combine<BM, BN>(job);
+    }
     return true;
 }
 
@@ -150,7 +152,8 @@ template <int BM, int BN>
 __device__ void gemm_combine(const GemmJob& job) {
     if (job.splits == 2) gemm_combine_s<BM, BN, 2>(job);
     else if (job.splits == 4) gemm_combine_s<BM, BN, 4>(job);
-    else gemm_combine_s<BM, BN, 8>(job);  // (blockops/gemm.py: GEMM_SPLITS)
+    else if (job.splits == 8) gemm_combine_s<BM, BN, 8>(job);
+    else __trap();  // (blockops/gemm.py: GEMM_SPLITS, which GemmTerm.fits keeps to)
 }
 
 template <unsigned TILES>

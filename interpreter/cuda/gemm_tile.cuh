@@ -161,9 +161,11 @@ struct GemmTileOut {
     const __nv_bfloat16* r;  // RESID: the residual, out = T(r + T(acc)); else unused
     long long ldr;
     int rows, cols;
-    // A split of K (gemm.cuh): the f32 accumulators as they are, part[row * BN + col] for the tile's first
-    // `rows` rows (a gated tile's w2 half at columns BN / 2 ..), instead of the epilogue into out
-    float* part = nullptr;
+    // A split of K (gemm.cuh), else nullptr: the f32 accumulators as they are, part[row * BN + col] for the
+    // tile's first `rows` rows (a gated tile's w2 half at columns BN / 2 ..), instead of the epilogue into out.
+    // (No default member initialiser: the job holding this struct is a __shared__ variable, which may not
+    // be dynamically initialised.)
+    float* part;
 };
 
 // What the tile's epilogue computes from the f32 accumulators (rounded as the unfused ops store):

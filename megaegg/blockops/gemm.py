@@ -188,6 +188,8 @@ class GemmTerm(Term):
         x, w = graph.nodes[args["x"]], graph.nodes[args["w"]]
         if (args["bm"], args["bn"]) not in GEMM_TILES or args["splits"] not in GEMM_SPLITS[args["bm"]]:
             return False
+        if args["w2"] != NONE and args["r"] != NONE:  # (a tile gates or adds, not both: GemmEpi)
+            return False
         ws = [w] + ([graph.nodes[args["w2"]]] if args["w2"] != NONE else [])
         if x.dtype != bf16 or any(v.dtype != bf16 or v.op != "weight" or len(v.shape) != 2 for v in ws):
             return False

@@ -63,7 +63,7 @@ __device__ __forceinline__ void gemm_probe(const CUtensorMap* tmap_x, const CUte
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
     for (int t = blockIdx.x; t < tiles_m * tiles_n; t += gridDim.x) {{
         const int m0 = (t % tiles_m) * BM, n0 = (t / tiles_m) * BN;
-        const GemmTileOut o{{out + (long long)m0 * ldo + n0, ldo, nullptr, 0, M - m0, N - n0}};
+        const GemmTileOut o{{out + (long long)m0 * ldo + n0, ldo, nullptr, 0, M - m0, N - n0, nullptr}};
         gemm_tile<BM, BN>(GEMM_PLAIN, tmap_x, tmap_w, nullptr, o, K, 0, m0, n0, mega_dyn_smem, [] {{ return true; }});
     }}
 }}
