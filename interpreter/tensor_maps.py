@@ -109,8 +109,10 @@ class TensorMapTable:
         self.last: dict[int, tuple[int, int]] = {}  # spec -> (base, rows) it was encoded with
         mem = q.memory
         for i, s in enumerate(self.specs):
-            if s.buffer in mem.arena_offset:
-                self._put(i, arena_ptr + mem.arena_offset[s.buffer], upper_bound(s.rows_dim, q.max_dims))
+            if s.buffer in mem.arena_offset:  # (rows: as many as the buffer holds, lowering/queue.py band_rows)
+                dims = q.max_dims if s.buffer not in mem.band_rows else \
+                    {**q.max_dims, q.program.regime.symbol: mem.band_rows[s.buffer]}
+                self._put(i, arena_ptr + mem.arena_offset[s.buffer], upper_bound(s.rows_dim, dims))
             elif s.buffer in bound:
                 self._put(i, bound[s.buffer], s.rows_dim.eval({}))
             else:

@@ -42,6 +42,8 @@ class MemoryPlan:
     counters: int  # counters per parity (barrier counters, then accum buffers)
     accum_word: dict[int, int] = field(default_factory=dict)  # accum buffer id -> first word in the bank
     peer: PeerPlan | None = None  # a tensor-parallel program's peer region
+    # a scratch buffer only one band of the row regime uses -> the most rows it is sized for (band_rows)
+    band_rows: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -155,20 +157,49 @@ def build_queue(program: BlockProgram, max_dims: Mapping[str, int]) -> WorkQueue
     return WorkQueue(program, barriers, entries, plan_memory(program, barriers, max_dims), dict(max_dims))
 
 
+def band_rows(program: BlockProgram, max_dims: Mapping[str, int]) -> dict[int, tuple[int, int]]:
+    """The scratch buffers that only one band of the program's row regime uses: buffer id -> (band, the
+    most rows that band runs). Only that band's launches touch them, at no more rows than that."""
+    regime = program.regime
+    if regime is None:
+        return {}
+    users: dict[int, set] = {}
+    for op in program.ops:
+        for o in (*op.inputs, op.output):
+            users.setdefault(o.buffer, set()).add(op.regime)
+    top = max_dims[regime.symbol]
+    return {b.id: (band, regime.most_rows(band, top)) for b in program.buffers
+            if b.kind == "scratch" and len(users.get(b.id, ())) == 1 and (band := next(iter(users[b.id]))) is not None}
+
+
 def plan_memory(program: BlockProgram, barriers: BarrierPlan, max_dims: Mapping[str, int]) -> MemoryPlan:
-    def elements(b) -> int:  # at the largest dims
-        return math.prod(upper_bound(d, max_dims) for d in b.shape)
+    """The arena (scratch buffers), pointer slots, counters and accum words. A scratch buffer that one band
+    of a row regime uses alone is sized for that band's most rows, and the bands' own buffers share one
+    region of the arena: a launch runs one band (a band's intermediates live within its launch), so
+    bands of four programs take the arena of about their largest instead of the sum (perf-notes #88)."""
+    owned = band_rows(program, max_dims)
+
+    def nbytes(b) -> int:  # at the largest dims (a band's own buffer: its band's most rows)
+        dims = max_dims if b.id not in owned else {**max_dims, program.regime.symbol: owned[b.id][1]}
+        n = b.dtype.itemsize * math.prod(upper_bound(d, dims) for d in b.shape)
+        return -(-n // ARENA_ALIGN) * ARENA_ALIGN
 
     arena, offset, slots = 0, {}, {}
     for b in program.buffers:
         if b.kind in ("accum", "peer"):  # in the counter bank, or the peer region, below
             continue
-        if b.kind == "scratch":
-            nbytes = b.dtype.itemsize * elements(b)
+        if b.kind == "scratch" and b.id not in owned:
             offset[b.id] = arena
-            arena += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
-        else:
+            arena += nbytes(b)
+        elif b.kind != "scratch":
             slots[b.id] = len(slots)
+    band_end: dict[int, int] = {}  # each band's own buffers from the same start
+    for b in program.buffers:
+        if b.id in owned:
+            band = owned[b.id][0]
+            offset[b.id] = band_end.get(band, arena)
+            band_end[band] = offset[b.id] + nbytes(b)
+    arena = max([arena, *band_end.values()])
     base, counters = {}, 0
     for s in barriers.sets:
         if s.peer:
@@ -182,9 +213,10 @@ def plan_memory(program: BlockProgram, barriers: BarrierPlan, max_dims: Mapping[
         if b.kind == "accum":
             counters = -(-counters // ACCUM_ALIGN_WORDS) * ACCUM_ALIGN_WORDS
             accum[b.id] = counters
-            counters += elements(b)
+            counters += math.prod(upper_bound(d, max_dims) for d in b.shape)
     counters = -(-counters // ACCUM_ALIGN_WORDS) * ACCUM_ALIGN_WORDS  # the second bank stays aligned
-    return MemoryPlan(max(arena, ARENA_ALIGN), offset, slots, base, counters, accum, plan_peer(program, barriers))
+    return MemoryPlan(max(arena, ARENA_ALIGN), offset, slots, base, counters, accum, plan_peer(program, barriers),
+                      {b: rows for b, (_, rows) in owned.items()})
 
 
 def plan_peer(program: BlockProgram, barriers: BarrierPlan) -> PeerPlan | None:

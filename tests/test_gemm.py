@@ -3,11 +3,13 @@ rewrite gives it, per-tile barriers, the simulator under adversarial interleavin
 its CUDA source. The GPU runs it in tests/gpu/test_batch_gpu.py."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 import megaegg as me
+from megaegg.models import ModelConfig, build_step_graph
 from megaegg.interpreter import Interleaving, SimulationError
 from megaegg.interpreter.tensor_maps import TensorMapError, plan
 from megaegg.interpreter.render import render
@@ -478,6 +480,40 @@ def test_three_programs_merge_into_one_kernel():
         for name in ("y", "z"):
             err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
             assert err < 1e-2, (rows, name, err)
+
+
+def test_the_bands_own_buffers_share_the_arena():
+    """A scratch buffer that one band uses alone is sized for that band's most rows, and the bands' own
+    buffers overlap in the arena (a launch runs one band): within a band no two buffers it touches overlap,
+    each holds its largest view, and the arena is smaller than all of them side by side."""
+    from megaegg.compiler import build_artifact
+    from megaegg.lowering.queue import ARENA_ALIGN, upper_bound
+
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), hidden=2048, intermediate=8192, heads=32, kv_heads=2, layers=2)
+    graph, spec = build_step_graph(cfg, max_len=512, slots=8)
+    q = build_artifact(graph, max_dims={"n": 1024, "r": 8, "ctx": 512}, dims_hint={"n": 16, "r": 8, "ctx": 257},
+                       compile_cuda=False).queue
+    mem = q.memory
+    regime = q.program.regime
+    assert regime is not None and regime.bands >= 3, regime
+    owned = {b for b in mem.band_rows}
+    assert owned, "no band-owned buffers"
+    size = {}
+    for b in q.program.buffers:
+        if b.id in mem.arena_offset:
+            dims = {**q.max_dims, regime.symbol: mem.band_rows.get(b.id, q.max_dims[regime.symbol])}
+            size[b.id] = b.dtype.itemsize * math.prod(upper_bound(d, dims) for d in b.shape)
+    for band in range(regime.bands):
+        used = sorted({o.buffer for op in q.program.ops if op.regime in (None, band) for o in (*op.inputs, op.output)
+                       if o.buffer in mem.arena_offset}, key=mem.arena_offset.get)
+        for a, b in zip(used, used[1:]):  # disjoint, in offset order
+            assert mem.arena_offset[a] + size[a] <= mem.arena_offset[b], (band, a, b)
+        for o in (o for op in q.program.ops if op.regime == band for o in (*op.inputs, op.output)):
+            if o.buffer in mem.band_rows:  # its views at the band's most rows fit the buffer as sized
+                rows = {**q.max_dims, regime.symbol: regime.most_rows(band, q.max_dims[regime.symbol])}
+                assert o.dtype.itemsize * math.prod(upper_bound(d, rows) for d in o.shape) <= size[o.buffer], (band, o)
+    side_by_side = sum(-(-n // ARENA_ALIGN) * ARENA_ALIGN for n in size.values())
+    assert mem.arena_bytes < side_by_side
 
 
 def test_bands_keep_the_programs_that_win_somewhere():

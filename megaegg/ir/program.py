@@ -173,6 +173,10 @@ class Regime:
         """The band of row count ``n``."""
         return bisect.bisect_left(self.thresholds, n)
 
+    def most_rows(self, band: int, top: int) -> int:
+        """The most rows band ``band`` runs, with ``top`` the most of the runtime dim."""
+        return min(top, self.thresholds[band]) if band < len(self.thresholds) else top
+
     def values(self, dims: Mapping[str, int]) -> dict[str, int]:
         """Each derived dim's value: the row count in its band, 0 in the others."""
         n = dims[self.symbol]
