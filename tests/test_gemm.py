@@ -39,6 +39,16 @@ def kinds(k):
     return [e.op.kind for e in k.queue.entries]
 
 
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def without_gemm_waits(k) -> None:
+    """``k``'s queue with every gemm entry's barrier waits dropped (a test that they are needed)."""
+    k.queue = dataclasses.replace(k.queue, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "gemm" else e
+                                                         for e in k.queue.entries))
+
+
 def test_many_rows_of_bf16_take_tensor_core_tiles():
     g = mlp()
     k = me.compile(g, weights(g), backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
@@ -94,7 +104,7 @@ def test_simulator_matches_the_reference_under_adversarial_interleavings():
         out = k.simulate(sch, x=x.clone(), n=rows)
         ref = me.run_reference(g, {"x": x}, w, {"n": rows})
         for name in ("y", "z"):
-            err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+            err = rel(out[name], ref[name])
             assert err < 1e-2, (rows, name, err)
 
 
@@ -112,11 +122,9 @@ def test_a_batch_takes_64_row_tiles_and_they_match_the_reference():
         out = k.simulate(sch, x=x.clone(), n=rows)
         ref = me.run_reference(g, {"x": x}, w, {"n": rows})
         for name in ("y", "z"):
-            err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+            err = rel(out[name], ref[name])
             assert err < 1e-2, (rows, name, err)
-    q0 = k.queue
-    k.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "gemm" else e
-                                                    for e in q0.entries))
+    without_gemm_waits(k)
     with pytest.raises(SimulationError, match=r"gemm .* read unwritten elements"):
         for seed in range(8):
             k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), x=torch.randn(64, 2048).to(torch.bfloat16), n=64)
@@ -146,7 +154,7 @@ def test_a_batch_splits_its_tiles_over_k():
         out = k.simulate(sch, **{n: t.clone() for n, t in ins.items()}, n=rows)
         ref = me.run_reference(g, ins, w, {"n": rows})
         for name in ("y", "z"):
-            err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+            err = rel(out[name], ref[name])
             assert err < 1e-2, (rows, name, err)
         for e in split:
             assert e.op.launch_count.eval({"n": rows}) == e.op.grid[0].eval({}) * e.op.params["splits"]
@@ -182,7 +190,7 @@ def test_a_split_tile_past_one_row_tile_runs_unsplit(monkeypatch):
         assert op.launch_count.eval({"n": rows}) == op.grid[0].eval({}) * (-(-rows // 64) if rows > 64 else op.params["splits"])
         out = k.simulate(Interleaving(sms=6, seed=rows, adversarial=True), **{n: t.clone() for n, t in ins.items()}, n=rows)
         ref = me.run_reference(g, ins, w, {"n": rows})
-        assert ((out["y"].float() - ref["y"].float()).norm() / ref["y"].float().norm()).item() < 1e-2, rows
+        assert rel(out["y"], ref["y"]) < 1e-2, rows
 
 
 def test_a_gated_tile_takes_no_residual():
@@ -199,15 +207,13 @@ def test_a_gated_tile_takes_no_residual():
     assert tiles == [("x", "w", "w2")], [(e.op.kind, e.op.params.get("roles")) for e in k.queue.entries]
     xs = torch.randn(200, 4096, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     out, ref = k.simulate(Interleaving(sms=4, seed=1, adversarial=True), x=xs.clone(), n=200), me.run_reference(g, {"x": xs}, w, {"n": 200})
-    assert ((out["y"].float() - ref["y"].float()).norm() / ref["y"].float().norm()).item() < 1e-2
+    assert rel(out["y"], ref["y"]) < 1e-2
 
 
 def test_a_dropped_gemm_wait_is_caught():
     g = mlp()
     k = me.compile(g, weights(g), backend="sim", max_dims={"n": 512}, dims_hint={"n": 512})
-    q0 = k.queue
-    k.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "gemm" else e
-                                                    for e in q0.entries))
+    without_gemm_waits(k)
     with pytest.raises(SimulationError, match=r"gemm .* read unwritten elements"):
         for seed in range(8):
             k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), x=torch.randn(300, 520).to(torch.bfloat16), n=300)
@@ -270,7 +276,7 @@ def test_one_kernel_chooses_by_row_count():
         out = k.simulate(Interleaving(sms=8, seed=rows, adversarial=True), x=x.clone(), n=rows)
         ref = me.run_reference(g, {"x": x}, w, {"n": rows})
         for name in ("y", "z"):
-            err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+            err = rel(out[name], ref[name])
             assert err < 1e-2, (rows, name, err)
 
 
@@ -306,7 +312,7 @@ def check_flash_on_prompts(k, g, w, seed: int) -> None:
     ref = me.run_reference(g, {**ins, **fresh()}, w, {"n": n})
     for s in range(3):
         out = k.simulate(Interleaving(sms=6, seed=s, adversarial=s > 0), **ins, **fresh(), n=n)
-        err = ((out["o"].float() - ref["o"].float()).norm() / ref["o"].float().norm()).item()
+        err = rel(out["o"], ref["o"])
         assert err < 1e-2, err
     q0 = k.queue
     k.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_flash" else e
@@ -478,7 +484,7 @@ def test_three_programs_merge_into_one_kernel():
         out = k.simulate(Interleaving(sms=8, seed=rows, adversarial=True), x=x.clone(), n=rows)
         ref = me.run_reference(g, {"x": x}, w, {"n": rows})
         for name in ("y", "z"):
-            err = ((out[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+            err = rel(out[name], ref[name])
             assert err < 1e-2, (rows, name, err)
 
 
