@@ -35,7 +35,9 @@ def median_ms(launch, runs: int, warm: int) -> float:
     return ms
 
 
-def main(preset: str, batches: list[int], tag: str, prefills: list[int]) -> None:
+def compile_step(preset: str):
+    """(kernel, cfg, caches, compile seconds): PRESET's step graph as bench_batch.py compiles it, random
+    weights and caches (also step_trace.py's)."""
     cfg = ModelConfig.preset(preset)
     graph, spec = build_step_graph(cfg, max_len=MAX_LEN, slots=SLOTS)
     weights = random_weights(spec, seed=0, device="cuda")
@@ -45,19 +47,30 @@ def main(preset: str, batches: list[int], tag: str, prefills: list[int]) -> None
     compile_s = time.time() - t0
     gen = torch.Generator(device="cuda").manual_seed(1)
     caches = {n: (torch.randn(s, generator=gen, device="cuda") * 0.5).to(cfg.dtype.torch) for n, s in spec.caches.items()}
+    return kernel, cfg, caches, compile_s
 
+
+def step_inputs(cfg, case: str) -> dict:
+    """The kernel's inputs and dims for ``b<N>`` (a batch of N decoding at position CTX, slots 0..N-1) or
+    ``p<T>`` (a T-token prompt in slot 0)."""
     def i32(v):
         return torch.tensor(v, dtype=torch.int32, device="cuda")
 
+    n = int(case[1:])
+    if case[0] == "b":
+        return {"token": i32([(1234 + 17 * i) % cfg.vocab for i in range(n)]), "pos": i32([CTX] * n),
+                "slot": i32(list(range(n))), "out": i32(list(range(n))), "n": n, "r": n, "ctx": CTX + 1}
+    toks = (torch.arange(n, device="cuda", dtype=torch.int32) * 7919) % cfg.vocab
+    return {"token": toks, "pos": i32(list(range(n))), "slot": i32([0] * n), "out": i32([n - 1]), "n": n, "r": 1, "ctx": n}
+
+
+def main(preset: str, batches: list[int], tag: str, prefills: list[int]) -> None:
+    kernel, cfg, caches, compile_s = compile_step(preset)
     out = []
     for b in batches:
-        ins = {"token": i32([(1234 + 17 * i) % cfg.vocab for i in range(b)]), "pos": i32([CTX] * b),
-               "slot": i32(list(range(b))), "out": i32(list(range(b)))}
-        out.append(f"b{b} {median_ms(kernel.launcher(**ins, **caches, n=b, r=b, ctx=CTX + 1), 30, 5):.3f}")
+        out.append(f"b{b} {median_ms(kernel.launcher(**step_inputs(cfg, f'b{b}'), **caches), 30, 5):.3f}")
     for t in prefills:
-        toks = (torch.arange(t, device="cuda", dtype=torch.int32) * 7919) % cfg.vocab
-        ins = {"token": toks, "pos": i32(list(range(t))), "slot": i32([0] * t), "out": i32([t - 1])}
-        out.append(f"p{t} {median_ms(kernel.launcher(**ins, **caches, n=t, r=1, ctx=t), 10, 3):.3f}")
+        out.append(f"p{t} {median_ms(kernel.launcher(**step_inputs(cfg, f'p{t}'), **caches), 10, 3):.3f}")
     print(f"{tag:5s} {preset} compile {compile_s:.0f} s: " + "  ".join(out), flush=True)
 
 
