@@ -96,8 +96,9 @@ def test_barrier_timeout_raises_instead_of_hanging(monkeypatch):
     bad = tuple(dataclasses.replace(w, expected=w.expected + 1) for w in e.waits)
     q = dataclasses.replace(q, entries=q.entries[:-1] + (dataclasses.replace(e, waits=bad),))
     rendered = render(q)
-    art = dataclasses.replace(art, queue=q, source=rendered.source, table=rendered.table.words(),
-                              cubin=compile_cubin(rendered.source, defines={**defines(), "MEGA_TIMEOUT_NS": 200_000_000}).cubin)
+    defs = {**art.defines, **defines(), "MEGA_TIMEOUT_NS": 200_000_000}  # (one image: the layer has no row regime)
+    art = dataclasses.replace(art, queue=q, source=rendered.source, table=rendered.table.words(), defines=defs,
+                              cubins=[compile_cubin(rendered.source, defines=defs).cubin])
     W = {n: torch.randn(s, device="cuda") for n, s in WEIGHTS.items()}
     k = Kernel(art, W, backend="cuda")
     kc, vc = torch.randn(2, 32, 16, device="cuda"), torch.randn(2, 32, 16, device="cuda")
