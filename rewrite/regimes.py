@@ -5,7 +5,8 @@ The extractor prices every alternative at one binding of the runtime dims (the h
 16 rows and a prompt of 2048 want different block ops (the matvec path reads the weights once for
 any row count up to a point; tensor-core tiles do 128 x 256 products per weight tile read): so when
 the graph's row count (the leading dim of a linear's input) may grow past the hint, the choices are
-made again where a term's ``min_rows`` lets new tiles in and at the largest row count. Each distinct
+made again where a term's ``min_rows`` lets new tiles in, at 4, 16, ... times the tallest tile (where
+those tiles are still too few to fill the SMs) and at the largest row count. Each distinct
 choice is a program; consecutive ones are split where the cost model puts their crossing
 (``bands``), and a program that wins nowhere is dropped. The rest go into the kernel, one per band.
 

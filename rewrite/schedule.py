@@ -45,8 +45,8 @@ def rewrite(
     stats: RewriteStats | None = None, max_dims: dict[str, int] | None = None,
 ) -> BlockProgram:
     """``graph`` as block ops chosen for the runtime dims ``dims_hint``; with ``max_dims``, and a row
-    count that may grow past its hint, the programs chosen for more rows (at each tile's height, and at
-    the most rows) join it, each run in the band of row counts where the cost model says it wins
+    count that may grow past its hint, the programs chosen for more rows (at each tile's height, at powers
+    of 4 times the tallest, and at the most rows) join it, each run in the band of row counts where the cost model says it wins
     (``regimes.py``)."""
     cost_model = cost_model or CostModel()
     env = {s: DEFAULT_DIM_HINT for s in graph.symbols()} | dict(dims_hint or {})
@@ -109,9 +109,12 @@ def rewrite(
 
 def row_points(alts, hint: int, top: int) -> list[int]:
     """The row counts past the hint to choose again at, ascending: each alternative's ``rows_needed`` between the hint
-    and ``top`` (where a tile starts to fit), and ``top``."""
+    and ``top`` (where a tile starts to fit), 4, 16, ... times the tallest of them (where the tallest tiles are
+    still too few to fill the SMs, and smaller ones may win: docs/perf-notes.md #89), and ``top``."""
     heights = {TERMS[c.term].rows_needed(c.named) for cs in alts.values() for c in cs}
-    return sorted(h for h in heights if hint < h < top) + [top]
+    tallest = max(heights, default=0)
+    more = {tallest * 4 ** k for k in range(1, 8)} if tallest else set()
+    return sorted(h for h in heights | more if hint < h < top) + [top]
 
 
 def leading_rows(graph: Graph, v, env, all_leading: bool = False) -> int:

@@ -399,7 +399,8 @@ def test_a_long_queue_caps_the_dynamic_shared_memory():
     q = art.queue
     short = image_defines(q, {"MEGA_THREADS": 256, "MEGA_SMEM": 120 * 1024})
     assert (short[0]["MEGA_SMEM"], short[-1]["MEGA_SMEM"]) == (120 * 1024, 200 * 1024)
-    long_q = dataclasses.replace(q, entries=q.entries * 400)  # (only their count and kinds matter here)
+    # (only their count, kinds and bands matter here; each band's entries stay contiguous, as the queue's are)
+    long_q = dataclasses.replace(q, entries=sorted(q.entries * 600, key=lambda e: e.op.regime))
     defs = image_defines(long_q, {"MEGA_THREADS": 256, "MEGA_SMEM": 120 * 1024})
     small, large = defs[0], defs[-1]
     assert small["MEGA_SMEM"] == 120 * 1024

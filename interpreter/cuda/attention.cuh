@@ -673,8 +673,25 @@ __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, T
                                                   Vec<const int> pos, Vec<const int> slot, long long slots,
                                                   long long max_len, long long length, long long splits,
                                                   long long Hkv, float scale, float* part, unsigned* arrive,
-                                                  Ten3<T> out, long long c0, long long c1, long long c2) {
+                                                  Ten3<T> out, long long c0, long long c1, long long c2,
+                                                  const MegaWaits& wl) {
     in_global(q, kc, vc, pos, slot, out);
+    // Before the wait on q's and the new cache row's producers: this instance's cache rows (all but the new
+    // one written by earlier steps) start streaming into L2, one bulk prefetch each of K and V, so the
+    // body's loads after the wait find them there instead of paying a round trip per two register steps
+    // (perf-notes #89). Only a prefetch: a position or slot read before the wait (an input, or stale) can
+    // only make it useless; it stays inside the caches.
+    if (threadIdx.x == 0) {
+        const long long p = pos.p[c0 * pos.s0], s = slot.p[c0 * slot.s0];
+        const long long chunk = (length + splits - 1) / splits, r0 = c2 * chunk;
+        if (p >= 0 && p < min_i64(max_len, length) && s >= 0 && s < slots && r0 <= p && kc.s3 == 1 && vc.s3 == 1 &&
+            kc.s2 == D && vc.s2 == D) {
+            const long long bytes = (min_i64(r0 + chunk, p + 1) - r0) * D * (long long)sizeof(T);
+            mega_prefetch_l2_range(kc.p + s * kc.s0 + c1 * kc.s1 + r0 * D, bytes);
+            mega_prefetch_l2_range(vc.p + s * vc.s0 + c1 * vc.s1 + r0 * D, bytes);
+        }
+    }
+    if (!mega_wait_all(wl)) return;
     const long long p = pos.p[c0 * pos.s0], s = slot.p[c0 * slot.s0];
     if (!ragged_row_ok(p, min_i64(max_len, length), s, slots)) return;
     const long long chunk = (length + splits - 1) / splits, nsplit = (p + chunk) / chunk;  // ceil((p + 1) / chunk)

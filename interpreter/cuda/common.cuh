@@ -344,6 +344,67 @@ __device__ __noinline__ bool mega_last_arrival(unsigned* counter, unsigned of) {
     return last;
 }
 
+// Start streaming all of [p, p + bytes) from HBM into L2 without waiting (sm_90 bulk prefetch; p and
+// bytes 16-byte multiples, else nothing).
+__device__ __forceinline__ void mega_prefetch_l2_range(const void* p, long long bytes) {
+    const char* c = (const char*)p;
+    if (((unsigned long long)c | (unsigned long long)bytes) & 15ull) return;
+    while (bytes > 0) {
+        const unsigned n = (unsigned)(bytes < (1LL << 20) ? bytes : (1LL << 20));
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(n) : "memory");
+        c += n;
+        bytes -= n;
+    }
+}
+
+// The last split's combine of a tile split over K (gemm.cuh, matvec_split.cuh): the S f32 partial tiles,
+// split s's at part + s * split_stride, element (row, col) at row * ld + col, summed in split order (the
+// same sum whichever split arrived last). A thread takes 4 columns of a row (an item) at a time, ITEMS of
+// them with every load in flight together: their S 16-byte partial loads (HALF: also those `half`
+// columns on, a gated tile's second weight) and, with r, the residual's 4 values (r points at the tile's
+// first element). The partials come from L2 (other SMs wrote them): the combine costs a few round trips,
+// not one a load (a dependent load a value took ~100 us for 8 splits of 64 x 128, the residual's own
+// round trip an item ~2x; perf-notes #88, #89). epi(row, col, sums, second, res) rounds and stores the
+// item's columns below `cols`.
+template <int S, bool HALF, class T, class Epi>
+__device__ __forceinline__ void mega_combine_partials(const float* part, int ld, long long split_stride, int rows,
+                                                      int cols, int half, const T* r, long long r_s0, long long r_s1,
+                                                      Epi&& epi) {
+    constexpr int ITEMS = cmax(1, 16 / (S * (HALF ? 2 : 1)));  // 16 partial loads (64 registers) a thread in flight
+    const int groups = (cols + 3) / 4, items = rows * groups;
+    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int i0 = threadIdx.x; i0 < items; i0 += ITEMS * MEGA_THREADS) {
+        float4 d[ITEMS][S], u[ITEMS][HALF ? S : 1];
+        float res[ITEMS][4];
+#pragma unroll
+        for (int p = 0; p < ITEMS; ++p) {  // every load of every item first
+            const int i = i0 + p * MEGA_THREADS, row = i / groups, col = (i % groups) * 4;
+            const bool in = i < items;
+            const float* t = part + (long long)row * ld + col;
+#pragma unroll
+            for (int s = 0; s < S; ++s) {
+                d[p][s] = in ? __ldcg(reinterpret_cast<const float4*>(t + s * split_stride)) : z;
+                if constexpr (HALF) u[p][s] = in ? __ldcg(reinterpret_cast<const float4*>(t + s * split_stride + half)) : z;
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                res[p][j] = r != nullptr && in && col + j < cols ? ld_f32(r + row * r_s0 + (col + j) * r_s1) : 0.0f;
+        }
+#pragma unroll
+        for (int p = 0; p < ITEMS; ++p) {
+            const int i = i0 + p * MEGA_THREADS;
+            if (i >= items) break;
+            float y[4] = {0.0f, 0.0f, 0.0f, 0.0f}, g[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int s = 0; s < S; ++s) {
+                y[0] += d[p][s].x, y[1] += d[p][s].y, y[2] += d[p][s].z, y[3] += d[p][s].w;
+                if constexpr (HALF) g[0] += u[p][s].x, g[1] += u[p][s].y, g[2] += u[p][s].z, g[3] += u[p][s].w;
+            }
+            epi(i / groups, (i % groups) * 4, y, g, res[p]);
+        }
+    }
+}
+
 // Online-softmax pair (running max m, sum s of exp(x - m)): merge two partial states.
 __device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, float s2) {
     const float mn = fmaxf(m, m2);

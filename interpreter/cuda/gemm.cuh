@@ -96,56 +96,36 @@ __device__ __forceinline__ bool gemm_run_shape(const GemmJob& job, char* smem) {
     return true;
 }
 
-// The last split of a tile: its S partial tiles summed in split order, then the unsplit tile's epilogue
-// (gemm_tile.cuh: store). A thread takes 4 columns of a row at a time, two such items at once, each
-// with its S (gated: 2 S) 16-byte partial loads in flight together: the partials come from L2 (other
-// SMs wrote them), so the combine is a few round trips, not one a load (a loop of dependent scalar
-// loads took ~100 us for a 64 x 128 tile of 8 splits).
+// The last split of a tile: its S partial tiles summed in split order (common.cuh:
+// mega_combine_partials), then the unsplit tile's epilogue (gemm_tile.cuh: store), 4 columns a store.
 template <int BM, int BN, int S>
 __device__ __noinline__ void gemm_combine_s(const GemmJob& job) {
-    constexpr int PAIR = 2;  // items a thread has in flight
     const GemmTileOut& o = job.o;
-    const bool gated = job.epi == GEMM_GATED;
-    const int groups = (gated ? BN / 2 : BN) / 4;  // 4-column groups of an output row
-    const int items = o.rows * groups;
-    for (int i0 = threadIdx.x; i0 < items; i0 += PAIR * MEGA_THREADS) {
-        float4 d[PAIR][S], u[PAIR][S];
+    const auto epi = [&](int r, int c, const float (&y)[4], const float (&u)[4], const float (&res)[4]) {
+        float v[4];
 #pragma unroll
-        for (int p = 0; p < PAIR; ++p) {  // every load of both items first
-            const int i = i0 + p * MEGA_THREADS, r = i / groups, c = (i % groups) * 4;
-            const bool in = i < items && c < o.cols;
-            const float* t = job.part + r * BN + c;
-#pragma unroll
-            for (int s = 0; s < S; ++s) {
-                d[p][s] = in ? __ldcg(reinterpret_cast<const float4*>(t + s * (BM * BN))) : make_float4(0, 0, 0, 0);
-                u[p][s] = in && gated ? __ldcg(reinterpret_cast<const float4*>(t + s * (BM * BN) + BN / 2))
-                                      : make_float4(0, 0, 0, 0);
+        for (int j = 0; j < 4; ++j) {
+            v[j] = __bfloat162float(__float2bfloat16_rn(y[j]));
+            if (job.epi == GEMM_GATED) {
+                const float sv = __bfloat162float(__float2bfloat16_rn(v[j] / (1.0f + __expf(-v[j]))));
+                v[j] = sv * __bfloat162float(__float2bfloat16_rn(u[j]));
+            } else if (job.epi == GEMM_RESID) {
+                v[j] += res[j];
             }
         }
-#pragma unroll
-        for (int p = 0; p < PAIR; ++p) {
-            const int i = i0 + p * MEGA_THREADS, r = i / groups, c = (i % groups) * 4;
-            if (i >= items) break;
-            float y[4] = {0.0f, 0.0f, 0.0f, 0.0f}, g[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int s = 0; s < S; ++s) {  // (in split order: the same sum whichever split arrived last)
-                y[0] += d[p][s].x, y[1] += d[p][s].y, y[2] += d[p][s].z, y[3] += d[p][s].w;
-                g[0] += u[p][s].x, g[1] += u[p][s].y, g[2] += u[p][s].z, g[3] += u[p][s].w;
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (c + j >= o.cols) break;
-                float v = __bfloat162float(__float2bfloat16_rn(y[j]));
-                if (gated) {
-                    const float sv = __bfloat162float(__float2bfloat16_rn(v / (1.0f + __expf(-v))));
-                    v = sv * __bfloat162float(__float2bfloat16_rn(g[j]));
-                } else if (job.epi == GEMM_RESID) {
-                    v += __bfloat162float(o.r[(long long)r * o.ldr + c + j]);
-                }
-                o.out[(long long)r * o.ldo + c + j] = __float2bfloat16_rn(v);
-            }
+        __nv_bfloat16* p = o.out + (long long)r * o.ldo + c;
+        if (c + 3 < o.cols && (reinterpret_cast<unsigned long long>(p) & 7ull) == 0) {
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+            *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+        } else {
+            for (int j = 0; j < 4 && c + j < o.cols; ++j) p[j] = __float2bfloat16_rn(v[j]);
         }
-    }
+    };
+    const __nv_bfloat16* r = job.epi == GEMM_RESID ? o.r : nullptr;
+    if (job.epi == GEMM_GATED)
+        mega_combine_partials<S, true>(job.part, BN, BM * BN, o.rows, o.cols, BN / 2, r, o.ldr, 1, epi);
+    else
+        mega_combine_partials<S, false>(job.part, BN, BM * BN, o.rows, o.cols, 0, r, o.ldr, 1, epi);
 }
 
 template <int BM, int BN>

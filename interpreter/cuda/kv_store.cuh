@@ -36,7 +36,9 @@ __device__ __noinline__ void kv_store(Ten3<const T> src, Vec<const int> pos, Vec
 
 // kv_store_rope: as kv_store, each row rotated first as rope_rows does (at position pos_ids[i]; NORM: after
 // its RMSNorm with g): cache[slot[i], c0, pos[i], :] = rope(new[i, c0, :]). A warp a row; a warp's rows
-// (RPW of them) are all loaded before the first is stored, so they cost one round trip, not RPW.
+// (RPW of them) and their positions, slots and position ids (and the lane's frequencies and gains) are all loaded before the first is stored,
+// so they cost one round trip, not three a row (a 64-row instance took 13 us with those loads inside the
+// store loop: perf-notes #89).
 template <class T, int D, bool NORM, int ROWS_PER>
 __device__ __noinline__ void kv_store_rope(Ten3<const T> src, Vec<const int> pos, Vec<const int> slot, long long n,
                                            const float* inv_freq, Vec<const int> pos_ids, Vec<const T> g, float eps,
@@ -46,21 +48,25 @@ __device__ __noinline__ void kv_store_rope(Ten3<const T> src, Vec<const int> pos
     constexpr int RPW = cdiv(ROWS_PER, MEGA_WARPS), PL = rope_pairs<D>();
     const long long i0 = c1 * ROWS_PER + (threadIdx.x >> 5), i1 = min_i64(n, c1 * ROWS_PER + ROWS_PER);
     float x1[RPW][PL], x2[RPW][PL];
+    int p[RPW], s[RPW], pid[RPW];
+    const RopeLane<D> lane = rope_lane<T, D, NORM>(inv_freq, g);
 #pragma unroll
     for (int j = 0; j < RPW; ++j) {
         const long long i = i0 + j * MEGA_WARPS;
-        if (i < i1) rope_load<T, D>(src.p + i * src.s0 + c0 * src.s1, src.s2, x1[j], x2[j]);
+        if (i < i1) {
+            rope_load<T, D>(src.p + i * src.s0 + c0 * src.s1, src.s2, x1[j], x2[j]);
+            p[j] = ld_cg(pos.p + i * pos.s0), s[j] = ld_cg(slot.p + i * slot.s0), pid[j] = ld_cg(pos_ids.p + i * pos_ids.s0);
+        }
     }
 #pragma unroll
     for (int j = 0; j < RPW; ++j) {
         const long long i = i0 + j * MEGA_WARPS;
         if (i >= i1) continue;
-        const long long p = pos.p[i * pos.s0], s = slot.p[i * slot.s0];
-        if (p < 0 || p >= max_len || s < 0 || s >= slots) {
-            if ((threadIdx.x & 31) == 0) mega_body_error(MEGA_ERR_INDEX, p < 0 || p >= max_len ? p : s);
+        if (p[j] < 0 || p[j] >= max_len || s[j] < 0 || s[j] >= slots) {
+            if ((threadIdx.x & 31) == 0) mega_body_error(MEGA_ERR_INDEX, p[j] < 0 || p[j] >= max_len ? p[j] : s[j]);
             continue;
         }
-        rope_store<T, D, NORM>(x1[j], x2[j], (long long)ld_cg(pos_ids.p + i * pos_ids.s0), inv_freq, g, eps,
-                               cache.p + s * cache.s0 + c0 * cache.s1 + p * cache.s2, cache.s3);
+        rope_store<T, D, NORM, true>(x1[j], x2[j], (long long)pid[j], lane, eps,
+                               cache.p + s[j] * cache.s0 + c0 * cache.s1 + p[j] * cache.s2, cache.s3);
     }
 }

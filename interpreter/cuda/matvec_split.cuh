@@ -34,23 +34,25 @@ __device__ __noinline__ bool split_products(char* smem, const T* xp, long long x
                                                                   n_tile, wl, (int)mvalid);
 }
 
-// The last split: the S partial tiles summed in split order, rounded, the residual added, stored.
+// The last split: the S partial tiles summed in split order (common.cuh: mega_combine_partials), rounded,
+// the residual added, stored.
 template <class T, int S, int ROWS, bool RES>
 __device__ __noinline__ void split_combine(const float* tiles, const T* rp, long long r_s0, long long r_s1, T* outp,
                                            long long out_s0, long long out_s1, long long N, long long n_tile,
                                            long long mvalid) {
-    const Mat<const T> r{rp, r_s0, r_s1};
-    const Mat<T> out{outp, out_s0, out_s1};
-    const long long row0 = n_tile * ROWS;
-    for (int i = threadIdx.x; i < mvalid * ROWS; i += MEGA_THREADS) {
-        const int m = i / ROWS, local = i % ROWS;
-        const long long n = row0 + local;
-        if (n >= N) continue;
-        float d = 0.0f;
+    const long long row0 = n_tile * ROWS;  // the tile's first weight row: its first output column
+    T* const o = outp + row0 * out_s1;
+    const auto epi = [&](int m, int c, const float (&y)[4], const float (&)[4], const float (&res)[4]) {
 #pragma unroll
-        for (int s = 0; s < S; ++s) d += __ldcg(tiles + s * (MEGA_WIDE_M * ROWS) + m * ROWS + local);
-        store_mma_output<T, false, RES>(d, 0.0f, r, out, m, n);
-    }
+        for (int j = 0; j < 4; ++j) {
+            if (row0 + c + j >= N) break;
+            float v = round_to<T>(y[j]);
+            if (RES) v = round_to<T>(res[j] + v);
+            o[m * out_s0 + (c + j) * out_s1] = from_f32<T>(v);
+        }
+    };
+    mega_combine_partials<S, false>(tiles, ROWS, (long long)MEGA_WIDE_M * ROWS, (int)mvalid, (int)min_i64(ROWS, N - row0),
+                                    0, RES ? rp + row0 * r_s1 : (const T*)nullptr, r_s0, r_s1, epi);
 }
 
 }  // namespace matvec_impl

@@ -27,9 +27,44 @@ __device__ __forceinline__ void rope_load(const T* x, long long xs, float (&x1)[
     }
 }
 
+// What a lane's rotation pairs need of a head, the same for all its rows (a caller storing several loads
+// it once: each load is an L2 round trip): the frequencies and (NORM) the gains of both halves.
+template <int D> struct RopeLane {
+    float freq[rope_pairs<D>()], g1[rope_pairs<D>()], g2[rope_pairs<D>()];
+};
 template <class T, int D, bool NORM>
+__device__ __forceinline__ RopeLane<D> rope_lane(const float* inv_freq, Vec<const T> g) {
+    constexpr int H = D / 2;
+    const int lane = threadIdx.x & 31;
+    RopeLane<D> c;
+#pragma unroll
+    for (int t = 0; t < rope_pairs<D>(); ++t) {
+        const int j = t * 32 + lane;
+        c.freq[t] = j < H ? ld_cg(inv_freq + j) : 0.0f;
+        c.g1[t] = NORM && j < H ? ld_f32(g.p + j * g.s0) : 0.0f;
+        c.g2[t] = NORM && j < H ? ld_f32(g.p + (j + H) * g.s0) : 0.0f;
+    }
+    return c;
+}
+
+// (sin, cos) of x, accurate (torch's); OUTLINE: out of line, so a caller rotating several rows in an
+// unrolled loop (kv_store_rope) holds one copy of sincosf's code, not one a row: cold code is fetched at
+// L2 speed (a 64-row kv_store_rope instance: 13.8 -> 9.5 us, perf-notes #89).
+__device__ __noinline__ float2 rope_sincos_call(float x) {
+    float sn, cs;
+    sincosf(x, &sn, &cs);
+    return make_float2(sn, cs);
+}
+template <bool OUTLINE> __device__ __forceinline__ float2 rope_sincos(float x) {
+    if constexpr (OUTLINE) return rope_sincos_call(x);
+    float sn, cs;
+    sincosf(x, &sn, &cs);
+    return make_float2(sn, cs);
+}
+
+template <class T, int D, bool NORM, bool OUTLINE = false>
 __device__ __forceinline__ void rope_store(float (&x1)[rope_pairs<D>()], float (&x2)[rope_pairs<D>()], long long p,
-                                           const float* inv_freq, Vec<const T> g, float eps, T* out, long long os) {
+                                           const RopeLane<D>& c, float eps, T* out, long long os) {
     constexpr int H = D / 2, PL = rope_pairs<D>();
     const int lane = threadIdx.x & 31;
     if (NORM) {
@@ -39,18 +74,16 @@ __device__ __forceinline__ void rope_store(float (&x1)[rope_pairs<D>()], float (
         const float rinv = 1.0f / sqrtf(warp_sum(ss) / (float)D + eps);
 #pragma unroll
         for (int t = 0; t < PL; ++t) {
-            const int j = t * 32 + lane;
-            if (j >= H) continue;
-            x1[t] = round_to<T>(round_to<T>(x1[t] * rinv) * ld_f32(g.p + j * g.s0));
-            x2[t] = round_to<T>(round_to<T>(x2[t] * rinv) * ld_f32(g.p + (j + H) * g.s0));
+            x1[t] = round_to<T>(round_to<T>(x1[t] * rinv) * c.g1[t]);
+            x2[t] = round_to<T>(round_to<T>(x2[t] * rinv) * c.g2[t]);
         }
     }
 #pragma unroll
     for (int t = 0; t < PL; ++t) {
         const int j = t * 32 + lane;
         if (j >= H) continue;
-        float sn, cs;
-        sincosf(__fmul_rn((float)p, ld_cg(inv_freq + j)), &sn, &cs);
+        const float2 sc = rope_sincos<OUTLINE>(__fmul_rn((float)p, c.freq[t]));
+        const float sn = sc.x, cs = sc.y;
         out[j * os] = from_f32<T>(__fsub_rn(__fmul_rn(x1[t], cs), __fmul_rn(x2[t], sn)));
         out[(j + H) * os] = from_f32<T>(__fadd_rn(__fmul_rn(x2[t], cs), __fmul_rn(x1[t], sn)));
     }
@@ -62,11 +95,12 @@ __device__ __noinline__ void rope_rows(Mat<const T> x, const float* inv_freq, Ve
                                        int rows_per, long long c0) {
     in_global(x, out);  // (not the optional pos_ids and g: an absent view is nullptr)
     const long long r0 = c0 * rows_per, r1 = min_i64(r0 + rows_per, rows);
+    const RopeLane<D> lane = rope_lane<T, D, NORM>(inv_freq, g);
 #pragma unroll 1
     for (long long r = r0 + (threadIdx.x >> 5); r < r1; r += MEGA_WARPS) {
         const long long p = pos_ids.p ? (long long)ld_cg(pos_ids.p + (r / group) * pos_ids.s0) : pos;
         float x1[rope_pairs<D>()], x2[rope_pairs<D>()];
         rope_load<T, D>(x.p + r * x.s0, x.s1, x1, x2);
-        rope_store<T, D, NORM>(x1, x2, p, inv_freq, g, eps, out.p + r * out.s0, out.s1);
+        rope_store<T, D, NORM>(x1, x2, p, lane, eps, out.p + r * out.s0, out.s1);
     }
 }

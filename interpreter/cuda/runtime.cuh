@@ -124,19 +124,11 @@ __device__ __forceinline__ bool mega_wait(const unsigned* counter, unsigned expe
   return mega_ld_counter(counter, sys) >= expected || mega_wait_spin(counter, expected, control, entry, instance, wait_id, sys);
 }
 
-// Start streaming [p, p + bytes) from HBM into L2 without waiting (sm_90 bulk prefetch).
-// Issued for an instance's weight tile before its barrier wait, so the handoff latency
-// of the previous op overlaps this op's weight traffic. `bytes` is a multiple of 16.
+// The first MEGA_PREFETCH_BYTES of an instance's weight tile into L2 (common.cuh: mega_prefetch_l2_range),
+// issued before its barrier wait, so the handoff latency of the previous op overlaps this op's weights.
 #define MEGA_PREFETCH_BYTES 16384LL  // per operand (A/B on llama-1b: 0: 1.430 ms, 16K: 1.417, 64K: 1.434, whole tile: 1.514)
 __device__ __forceinline__ void mega_prefetch_l2(const void* p, long long bytes) {
-  const char* c = (const char*)p;
-  if (bytes > MEGA_PREFETCH_BYTES) bytes = MEGA_PREFETCH_BYTES;
-  while (bytes > 0) {
-    const unsigned n = (unsigned)(bytes < (1LL << 20) ? bytes : (1LL << 20));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(n) : "memory");
-    c += n;
-    bytes -= n;
-  }
+  mega_prefetch_l2_range(p, bytes > MEGA_PREFETCH_BYTES ? MEGA_PREFETCH_BYTES : bytes);
 }
 
 __device__ bool mega_waits_met(const MegaWaits& w) {

@@ -52,6 +52,7 @@ class RaggedPartialMerge(BlockKind):
     name = "ragged_partial_merge"
     cuda_file = "attention.cuh"
     last_writer = True  # a (row, KV head)'s splits all declare its output; the last to arrive writes it
+    waits_in_body = True  # its cache rows start streaming into L2 while it waits (attention.cuh)
 
     def internal_inputs(self, op):
         return (5, 6)
@@ -99,7 +100,7 @@ class RaggedPartialMerge(BlockKind):
                 ("slot", slot.view(0)), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL"),
                 ("length", p["length"].to_c(dimc)), ("splits", p["splits"].to_c(dimc)), ("Hkv", f"{hkv}LL"),
                 ("scale", f"{float(p['scale'])!r}f"), ("part", f"(float*){part.ptr}"), ("arrive", f"(unsigned*){arrive.ptr}"),
-                ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1"), ("c2", "c2")]
+                ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1"), ("c2", "c2"), ("wl", "wl")]
         return c_call("ragged_partial_merge", [q.ctype, d, p["group"]], args)
 
 
