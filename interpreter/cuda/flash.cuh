@@ -31,12 +31,13 @@ namespace flash_detail {
 
 constexpr int ROWS = 128;  // tile rows: 8 warps x m16
 
-// Warp groups a tile: 2 (FLASH_GROUPS), each 4 warps with its own 64 rows, K/V ring and named barrier,
-// so the groups drift apart and one's softmax overlaps the other's MMAs and copies, as two CTAs of an
-// SM would (one group of 8 warps runs every block barrier in lock step: perf-notes #90); 1 where a
-// group's 64 rows would split a token's G query heads or two rings of two 64-row stages do not fit.
+// Warp groups a tile: 1, or with FLASH_GROUPS=2 (an experiment, perf-notes #90: compiled, not yet run on
+// a GPU) 2, each 4 warps with its own 64 rows, K/V ring and named barrier, so that the groups drift apart
+// and one's softmax overlaps the other's MMAs and copies, as two CTAs of an SM would (one group of 8 warps
+// runs every block barrier in lock step); 1 where a group's 64 rows would split a token's G query heads
+// or two rings of two 64-row stages do not fit.
 #ifndef FLASH_GROUPS
-#define FLASH_GROUPS 2
+#define FLASH_GROUPS 1
 #endif
 template <int D, int G, int BT> __host__ __device__ constexpr int groups(int extra) {
     return FLASH_GROUPS == 2 && 64 % G == 0 && 2 * 2 * (2 * 64 * (D + 8) * 2) + 3 * BT * 4 + extra <= MEGA_SMEM ? 2 : 1;
