@@ -364,3 +364,28 @@ def test_a_batch_splits_its_residual_projections_over_k():
     assert len(split_tiles) == cfg.layers, [(op.kind, op.params) for op in batch]
     for op in split_tiles:
         assert op.launch_count.eval(env({"n": 40, "r": 1, "ctx": 33})) == op.grid[0].eval(env({"n": 40})) * op.params["splits"]
+
+
+def test_a_short_prompt_takes_tiles_that_fill_the_sms():
+    """A 512-row prompt makes 32 tiles of 128 x 256 for a 2048-wide projection, a quarter of the SMs: the
+    extractor also chooses at 4x the tallest tile's rows, and that program, in a band of its own, runs the
+    O projection on 64 x 128 tiles (128 of them at 512 rows); a 2048-row prompt keeps the 128 x 256 tiles
+    (rewrite/schedule.py: row_points, docs/perf-notes.md #89)."""
+    from megaegg.rewrite import rewrite
+
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), hidden=2048, intermediate=8192, heads=32, kv_heads=8,
+                              dtype=me.bf16, max_positions=4096)
+    graph, _ = build_step_graph(cfg, max_len=2049, slots=4)
+    program = rewrite(graph, dims_hint={"n": 16, "r": 4, "ctx": 513}, max_dims={"n": 2112, "r": 4, "ctx": 2049})
+
+    def o_projection(rows: int):
+        env = program.with_derived({"n": rows, "r": 1, "ctx": rows})
+        ops = [op for op in program.ops if op.kind == "gemm" and "r" in op.params["roles"]
+               and op.inputs[0].shape[1].value == cfg.hidden and op.launch_count.eval(env) > 0]
+        assert len(ops) == cfg.layers, [(op.kind, op.params) for op in ops]
+        return ops[0], ops[0].launch_count.eval(env)
+
+    op, instances = o_projection(512)
+    assert (op.params["bm"], op.params["bn"]) == (64, 128) and instances == 128
+    op, instances = o_projection(2048)
+    assert (op.params["bm"], op.params["bn"]) == (128, 256) and instances == 16 * 8
