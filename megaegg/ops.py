@@ -456,7 +456,7 @@ def kv_store(cache: Tensor, new: Tensor, pos: Tensor, slot: Tensor, *, name: str
 
 def ragged_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, slot: Tensor, *, length: DimLike | None = None,
-    scale: float | None = None, name: str | None = None,
+    sequences: DimLike | None = None, scale: float | None = None, name: str | None = None,
 ) -> Tensor:
     """Attention of ``N`` rows, each over its own sequence: row ``i`` (``q[i]: [Hq, D]``) attends
     cache rows ``[0, pos[i]]`` of slot ``slot[i]`` (causal: a prompt's token sees itself and the
@@ -465,7 +465,9 @@ def ragged_attention(
 
     ``length``, a runtime dim (default ``max_len``), bounds every ``pos[i] + 1``: the kernel splits
     only that many cache rows, so a step at short positions launches no empty work. A row past it
-    is an error.
+    is an error. ``sequences``, a runtime dim, about how many sequences (distinct slots) the rows are of,
+    only steers the schedule: a tile of a prompt's rows that holds rows of other sequences too (a mixed
+    step's decode rows) spreads its one pass a sequence over up to 8 instances.
     """
     op = "ragged_attention"
     _check_float(op, q, k_cache, v_cache)
@@ -486,7 +488,9 @@ def ragged_attention(
     _check_rows_index(op, "slot", slot, q.shape[0])
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d.value)
     length = as_dim(length) if length is not None else k_cache.shape[2]
-    return _new(op, (q, k_cache, v_cache, pos, slot), q.shape, q.dtype, name, scale=scale, length=length)
+    sequences = as_dim(sequences) if sequences is not None else None
+    return _new(op, (q, k_cache, v_cache, pos, slot), q.shape, q.dtype, name, scale=scale, length=length,
+                sequences=sequences)
 
 
 def sample(

@@ -5,7 +5,8 @@
 // [16w, 16w + 16): one m16 tile of mma.sync m16n8k16 (bf16 in, f32 accumulators).
 //
 // Rows attend cache rows [0, pos] of their slot. The tile runs one pass per distinct slot of its rows
-// (a prompt: one pass); a pass streams K/V blocks of 64 or 128 cache rows (block_rows) through a cp.async ring in shared
+// (a prompt: one pass), numbered in order of the slot's first row; instance c2 of `splits` runs passes
+// c2, c2 + splits, ... (a mixed step's tile of decode rows, a pass a row, on several SMs); a pass streams K/V blocks of 64 or 128 cache rows (block_rows) through a cp.async ring in shared
 // memory (rows padded to D + 8 elements: 16-byte aligned, ldmatrix without bank conflicts; as many
 // stages as fit, up to 4, so 2-3 blocks are in flight while one is computed; one block barrier a block)
 // and keeps, per row, the running max and sum (online softmax, base 2) and the f32 output in registers.
@@ -148,7 +149,8 @@ template <int D, int G, bool ROPE, bool NORM>
 __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> q, Ten4<const __nv_bfloat16> kc,
                                           Ten4<const __nv_bfloat16> vc, Vec<const int> pos, Vec<const int> slot,
                                           long long N, long long slots, long long max_len, float scale,
-                                          Ten3<__nv_bfloat16> out, long long c0, long long c1, FlashQRope qr) {
+                                          Ten3<__nv_bfloat16> out, long long c0, long long c1, long long splits,
+                                          long long c2, FlashQRope qr) {
     using namespace flash_detail;
     static_assert(D == 64 || D == 128, "ragged_flash: head dim 64 or 128 (blockops/flash_attention.py: HEAD_DIMS)");
     static_assert(G >= 1 && G <= ROWS, "ragged_flash: 1 to 128 query heads a KV head");
@@ -174,11 +176,11 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
     int* tpass = tslot + BT;                                                // [BT] the pass that runs the token
     float* tcos = reinterpret_cast<float*>(tpass + BT);                     // ROPE: [BT][D/2] cos, then sin
     float* tsin = tcos + BT * (D / 2);
-    __shared__ int pass_slots[2], pass_ends[2], bad;
+    __shared__ int pass_slots[2], pass_ends[2], bad, distinct;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const long long tok0 = c0 * BT;
-    if (tid == 0) bad = -1;
+    if (tid == 0) bad = -1, distinct = 0;
     mega_sync();
     for (int i = tid; i < BT; i += MEGA_THREADS) {
         const long long tk = tok0 + i;
@@ -191,6 +193,16 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         tpos[i] = p;
         tslot[i] = (tk < N) ? s : -1;
         tpass[i] = -1;
+    }
+    if (splits > 1) {  // an instance past the tile's passes (a prompt's tile: one) stops here
+        mega_sync();
+        for (int i = tid; i < BT; i += MEGA_THREADS) {  // the tokens whose slot no earlier token has
+            bool first = tslot[i] >= 0;
+            for (int j = 0; j < i && first; ++j) first = tslot[j] != tslot[i];
+            if (first) atomicAdd(&distinct, 1);
+        }
+        mega_sync();
+        if (c2 >= distinct) return;  // (uniform)
     }
     if constexpr (ROPE) {  // (tokens past N: position 0; their q rows are zeros)
 #pragma unroll 1
@@ -254,6 +266,10 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         group_sync<GR>(group);
         const int s = pass_slots[group], end = pass_ends[group];
         if (s < 0) break;
+        if (pass % splits != c2) {  // another instance of the tile runs it (blockops/flash_attention.py: splits)
+            group_sync<GR>(group);  // (the group's pass slot is rewritten next)
+            continue;
+        }
         const bool a0 = in0 && tpass[i0] == pass, a1 = in1 && tpass[i1] == pass;
         const int p0 = a0 ? tpos[i0] : -1, p1 = a1 ? tpos[i1] : -1;  // the last cache row each row attends
         const int warp_last = __reduce_max_sync(0xffffffffu, max(p0, p1));  // (-1: the warp has no row here)

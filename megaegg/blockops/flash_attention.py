@@ -9,6 +9,11 @@ prompt (one slot, consecutive positions) share every K/V block read. A tile of r
 sequences (decode rows) runs one pass per sequence: correct, but no faster than the split-KV path,
 which the cost model picks for batches of such rows (``decode_like``).
 
+With ``splits`` (the attention's ``sequences``: ``dmin(8, sequences)``, a runtime dim), instance ``(i, h,
+c)`` runs the tile's passes ``c, c + splits, ...`` (numbered in order of their slot's first row): a mixed
+step's tile of 32 decode rows runs its 32 passes on 8 SMs instead of one (a prompt: one sequence, one
+split). The instances of a tile share its rows (``last_writer``: each writes its passes' rows).
+
 Fused (``ragged_flash_rope``): q read unrotated (the Q projection's rows) and rotated at its tokens'
 positions as each instance loads it, after qwen3's q norm where there is one: the prompt's RoPE op and
 its hand-off leave the layer's critical path (perf-notes #81). Its extra operands, by role: ``inv_freq``,
@@ -19,14 +24,15 @@ from __future__ import annotations
 
 import torch
 
-from ..dims import ceildiv
+from ..dims import ceildiv, dmax, dmin
 from ..dtypes import bf16
-from .base import NONE, BlockKind, Partition, Term, c_call, f32, fields, no_view, register, rms_normed, term
+from .base import NONE, BlockKind, Partition, Term, c_call, dimc, f32, fields, no_view, register, rms_normed, term
 from ..ir.footprint import Full, Tile
 from .ragged_attention import row_length
 from .rope import rotated
 
 ROWS = 128  # (row, head) pairs an instance: 8 warps x 16
+PASS_SPLITS = 8  # instances a tile's passes spread over, at most
 BLOCK = 64  # the term's chunk field (the body streams K/V blocks of 64 or 128 cache rows: flash.cuh block_rows)
 HEAD_DIMS = (64, 128)
 
@@ -40,6 +46,7 @@ class RaggedFlash(BlockKind):
     name = "ragged_flash"
     cuda_file = "flash.cuh"
     longest_last = True  # (a prompt's later token tiles attend more rows)
+    last_writer = True  # (with splits, a tile's instances share its rows: each writes its passes')
 
     def build(self, inputs, output, params) -> Partition:
         q, kc = inputs[0], inputs[1]
@@ -48,7 +55,8 @@ class RaggedFlash(BlockKind):
         kv = (Full(), Tile(1, 1), Full(), Full())
         rows = (Tile(0, bt),)
         rope = {"inv_freq": (Full(),), "pos_ids": rows, "g": (Full(),)}
-        return Partition(grid=(ceildiv(q.shape[0], bt), kc.shape[1]),
+        grid = (ceildiv(q.shape[0], bt), kc.shape[1]) + ((params["splits"],) if "splits" in params else ())
+        return Partition(grid=grid,
                          reads=((Tile(0, bt), Tile(1, g), Full()), kv, kv, rows, rows,
                                 *(rope[r] for r in params.get("rope", ()))),
                          writes=(Tile(0, bt), Tile(1, g), Full()))
@@ -60,7 +68,13 @@ class RaggedFlash(BlockKind):
         bt = tokens_per_tile(g)
         i, h = env["_i0"], env["_i1"]
         heads = slice(h * g, (h + 1) * g)
-        for r in range(i * bt, min(i * bt + bt, q.shape[0])):
+        rows = range(i * bt, min(i * bt + bt, q.shape[0]))
+        if "splits" in op.params:  # this instance's passes only: c, c + splits, ... by first row
+            splits, passes = op.params["splits"].eval(env), {}
+            for r in rows:
+                passes.setdefault(row_length(op, pos, slot, r, kc.shape)[1], len(passes))
+            rows = [r for r in rows if passes[row_length(op, pos, slot, r, kc.shape)[1]] % splits == env["_i2"]]
+        for r in rows:
             length, s = row_length(op, pos, slot, r, kc.shape)
             k, v = f32(kc[s, h, :length]), f32(vc[s, h, :length])  # [L, D]
             qr = f32(q[r, heads])  # [G, D]
@@ -95,12 +109,25 @@ class RaggedFlash(BlockKind):
         slots, _, max_len, _ = (x.value for x in op.inputs[1].shape)
         args = [("smem", "smem"), ("q", q.view()), ("kc", kc.view()), ("vc", vc.view()), ("pos", pos.view(0)),
                 ("slot", slot.view(0)), ("N", q.shape[0]), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL"),
-                ("scale", f"{float(p['scale'])!r}f"), ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1")]
+                ("scale", f"{float(p['scale'])!r}f"), ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1"),
+                ("splits", p["splits"].to_c(dimc) if "splits" in p else "1LL"), ("c2", "c2" if "splits" in p else "0")]
         if not rope:
             return c_call("ragged_flash", [d, p["group"], "false", "false"], [*args, ("qr", "FlashQRope{}")])
         g = rope["g"].view() if "g" in rope else no_view(1, q.ctype)
         qr = f"FlashQRope{{{rope['inv_freq'].ptr}, {rope['pos_ids'].view(0)}, {g}, {float(p['eps'])!r}f}}"
         return c_call("ragged_flash", [d, p["group"], "true", "true" if "g" in rope else "false"], [*args, ("qr", qr)])
+
+
+def pass_splits(node, q, kc) -> dict:
+    """``{"splits": ...}`` where the attention says how many sequences its rows are of (``ragged_attention(...,
+    sequences=)``): ``dmin(PASS_SPLITS, sequences)`` where the rows outnumber the cache slots (so some are a
+    prompt's: a mixed step), else 1 (rows that may each be a sequence's are the split-KV path's, and the
+    cost model prices them as one pass a row, ``decode_like``); else nothing (one instance a tile)."""
+    seqs = node.attrs.get("sequences")
+    if seqs is None:
+        return {}
+    more_rows_than_slots = dmin(1, dmax(0, q.shape[0] - kc.shape[0]))
+    return {"splits": 1 + (dmin(PASS_SPLITS, dmax(1, seqs)) - 1) * more_rows_than_slots}
 
 
 def decode_like(op, env) -> bool:
@@ -132,7 +159,7 @@ class RaggedFlashTerm(Term):
         n = b.graph.nodes[value]
         q, kc, vc, pos, slot = (b.operand(i) for i in n.inputs)
         group = q.shape[1].value // kc.shape[1].value
-        params = {"group": group, "scale": n.attrs["scale"], "length": n.attrs["length"]}
+        params = {"group": group, "scale": n.attrs["scale"], "length": n.attrs["length"], **pass_splits(n, q, kc)}
         b.emit("ragged_flash", [value], [q, kc, vc, b.flat(pos), b.flat(slot)], b.output(value), params)
 
 
@@ -163,7 +190,7 @@ class RaggedFlashRopeTerm(Term):
         roles = tuple(k for k, v in rope.items() if v != NONE)
         group = n.shape[1].value // kc.shape[1].value
         params = {"group": group, "scale": n.attrs["scale"], "length": n.attrs["length"], "rope": roles,
-                  "eps": args["eps"]}
+                  "eps": args["eps"], **pass_splits(n, b.operand(args["x"]), kc)}
         inputs = [b.operand(args["x"]), kc, vc, b.flat(pos), b.flat(slot),
                   *(b.flat(b.operand(rope[k])) if k == "pos_ids" else b.operand(rope[k]) for k in roles)]
         refs = {args["x"], *n.inputs[1:], *(v for v in rope.values() if v != NONE)}

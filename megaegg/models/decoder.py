@@ -197,7 +197,9 @@ def build_step_graph(cfg: ModelConfig, *, max_len: int, slots: int, sampling: bo
         k_cache = kv_store(g.input(f"k_cache.{layer}", shape, cfg.dtype), rope(k, pos, inv_freq=inv_freq), pos, slot)
         v_cache = kv_store(g.input(f"v_cache.{layer}", shape, cfg.dtype), v.reshape(n, Hkv, D), pos, slot)
         q = rope(q, pos, inv_freq=inv_freq)
-        return ragged_attention(q, k_cache, v_cache, pos, slot, length=ctx).reshape(n, cfg.heads * D)
+        # (r, the rows whose tokens the step returns: about one a sequence; a mixed step's decode rows then
+        # spread over the prompt's attention instances)
+        return ragged_attention(q, k_cache, v_cache, pos, slot, length=ctx, sequences=r).reshape(n, cfg.heads * D)
 
     for layer in range(cfg.layers):
         x = decoder_layer(cfg, x, layer, attend)
