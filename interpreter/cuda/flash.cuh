@@ -5,8 +5,9 @@
 // [16w, 16w + 16): one m16 tile of mma.sync m16n8k16 (bf16 in, f32 accumulators).
 //
 // Rows attend cache rows [0, pos] of their slot. The tile runs one pass per distinct slot of its rows
-// (a prompt: one pass), numbered in order of the slot's first row; instance c2 of `splits` runs passes
-// c2, c2 + splits, ... (a mixed step's tile of decode rows, a pass a row, on several SMs); a pass streams K/V blocks of 64 or 128 cache rows (block_rows) through a cp.async ring in shared
+// (a prompt: one pass), numbered in order of the slot's first row (with FLASH_GROUPS=2, each group numbers
+// its own tokens' passes); instance c2 of `splits` runs passes c2, c2 + splits, ... (a mixed step's tile
+// of decode rows, a pass a row, on several SMs; an instance past the tile's passes stops after counting); a pass streams K/V blocks of 64 or 128 cache rows (block_rows) through a cp.async ring in shared
 // memory (rows padded to D + 8 elements: 16-byte aligned, ldmatrix without bank conflicts; as many
 // stages as fit, up to 4, so 2-3 blocks are in flight while one is computed; one block barrier a block)
 // and keeps, per row, the running max and sum (online softmax, base 2) and the f32 output in registers.
@@ -202,7 +203,10 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
             if (first) atomicAdd(&distinct, 1);
         }
         mega_sync();
-        if (c2 >= distinct) return;  // (uniform)
+        if (bad != -1 || c2 >= distinct) {  // (uniform)
+            if (bad != -1 && tid == 0) mega_body_error(MEGA_ERR_INDEX, bad);
+            return;
+        }
     }
     if constexpr (ROPE) {  // (tokens past N: position 0; their q rows are zeros)
 #pragma unroll 1

@@ -9,10 +9,13 @@ prompt (one slot, consecutive positions) share every K/V block read. A tile of r
 sequences (decode rows) runs one pass per sequence: correct, but no faster than the split-KV path,
 which the cost model picks for batches of such rows (``decode_like``).
 
-With ``splits`` (the attention's ``sequences``: ``dmin(8, sequences)``, a runtime dim), instance ``(i, h,
-c)`` runs the tile's passes ``c, c + splits, ...`` (numbered in order of their slot's first row): a mixed
-step's tile of 32 decode rows runs its 32 passes on 8 SMs instead of one (a prompt: one sequence, one
-split). The instances of a tile share its rows (``last_writer``: each writes its passes' rows).
+With ``splits`` (the attention's ``sequences``: ``dmin(8, sequences)`` where the rows outnumber the cache
+slots, a runtime dim), instance ``(i, h, c)`` runs the tile's passes ``c, c + splits, ...`` (numbered in
+order of their slot's first row): a mixed step's tile of 32 decode rows runs its 32 passes on 8 SMs
+instead of one. The instances of a tile share its rows (``last_writer``: each writes its passes' rows).
+The cost: a tile of one prompt's rows runs its one pass in one of them, and the others wait for their
+inputs, count the tile's slots and stop (a prompt alone, ``r`` = 1, has one split; several prompts in
+one step pay this for every tile).
 
 Fused (``ragged_flash_rope``): q read unrotated (the Q projection's rows) and rotated at its tokens'
 positions as each instance loads it, after qwen3's q norm where there is one: the prompt's RoPE op and

@@ -296,3 +296,30 @@ def test_flash_attention_rotates_q_as_it_loads_it():
         out = kern(**ins, **{name: c.clone() for name, c in caches.items()}, n=n)
         ref = me.run_reference(g, {**ins, **{name: c.clone() for name, c in caches.items()}}, w, {"n": n})
         assert rel(out["o"], ref["o"]) < 2e-2, (d, qnorm)
+
+
+def test_flash_spreads_a_mixed_tiles_passes_over_instances():
+    """A mixed step's rows in ragged_flash, in a kernel: 30 decode rows of other sequences before a 100-token
+    prompt, so the first token tiles run one pass a sequence, spread over 8 instances a tile (``sequences=``)."""
+    hq, hkv, d, slots = 8, 2, 64, 40
+    gen = torch.Generator(device="cuda").manual_seed(91)
+    g = me.Graph("mixed_attention")
+    q, k, v = (g.input(name, [N, h, d], me.bf16) for name, h in (("q", hq), ("k", hkv), ("v", hkv)))
+    pos, slot = g.input("pos", [N], me.i32), g.input("slot", [N], me.i32)
+    kc = me.kv_store(g.input("kc", [slots, hkv, 160, d], me.bf16), k, pos, slot)
+    vc = me.kv_store(g.input("vc", [slots, hkv, 160, d], me.bf16), v, pos, slot)
+    g.output("o", me.ragged_attention(q, kc, vc, pos, slot, sequences=me.sym("s")))
+    kern = me.compile(g, {}, backend="cuda", max_dims={"n": 256, "s": 64}, dims_hint={"n": 256, "s": 31})
+    decode, prompt = 30, 100
+    n = decode + prompt
+    flash = [e.op for e in kern.queue.entries if e.op.kind == "ragged_flash"]
+    assert flash and flash[0].grid[2].eval({"n": n, "s": decode + 1}) == 8
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    ins = {"q": rand((n, hq, d), me.bf16, gen), "k": rand((n, hkv, d), me.bf16, gen), "v": rand((n, hkv, d), me.bf16, gen),
+           "pos": i32([int(p) for p in torch.randint(0, 150, (decode,), generator=torch.Generator().manual_seed(3))]
+                      + list(range(prompt))),
+           "slot": i32(list(range(1, decode + 1)) + [0] * prompt)}
+    caches = {name: rand((slots, hkv, 160, d), me.bf16, gen) for name in ("kc", "vc")}
+    out = kern(**ins, **{name: c.clone() for name, c in caches.items()}, n=n, s=decode + 1)
+    ref = me.run_reference(g, {**ins, **{name: c.clone() for name, c in caches.items()}}, {}, {"n": n, "s": decode + 1})
+    assert rel(out["o"], ref["o"]) < 2e-2
