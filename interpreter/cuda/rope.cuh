@@ -56,10 +56,13 @@ __device__ __noinline__ float2 rope_sincos_call(float x) {
     return make_float2(sn, cs);
 }
 template <bool OUTLINE> __device__ __forceinline__ float2 rope_sincos(float x) {
-    if constexpr (OUTLINE) return rope_sincos_call(x);
-    float sn, cs;
-    sincosf(x, &sn, &cs);
-    return make_float2(sn, cs);
+    if constexpr (OUTLINE) {
+        return rope_sincos_call(x);
+    } else {
+        float sn, cs;
+        sincosf(x, &sn, &cs);
+        return make_float2(sn, cs);
+    }
 }
 
 template <class T, int D, bool NORM, bool OUTLINE = false>
