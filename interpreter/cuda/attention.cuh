@@ -228,8 +228,10 @@ struct Warp {
 };
 
 // Tensor-core path (bf16 / f16, G <= 8 query heads, D 64 or 128): one warp takes BR cache rows
-// a step (16 for D = 64, 8 for D = 128: 4 KB of K and V a warp), straight from global memory into
-// registers with 16-byte loads, and runs them on mma.sync (PTX ISA fragments; g = lane / 4, t = lane % 4):
+// a step (16 for D = 64, 8 for D = 128: 4 KB of K and V a warp), every MEGA_WARPS * BR rows, through a
+// ring of its own in shared memory (RING_STAGES steps, filled by cp.async.cg, RING_STAGES - 1 steps ahead of
+// the one it computes: ~150 KB in flight per SM with 200 KB of shared memory, ~75 KB with 120; no block
+// barrier, the warps drift apart), and runs them on mma.sync (PTX ISA fragments; g = lane / 4, t = lane % 4):
 //   S = Q K^T   m16n8k16: A = q (rows: the G heads, zero beyond), B = K (n: a cache row; each lane's
 //               k pairs are one 16-byte chunk of its row: the dot product sums over d in any order,
 //               so q is loaded with the same permutation: kstep j, half h of lane t <-> d = 8 * (t +
@@ -242,6 +244,8 @@ struct Warp {
 // registers; the warps' states combine through shared memory as the other paths'. P is rounded to T
 // for the P.V product (as flash attention does) while the sums add it in f32: the CPU definition
 // keeps P in f32 throughout, so the two agree to T's rounding, not bit for bit.
+// The ring replaced two steps a warp loaded straight into registers (~64 KB in flight per SM: a batch of
+// 64 decoding at context 512 read its caches at ~2 TB/s, 7.9 us an instance of 128 KB; perf-notes #92).
 template <class T> __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     T v[2] = {from_f32<T>(lo), from_f32<T>(hi)};
     return *reinterpret_cast<const unsigned*>(v);
@@ -277,6 +281,11 @@ __device__ __forceinline__ void combine_warps_out(const float* ws, T* out, long 
     }
 }
 
+// Ring stages a warp (each BR rows of K and V, D + 8 elements a row) that fit MEGA_SMEM: 2 to 6.
+template <class T, int D> __host__ __device__ constexpr int ring_stages() {
+    return cmax(2, cmin(6, MEGA_SMEM / (MEGA_WARPS * 2 * (D == 64 ? 16 : 8) * (D + 8) * (int)sizeof(T))));
+}
+
 // part == nullptr: write the normalised rows to out (o_s0: its head stride) instead of partials.
 template <class T, int D, int G>
 __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0, const T* kh, long long k_s1,
@@ -290,37 +299,55 @@ __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0
     constexpr int VR = BR / 4;            // cache rows of V a lane loads: 2t, 2t+1 (+ 8)
     constexpr int VC = D / 64;            // 16-byte chunks of each
     constexpr int MT = D / 16;            // m16 tiles of O^T
+    constexpr int LD = D + 8;             // a ring row, elements (16-byte aligned; the V reads are conflict-free)
+    constexpr int STEP = 2 * BR * LD;     // a ring stage, elements: BR rows of K, then BR of V
+    constexpr int RS = ring_stages<T, D>();
+    constexpr int CPR = D / 8;            // 16-byte chunks a cache row
+    constexpr int CPL = 2 * BR * CPR / 32;  // chunks a lane copies a step
     static_assert(MEGA_WARPS * G * (D + 2) * 4 <= MEGA_SMEM, "attention (mma): warp states do not fit in shared memory");
+    static_assert(MEGA_WARPS * RS * STEP * (int)sizeof(T) <= MEGA_SMEM, "attention (mma): the ring does not fit");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const float scale2 = scale * LOG2E;
-    const uint4 z = make_uint4(0, 0, 0, 0);
+    T* ring = reinterpret_cast<T*>(sm) + warp * RS * STEP;
     struct Step {
         uint4 k[NTS][KC], v[VR][VC];
     };
-    // a step's K and V (zeros past p1: no global read), straight into registers
-    const auto load = [&](Step& st, long long r0) {
+    // step at r0 -> ring stage st (rows past p1: zeros, no global read); one commit group a step, empty past p1
+    const auto issue = [&](int st, long long r0) {
+        if (r0 < p1) {
+            T* dst = ring + st * STEP;
 #pragma unroll
-        for (int nt = 0; nt < NTS; ++nt) {
-            const long long r = r0 + nt * 8 + g;
-#pragma unroll
-            for (int c = 0; c < KC; ++c) st.k[nt][c] = r < p1 ? ldcg16(kh + r * k_s1 + 8 * (t + 4 * c)) : z;
+            for (int i = 0; i < CPL; ++i) {
+                const int c = lane + 32 * i, v = c / (BR * CPR), row = (c / CPR) % BR, col = 8 * (c % CPR);
+                const long long r = r0 + row;
+                const T* src = (v ? vh + (r < p1 ? r : r0) * v_s1 : kh + (r < p1 ? r : r0) * k_s1) + col;
+                cp_async16(dst + (v * BR + row) * LD + col, src, r < p1 ? 16 : 0);
+            }
         }
-#pragma unroll
-        for (int i = 0; i < VR; ++i) {
-            const long long r = r0 + 2 * t + (i & 1) + 8 * (i >> 1);
-#pragma unroll
-            for (int c = 0; c < VC; ++c) st.v[i][c] = r < p1 ? ldcg16(vh + r * v_s1 + g * (D / 8) + 8 * c) : z;
-        }
+        cp_async_commit();
     };
-    // two steps in flight a warp (8 KB; 64 KB a block): each step is not one round trip of its own
-    const long long stride = (long long)MEGA_WARPS * BR;
-    Step sa, sb;
-    load(sa, p0 + warp * BR);
-    load(sb, p0 + warp * BR + stride);
+    // a landed step's K and V from its stage into the registers compute takes (K: 2-way bank conflicts)
+    const auto load = [&](Step& s, int st) {
+        const T* src = ring + st * STEP;
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt)
+#pragma unroll
+            for (int c = 0; c < KC; ++c)
+                s.k[nt][c] = *reinterpret_cast<const uint4*>(src + (nt * 8 + g) * LD + 8 * (t + 4 * c));
+#pragma unroll
+        for (int i = 0; i < VR; ++i)
+#pragma unroll
+            for (int c = 0; c < VC; ++c)
+                s.v[i][c] = *reinterpret_cast<const uint4*>(src + (BR + 2 * t + (i & 1) + 8 * (i >> 1)) * LD +
+                                                            g * (D / 8) + 8 * c);
+    };
+    const long long stride = (long long)MEGA_WARPS * BR, base = p0 + warp * BR;  // step j: rows base + j * stride
+#pragma unroll
+    for (int j = 0; j < RS - 1; ++j) issue(j, base + j * stride);
     unsigned qa[KS][2];  // A of q: row g, halves 0 and 1 (rows g + 8 are zero)
 #pragma unroll
     for (int c = 0; c < KC; ++c) {
-        const uint4 v = g < G ? ldcg16(q + (c0 * G + g) * q_s0 + 8 * (t + 4 * c)) : z;
+        const uint4 v = g < G ? ldcg16(q + (c0 * G + g) * q_s0 + 8 * (t + 4 * c)) : make_uint4(0, 0, 0, 0);
         qa[2 * c][0] = v.x, qa[2 * c][1] = v.y, qa[2 * c + 1][0] = v.z, qa[2 * c + 1][1] = v.w;
     }
     float o[MT][4];  // O^T: d-rows (g, g + 8) of m-tile mt x heads (2t, 2t + 1)
@@ -378,20 +405,22 @@ __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0
         }
     };
 #pragma unroll 1
-    for (long long r0 = p0 + warp * BR; r0 < p1; r0 += 2 * stride) {  // (warp-uniform bounds)
-        compute(sa, r0);
-        load(sa, r0 + 2 * stride);
-        if (r0 + stride < p1) {
-            compute(sb, r0 + stride);
-            load(sb, r0 + 3 * stride);
-        }
+    for (int j = 0; base + j * stride < p1; ++j) {  // (warp-uniform bounds)
+        cp_async_wait<RS - 2>();  // step j landed (this lane's chunks) ...
+        __syncwarp();             // ... and the warp's; every lane is done with step j - 1's stage
+        issue((j + RS - 1) % RS, base + (j + RS - 1) * stride);  // (into step j - 1's stage)
+        Step st;
+        load(st, j % RS);
+        compute(st, base + j * stride);
     }
+    cp_async_wait<0>();  // (only empty groups are left: none writes the ring again)
     l_run += __shfl_xor_sync(MEGA_FULL_MASK, l_run, 1);
     l_run += __shfl_xor_sync(MEGA_FULL_MASK, l_run, 2);
     // this warp's state: ws[warp][h][0..D-1] = O (unnormalised), [D] = max, [D + 1] = sum (a warp with
-    // no rows: max -inf, zeros)
+    // no rows: max -inf, zeros); ws overlaps other warps' rings: every warp is done with its own first
     constexpr int WS = D + 2;
     float* ws = reinterpret_cast<float*>(sm);
+    mega_sync();
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
         const int h = 2 * t + e;
