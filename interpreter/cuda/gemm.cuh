@@ -1,5 +1,5 @@
 // gemm: one output tile of out = x @ w^T on Hopper tensor cores (megaegg/blockops/gemm.py): 128 x 256
-// for a prompt, 64 x 64 or 64 x 128 for a batch of ~64 rows.
+// or 128 x 128 for a prompt, 64 x 64 or 64 x 128 for a batch of ~64 rows.
 // The tile itself is gemm_tile.cuh's. A gemm entry's case only fills a GemmJob (its tile, operands,
 // waits and signals); the interpreter runs the job after its switch, in ONE place for every gemm op
 // (gemm_run): the tile is ~40 KB of machine code, and it must be inlined into the kernel itself (a
@@ -17,10 +17,12 @@
 #include "gemm_tile.cuh"
 
 // The tile shapes (BM x BN weight rows; a gated tile: BN / 2 of w and of w2), one bit each.
-enum GemmTileShape : unsigned { GEMM_TILE_128x256 = 1u, GEMM_TILE_64x64 = 2u, GEMM_TILE_64x128 = 4u };
+enum GemmTileShape : unsigned {
+    GEMM_TILE_128x256 = 1u, GEMM_TILE_64x64 = 2u, GEMM_TILE_64x128 = 4u, GEMM_TILE_128x128 = 8u
+};
 template <int BM, int BN> constexpr unsigned gemm_tile_shape() {
-    static_assert((BM == 128 && BN == 256) || (BM == 64 && (BN == 64 || BN == 128)), "gemm: no such tile shape");
-    return BM == 128 ? GEMM_TILE_128x256 : BN == 64 ? GEMM_TILE_64x64 : GEMM_TILE_64x128;
+    static_assert((BM == 128 && (BN == 128 || BN == 256)) || (BM == 64 && (BN == 64 || BN == 128)), "gemm: no such tile shape");
+    return BM == 128 ? (BN == 256 ? GEMM_TILE_128x256 : GEMM_TILE_128x128) : BN == 64 ? GEMM_TILE_64x64 : GEMM_TILE_64x128;
 }
 #ifndef MEGA_MAX_SIGNALS
 #define MEGA_MAX_SIGNALS 4  // (the interpreter defines it: the most barrier sets one entry signals)
@@ -146,6 +148,8 @@ __device__ __forceinline__ void gemm_run(const GemmJob& job, char* smem) {
     bool done = false;
     if constexpr ((TILES & GEMM_TILE_128x256) != 0)
         if (job.shape == GEMM_TILE_128x256) done = gemm_run_shape<128, 256>(job, smem);
+    if constexpr ((TILES & GEMM_TILE_128x128) != 0)
+        if (job.shape == GEMM_TILE_128x128) done = gemm_run_shape<128, 128>(job, smem);
     if constexpr ((TILES & GEMM_TILE_64x64) != 0)
         if (job.shape == GEMM_TILE_64x64) done = gemm_run_shape<64, 64>(job, smem);
     if constexpr ((TILES & GEMM_TILE_64x128) != 0)

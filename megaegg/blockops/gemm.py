@@ -4,8 +4,9 @@ instance (``interpreter/cuda/gemm_tile.cuh``: TMA copies into an mbarrier ring, 
 The linear of a batch or a prompt (M a runtime dim): each instance reads a ``bm``-row tile of x and
 ``bn`` weight rows once from shared memory for ``bm`` x ``bn`` products, where the matvec reads its
 weight rows once per 16 x rows (docs/perf-notes.md #68). Tiles (``GEMM_TILES``): 128 x 256 for a
-prompt; 64 x 64 and 64 x 128 for a batch of ~64 rows, memory-bound, where a 128-row tile would be half
-zeros. Its grid is ``(N tiles, M tiles[, splits])``, the weight tiles outermost as the runtime-M
+prompt, or 128 x 128 where the wide tiles are too few for the SMs (qwen3-8b's O and down projections at
+512 rows: 64 tiles of 128 x 256); 64 x 64 and 64 x 128 for a batch of ~64 rows, memory-bound, where a
+128-row tile would be half zeros. Its grid is ``(N tiles, M tiles[, splits])``, the weight tiles outermost as the runtime-M
 matvec's, so the instances sharing a weight tile run back to back and it streams from HBM about once.
 Its footprints are tiles, so a consumer's tile waits only for the producer tiles it reads.
 
@@ -39,11 +40,14 @@ from .matvec import roles, write_tile
 BK = 64  # K columns a k-tile (one 128-byte swizzle row)
 # (bm x rows, bn weight rows) a tile (gemm.cuh: GemmTileShape; a gated tile: bn / 2 of each weight).
 # bm = 128: two warpgroups of 64 rows; bm = 64: one (gemm_tile.cuh).
-GEMM_TILES = ((128, 256), (64, 64), (64, 128))
-# The share of the tensor-core rate a tile of bm rows reaches: a 64-row tile's one warpgroup issues small
-# wgmmas alone (no second warpgroup to overlap its waits and epilogue): priced at half, so that a
-# prompt keeps the 128-row tiles and a batch of ~64 rows, memory-bound, takes the 64-row ones.
-MMA_SHARE = {128: 1.0, 64: 0.5}
+GEMM_TILES = ((128, 256), (128, 128), (64, 64), (64, 128))
+# The share of the tensor-core rate a tile reaches: a 64-row tile's one warpgroup issues small wgmmas alone
+# (no second warpgroup to overlap its waits and epilogue): priced at half, so that a prompt keeps the
+# 128-row tiles and a batch of ~64 rows, memory-bound, takes the 64-row ones. A 128 x 128 tile reads its
+# A operand from shared memory twice as often a FLOP as a 128 x 256 one and drains its ring twice as
+# often: priced below it, so that it wins only where the wide tiles leave SMs idle (fewer tiles than SMs,
+# or a last wave mostly empty), not on a tie of whole waves.
+MMA_SHARE = {(128, 256): 1.0, (128, 128): 0.75, (64, 64): 0.5, (64, 128): 0.5}
 GEMM_SPLITS = {128: (1,), 64: (1, 2, 4, 8)}  # K splits a tile of bm rows may take
 MIN_SPLIT_K = 256  # K columns a split reads, at least (4 k-tiles: the ring's depth)
 
@@ -148,8 +152,8 @@ class Gemm(BlockKind):
         k = roles(op)
         k_dim = op.inputs[k["x"]].shape[1].value
         tiles = op.grid[0].eval(env) * op.grid[1].eval(env)
-        bm = op.params["bm"]
-        return 2.0 * bm * op.params["bn"] * k_dim * tiles / MMA_SHARE[bm]
+        bm, bn = op.params["bm"], op.params["bn"]
+        return 2.0 * bm * bn * k_dim * tiles / MMA_SHARE[bm, bn]
 
 
 def split_count(m, bm: int, splits: int):

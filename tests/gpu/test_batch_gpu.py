@@ -180,6 +180,29 @@ def test_tensor_core_tiles_of_a_batch():
             assert rel(out[name], ref[name]) < 1e-2, (n, name)
 
 
+def test_tensor_core_tiles_of_128_by_128():
+    """The 128 x 128 tile that a prompt of ~512 rows takes where 128 x 256 tiles would leave SMs idle (a
+    4000-wide residual projection: 16 x 4 tiles of 128 x 256 against 32 x 4 of 128 x 128), ragged in N
+    (4000) and K (1000) and M (past and within a row tile), chained into a plain projection: within bf16
+    tolerance of the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(128)
+    dt = me.bf16
+    g = me.Graph("gemm_128x128")
+    x = g.input("x", [N, 4000], dt)
+    y = x + me.linear(g.input("h", [N, 1000], dt), g.weight("wo", [4000, 1000], dt))
+    g.output("y", y)
+    g.output("z", me.linear(y, g.weight("w", [600, 4000], dt)))
+    w = {n: rand([d.value for d in t.shape], dt, gen) * 0.3 for n, t in g.weights.items()}
+    k = me.compile(g, w, backend="cuda", max_dims={"n": 512}, dims_hint={"n": 512})
+    shapes = [(e.op.params["bm"], e.op.params["bn"]) for e in k.queue.entries if e.op.kind == "gemm"]
+    assert shapes[0] == (128, 128), shapes
+    for n in (512, 300, 129, 5):
+        ins = {"x": rand([n, 4000], dt, gen), "h": rand([n, 1000], dt, gen)}
+        out, ref = k(**ins, n=n), me.run_reference(g, ins, w, {"n": n})
+        for name in ("y", "z"):
+            assert rel(out[name], ref[name]) < 1e-2, (n, name)
+
+
 @pytest.mark.parametrize("one_band", [False, True])
 def test_tensor_core_tiles_split_over_k(one_band, monkeypatch):
     """The 64-row tiles split over K (f32 partials, the last split to arrive sums them and applies the
