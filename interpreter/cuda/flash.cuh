@@ -5,12 +5,13 @@
 // [16w, 16w + 16): one m16 tile of mma.sync m16n8k16 (bf16 in, f32 accumulators).
 //
 // Rows attend cache rows [0, pos] of their slot. The tile runs one pass per distinct slot of its rows
-// (a prompt: one pass), numbered in order of the slot's first row (with FLASH_GROUPS=2, each group numbers
-// its own tokens' passes); instance c2 of `splits` runs passes c2, c2 + splits, ... (a mixed step's tile
-// of decode rows, a pass a row, on several SMs; an instance past the tile's passes stops after counting); a pass streams K/V blocks of 64 or 128 cache rows (block_rows) through a cp.async ring in shared
-// memory (rows padded to D + 8 elements: 16-byte aligned, ldmatrix without bank conflicts; as many
-// stages as fit, up to 4, so 2-3 blocks are in flight while one is computed; one block barrier a block)
-// and keeps, per row, the running max and sum (online softmax, base 2) and the f32 output in registers.
+// (a prompt: one pass), numbered in order of the slot's first row; instance c2 of `splits` runs passes c2,
+// c2 + splits, ... (a mixed step's tile of decode rows, a pass a row, on several SMs; an instance past the
+// tile's passes stops after counting). A pass streams K/V blocks of 64 or 128 cache rows (block_rows)
+// through a cp.async ring in shared memory (rows padded to D + 8 elements: 16-byte aligned, ldmatrix
+// without bank conflicts; as many stages as fit, up to 4, so 2-3 blocks are in flight while one is
+// computed; one block barrier a block) and keeps, per row, the running max and sum (online softmax, base
+// 2) and the f32 output in registers.
 //
 // Fragments (PTX ISA, mma.m16n8k16 .bf16; g = lane / 4, t = lane % 4):
 //   A (16 x 16): {a0 a1} row g, cols 2t, 2t+1; {a2 a3} row g+8; {a4 a5} row g, cols 2t+8, 2t+9; {a6 a7} row g+8
@@ -33,42 +34,20 @@ namespace flash_detail {
 
 constexpr int ROWS = 128;  // tile rows: 8 warps x m16
 
-// Warp groups a tile: 1, or with FLASH_GROUPS=2 (an experiment, perf-notes #90: compiled, not yet run on
-// a GPU) 2, each 4 warps with its own 64 rows, K/V ring and named barrier, so that the groups drift apart
-// and one's softmax overlaps the other's MMAs and copies, as two CTAs of an SM would (one group of 8 warps
-// runs every block barrier in lock step); 1 where a group's 64 rows would split a token's G query heads
-// or two rings of two 64-row stages do not fit.
-#ifndef FLASH_GROUPS
-#define FLASH_GROUPS 1
-#endif
-template <int D, int G, int BT> __host__ __device__ constexpr int groups(int extra) {
-    return FLASH_GROUPS == 2 && 64 % G == 0 && 2 * 2 * (2 * 64 * (D + 8) * 2) + 3 * BT * 4 + extra <= MEGA_SMEM ? 2 : 1;
-}
-
-// Ring stages of K/V blocks (each K and V, `block` rows of D + 8 elements) that fit a group's share of
-// MEGA_SMEM beside the tile's token table and `extra` bytes: 4, or fewer for a big D in a small image; at
-// least 2.
-template <int D, int BT, int GR> __host__ __device__ constexpr int ring_stages(int block, int extra) {
-    return cmax(2, cmin(4, (MEGA_SMEM - 3 * BT * 4 - extra) / GR / (2 * block * (D + 8) * 2)));
+// Ring stages of K/V blocks (each K and V, `block` rows of D + 8 elements) that fit MEGA_SMEM beside the
+// tile's token table and `extra` bytes: 4, or fewer for a big D in a small image; at least 2.
+template <int D, int BT> __host__ __device__ constexpr int ring_stages(int block, int extra) {
+    return cmax(2, cmin(4, (MEGA_SMEM - 3 * BT * 4 - extra) / (2 * block * (D + 8) * 2)));
 }
 // Cache rows a K/V block: 128 where D <= 64 and 3 stages of them fit (half the block barriers and twice
 // the independent MMAs between them: the D = 64 body alone 12% faster at 2048 tokens, flash_probe.py),
 // else 64 (at D = 128, 128-row blocks spill: 255 registers). FLASH_BLOCK forces one (an experiment).
-template <int D, int BT, int GR> __host__ __device__ constexpr int block_rows(int extra) {
+template <int D, int BT> __host__ __device__ constexpr int block_rows(int extra) {
 #ifdef FLASH_BLOCK
     return FLASH_BLOCK;
 #else
-    return D <= 64 && (MEGA_SMEM - 3 * BT * 4 - extra) / GR / (2 * 128 * (D + 8) * 2) >= 3 ? 128 : 64;
+    return D <= 64 && (MEGA_SMEM - 3 * BT * 4 - extra) / (2 * 128 * (D + 8) * 2) >= 3 ? 128 : 64;
 #endif
-}
-
-// The barrier of warp group `group` (named barriers 2 and 3; 1 is mega_sync's), or of the block.
-template <int GR> __device__ __forceinline__ void group_sync(int group) {
-    if constexpr (GR == 1) {
-        mega_sync();
-    } else {
-        asm volatile("bar.sync %0, %1;" ::"r"(2 + group), "n"(MEGA_THREADS / GR) : "memory");
-    }
 }
 
 __device__ __forceinline__ void mma16816a(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
@@ -158,26 +137,23 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
     constexpr int BT = ROWS / G;       // tokens a tile
     constexpr int LD = D + 8;          // smem row stride, elements
     constexpr int ROPE_BYTES = ROPE ? 2 * BT * (D / 2) * 4 : 0;  // the tile's cos / sin
-    constexpr int GR = groups<D, G, BT>(ROPE_BYTES);     // warp groups (each its rows, ring and barrier)
-    constexpr int GT = MEGA_THREADS / GR, GBT = BT / GR;  // threads and tokens a group
-    constexpr int BLOCK = block_rows<D, BT, GR>(ROPE_BYTES);        // cache rows a K/V block
+    constexpr int BLOCK = block_rows<D, BT>(ROPE_BYTES);  // cache rows a K/V block
     constexpr int KV_BYTES = BLOCK * LD * 2;
-    constexpr int S = ring_stages<D, BT, GR>(BLOCK, ROPE_BYTES);    // ring stages
-    static_assert(GR * 2 * S * KV_BYTES + 3 * BT * 4 + ROPE_BYTES <= MEGA_SMEM, "ragged_flash: the K/V ring does not fit");
+    constexpr int S = ring_stages<D, BT>(BLOCK, ROPE_BYTES);  // ring stages
+    static_assert(2 * S * KV_BYTES + 3 * BT * 4 + ROPE_BYTES <= MEGA_SMEM, "ragged_flash: the K/V ring does not fit");
     in_global(q, kc, vc, pos, slot, out);
     if (q.s2 != 1 || kc.s3 != 1 || vc.s3 != 1 || out.s2 != 1) {  // (the rewrite gives contiguous heads)
         if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
         return;
     }
-    const int group = GR == 1 ? 0 : __shfl_sync(0xffffffffu, (int)threadIdx.x / GT, 0);  // (warp-uniform)
-    __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(smem + group * 2 * S * KV_BYTES);  // [S][BLOCK][LD]
-    __nv_bfloat16* vs = ks + S * BLOCK * LD;                                               // [S][BLOCK][LD]
-    int* tpos = reinterpret_cast<int*>(smem + GR * 2 * S * KV_BYTES);        // [BT] the tokens' positions
+    __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(smem);             // [S][BLOCK][LD]
+    __nv_bfloat16* vs = ks + S * BLOCK * LD;                                 // [S][BLOCK][LD]
+    int* tpos = reinterpret_cast<int*>(smem + 2 * S * KV_BYTES);            // [BT] the tokens' positions
     int* tslot = tpos + BT;                                                 // [BT] their slots (-1: no token)
     int* tpass = tslot + BT;                                                // [BT] the pass that runs the token
     float* tcos = reinterpret_cast<float*>(tpass + BT);                     // ROPE: [BT][D/2] cos, then sin
     float* tsin = tcos + BT * (D / 2);
-    __shared__ int pass_slots[2], pass_ends[2], bad, distinct;
+    __shared__ int pass_slot, pass_end, bad, distinct;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const long long tok0 = c0 * BT;
@@ -252,11 +228,10 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
     const float sl2 = scale * 1.4426950408889634f;  // scores in base 2
 
     for (int pass = 0;; ++pass) {
-        // the group's first thread: the first of its tokens no pass has run picks the slot; every token of
-        // the group's in that slot joins
-        if (tid % GT == 0) {
+        // thread 0: the first token no pass has run picks the slot; every token in that slot joins
+        if (tid == 0) {
             int s = -1, end = 0;
-            for (int i = group * GBT; i < group * GBT + GBT; ++i) {
+            for (int i = 0; i < BT; ++i) {
                 if (tslot[i] < 0 || tpass[i] >= 0) continue;
                 if (s < 0) s = tslot[i];
                 if (tslot[i] == s) {
@@ -264,14 +239,14 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
                     end = max(end, tpos[i] + 1);
                 }
             }
-            pass_slots[group] = s;
-            pass_ends[group] = end;
+            pass_slot = s;
+            pass_end = end;
         }
-        group_sync<GR>(group);
-        const int s = pass_slots[group], end = pass_ends[group];
+        mega_sync();
+        const int s = pass_slot, end = pass_end;
         if (s < 0) break;
         if (pass % splits != c2) {  // another instance of the tile runs it (blockops/flash_attention.py: splits)
-            group_sync<GR>(group);  // (the group's pass slot is rewritten next)
+            mega_sync();  // (the pass slot is rewritten next)
             continue;
         }
         const bool a0 = in0 && tpass[i0] == pass, a1 = in1 && tpass[i1] == pass;
@@ -289,9 +264,9 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         // K/V block b -> stage b % S: 16-byte cp.async chunks, rows past `end` zero-filled. A thread copies
         // the same column of rows row0, row0 + RSTEP, ... of K and of V in every block.
         constexpr int CPR = D / 8;                  // chunks a cache row
-        constexpr int RSTEP = GT / CPR;             // rows between a thread's chunks (the group's threads copy)
-        static_assert(GT % CPR == 0 && BLOCK % RSTEP == 0, "ragged_flash: whole rows of chunks a pass of threads");
-        const int row0 = (tid % GT) / CPR, col0 = (tid % CPR) * 8;
+        constexpr int RSTEP = MEGA_THREADS / CPR;  // rows between a thread's chunks
+        static_assert(MEGA_THREADS % CPR == 0 && BLOCK % RSTEP == 0, "ragged_flash: whole rows of chunks a pass of threads");
+        const int row0 = tid / CPR, col0 = (tid % CPR) * 8;
         auto issue = [&](int b) {
             if (b < nblocks) {
                 __nv_bfloat16* kd = ks + (b % S) * BLOCK * LD + row0 * LD + col0;
@@ -316,7 +291,7 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         for (int b = 0; b < S - 1; ++b) issue(b);
         for (int b = 0; b < nblocks; ++b) {
             cp_async_wait<S - 2>();  // block b landed (this thread's chunks) ...
-            group_sync<GR>(group);   // ... and the group's; and its every warp is done with block b - 1
+            mega_sync();             // ... and the block's; and every warp is done with block b - 1
             issue(b + S - 1);        // (into block b - 1's stage)
             const __nv_bfloat16* kb = ks + (b % S) * BLOCK * LD;
             const __nv_bfloat16* vb = vs + (b % S) * BLOCK * LD;
@@ -403,7 +378,7 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
             }
         }
         cp_async_wait<0>();
-        group_sync<GR>(group);  // every warp of the group is done with its ring before the next pass refills it
+        mega_sync();  // every warp is done with the ring before the next pass refills it
 
         // the rows' sums (the four threads of a row hold parts), then out = O / l
 #pragma unroll
@@ -420,6 +395,6 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
             if (a0) *reinterpret_cast<__nv_bfloat162*>(o0 + d) = __floats2bfloat162_rn(o[n][0] * inv0, o[n][1] * inv0);
             if (a1) *reinterpret_cast<__nv_bfloat162*>(o1 + d) = __floats2bfloat162_rn(o[n][2] * inv1, o[n][3] * inv1);
         }
-        group_sync<GR>(group);  // (the group's pass slot is rewritten next)
+        mega_sync();  // (the pass slot is rewritten next)
     }
 }
