@@ -436,27 +436,51 @@ def _check_rows_index(op: str, what: str, t: Tensor, rows: Dim) -> None:
         raise ShapeError(f"{op}: {what} {_desc(t)} must be i32[{rows}] (one per row)")
 
 
-def kv_store(cache: Tensor, new: Tensor, pos: Tensor, slot: Tensor, *, name: str | None = None) -> Tensor:
+def _check_pages(op: str, pages: Tensor | None, cache: Tensor) -> tuple[Tensor, ...]:
+    """``(pages,)`` for a paged cache (an i32 page table ``[slots, max_pages]`` of static shape), else ``()``."""
+    if pages is None:
+        return ()
+    if not isinstance(pages, Tensor):
+        raise GraphError(f"{op}: pages must be a Tensor (an i32 page table [slots, max_pages]), got {type(pages).__name__}")
+    if pages.dtype != i32 or pages.ndim != 2 or not all(d.is_const for d in pages.shape):
+        raise ShapeError(f"{op}: pages {_desc(pages)} must be an i32 page table [slots, max_pages] of static shape "
+                         f"(the pages of cache {_desc(cache)} a sequence's rows are in, in order)")
+    return (pages,)
+
+
+def cache_rows(cache: Tensor, pages: Tensor | None = None) -> int:
+    """Rows a sequence of ``cache`` holds: its ``max_len``, or with a page table ``max_pages * page_len``."""
+    return cache.shape[2].value * (pages.shape[1].value if pages is not None else 1)
+
+
+def kv_store(cache: Tensor, new: Tensor, pos: Tensor, slot: Tensor, *, pages: Tensor | None = None,
+             name: str | None = None) -> Tensor:
     """Write row ``i`` of ``new: [N, Hkv, D]`` at position ``pos[i]`` of sequence slot ``slot[i]`` of
     ``cache: [slots, Hkv, max_len, D]``, in place (a batch of sequences, or a prompt's tokens).
 
     ``pos`` and ``slot`` are i32 ``[N]`` tensors read on the device; two rows must not write the
     same (slot, position). An index outside the cache is a run-time error naming the op.
+
+    Paged (``pages``, an i32 page table ``[slots, max_pages]``): ``cache`` is a pool of pages ``[pages,
+    Hkv, page_len, D]`` and position ``p`` of sequence ``s`` is row ``p % page_len`` of page
+    ``pages[s, p // page_len]``, so a sequence holds only the pages its rows need, and sequences may
+    share a prefix's pages.
     """
     op = "kv_store"
     _check_slots_cache(op, cache)
+    paged = _check_pages(op, pages, cache)
     _check_same_dtype(op, cache, new)
     _, hkv, _, d = cache.shape
     if new.ndim != 3 or not same_dim(new.shape[1], hkv) or not same_dim(new.shape[2], d):
         raise ShapeError(f"{op}: new rows {_desc(new)} must be [N, {hkv}, {d}] for cache {_desc(cache)}")
     _check_rows_index(op, "pos", pos, new.shape[0])
     _check_rows_index(op, "slot", slot, new.shape[0])
-    return _new(op, (cache, new, pos, slot), cache.shape, cache.dtype, name)
+    return _new(op, (cache, new, pos, slot, *paged), cache.shape, cache.dtype, name)
 
 
 def ragged_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, slot: Tensor, *, length: DimLike | None = None,
-    sequences: DimLike | None = None, scale: float | None = None, name: str | None = None,
+    sequences: DimLike | None = None, scale: float | None = None, pages: Tensor | None = None, name: str | None = None,
 ) -> Tensor:
     """Attention of ``N`` rows, each over its own sequence: row ``i`` (``q[i]: [Hq, D]``) attends
     cache rows ``[0, pos[i]]`` of slot ``slot[i]`` (causal: a prompt's token sees itself and the
@@ -468,6 +492,9 @@ def ragged_attention(
     is an error. ``sequences``, a runtime dim, about how many sequences (distinct slots) the rows are of,
     only steers the schedule: a tile of a prompt's rows that holds rows of other sequences too (a mixed
     step's decode rows) spreads its one pass a sequence over up to 8 instances.
+
+    Paged (``pages``): the caches are pools of pages read through the page table, as :func:`kv_store`
+    writes them; ``length`` defaults to ``max_pages * page_len``.
     """
     op = "ragged_attention"
     _check_float(op, q, k_cache, v_cache)
@@ -486,10 +513,11 @@ def ragged_attention(
         raise ShapeError(f"{op}: q heads of {_desc(q)} must be a multiple of the KV heads of {_desc(k_cache)}")
     _check_rows_index(op, "pos", pos, q.shape[0])
     _check_rows_index(op, "slot", slot, q.shape[0])
+    paged = _check_pages(op, pages, k_cache)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d.value)
-    length = as_dim(length) if length is not None else k_cache.shape[2]
+    length = as_dim(length) if length is not None else as_dim(cache_rows(k_cache, pages))
     sequences = as_dim(sequences) if sequences is not None else None
-    return _new(op, (q, k_cache, v_cache, pos, slot), q.shape, q.dtype, name, scale=scale, length=length,
+    return _new(op, (q, k_cache, v_cache, pos, slot, *paged), q.shape, q.dtype, name, scale=scale, length=length,
                 sequences=sequences)
 
 

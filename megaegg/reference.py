@@ -190,32 +190,61 @@ def _rows_index(node, name: str, t: torch.Tensor, hi: int) -> list[int]:
     return vals
 
 
+class _Pages:
+    """Where a sequence's cache rows are: ``(slot, position)`` itself, or through a page table (ops.kv_store:
+    ``pages``) row ``position % page_len`` of page ``pages[slot, position // page_len]``, checked."""
+
+    def __init__(self, node, cache: torch.Tensor, pages: torch.Tensor | None):
+        self.node, self.pages = node, None if pages is None else pages.tolist()
+        self.slots = len(self.pages) if self.pages is not None else cache.shape[0]
+        self.rows = cache.shape[2] * (len(self.pages[0]) if self.pages is not None else 1)  # a sequence's
+        self.page_len, self.count = cache.shape[2], cache.shape[0]
+
+    def at(self, s: int, p: int) -> tuple[int, int]:
+        if self.pages is None:
+            return s, p
+        page = self.pages[s][p // self.page_len]
+        if not 0 <= page < self.count:
+            raise GraphError(f"{self.node.op} {self.node.label}: pages[{s}, {p // self.page_len}] = {page} outside "
+                             f"[0, {self.count - 1}]")
+        return page, p % self.page_len
+
+    def sequence(self, cache: torch.Tensor, s: int, length: int) -> torch.Tensor:
+        """Rows ``[0, length)`` of sequence ``s``: ``[Hkv, length, D]``."""
+        if self.pages is None:
+            return cache[s, :, :length]
+        return torch.stack([cache[page, :, row] for page, row in (self.at(s, p) for p in range(length))], 1)
+
+
 def _kv_store(node, args, env, device):
-    cache, new, pos, slot = args
-    pos = _rows_index(node, "pos", pos, cache.shape[2])
-    slot = _rows_index(node, "slot", slot, cache.shape[0])
+    cache, new, pos, slot = args[:4]
+    where = _Pages(node, cache, args[4] if len(args) > 4 else None)
+    pos = _rows_index(node, "pos", pos, where.rows)
+    slot = _rows_index(node, "slot", slot, where.slots)
     for i, (p, s) in enumerate(zip(pos, slot)):
-        cache[s, :, p, :] = new[i]
+        page, row = where.at(s, p)
+        cache[page, :, row, :] = new[i]
     return cache
 
 
-def ragged_rows(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: int, slot: int, scale: float) -> torch.Tensor:
-    """One row of :func:`megaegg.ops.ragged_attention` in f32: ``q [Hq, D]`` over cache rows
-    ``[0, pos]`` of ``slot``."""
-    group = q.shape[0] // kc.shape[1]
-    k = kc[slot, :, : pos + 1].float().repeat_interleave(group, 0)  # [Hq, L, D]
-    v = vc[slot, :, : pos + 1].float().repeat_interleave(group, 0)
+def ragged_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One row of :func:`megaegg.ops.ragged_attention` in f32: ``q [Hq, D]`` over its sequence's cache rows
+    ``k``, ``v`` ``[Hkv, L, D]`` (positions ``[0, pos]``)."""
+    group = q.shape[0] // k.shape[0]
+    k = k.float().repeat_interleave(group, 0)  # [Hq, L, D]
+    v = v.float().repeat_interleave(group, 0)
     scores = torch.einsum("hd,hld->hl", q.float(), k) * scale
     return torch.einsum("hl,hld->hd", scores.softmax(-1), v)
 
 
 def _ragged_attention(node, args, env, device):
-    q, kc, vc, pos, slot = args
-    pos = _rows_index(node, "pos", pos, min(kc.shape[2], node.attrs["length"].eval(env)))
-    slot = _rows_index(node, "slot", slot, kc.shape[0])
+    q, kc, vc, pos, slot = args[:5]
+    where = _Pages(node, kc, args[5] if len(args) > 5 else None)
+    pos = _rows_index(node, "pos", pos, min(where.rows, node.attrs["length"].eval(env)))
+    slot = _rows_index(node, "slot", slot, where.slots)
     out = torch.empty(q.shape, dtype=torch.float32, device=device)
     for i, (p, s) in enumerate(zip(pos, slot)):
-        out[i] = ragged_rows(q[i], kc, vc, p, s, node.attrs["scale"])
+        out[i] = ragged_rows(q[i], where.sequence(kc, s, p + 1), where.sequence(vc, s, p + 1), node.attrs["scale"])
     return _to(node, out)
 
 

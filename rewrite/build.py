@@ -293,8 +293,8 @@ def range_checks(graph: Graph) -> tuple[RangeCheck, ...]:
         elif n.op == "kv_append":
             rows = graph.nodes[n.inputs[0]].shape[1]
             check = RangeCheck(f"kv_append {n.label}: position", n.attrs["pos"], as_dim(0), rows - 1)
-        elif n.op == "ragged_attention":
-            rows = graph.nodes[n.inputs[1]].shape[2]
+        elif n.op == "ragged_attention":  # (a paged cache: its page table's pages of rows a sequence)
+            rows = graph.nodes[n.inputs[1]].shape[2] * (graph.nodes[n.inputs[5]].shape[1] if len(n.inputs) > 5 else 1)
             check = RangeCheck(f"ragged_attention {n.label}: length", n.attrs["length"], as_dim(1), rows)
         else:
             continue

@@ -30,6 +30,7 @@
 // with a run-time split count; on the tensor-core body for bf16 / f16, G <= 8, D 64 or 128.
 #pragma once
 #include "common.cuh"
+#include "kv_pages.cuh"
 
 namespace attn_impl {
 
@@ -693,40 +694,64 @@ __device__ __forceinline__ bool ragged_row_ok(long long p, long long max_len, lo
 // value (the op's launch count: blockops/ragged_attention.py picks it so that a batch's rows x KV heads x
 // splits fill about one wave of SMs), each split `chunk = ceil(length / splits)` cache rows of the op's
 // bound `length`; the row has ceil((pos + 1) / chunk) of them, and an instance past those does nothing.
-// Partials go to part[c0, Hq, splits, D + 2]; the last of the row's splits for this KV head to arrive (a
-// counter per (row, KV head) in the launch-zeroed counter bank, as attn_partial_merge) merges them into
-// out[c0, c1*G .. c1*G + G). A position outside min(max_len, length) or a slot outside the cache reports
-// MEGA_ERR_INDEX and writes nothing.
+// A paged cache (pages.table): split c2 is page c2 of the row's sequence (chunk = page_len), read as a
+// cache of one page. Partials go to part[c0, Hq, splits, D + 2]; the last of the row's splits for this KV
+// head to arrive (a counter per (row, KV head) in the launch-zeroed counter bank, as attn_partial_merge)
+// merges them into out[c0, c1*G .. c1*G + G). A position outside min(rows, length), a slot outside the
+// cache or a page outside the pool reports MEGA_ERR_INDEX and writes nothing.
 template <class T, int D, int G>
 __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, Ten4<const T> kc, Ten4<const T> vc,
-                                                  Vec<const int> pos, Vec<const int> slot, long long slots,
-                                                  long long max_len, long long length, long long splits,
-                                                  long long Hkv, float scale, float* part, unsigned* arrive,
-                                                  Ten3<T> out, long long c0, long long c1, long long c2,
-                                                  const MegaWaits& wl) {
+                                                  Vec<const int> pos, Vec<const int> slot, KvPages pages,
+                                                  long long length, long long splits, long long Hkv, float scale,
+                                                  float* part, unsigned* arrive, Ten3<T> out, long long c0, long long c1,
+                                                  long long c2, const MegaWaits& wl) {
     in_global(q, kc, vc, pos, slot, out);
+    const bool paged = pages.table.p != nullptr;
+    const long long bound = min_i64(pages.rows, length);
+    const long long chunk = paged ? pages.page_len : (length + splits - 1) / splits;
+    // Split c2 of sequence s: the cache index (slot, or page) its rows are under, and the logical row of
+    // that index's row 0 (a page: c2 * chunk). -1: a page outside the pool (read before the wait: stale
+    // values only make the prefetch useless).
+    const auto split_at = [&](long long s, long long& first) -> long long {
+        first = paged ? c2 * chunk : 0;
+        if (!paged) return s;
+        const long long page = ld_cg(pages.table.p + s * pages.table.s0 + c2 * pages.table.s1);
+        return page >= 0 && page < pages.count ? page : -1;
+    };
     // Before the wait on q's and the new cache row's producers: this instance's cache rows (all but the new
     // one written by earlier steps) start streaming into L2, one bulk prefetch each of K and V, so the
     // body's loads after the wait find them there instead of paying a round trip per two register steps
     // (perf-notes #89). Only a prefetch: a position or slot read before the wait (an input, or stale) can
     // only make it useless; it stays inside the caches.
     if (threadIdx.x == 0) {
-        const long long p = pos.p[c0 * pos.s0], s = slot.p[c0 * slot.s0];
-        const long long chunk = (length + splits - 1) / splits, r0 = c2 * chunk;
-        if (p >= 0 && p < min_i64(max_len, length) && s >= 0 && s < slots && r0 <= p && kc.s3 == 1 && vc.s3 == 1 &&
-            kc.s2 == D && vc.s2 == D) {
+        const long long p = pos.p[c0 * pos.s0], s = slot.p[c0 * slot.s0], r0 = c2 * chunk;
+        if (p >= 0 && p < bound && s >= 0 && s < pages.slots && r0 <= p && kc.s3 == 1 && vc.s3 == 1 && kc.s2 == D &&
+            vc.s2 == D) {
+            long long first = 0;
+            const long long at = split_at(s, first);
             const long long bytes = (min_i64(r0 + chunk, p + 1) - r0) * D * (long long)sizeof(T);
-            mega_prefetch_l2_range(kc.p + s * kc.s0 + c1 * kc.s1 + r0 * D, bytes);
-            mega_prefetch_l2_range(vc.p + s * vc.s0 + c1 * vc.s1 + r0 * D, bytes);
+            if (at >= 0) {
+                mega_prefetch_l2_range(kc.p + at * kc.s0 + c1 * kc.s1 + (r0 - first) * D, bytes);
+                mega_prefetch_l2_range(vc.p + at * vc.s0 + c1 * vc.s1 + (r0 - first) * D, bytes);
+            }
         }
     }
     if (!mega_wait_all(wl)) return;
     const long long p = pos.p[c0 * pos.s0], s = slot.p[c0 * slot.s0];
-    if (!ragged_row_ok(p, min_i64(max_len, length), s, slots)) return;
-    const long long chunk = (length + splits - 1) / splits, nsplit = (p + chunk) / chunk;  // ceil((p + 1) / chunk)
+    if (!ragged_row_ok(p, bound, s, pages.slots)) return;
+    const long long nsplit = (p + chunk) / chunk;  // ceil((p + 1) / chunk)
     if (c2 >= nsplit) return;  // past the row's length: no work, no arrival
+    long long first = 0;
+    const long long at = split_at(s, first);
+    if (at < 0) {  // (uniform: every thread read the same entry)
+        if (threadIdx.x == 0) mega_body_error(MEGA_ERR_INDEX, ld_cg(pages.table.p + s * pages.table.s0 + c2 * pages.table.s1));
+        return;
+    }
     const Mat<const T> qr = q.at(c0);
-    const Ten3<const T> kr = kc.at(s), vr = vc.at(s);
+    // the slot's (or the page's) rows, row 0 at logical row `first` (a page's view starts `first` rows before
+    // its memory: the bodies read only rows [c2 * chunk, ...), which are the page's)
+    Ten3<const T> kr = kc.at(at), vr = vc.at(at);
+    kr.p -= first * kr.s1, vr.p -= first * vr.s1;
     const long long hs = splits * (D + 2);  // a query head's partials
     const Mat<float> pr{part + c0 * Hkv * G * hs, hs, D + 2};
     const bool mma = attn_impl::MmaPath<T, D, G>::ok && attn_vec_ok(qr, kr, vr, c1) && out.s2 == 1;

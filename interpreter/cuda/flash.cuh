@@ -29,6 +29,7 @@
 // one k16 tile), B from V with ldmatrix.trans.
 #pragma once
 #include "common.cuh"
+#include "kv_pages.cuh"
 
 namespace flash_detail {
 
@@ -128,7 +129,7 @@ struct FlashQRope {
 template <int D, int G, bool ROPE, bool NORM>
 __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> q, Ten4<const __nv_bfloat16> kc,
                                           Ten4<const __nv_bfloat16> vc, Vec<const int> pos, Vec<const int> slot,
-                                          long long N, long long slots, long long max_len, float scale,
+                                          long long N, KvPages pages, float scale,
                                           Ten3<__nv_bfloat16> out, long long c0, long long c1, long long splits,
                                           long long c2, FlashQRope qr) {
     using namespace flash_detail;
@@ -165,7 +166,7 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         if (tk < N) {
             p = pos.p[tk * pos.s0];
             s = slot.p[tk * slot.s0];
-            if (p < 0 || p >= max_len || s < 0 || s >= slots) atomicCAS(&bad, -1, (p < 0 || p >= max_len) ? p : s);
+            if (p < 0 || p >= pages.rows || s < 0 || s >= pages.slots) atomicCAS(&bad, -1, (p < 0 || p >= pages.rows) ? p : s);
         }
         tpos[i] = p;
         tslot[i] = (tk < N) ? s : -1;
@@ -257,12 +258,12 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         // sums, but no step mixes rows (the MMAs and the quad shuffles keep each row its own) and they
         // are never stored; where masking runs they are masked whole.
         const int warp_first_end = __reduce_min_sync(0xffffffffu, min(a0 ? p0 : 0x7fffffff, a1 ? p1 : 0x7fffffff));
-        const __nv_bfloat16* kbase = kc.p + s * kc.s0 + c1 * kc.s1;
-        const __nv_bfloat16* vbase = vc.p + s * vc.s0 + c1 * vc.s1;
         const int nblocks = (end + BLOCK - 1) / BLOCK;
 
         // K/V block b -> stage b % S: 16-byte cp.async chunks, rows past `end` zero-filled. A thread copies
-        // the same column of rows row0, row0 + RSTEP, ... of K and of V in every block.
+        // the same column of rows row0, row0 + RSTEP, ... of K and of V in every block. A paged cache's row
+        // is found through the page table (kv_pages.cuh: kv_row; a page outside the pool: zeros, and the
+        // error reported after the passes).
         constexpr int CPR = D / 8;                  // chunks a cache row
         constexpr int RSTEP = MEGA_THREADS / CPR;  // rows between a thread's chunks
         static_assert(MEGA_THREADS % CPR == 0 && BLOCK % RSTEP == 0, "ragged_flash: whole rows of chunks a pass of threads");
@@ -274,10 +275,13 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
 #pragma unroll
                 for (int i = 0; i < BLOCK / RSTEP; ++i) {
                     const int kv = b * BLOCK + row0 + i * RSTEP;
-                    const bool ok = kv < end;
-                    const long long r = ok ? kv : 0;
-                    cp_async16(kd + i * RSTEP * LD, kbase + r * kc.s2 + col0, ok ? 16 : 0);
-                    cp_async16(vd + i * RSTEP * LD, vbase + r * vc.s2 + col0, ok ? 16 : 0);
+                    long long page_bad = 0;
+                    const long long ko = kv < end ? kv_row(pages, kc.s0, kc.s1, kc.s2, s, kv, c1, &page_bad) : 0;
+                    const long long vo = kv < end ? kv_row(pages, vc.s0, vc.s1, vc.s2, s, kv, c1, &page_bad) : 0;
+                    const bool ok = kv < end && ko >= 0;
+                    if (kv < end && ko < 0) atomicCAS(&bad, -1, (int)page_bad);
+                    cp_async16(kd + i * RSTEP * LD, kc.p + (ok ? ko : 0) + col0, ok ? 16 : 0);
+                    cp_async16(vd + i * RSTEP * LD, vc.p + (ok ? vo : 0) + col0, ok ? 16 : 0);
                 }
             }
             cp_async_commit();  // (an empty group past the last block keeps the wait counts uniform)
@@ -397,4 +401,5 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         }
         mega_sync();  // (the pass slot is rewritten next)
     }
+    if (bad != -1 && threadIdx.x == 0) mega_body_error(MEGA_ERR_INDEX, bad);  // (a page outside the pool)
 }

@@ -21,6 +21,9 @@ Fused (``ragged_flash_rope``): q read unrotated (the Q projection's rows) and ro
 positions as each instance loads it, after qwen3's q norm where there is one: the prompt's RoPE op and
 its hand-off leave the layer's critical path (perf-notes #81). Its extra operands, by role: ``inv_freq``,
 ``pos_ids`` (each token's RoPE position) and ``g`` (the norm's weight).
+
+Paged caches (``params["paged"]``: the page table after ``slot``): each cache row a pass copies is found
+through the table (``kv_store.CacheRows``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ..dims import ceildiv, dmax, dmin
 from ..dtypes import bf16
 from .base import NONE, BlockKind, Partition, Term, c_call, dimc, f32, fields, no_view, register, rms_normed, term
 from ..ir.footprint import Full, Tile
+from .kv_store import CacheRows, kv_pages, pages_of
 from .ragged_attention import row_length
 from .rope import rotated
 
@@ -59,14 +63,17 @@ class RaggedFlash(BlockKind):
         rows = (Tile(0, bt),)
         rope = {"inv_freq": (Full(),), "pos_ids": rows, "g": (Full(),)}
         grid = (ceildiv(q.shape[0], bt), kc.shape[1]) + ((params["splits"],) if "splits" in params else ())
+        pages = ((Full(), Full()),) if params.get("paged") else ()
         return Partition(grid=grid,
-                         reads=((Tile(0, bt), Tile(1, g), Full()), kv, kv, rows, rows,
+                         reads=((Tile(0, bt), Tile(1, g), Full()), kv, kv, rows, rows, *pages,
                                 *(rope[r] for r in params.get("rope", ()))),
                          writes=(Tile(0, bt), Tile(1, g), Full()))
 
     def cpu(self, op, env, ins, out):
         q, kc, vc, pos, slot = ins[:5]
-        rope = dict(zip(op.params.get("rope", ()), ins[5:]))
+        paged = int(bool(op.params.get("paged")))
+        where = CacheRows(op.kind, kc.shape, ins[5] if paged else None)
+        rope = dict(zip(op.params.get("rope", ()), ins[5 + paged:]))
         g = op.params["group"]
         bt = tokens_per_tile(g)
         i, h = env["_i0"], env["_i1"]
@@ -75,11 +82,11 @@ class RaggedFlash(BlockKind):
         if "splits" in op.params:  # this instance's passes only: c, c + splits, ... by first row
             splits, passes = op.params["splits"].eval(env), {}
             for r in rows:
-                passes.setdefault(row_length(op, pos, slot, r, kc.shape)[1], len(passes))
-            rows = [r for r in rows if passes[row_length(op, pos, slot, r, kc.shape)[1]] % splits == env["_i2"]]
+                passes.setdefault(row_length(op, pos, slot, r, where)[1], len(passes))
+            rows = [r for r in rows if passes[row_length(op, pos, slot, r, where)[1]] % splits == env["_i2"]]
         for r in rows:
-            length, s = row_length(op, pos, slot, r, kc.shape)
-            k, v = f32(kc[s, h, :length]), f32(vc[s, h, :length])  # [L, D]
+            length, s = row_length(op, pos, slot, r, where)
+            k, v = f32(where.sequence(kc, s, length, h)), f32(where.sequence(vc, s, length, h))  # [L, D]
             qr = f32(q[r, heads])  # [G, D]
             if rope:
                 if "g" in rope:
@@ -91,7 +98,7 @@ class RaggedFlash(BlockKind):
 
     def bytes_moved(self, op, env):
         q, kc = op.inputs[0], op.inputs[1]
-        n, length = q.shape[0].eval(env), min(kc.shape[2].value, op.params["length"].eval(env))
+        n, length = q.shape[0].eval(env), min(sequence_rows(op), op.params["length"].eval(env))
         hkv, d = kc.shape[1].value, kc.shape[3].value
         tiles = -(-n // tokens_per_tile(op.params["group"]))
         passes = tiles * (tokens_per_tile(op.params["group"]) if decode_like(op, env) else 1)
@@ -99,19 +106,20 @@ class RaggedFlash(BlockKind):
 
     def flops(self, op, env) -> float:
         q, kc = op.inputs[0], op.inputs[1]
-        n, length = q.shape[0].eval(env), min(kc.shape[2].value, op.params["length"].eval(env))
+        n, length = q.shape[0].eval(env), min(sequence_rows(op), op.params["length"].eval(env))
         tiles = -(-n // tokens_per_tile(op.params["group"])) * kc.shape[1].value
         passes = tokens_per_tile(op.params["group"]) if decode_like(op, env) else 1
         return 4.0 * tiles * passes * ROWS * length * kc.shape[3].value  # (causal rows skip blocks past them)
 
     def cuda_call(self, op, ins, out):
         q, kc, vc, pos, slot = ins[:5]
-        rope = dict(zip(op.params.get("rope", ()), ins[5:]))
         p = op.params
+        paged = int(bool(p.get("paged")))
+        rope = dict(zip(p.get("rope", ()), ins[5 + paged:]))
         d = op.inputs[0].shape[2].value
-        slots, _, max_len, _ = (x.value for x in op.inputs[1].shape)
+        pages = kv_pages(op, op.inputs[1].shape, ins, 5 if paged else None)
         args = [("smem", "smem"), ("q", q.view()), ("kc", kc.view()), ("vc", vc.view()), ("pos", pos.view(0)),
-                ("slot", slot.view(0)), ("N", q.shape[0]), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL"),
+                ("slot", slot.view(0)), ("N", q.shape[0]), ("pages", pages),
                 ("scale", f"{float(p['scale'])!r}f"), ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1"),
                 ("splits", p["splits"].to_c(dimc) if "splits" in p else "1LL"), ("c2", "c2" if "splits" in p else "0")]
         if not rope:
@@ -121,7 +129,18 @@ class RaggedFlash(BlockKind):
         return c_call("ragged_flash", [d, p["group"], "true", "true" if "g" in rope else "false"], [*args, ("qr", qr)])
 
 
-def pass_splits(node, q, kc) -> dict:
+def sequence_rows(op) -> int:
+    """Rows a sequence of the op's caches holds (a paged cache: its page table's pages of rows)."""
+    kc = op.inputs[1]
+    return kc.shape[2].value * (op.inputs[5].shape[1].value if op.params.get("paged") else 1)
+
+
+def cache_slots(op) -> int:
+    """The sequences the op's caches hold: the cache's slots, or a paged cache's page table rows."""
+    return op.inputs[5 if op.params.get("paged") else 1].shape[0].value
+
+
+def pass_splits(node, q, slots: int) -> dict:
     """``{"splits": ...}`` where the attention says how many sequences its rows are of (``ragged_attention(...,
     sequences=)``): ``dmin(PASS_SPLITS, sequences)`` where the rows outnumber the cache slots (so some are a
     prompt's: a mixed step), else 1 (rows that may each be a sequence's are the split-KV path's, and the
@@ -129,14 +148,14 @@ def pass_splits(node, q, kc) -> dict:
     seqs = node.attrs.get("sequences")
     if seqs is None:
         return {}
-    more_rows_than_slots = dmin(1, dmax(0, q.shape[0] - kc.shape[0]))
+    more_rows_than_slots = dmin(1, dmax(0, q.shape[0] - slots))
     return {"splits": 1 + (dmin(PASS_SPLITS, dmax(1, seqs)) - 1) * more_rows_than_slots}
 
 
 def decode_like(op, env) -> bool:
     """Whether the rows may each be another sequence's (no more rows than cache slots): then a tile
     runs a pass per row, and the cost model prices it so."""
-    return op.inputs[0].shape[0].eval(env) <= op.inputs[1].shape[0].value
+    return op.inputs[0].shape[0].eval(env) <= cache_slots(op)
 
 
 @term
@@ -160,10 +179,12 @@ class RaggedFlashTerm(Term):
 
     def lower(self, b, value, args):
         n = b.graph.nodes[value]
-        q, kc, vc, pos, slot = (b.operand(i) for i in n.inputs)
+        q, kc, vc, pos, slot = (b.operand(i) for i in n.inputs[:5])
+        pages = paged_operands(b, n)
         group = q.shape[1].value // kc.shape[1].value
-        params = {"group": group, "scale": n.attrs["scale"], "length": n.attrs["length"], **pass_splits(n, q, kc)}
-        b.emit("ragged_flash", [value], [q, kc, vc, b.flat(pos), b.flat(slot)], b.output(value), params)
+        params = {"group": group, "scale": n.attrs["scale"], "length": n.attrs["length"],
+                  **pass_splits(n, q, node_slots(b.graph, n)), **({"paged": True} if pages else {})}
+        b.emit("ragged_flash", [value], [q, kc, vc, b.flat(pos), b.flat(slot), *pages], b.output(value), params)
 
 
 @term
@@ -188,13 +209,27 @@ class RaggedFlashRopeTerm(Term):
 
     def lower(self, b, value, args):
         n, r = b.graph.nodes[value], b.graph.nodes[args["rope"]]
-        kc, vc, pos, slot = (b.operand(i) for i in n.inputs[1:])
+        kc, vc, pos, slot = (b.operand(i) for i in n.inputs[1:5])
+        pages = paged_operands(b, n)
         rope = {"inv_freq": r.inputs[1], "pos_ids": r.inputs[2], "g": args["g"]}
         roles = tuple(k for k, v in rope.items() if v != NONE)
         group = n.shape[1].value // kc.shape[1].value
         params = {"group": group, "scale": n.attrs["scale"], "length": n.attrs["length"], "rope": roles,
-                  "eps": args["eps"], **pass_splits(n, b.operand(args["x"]), kc)}
-        inputs = [b.operand(args["x"]), kc, vc, b.flat(pos), b.flat(slot),
+                  "eps": args["eps"], **pass_splits(n, b.operand(args["x"]), node_slots(b.graph, n)),
+                  **({"paged": True} if pages else {})}
+        inputs = [b.operand(args["x"]), kc, vc, b.flat(pos), b.flat(slot), *pages,
                   *(b.flat(b.operand(rope[k])) if k == "pos_ids" else b.operand(rope[k]) for k in roles)]
         refs = {args["x"], *n.inputs[1:], *(v for v in rope.values() if v != NONE)}
         b.emit("ragged_flash", b.absorbed(value, refs), inputs, b.output(value), params)
+
+
+def paged_operands(b, n) -> list:
+    """The attention node's page table as the block op's operand list (empty: a cache of slots)."""
+    pages = pages_of(n.inputs, 5)
+    return [b.operand(pages)] if pages is not None else []
+
+
+def node_slots(graph, n) -> int:
+    """The sequences an attention node's caches hold: the cache's slots or its page table's rows."""
+    pages = pages_of(n.inputs, 5)
+    return graph.nodes[pages if pages is not None else n.inputs[1]].shape[0].value

@@ -7,12 +7,18 @@ The rows' slots and positions are data, so every instance of a head declares the
 every declaring instance ran); the rows of one launch never share a (slot, position), so no element is
 written twice.
 
+Paged (the role ``pages``, an i32 page table ``[slots, max_pages]``): the cache is a pool of pages ``[pages,
+Hkv, page_len, D]`` and position ``p`` of sequence ``s`` its row ``p % page_len`` of page ``pages[s, p //
+page_len]`` (``CacheRows``: the one place that maps them, for the attention kinds too).
+
 Fusion (operand roles in ``params["roles"]``, after ``new, pos, slot``): ``inv_freq`` and ``pos_ids``
 a RoPE prologue (row ``i`` rotated at ``pos_ids[i]``, as the ``rope`` kind does), with ``g`` a per-head
 RMSNorm before it (qwen3's k norm): the K projection's rows go into the cache with no RoPE op between.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..dims import ceildiv
 from .base import NONE, BlockKind, Partition, Term, c_call, f32, fields, no_view, register, rms_normed, term
@@ -34,6 +40,45 @@ def roles(op) -> dict[str, int]:
     return {r: k for k, r in enumerate(op.params.get("roles", ROLES))}
 
 
+class CacheRows:
+    """Where a sequence's rows of a cache are (``ops.kv_store``): ``cache[slot, :, position]``, or through a
+    page table row ``position % page_len`` of page ``pages[slot, position // page_len]``; indices checked
+    (``row_index``: an IndexError naming the op)."""
+
+    def __init__(self, op: str, cache_shape, pages=None):
+        self.op, self.pages = op, None if pages is None else pages.tolist()
+        self.page_len, self.count = cache_shape[2], cache_shape[0]
+        self.slots = self.count if self.pages is None else len(self.pages)
+        self.rows = self.page_len * (1 if self.pages is None else len(self.pages[0]))  # a sequence's rows
+
+    def at(self, s: int, p: int) -> tuple[int, int]:
+        """(index along the cache's first dim, row) of position ``p`` of sequence ``s`` (both checked before)."""
+        if self.pages is None:
+            return s, p
+        return row_index(self.op, "page", self.pages[s][p // self.page_len], self.count), p % self.page_len
+
+    def sequence(self, cache, s: int, length: int, head=slice(None)):
+        """Rows ``[0, length)`` of sequence ``s`` (of KV head ``head``: ``[length, D]``; all: ``[Hkv, length, D]``)."""
+        if self.pages is None:
+            return cache[s, head, :length]
+        return torch.stack([cache[page, head, row] for page, row in (self.at(s, p) for p in range(length))], -2)
+
+
+def kv_pages(op, cache_shape, ins, index: int | None) -> str:
+    """The bodies' ``KvPages`` argument (kv_store.cuh) of the page table ``ins[index]`` (None: a cache of
+    slots): the table, the sequences, a sequence's rows, the rows of a page, the pool's pages (or slots)."""
+    count, _, page_len, _ = (d.value for d in cache_shape)
+    if index is None:
+        return f"KvPages{{Mat<const int>{{}}, {count}LL, {page_len}LL, {page_len}LL, {count}LL}}"
+    slots, per_seq = (d.value for d in op.inputs[index].shape)
+    return f"KvPages{{{ins[index].view()}, {slots}LL, {per_seq * page_len}LL, {page_len}LL, {count}LL}}"
+
+
+def pages_of(node_inputs: tuple, first: int):
+    """A cache op's page table node (its input past ``first``), or None."""
+    return node_inputs[first] if len(node_inputs) > first else None
+
+
 @register
 class KvStore(BlockKind):
     name = "kv_store"
@@ -42,7 +87,7 @@ class KvStore(BlockKind):
 
     def build(self, inputs, output, params) -> Partition:
         head, rows = Tile(0, 1), Tile(1, ROWS)  # grid axis 0: heads, 1: row tiles
-        extra = tuple((Full(),) for _ in inputs[3:])  # inv_freq, pos_ids, g
+        extra = tuple((Full(),) * len(i.shape) for i in inputs[3:])  # pages, inv_freq, pos_ids, g
         return Partition(grid=(output.shape[1], ceildiv(inputs[0].shape[0], ROWS)),
                          reads=((rows, head, Full()), (rows,), (rows,), *extra), writes=(Full(), head, Full(), Full()))
 
@@ -57,10 +102,12 @@ class KvStore(BlockKind):
             if "g" in k:
                 x = rms_normed(x, ins[k["g"]], op.params["eps"], out.dtype)
             rows = rotated(x, ins[k["pos_ids"]][r0 : r0 + ROWS].long().float(), ins[k["inv_freq"]], out.dtype)
+        where = CacheRows("kv_store", out.shape, ins[k["pages"]] if "pages" in k else None)
         for i in range(new.shape[0]):
-            p = row_index("kv_store", "position", int(pos[i]), out.shape[2])
-            s = row_index("kv_store", "slot", int(slot[i]), out.shape[0])
-            out[s, h, p] = rows[i]
+            p = row_index("kv_store", "position", int(pos[i]), where.rows)
+            s = row_index("kv_store", "slot", int(slot[i]), where.slots)
+            page, row = where.at(s, p)
+            out[page, h, row] = rows[i]
 
     def bytes_moved(self, op, env):
         new = op.inputs[0]
@@ -69,13 +116,14 @@ class KvStore(BlockKind):
     def cuda_call(self, op, ins, out):
         k = roles(op)
         new, pos, slot = (ins[k[r]] for r in ROLES)
-        slots, _, max_len, d = (x.value for x in op.output.shape)
+        d = op.output.shape[3].value
         args = [("src", new.view()), ("pos", pos.view()), ("slot", slot.view()), ("n", new.shape[0])]
+        pages = kv_pages(op, op.output.shape, ins, k.get("pages"))
         if "inv_freq" in k:
             g = ins[k["g"]].view() if "g" in k else no_view(1, new.ctype)
             args += [("inv_freq", ins[k["inv_freq"]].ptr), ("pos_ids", ins[k["pos_ids"]].view()), ("g", g),
                      ("eps", f"{float(op.params.get('eps', 0.0))!r}f")]
-        args += [("cache", out.view(const=False)), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL")]
+        args += [("cache", out.view(const=False)), ("pages", pages)]
         if "inv_freq" in k:
             return c_call("kv_store_rope", [new.ctype, d, "true" if "g" in k else "false", ROWS],
                           [*args, ("c0", "c0"), ("c1", "c1")])
@@ -91,8 +139,13 @@ class KvStoreHeadsTerm(Term):
 
     def lower(self, b, value, args):
         n = b.graph.nodes[value]
-        _cache, new, pos, slot = (b.operand(i) for i in n.inputs)
-        b.emit("kv_store", [value], [new, b.flat(pos), b.flat(slot)], b.operand(value), {})
+        new, pos, slot = (b.operand(i) for i in n.inputs[1:4])
+        pages = pages_of(n.inputs, 4)
+        if pages is None:
+            b.emit("kv_store", [value], [new, b.flat(pos), b.flat(slot)], b.operand(value), {})
+        else:
+            b.emit("kv_store", [value], [new, b.flat(pos), b.flat(slot), b.operand(pages)], b.operand(value),
+                   {"roles": (*ROLES, "pages")})
 
 
 @term
@@ -105,16 +158,17 @@ class KvStoreRopeTerm(Term):
 
     def refs(self, graph, args):
         r, s = graph.nodes[args["rope"]], graph.nodes[args["store"]]
-        cache, _new, pos, slot = s.inputs
-        return tuple(i for i in (args["x"], args["g"], r.inputs[1], r.inputs[2], cache, pos, slot) if i != NONE)
+        cache, _new, pos, slot = s.inputs[:4]
+        return tuple(i for i in (args["x"], args["g"], r.inputs[1], r.inputs[2], cache, pos, slot, pages_of(s.inputs, 4))
+                     if i not in (NONE, None))
 
     def lower(self, b, value, args):
         r, s = b.graph.nodes[args["rope"]], b.graph.nodes[value]
-        _cache, _new, pos, slot = s.inputs
-        operands = {"new": args["x"], "pos": pos, "slot": slot, "inv_freq": r.inputs[1], "pos_ids": r.inputs[2],
-                    "g": args["g"]}
-        present = tuple(k for k, v in operands.items() if v != NONE)
+        _cache, _new, pos, slot = s.inputs[:4]
+        operands = {"new": args["x"], "pos": pos, "slot": slot, "pages": pages_of(s.inputs, 4), "inv_freq": r.inputs[1],
+                    "pos_ids": r.inputs[2], "g": args["g"]}
+        present = tuple(k for k, v in operands.items() if v not in (NONE, None))
         inputs = [b.flat(b.operand(operands[k])) if k in ("pos", "slot", "pos_ids") else b.operand(operands[k])
                   for k in present]
         params = {"roles": present, "eps": args["eps"]}
-        b.emit("kv_store", b.absorbed(value, {v for v in operands.values() if v != NONE}), inputs, b.operand(value), params)
+        b.emit("kv_store", b.absorbed(value, {operands[k] for k in present}), inputs, b.operand(value), params)

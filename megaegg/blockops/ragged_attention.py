@@ -13,6 +13,10 @@ a (row, KV head)'s splits to arrive (a counter in the launch-zeroed counter bank
 row's ``group`` query heads, so the merge needs no op and no hand-off of its own. The caches are read
 whole along slots and positions (which ones is data), so an instance waits for the ``kv_store``
 instance of its head.
+
+Paged caches (``ragged_attention(..., pages=)``, the op's last input): split ``s`` is page ``s`` of the
+row's sequence (``chunk`` = the page's rows, ``ceil(length / page_len)`` splits), so each instance reads
+one page, contiguous, through the same bodies.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from ..dtypes import i32 as I32
 from .attention import merge, partial
 from .base import BlockKind, Partition, Term, c_call, dimc, fields, register, term
 from ..ir.footprint import Full, Tile
-from .kv_store import row_index
+from .kv_store import CacheRows, kv_pages, pages_of, row_index
 
 SPLIT_WAVE = 132  # instances the split count aims at: one wave of an H100 / H200 (CostModel.sms)
 
@@ -36,18 +40,24 @@ def split_count(length: DimLike, min_chunk: int, pairs: DimLike):
     return dmax(1, dmin(ceildiv(length, min_chunk), SPLIT_WAVE // dmax(1, pairs)))
 
 
-def row_length(op, ins_pos, ins_slot, i: int, kc_shape, bound: int | None = None) -> tuple[int, int]:
-    """(length, slot) of row ``i``: ``pos[i] + 1`` cache rows (``pos[i] < bound``, the cache's length by
+def row_length(op, ins_pos, ins_slot, i: int, where: CacheRows, bound: int | None = None) -> tuple[int, int]:
+    """(length, slot) of row ``i``: ``pos[i] + 1`` cache rows (``pos[i] < bound``, a sequence's rows by
     default) of slot ``slot[i]``, checked."""
-    p = row_index(op.kind, "position", int(ins_pos[i]), kc_shape[2] if bound is None else bound)
-    s = row_index(op.kind, "slot", int(ins_slot[i]), kc_shape[0])
+    p = row_index(op.kind, "position", int(ins_pos[i]), where.rows if bound is None else bound)
+    s = row_index(op.kind, "slot", int(ins_slot[i]), where.slots)
     return p + 1, s
+
+
+def paged_splits(length: DimLike, page_len: int):
+    """A paged cache's splits of a (row, KV head): one a page of ``length`` rows."""
+    return ceildiv(length, page_len)
 
 
 @register
 class RaggedPartialMerge(BlockKind):
-    """Inputs ``q, k_cache, v_cache, pos, slot, part, arrive``: ``part`` (the partials) and ``arrive`` (a
-    counter per (row, KV head)) are the op's own, ordered by its arrival counter."""
+    """Inputs ``q, k_cache, v_cache, pos, slot, part, arrive[, pages]``: ``part`` (the partials) and ``arrive``
+    (a counter per (row, KV head)) are the op's own, ordered by its arrival counter; ``pages`` a paged
+    cache's page table (``params["paged"]``)."""
 
     name = "ragged_partial_merge"
     cuda_file = "attention.cuh"
@@ -64,7 +74,8 @@ class RaggedPartialMerge(BlockKind):
         row = (Tile(0, 1),)
         return Partition(
             grid=(q.shape[0], kc.shape[1], params["splits"]),
-            reads=((Tile(0, 1), Tile(1, g), Full()), kv, kv, row, row, (Full(), Full(), Full()), (Full(),)),
+            reads=((Tile(0, 1), Tile(1, g), Full()), kv, kv, row, row, (Full(), Full(), Full()), (Full(),),
+                   *(((Full(), Full()),) if params.get("paged") else ())),
             writes=(Tile(0, 1), Tile(1, g), Full()),
         )
 
@@ -74,17 +85,20 @@ class RaggedPartialMerge(BlockKind):
         # to T for P.V: agreement to T's rounding)
         q, kc, vc, pos, slot = ins[:5]
         p = op.params
+        where = CacheRows(op.kind, kc.shape, ins[7] if p.get("paged") else None)
         i, h = env["_i0"], env["_i1"]
         length, splits = p["length"].eval(env), p["splits"].eval(env)
-        rows, sl = row_length(op, pos, slot, i, kc.shape, min(kc.shape[2], length))
-        chunk = -(-length // splits)
-        parts = [partial(q[i], kc[sl], vc[sl], {**p, "chunk": chunk}, h, s, rows) for s in range(-(-rows // chunk))]
+        rows, sl = row_length(op, pos, slot, i, where, min(where.rows, length))
+        chunk = where.page_len if p.get("paged") else -(-length // splits)
+        k, v = where.sequence(kc, sl, rows), where.sequence(vc, sl, rows)
+        parts = [partial(q[i], k, v, {**p, "chunk": chunk}, h, s, rows) for s in range(-(-rows // chunk))]
         part = torch.stack([torch.cat([num, m[:, None], l[:, None]], 1) for num, m, l in parts], 1)  # [G, S, D+2]
         out[i, h * p["group"] : (h + 1) * p["group"]] = merge(part).to(out.dtype)
 
     def bytes_moved(self, op, env):
         q, kc = op.inputs[0], op.inputs[1]
-        n, length = q.shape[0].eval(env), min(kc.shape[2].value, op.params["length"].eval(env))
+        rows = kc.shape[2].value * (op.inputs[7].shape[1].value if op.params.get("paged") else 1)  # a sequence's
+        n, length = q.shape[0].eval(env), min(rows, op.params["length"].eval(env))
         hq, d = q.shape[1].value, q.shape[2].value
         splits = op.params["splits"].eval(env)  # (one split: the output straight from the block, no partials)
         partials = 2 * n * hq * splits * (d + 2) * 4 if splits > 1 else 0  # written, then read by the merge
@@ -92,12 +106,13 @@ class RaggedPartialMerge(BlockKind):
         return n * 2 * kc.shape[1].value * length * d * kc.dtype.itemsize + 2 * n * hq * d * q.dtype.itemsize + partials
 
     def cuda_call(self, op, ins, out):
-        q, kc, vc, pos, slot, part, arrive = ins
+        q, kc, vc, pos, slot, part, arrive = ins[:7]
         p = op.params
         d = op.inputs[0].shape[2].value
-        slots, hkv, max_len, _ = (x.value for x in op.inputs[1].shape)
+        hkv = op.inputs[1].shape[1].value
+        pages = kv_pages(op, op.inputs[1].shape, ins, 7 if p.get("paged") else None)
         args = [("smem", "smem"), ("q", q.view()), ("kc", kc.view()), ("vc", vc.view()), ("pos", pos.view(0)),
-                ("slot", slot.view(0)), ("slots", f"{slots}LL"), ("max_len", f"{max_len}LL"),
+                ("slot", slot.view(0)), ("pages", pages),
                 ("length", p["length"].to_c(dimc)), ("splits", p["splits"].to_c(dimc)), ("Hkv", f"{hkv}LL"),
                 ("scale", f"{float(p['scale'])!r}f"), ("part", f"(float*){part.ptr}"), ("arrive", f"(unsigned*){arrive.ptr}"),
                 ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1"), ("c2", "c2"), ("wl", "wl")]
@@ -114,16 +129,23 @@ class RaggedSplitTerm(Term):
 
     def lower(self, b, value, args):
         n, chunk = b.graph.nodes[value], args["chunk"]
-        q, kc, vc, pos, slot = (b.operand(i) for i in n.inputs)
+        q, kc, vc, pos, slot = (b.operand(i) for i in n.inputs[:5])
+        pages = pages_of(n.inputs, 5)
         pos, slot = b.flat(pos), b.flat(slot)
         out = b.output(value)
         rows, hq, d = q.shape
         hkv, length = kc.shape[1].value, n.attrs["length"]
         group = hq.value // hkv
-        # partials [rows * Hkv * splits, G, D + 2] in all (pairs * splits <= max(pairs, SPLIT_WAVE)): laid
-        # out [rows, Hq, splits, D + 2] by the body
-        part = b.scratch(f"ragged_part{value}", (dmax(rows * hkv, SPLIT_WAVE), as_dim(group), as_dim(d.value + 2)), F32)
+        params = {"length": length, "group": group, "scale": n.attrs["scale"]}
+        if pages is None:
+            # partials [rows * Hkv * splits, G, D + 2] in all (pairs * splits <= max(pairs, SPLIT_WAVE)): laid
+            # out [rows, Hq, splits, D + 2] by the body
+            params["splits"] = split_count(length, chunk, rows * hkv)
+            part_rows = dmax(rows * hkv, SPLIT_WAVE)
+        else:  # a split a page: at most a sequence's pages a (row, KV head)
+            params["splits"], params["paged"] = paged_splits(length, kc.shape[2].value), True
+            part_rows = rows * hkv * b.graph.nodes[pages].shape[1].value
+        part = b.scratch(f"ragged_part{value}", (part_rows, as_dim(group), as_dim(d.value + 2)), F32)
         arrive = b.accum(f"ragged_arrive{value}", (rows * hkv,), I32)
-        params = {"length": length, "splits": split_count(length, chunk, rows * hkv), "group": group,
-                  "scale": n.attrs["scale"]}
-        b.emit("ragged_partial_merge", [value], [q, kc, vc, pos, slot, part, arrive], out, params)
+        extra = [b.operand(pages)] if pages is not None else []
+        b.emit("ragged_partial_merge", [value], [q, kc, vc, pos, slot, part, arrive, *extra], out, params)

@@ -32,7 +32,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
               scale: float) -> torch.Tensor:
     """One query row a head, q [heads, head_dim], over the first ``len(positions)`` cache rows of its KV
     head (heads / kv_heads query heads a KV head), softmax in f32: [heads, head_dim] in q's dtype."""
-    return ragged_rows(q, k_cache[None], v_cache[None], positions.shape[0] - 1, 0, scale).to(q.dtype)
+    n = positions.shape[0]
+    return ragged_rows(q, k_cache[:, :n], v_cache[:, :n], scale).to(q.dtype)
 
 
 @attention.register_fake
@@ -62,7 +63,8 @@ def _(cache, new, pos, slot):
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      slot: torch.Tensor, bound: torch.Tensor, scale: float) -> torch.Tensor:
     """Row i, q[i] [heads, head_dim], over cache rows [0, pos[i]] of slot[i] (causal), softmax in f32."""
-    rows = [ragged_rows(q[i], k_cache, v_cache, int(pos[i]), int(slot[i]), scale) for i in range(q.shape[0])]
+    rows = [ragged_rows(q[i], k_cache[int(slot[i]), :, : int(pos[i]) + 1], v_cache[int(slot[i]), :, : int(pos[i]) + 1], scale)
+            for i in range(q.shape[0])]
     return torch.stack(rows).to(q.dtype)
 
 

@@ -165,7 +165,8 @@ def _shard(spec: ModelSpec, shapes: dict, full: dict, rank: int, what: str) -> d
     return out
 
 
-def build_step_graph(cfg: ModelConfig, *, max_len: int, slots: int, sampling: bool = False) -> tuple[Graph, ModelSpec]:
+def build_step_graph(cfg: ModelConfig, *, max_len: int, slots: int, sampling: bool = False, page_len: int | None = None,
+                     pages: int | None = None) -> tuple[Graph, ModelSpec]:
     """The graph of one step over ``n`` tokens of up to ``slots`` sequences (see the module docstring).
 
     Inputs: ``token``, ``pos``, ``slot`` i32[n]; ``out`` i32[r], the rows whose logits are wanted;
@@ -174,10 +175,21 @@ def build_step_graph(cfg: ModelConfig, *, max_len: int, slots: int, sampling: bo
     ``logits`` [r, vocab] and ``next_token`` i32[r]: their argmax, or with ``sampling`` a token
     drawn on the device (:func:`megaegg.ops.sample`) with the per-row inputs ``temperature``,
     ``top_p`` (f32[r]), ``top_k``, ``seed`` and ``counter`` (i32[r]).
+
+    Paged (``page_len`` and ``pages``): the caches are pools of ``pages`` pages of ``page_len`` rows
+    ``[pages, kv_heads, page_len, head_dim]``, and the input ``pages`` i32[slots, ceil(max_len / page_len)]
+    lists the pages of each sequence's rows in order (:func:`megaegg.ops.kv_store`): memory follows the
+    rows in use, and sequences may share a prefix's pages.
     """
     _check_max_len(cfg, max_len)
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise GraphError(f"slots must be an int >= 1, got {slots!r}")
+    if (page_len is None) != (pages is None):
+        raise GraphError("build_step_graph: page_len and pages go together (a paged cache), got "
+                         f"page_len={page_len!r}, pages={pages!r}")
+    for what, v in (("page_len", page_len), ("pages", pages)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise GraphError(f"build_step_graph: {what} must be an int >= 1, got {v!r}")
     if cfg.moe is not None:
         raise UnsupportedConfig(f"build_step_graph: the routed experts of a {cfg.arch} model take one row a step so "
                                 "far; use build_decode_graph (batch 1)")
@@ -188,18 +200,21 @@ def build_step_graph(cfg: ModelConfig, *, max_len: int, slots: int, sampling: bo
     pos, slot = g.input("pos", [n], i32), g.input("slot", [n], i32)
     x = embedding(embed, g.input("token", [n], i32))  # [n, hidden]
     Hkv, D = cfg.kv_heads, cfg.head_dim
+    table = g.input("pages", [slots, -(-max_len // page_len)], i32) if page_len else None
+    shape = [pages, Hkv, page_len, D] if page_len else [slots, Hkv, max_len, D]
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         q, k = head_norms(cfg, layer, q.reshape(n, cfg.heads, D), k.reshape(n, Hkv, D))
         # K and V into the caches before q's RoPE: the queue follows the graph's order, and the K rows'
         # store (rotated as it stores them) is the attention's slowest input, so its instances go first
-        shape = [slots, Hkv, max_len, D]
-        k_cache = kv_store(g.input(f"k_cache.{layer}", shape, cfg.dtype), rope(k, pos, inv_freq=inv_freq), pos, slot)
-        v_cache = kv_store(g.input(f"v_cache.{layer}", shape, cfg.dtype), v.reshape(n, Hkv, D), pos, slot)
+        k_cache = kv_store(g.input(f"k_cache.{layer}", shape, cfg.dtype), rope(k, pos, inv_freq=inv_freq), pos, slot,
+                           pages=table)
+        v_cache = kv_store(g.input(f"v_cache.{layer}", shape, cfg.dtype), v.reshape(n, Hkv, D), pos, slot, pages=table)
         q = rope(q, pos, inv_freq=inv_freq)
         # (r, the rows whose tokens the step returns: about one a sequence; a mixed step's decode rows then
         # spread over the prompt's attention instances)
-        return ragged_attention(q, k_cache, v_cache, pos, slot, length=ctx, sequences=r).reshape(n, cfg.heads * D)
+        return ragged_attention(q, k_cache, v_cache, pos, slot, length=ctx, sequences=r,
+                                pages=table).reshape(n, cfg.heads * D)
 
     for layer in range(cfg.layers):
         x = decoder_layer(cfg, x, layer, attend)

@@ -55,7 +55,7 @@ flash_probe_d{d}_g{g}_r{rope}(const __nv_bfloat16* q, const __nv_bfloat16* k, co
         ragged_flash<D, G, {rope_b}, false>(
             mega_dyn_smem, Ten3<const __nv_bfloat16>{{q, Hq * D, D, 1}},
             Ten4<const __nv_bfloat16>{{k, {hkv} * N * D, N * D, D, 1}}, Ten4<const __nv_bfloat16>{{v, {hkv} * N * D, N * D, D, 1}},
-            Vec<const int>{{pos, 1}}, Vec<const int>{{slot, 1}}, N, 1, N, scale, Ten3<__nv_bfloat16>{{out, Hq * D, D, 1}}, c0, c1,
+            Vec<const int>{{pos, 1}}, Vec<const int>{{slot, 1}}, N, KvPages{{Mat<const int>{{}}, 1, N, N, 1}}, scale, Ten3<__nv_bfloat16>{{out, Hq * D, D, 1}}, c0, c1,
             1, 0, FlashQRope{{inv_freq, Vec<const int>{{pos, 1}}, Vec<const __nv_bfloat16>{{nullptr, 0}}, 0.0f}});
     }}
 }}

@@ -1,0 +1,165 @@
+"""Paged KV caches (issue 40): pools of fixed-size pages read and written through a page table, on the CPU
+(reference and simulator): the same rows as a cache of slots, under adversarial schedules, and errors that
+name the op and the index."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import megaegg as me
+from megaegg.interpreter import Interleaving, SimulationError
+from megaegg.models import ModelConfig, build_step_graph, random_weights
+
+N = me.sym("n")
+HKV, D, PAGE, SLOTS, PER_SEQ, POOL = 2, 64, 4, 3, 4, 14  # sequences of up to 16 rows in pages of 4
+
+
+def attention_graph(paged: bool, dt=me.f32):
+    """K and V rows of a step stored, then every row attends its sequence: through a page table or not."""
+    g = me.Graph("paged" if paged else "slots")
+    q, k, v = (g.input(name, [N, h, D], dt) for name, h in (("q", 4), ("k", HKV), ("v", HKV)))
+    pos, slot = g.input("pos", [N], me.i32), g.input("slot", [N], me.i32)
+    table = g.input("pages", [SLOTS, PER_SEQ], me.i32) if paged else None
+    shape = [POOL, HKV, PAGE, D] if paged else [SLOTS, HKV, PAGE * PER_SEQ, D]
+    kc = me.kv_store(g.input("kc", shape, dt), k, pos, slot, pages=table)
+    vc = me.kv_store(g.input("vc", shape, dt), v, pos, slot, pages=table)
+    g.output("o", me.ragged_attention(q, kc, vc, pos, slot, pages=table))
+    return g
+
+
+def scattered(table: torch.Tensor, caches: dict) -> dict:
+    """Slot caches ``[SLOTS, HKV, PAGE * PER_SEQ, D]`` laid out as pools through ``table`` (other pages random)."""
+    gen = torch.Generator().manual_seed(9)
+    out = {}
+    for name, c in caches.items():
+        pool = torch.randn(POOL, HKV, PAGE, D, generator=gen, dtype=c.dtype)
+        for s in range(SLOTS):
+            for j in range(PER_SEQ):
+                pool[table[s, j]] = c[s, :, j * PAGE : (j + 1) * PAGE]
+        out[name] = pool
+    return out
+
+
+def step_case(seed: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    rows = 7  # one sequence prefills 4 tokens that attend each other; two decode
+    ins = {"q": torch.randn(rows, 4, D, generator=gen), "k": torch.randn(rows, HKV, D, generator=gen),
+           "v": torch.randn(rows, HKV, D, generator=gen), "pos": torch.tensor([0, 1, 2, 3, 9, 15, 0], dtype=torch.int32),
+           "slot": torch.tensor([1, 1, 1, 1, 0, 2, 0], dtype=torch.int32)}
+    caches = {n: torch.randn(SLOTS, HKV, PAGE * PER_SEQ, D, generator=gen) for n in ("kc", "vc")}
+    table = torch.randperm(POOL, generator=gen)[: SLOTS * PER_SEQ].reshape(SLOTS, PER_SEQ).to(torch.int32)
+    return rows, ins, caches, table
+
+
+def test_a_paged_cache_holds_the_rows_a_cache_of_slots_does():
+    """The same step through a page table (pages scattered over the pool) and through slots: the same
+    attention output and the same rows stored, on the reference and on the simulator under adversarial
+    interleavings; a dropped wait lets attention read a page before its rows are stored."""
+    rows, ins, caches, table = step_case()
+    want = me.run_reference(attention_graph(False), {**ins, **{n: c.clone() for n, c in caches.items()}}, {}, {"n": rows})
+    g = attention_graph(True)
+    pools = scattered(table, caches)
+    fresh = lambda: {n: c.clone() for n, c in pools.items()}  # noqa: E731
+    ref_pools = fresh()
+    ref = me.run_reference(g, {**ins, **ref_pools, "pages": table}, {}, {"n": rows})
+    assert torch.allclose(ref["o"], want["o"], atol=1e-5, rtol=1e-5)
+    for i, (p, s) in enumerate(zip(ins["pos"].tolist(), ins["slot"].tolist())):  # the rows went to their pages
+        page = int(table[s, p // PAGE])
+        assert torch.equal(ref_pools["kc"][page, :, p % PAGE], ins["k"][i])
+    kernel = me.compile(g, {}, backend="sim", max_dims={"n": 8})
+    attn = [e.op for e in kernel.queue.entries if e.op.kind == "ragged_partial_merge"]
+    assert attn and attn[0].params["paged"], [e.op.kind for e in kernel.queue.entries]
+    for seed in range(4):
+        out = kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=seed % 2 == 1), **ins, **fresh(), pages=table, n=rows)
+        assert torch.allclose(out["o"], ref["o"], atol=1e-5, rtol=1e-5)
+    q0 = kernel.queue
+    kernel.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_partial_merge"
+                                                         else e for e in q0.entries))
+    with pytest.raises(SimulationError, match=r"ragged_partial_merge .* read unwritten elements of buffer '[kv]c'"):
+        for seed in range(8):
+            kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=True), **ins, **fresh(), pages=table, n=rows)
+    kernel.queue = q0
+
+
+def test_sequences_share_a_prefix_page():
+    """Two sequences whose page tables name the same first page read the same rows there (a shared
+    prompt prefix stored once), each its own pages after it."""
+    gen = torch.Generator().manual_seed(4)
+    g = attention_graph(True)
+    table = torch.tensor([[5, 1, 2, 3], [5, 7, 8, 9], [0, 4, 6, 10]], dtype=torch.int32)
+    rows = 2  # sequences 0 and 1 each add their position-5 row (page 1 / page 7) after the shared page 5
+    ins = {"q": torch.randn(rows, 4, D, generator=gen), "k": torch.randn(rows, HKV, D, generator=gen),
+           "v": torch.randn(rows, HKV, D, generator=gen), "pos": torch.tensor([5, 5], dtype=torch.int32),
+           "slot": torch.tensor([0, 1], dtype=torch.int32)}
+    pools = {n: torch.randn(POOL, HKV, PAGE, D, generator=gen) for n in ("kc", "vc")}
+    kernel = me.compile(g, {}, backend="sim", max_dims={"n": 8})
+    out = kernel.simulate(Interleaving(sms=3, seed=1, adversarial=True), **ins, **{n: c.clone() for n, c in pools.items()},
+                          pages=table, n=rows)
+    for i, own in enumerate((1, 7)):
+        k = torch.cat([pools["kc"][5], pools["kc"][own]], 1)[:, :6].clone()  # [HKV, 6, D]
+        v = torch.cat([pools["vc"][5], pools["vc"][own]], 1)[:, :6].clone()
+        k[:, 5], v[:, 5] = ins["k"][i], ins["v"][i]
+        want = me.reference.ragged_rows(ins["q"][i], k, v, D ** -0.5)
+        assert torch.allclose(out["o"][i], want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_page_outside_the_pool_is_an_error_naming_the_op():
+    rows, ins, caches, table = step_case()
+    g = attention_graph(True)
+    bad = table.clone()
+    bad[1, 0] = POOL  # sequence 1's first page
+    with pytest.raises(me.GraphError, match=rf"kv_store .*pages\[1, 0\] = {POOL} outside \[0, {POOL - 1}\]"):
+        me.run_reference(g, {**ins, **scattered(table, caches), "pages": bad}, {}, {"n": rows})
+    kernel = me.compile(g, {}, backend="sim", max_dims={"n": 8})
+    with pytest.raises(Exception, match=rf"page {POOL} outside \[0, {POOL - 1}\]"):
+        kernel.simulate(Interleaving(sms=2, seed=0), **ins, **scattered(table, caches), pages=bad, n=rows)
+    with pytest.raises(me.GraphError, match=r"kv_store .*pos\[5\] = 16 outside \[0, 15\]"):
+        me.run_reference(g, {**ins, "pos": torch.tensor([0, 1, 2, 3, 9, 16, 0], dtype=torch.int32),
+                             **scattered(table, caches), "pages": table}, {}, {"n": rows})
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda g: g.input("pages", [SLOTS, PER_SEQ], me.f32), r"kv_store: pages .* must be an i32 page table \[slots, max_pages\]"),
+    (lambda g: g.input("pages", [SLOTS], me.i32), r"kv_store: pages .* must be an i32 page table"),
+    (lambda g: 3, r"kv_store: pages must be a Tensor"),
+])
+def test_a_bad_page_table_is_one_error(bad, message):
+    g = me.Graph("bad_pages")
+    k = g.input("k", [N, HKV, D], me.f32)
+    pos, slot = g.input("pos", [N], me.i32), g.input("slot", [N], me.i32)
+    with pytest.raises(me.GraphError, match=message):
+        me.kv_store(g.input("kc", [POOL, HKV, PAGE, D], me.f32), k, pos, slot, pages=bad(g))
+
+
+def test_the_paged_step_graph_gives_the_step_graphs_logits():
+    """A tiny model's step graph with its caches in pages (scattered over the pool) and with slots: a prompt
+    of 70 tokens (flash attention over it), then a decode step of all three sequences, the same logits on
+    the simulator."""
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.bf16)
+    max_len, page = 96, 16
+    plain, spec = build_step_graph(cfg, max_len=max_len, slots=SLOTS)
+    paged, pspec = build_step_graph(cfg, max_len=max_len, slots=SLOTS, page_len=page, pages=20)
+    weights = random_weights(spec, seed=7)
+    dims = {"n": 96, "r": SLOTS, "ctx": max_len}
+    kernels = [me.compile(g, weights, backend="sim", max_dims=dims, dims_hint={"n": 16, "r": SLOTS, "ctx": 80})
+               for g in (plain, paged)]
+    kinds = {e.op.kind for e in kernels[1].queue.entries}
+    assert {"ragged_flash", "ragged_partial_merge", "kv_store"} <= kinds, kinds
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randperm(20, generator=gen)[: SLOTS * (max_len // page)].reshape(SLOTS, -1).to(torch.int32)
+    caches = [spec.new_caches(), pspec.new_caches()]
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    prompts = [[5, 17, 99], list(range(1, 71)), [7, 8]]
+    rows = [(s, t, i) for s, pr in enumerate(prompts) for i, t in enumerate(pr)]
+    steps = [({"token": i32([t for _, t, _ in rows]), "pos": i32([p for _, _, p in rows]), "slot": i32([s for s, _, _ in rows]),
+               "out": i32([2, 72, 74])}, {"n": len(rows), "r": SLOTS, "ctx": 70}),
+             ({"token": i32([4, 9, 11]), "pos": i32([3, 70, 2]), "slot": i32([0, 1, 2]), "out": i32([0, 1, 2])},
+              {"n": 3, "r": SLOTS, "ctx": 71})]
+    for ins, d in steps:
+        outs = [kernels[0](**ins, **caches[0], **d), kernels[1](**ins, **caches[1], pages=table, **d)]
+        a, b = (o["logits"].float() for o in outs)
+        assert (a - b).norm() / a.norm() < 1e-2
+        assert torch.equal(outs[0]["next_token"], outs[1]["next_token"])
