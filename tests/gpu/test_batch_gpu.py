@@ -346,3 +346,67 @@ def test_flash_spreads_a_mixed_tiles_passes_over_instances():
     out = kern(**ins, **{name: c.clone() for name, c in caches.items()}, n=n, s=decode + 1)
     ref = me.run_reference(g, {**ins, **{name: c.clone() for name, c in caches.items()}}, {}, {"n": n, "s": decode + 1})
     assert rel(out["o"], ref["o"]) < 2e-2
+
+
+@pytest.mark.parametrize("dt", [me.bf16, me.f32])
+def test_paged_kv_cache_ops_on_gpu(dt):
+    """kv_store and ragged_attention through a page table (pages of 16 rows scattered over the pool; the
+    split-KV path: one page an instance, the tensor-core body for bf16, the generic one for f32): the
+    same outputs and stored rows as the reference; a page outside the pool is an error naming the op."""
+    gen = torch.Generator(device="cuda").manual_seed(40)
+    hkv, d, page, slots, per, pool = 2, 64, 16, 3, 4, 14
+    g = me.Graph(f"paged_ops_{dt.name}")
+    q, k, v = (g.input(name, [N, h, d], dt) for name, h in (("q", 4), ("k", hkv), ("v", hkv)))
+    pos, slot = g.input("pos", [N], me.i32), g.input("slot", [N], me.i32)
+    table = g.input("pages", [slots, per], me.i32)
+    kc = me.kv_store(g.input("kc", [pool, hkv, page, d], dt), k, pos, slot, pages=table)
+    vc = me.kv_store(g.input("vc", [pool, hkv, page, d], dt), v, pos, slot, pages=table)
+    g.output("o", me.ragged_attention(q, kc, vc, pos, slot, pages=table))
+    kern = me.compile(g, {}, backend="cuda", max_dims={"n": 16})
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    rows = 7
+    ins = {"q": rand([rows, 4, d], dt, gen), "k": rand([rows, hkv, d], dt, gen), "v": rand([rows, hkv, d], dt, gen),
+           "pos": i32([0, 1, 2, 3, 40, 63, 17]), "slot": i32([1, 1, 1, 1, 0, 2, 0]),
+           "pages": torch.randperm(pool, device="cuda", generator=gen)[: slots * per].reshape(slots, per).to(torch.int32)}
+    pools = {name: rand([pool, hkv, page, d], dt, gen) for name in ("kc", "vc")}
+    mine, theirs = ({n: c.clone() for n, c in pools.items()} for _ in range(2))
+    out = kern(**ins, **mine, n=rows)
+    ref = me.run_reference(g, {**ins, **theirs}, {}, {"n": rows})
+    assert rel(out["o"], ref["o"]) < 1e-2
+    assert torch.equal(mine["kc"], theirs["kc"]) and torch.equal(mine["vc"], theirs["vc"])
+    bad = ins["pages"].clone()
+    bad[0, 2] = pool
+    with pytest.raises(RuntimeError, match=rf"index out of range in (kv_store|ragged_partial_merge).*value {pool}"):
+        kern(**{**ins, "pages": bad}, **{n: c.clone() for n, c in pools.items()}, n=rows)
+
+
+def test_paged_step_graph_gives_the_step_graphs_logits_on_gpu():
+    """llama-3.2-1b (2 layers) with its caches in pages of 64 rows scattered over the pool and with slots: a
+    300-token prompt beside two short ones (flash through the page table), then decode steps of all three
+    (split-KV a page an instance): logits within bf16 tolerance, the same tokens where the top two differ."""
+    cfg = dataclasses.replace(ModelConfig.preset("llama-3.2-1b"), layers=2)
+    max_len, page = 512, 64
+    plain, spec = build_step_graph(cfg, max_len=max_len, slots=3)
+    paged, pspec = build_step_graph(cfg, max_len=max_len, slots=3, page_len=page, pages=30)
+    w = random_weights(spec, seed=8, device="cuda")
+    dims = {"n": 320, "r": 3, "ctx": max_len}
+    kerns = [me.compile(gr, w, backend="cuda", max_dims=dims) for gr in (plain, paged)]
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    table = torch.randperm(30, device="cuda", generator=gen)[:24].reshape(3, 8).to(torch.int32)
+    caches = [spec.new_caches("cuda"), pspec.new_caches("cuda")]
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    prompts = [[5, 17, 99], [(7 * i) % cfg.vocab for i in range(300)], [7, 8]]
+    rows = [(s, t, i) for s, pr in enumerate(prompts) for i, t in enumerate(pr)]
+    ins = {"token": i32([t for _, t, _ in rows]), "pos": i32([p for _, _, p in rows]), "slot": i32([s for s, _, _ in rows]),
+           "out": i32([2, 302, 304])}
+    d = {"n": len(rows), "r": 3, "ctx": 300}
+    fed = [3, 300, 2]
+    for step in range(4):
+        outs = [kerns[0](**ins, **caches[0], **d), kerns[1](**ins, **caches[1], pages=table, **d)]
+        assert rel(outs[1]["logits"], outs[0]["logits"]) < 2e-2, f"step {step}"
+        top2 = outs[0]["logits"].float().topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]) > 2e-2 * top2[:, 0].abs()
+        assert torch.equal(outs[0]["next_token"][sure], outs[1]["next_token"][sure]), f"step {step}"
+        ins = {"token": outs[0]["next_token"], "pos": i32(fed), "slot": i32([0, 1, 2]), "out": i32([0, 1, 2])}
+        d = {"n": 3, "r": 3, "ctx": max(fed) + 1}
+        fed = [f + 1 for f in fed]
