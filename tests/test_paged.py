@@ -163,3 +163,80 @@ def test_the_paged_step_graph_gives_the_step_graphs_logits():
         a, b = (o["logits"].float() for o in outs)
         assert (a - b).norm() / a.norm() < 1e-2
         assert torch.equal(outs[0]["next_token"], outs[1]["next_token"])
+
+
+def paged_batcher_case(page: int = 4, pool: int = 24, max_tokens: int = 6):
+    cfg = ModelConfig.preset("tiny")
+    plain, spec = build_step_graph(cfg, max_len=32, slots=2)
+    paged, pspec = build_step_graph(cfg, max_len=32, slots=2, page_len=page, pages=pool)
+    weights = random_weights(spec, seed=11)
+    dims = {"n": max_tokens, "r": 2, "ctx": 32}
+    kernels = [me.compile(g, weights, backend="sim", max_dims=dims) for g in (plain, paged)]
+    return cfg, (plain, spec, kernels[0]), (paged, pspec, kernels[1]), weights
+
+
+PROMPTS = [[3, 17, 5, 9, 11, 4, 6, 8, 2], [9, 2, 44, 61, 7, 30, 8], [3, 17, 5, 9, 11, 4, 6, 8, 50, 51], [12], [21, 22]]
+
+
+def test_a_paged_batcher_gives_the_slot_batchers_tokens_and_shares_prefixes():
+    """Five requests through two slots, at most 6 rows a launch, on the simulator: with caches of slots and
+    with a pool of pages, the same greedy tokens; the third prompt starts with the first one's 8 tokens (two
+    whole pages), which it reads from the first sequence's pages instead of prefilling them again."""
+    from megaegg.models.batch import Batcher, Request, kernel_batch_step
+    from megaegg.models.pages import PagePool
+
+    _, (_, spec, k_plain), (_, pspec, k_paged), _ = paged_batcher_case()
+    reqs = [Request(p, 5) for p in PROMPTS]
+    plain = Batcher(kernel_batch_step(k_plain, spec.new_caches()), slots=2, max_len=32, max_tokens=6)
+    want = [g.tokens for g in plain.run(reqs)]
+    pool = PagePool(24, 4, 8)
+    paged = Batcher(kernel_batch_step(k_paged, pspec.new_caches()), slots=2, max_len=32, max_tokens=6, pages=pool)
+    got = [g.tokens for g in paged.run(reqs)]
+    assert got == want
+    assert paged.prefix_hits == 8 and pool.shared_tokens == 8
+    assert paged.launches < plain.launches  # (8 prompt tokens fewer to prefill)
+    assert pool.available() == pool.count  # every page back (cached or free)
+
+
+def test_a_request_waits_for_pages_and_one_that_never_fits_is_refused():
+    """A pool of 5 pages of 4 rows: a request needing 4 pages runs alone (the next waits for its pages,
+    though a slot is free); one needing 8 pages is refused when submitted, naming the pool."""
+    from megaegg.models.batch import Batcher, Request, reference_batch_step
+    from megaegg.models.pages import PagePool
+
+    _, _, (graph, pspec, _), weights = paged_batcher_case(pool=5)
+    pool = PagePool(5, 4, 8, prefix_cache=False)
+    b = Batcher(reference_batch_step(graph, weights, pspec.new_caches()), slots=2, max_len=32, max_tokens=6, pages=pool)
+    with pytest.raises(me.GraphError, match=r"25 prompt \+ 5 new tokens need 8 pages of 4 rows, the pool holds 5"):
+        b.submit(Request(list(range(1, 26)), 5))
+    b.submit(Request([1, 2, 3, 4, 5, 6, 7, 8], 6))  # 13 rows: 4 pages
+    b.submit(Request([9, 10, 11], 3))  # 5 rows: 2 pages
+    b.step()
+    assert len(b.running) == 1 and len(b.waiting) == 1 and b.free == [1]
+    outs = b.run()
+    assert [len(o.tokens) for o in outs] == [6, 3] and pool.available() == 5
+
+
+def test_a_page_pool_shares_whole_pages_only_and_evicts_the_least_recent():
+    from megaegg.models.pages import PagePool
+
+    pool = PagePool(6, 4, 4)
+    a, shared = pool.admit([1, 2, 3, 4, 5, 6, 7, 8, 9], 12)
+    assert shared == 0 and len(a.pages) == 3
+    pool.written(a, [1, 2, 3, 4, 5, 6, 7, 8, 9], 9)  # two whole pages indexed, the third not
+    b, shared = pool.admit([1, 2, 3, 4, 5, 6, 7, 8, 40], 9)
+    assert shared == 8 and b.pages[:2] == a.pages[:2]
+    c, shared = pool.admit([1, 2, 3, 4, 5, 6, 7, 8], 8)  # (its last token's logits: the second page not shared)
+    assert shared == 4 and c.pages[0] == a.pages[0] and c.pages[1] not in a.pages
+    assert pool.admit([7] * 9, 9) is None  # 3 pages, 1 free
+    for s in (a, b, c):
+        pool.release(s)
+    assert pool.available() == 6
+    d, shared = pool.admit([1, 2, 3, 4, 5, 6, 7, 8, 1], 24)  # 6 pages: takes every page, evicting the cached ones
+    assert shared == 8 and len(d.pages) == 6
+    pool.release(d)
+    e, shared = pool.admit([9, 9, 9, 9, 1], 24)  # every page again: the two cached ones evicted
+    assert shared == 0 and sorted(e.pages) == list(range(6))
+    pool.release(e)
+    f, shared = pool.admit([1, 2, 3, 4, 5, 6, 7, 8, 1], 9)
+    assert shared == 0  # (the evicted pages' rows are gone)

@@ -9,6 +9,11 @@ request; nothing is recompiled when sequences join or leave. ``run(..., on_step=
 (a :class:`~megaegg.models.generate.StepInfo`) and can stop early; after an exception (a failed launch,
 ``KeyboardInterrupt``), :meth:`Batcher.drain` returns what every request generated so far.
 
+With a :class:`~megaegg.models.pages.PagePool` (``pages=``, for a step graph built with ``page_len`` and
+``pages``) a slot is a row of the page table: a sequence holds the pages its rows need, reserved when it is
+admitted (a request waits until they are free), and prompts share the whole pages of a prefix that an
+earlier sequence wrote (docs/models.md, "Paged caches").
+
 >>> import megaegg as me
 >>> from megaegg.models import ModelConfig, build_step_graph, random_weights
 >>> g, spec = build_step_graph(ModelConfig.preset("tiny"), max_len=32, slots=2)
@@ -30,6 +35,7 @@ import torch
 from ..graph import Graph, GraphError
 from ..reference import run_reference
 from .generate import Generation, StepInfo, check_token_ids, token_ids
+from .pages import PagePool, SequencePages
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class StepRows:
     host_pos: tuple[int, ...] = ()  # pos and slot as host ints (no device round trip to read them)
     host_slot: tuple[int, ...] = ()
     greedy: bool = True  # every output row's sampling is greedy (a step graph without sampling inputs can run it)
+    pages: torch.Tensor | None = None  # i32[slots, pages a sequence]: a paged cache's page table
 
     def dims(self) -> dict[str, int]:
         """The step graph's runtime dims: ``n`` rows, ``r`` outputs, ``ctx`` = the largest position + 1."""
@@ -102,7 +109,7 @@ class StepRows:
             raise GraphError("a request samples (temperature > 0) but the step graph has no sampling inputs: "
                              "build it with build_step_graph(..., sampling=True)")
         names = ["token", "pos", "slot", "out"] + (["temperature", "top_k", "top_p", "seed", "counter"] if sampling else [])
-        return {n: getattr(self, n) for n in names}
+        return {n: getattr(self, n) for n in names} | ({"pages": self.pages} if self.pages is not None else {})
 
 
 BatchStepFn = Callable[[StepRows], torch.Tensor]  # -> next tokens i32[r]
@@ -115,6 +122,7 @@ class _Running:
     generation: Generation
     slot: int = -1  # its cache slot, once admitted
     fed: int = 0  # tokens whose K and V are in the cache
+    pages: SequencePages | None = None  # a paged cache's pages
 
     @property
     def prefilling(self) -> bool:
@@ -134,11 +142,11 @@ class Batcher:
     """Continuous batching of :class:`Request` s over a step function (see the module docstring).
 
     ``max_tokens`` bounds the rows of one launch (the step graph's ``n``); ``vocab`` refuses
-    out-of-range prompt ids up front.
+    out-of-range prompt ids up front; ``pages``: a paged cache's pool (prefix sharing as it says).
     """
 
     def __init__(self, step: BatchStepFn, *, slots: int, max_len: int, max_tokens: int | None = None,
-                 device="cpu", vocab: int | None = None, prefix_cache: bool = False) -> None:
+                 device="cpu", vocab: int | None = None, prefix_cache: bool = False, pages: PagePool | None = None) -> None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise GraphError(f"slots must be an int >= 1, got {slots!r}")
         self.step_fn, self.slots, self.max_len = step, slots, max_len
@@ -160,7 +168,14 @@ class Batcher:
         self.cached: list[list[int]] = [[] for _ in range(slots)]
         self.released = [0] * slots  # when each slot was last released (a count)
         self._releases = 0
-        self.prefix_hits = 0  # prompt tokens not prefilled: their rows were in the slot
+        self.prefix_hits = 0  # prompt tokens not prefilled: their rows were in the slot (or in shared pages)
+        self.pages = pages
+        if pages is not None and prefix_cache:
+            raise GraphError("prefix_cache keeps a finished sequence's rows in its slot; a paged cache shares "
+                             "prefixes through its PagePool (prefix_cache=True there) instead: pass one of them")
+        if pages is not None and pages.per_seq * pages.page_len < max_len:
+            raise GraphError(f"the page table's {pages.per_seq} pages of {pages.page_len} rows a sequence hold fewer "
+                             f"than max_len {max_len} rows")
 
     def submit(self, request: Request) -> int:
         """Queue a request; returns its index (the order of :meth:`run`'s results)."""
@@ -176,6 +191,9 @@ class Batcher:
         if len(prompt) + n - 1 > self.max_len:
             raise GraphError(f"{len(prompt)} prompt + {n} new tokens need {len(prompt) + n - 1} cache rows, "
                              f"the caches hold {self.max_len}")
+        if self.pages is not None and not self.pages.fits_ever(len(prompt) + n - 1):
+            raise GraphError(f"{len(prompt)} prompt + {n} new tokens need {self.pages.pages_for(len(prompt) + n - 1)} "
+                             f"pages of {self.pages.page_len} rows, the pool holds {self.pages.count}")
         run = _Running(request, self._count, Generation(prompt=prompt, tokens=[]))
         self._count += 1
         self.waiting.append(run)
@@ -203,8 +221,17 @@ class Batcher:
         (decoding ones first, one token each; prompts with what is left of the token budget).
         Returns what it did."""
         while self.waiting and self.free:
-            run = self.waiting.popleft()
-            run.slot, run.fed = self._admit(run.generation.prompt)
+            run = self.waiting[0]
+            if self.pages is not None:  # its pages first: a request waits (in order) until they are free
+                held = self.pages.admit(run.generation.prompt, len(run.generation.prompt) + run.request.max_new_tokens - 1)
+                if held is None:
+                    break
+                run.pages, shared = held
+                self.free.remove(slot := self.free[0])
+                run.slot, run.fed = slot, shared
+            else:
+                run.slot, run.fed = self._admit(run.generation.prompt)
+            self.waiting.popleft()
             self.prefix_hits += run.fed
             self.running.append(run)
         decoding = [r for r in self.running if not r.prefilling]
@@ -232,6 +259,8 @@ class Batcher:
         self.launches += 1
         for run in self.running:
             run.fed += fed.get(run.index, 0)
+            if run.pages is not None:
+                self.pages.written(run.pages, run.generation.prompt + run.generation.tokens, run.fed)
         for (run, _), tok in zip(outs, new):
             self._emit(run, tok)
         return StepInfo(step=self.launches, seconds=seconds, rows=len(rows), prefill_rows=prefill_rows,
@@ -262,7 +291,9 @@ class Batcher:
         return best, shared
 
     def _release(self, run: _Running) -> None:
-        """Free the run's slot, remembering the tokens whose rows it holds."""
+        """Free the run's slot, remembering the tokens whose rows it holds (or its pages, to the pool)."""
+        if run.pages is not None:
+            self.pages.release(run.pages)
         gen = run.generation
         self.cached[run.slot] = (gen.prompt + gen.tokens)[:run.fed] if self.prefix_cache else []
         self._releases += 1
@@ -297,7 +328,16 @@ class Batcher:
             top_p=f32([x.top_p for x in s]), seed=i32([x.seed for x in s]),
             counter=i32([len(r.generation.tokens) for r, _ in outs]),
             host_pos=tuple(p for _, _, p in rows), host_slot=tuple(r.slot for r, _, _ in rows),
-            greedy=all(x.greedy for x in s))
+            greedy=all(x.greedy for x in s), pages=self._table())
+
+    def _table(self) -> torch.Tensor | None:
+        """The page table of the running sequences (rows of free slots: zeros, never read)."""
+        if self.pages is None:
+            return None
+        table = [[0] * self.pages.per_seq for _ in range(self.slots)]
+        for run in self.running:
+            table[run.slot] = self.pages.table_row(run.pages)
+        return torch.tensor(table, dtype=torch.int32, device=self.device)
 
     def run(self, requests: Sequence[Request] = (), *,
             on_step: Callable[[StepInfo], bool | None] | None = None) -> list[Generation]:
@@ -322,6 +362,9 @@ class Batcher:
         Call it after :meth:`run` or :meth:`step` raised (``KeyboardInterrupt``, a failed launch) to keep what was
         generated; a cut-short sequence's slot is reused from position 0, so the batcher can run again."""
         runs = sorted(self.done + self.running + list(self.waiting), key=lambda r: r.index)
+        for run in self.running:  # (their pages: the rows a failed launch half wrote are in unindexed ones)
+            if run.pages is not None:
+                self.pages.release(run.pages)
         self.done, self.running, self.waiting = [], [], deque()
         self.free = list(range(self.slots))
         self.cached = [[] for _ in range(self.slots)]  # (a failed launch may have left any row half written)
