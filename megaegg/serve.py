@@ -14,8 +14,9 @@ requests it carried with an error and the loop goes on.
 
 Prefix caching by slot: a finished sequence's slot keeps its K/V rows, and a new request goes to the
 free slot sharing the longest prefix with its prompt, prefilling only the rest (a repeated system
-prompt is prefilled once per slot). Not yet here (issue 40): the paged KV cache (every sequence holds a
-slot of ``--max-len`` rows) and prefixes shared by sequences running at once.
+prompt is prefilled once per slot). With ``--page-len`` the caches are a pool of ``--pages`` pages
+(``megaegg.models.pages``): a sequence holds the pages its rows need, so memory follows the tokens in use,
+and prompts share the whole pages of a prefix that any sequence wrote, running or finished.
 """
 
 from __future__ import annotations
@@ -516,13 +517,18 @@ def _sse(obj) -> str:
 
 # --- building it from a model ---------------------------------------------------------------------------
 def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots: int, max_tokens: int,
-                 max_queue: int) -> Engine:
+                 max_queue: int, page_len: int | None = None, pages: int | None = None) -> Engine:
     """The step graph of ``cfg`` (sampling on the device) with ``weights_for(spec)``, compiled (``backend``
-    "cuda" or "sim"; "reference": the reference executor), behind a batcher and its engine thread."""
+    "cuda" or "sim"; "reference": the reference executor), behind a batcher and its engine thread. With
+    ``page_len``, paged caches: a pool of ``pages`` pages (default: as many rows as ``slots`` caches)."""
     import megaegg as me
     from .models import build_step_graph
+    from .models.pages import PagePool
 
-    graph, spec = build_step_graph(cfg, max_len=max_len, slots=slots, sampling=True)
+    per_seq = -(-max_len // page_len) if page_len else 0
+    pages = pages or slots * per_seq
+    graph, spec = build_step_graph(cfg, max_len=max_len, slots=slots, sampling=True, page_len=page_len,
+                                   pages=pages if page_len else None)
     weights = weights_for(spec)
     caches = spec.new_caches(device=device)
     if backend == "reference":
@@ -531,8 +537,9 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
         kernel = me.compile(graph, weights, backend=backend, max_dims={"n": max_tokens, "r": slots, "ctx": max_len},
                             dims_hint={"n": slots, "r": slots, "ctx": min(512, max_len)})
         step = kernel_batch_step(kernel, caches)
+    pool = PagePool(pages, page_len, per_seq) if page_len else None
     batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab,
-                      prefix_cache=True)
+                      prefix_cache=pool is None, pages=pool)
     return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab)
 
 
@@ -557,7 +564,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-step-tokens", type=positive_int, default=None,
                     help="rows of one launch: decoding tokens plus a prompt chunk (default 512)")
     ap.add_argument("--max-queue", type=positive_int, default=256, help="requests waiting before 429 (default 256)")
+    ap.add_argument("--page-len", type=positive_int, default=None,
+                    help="a paged KV cache of pages of this many rows (default: a cache of --max-len rows a slot)")
+    ap.add_argument("--pages", type=positive_int, default=None,
+                    help="pages in the pool, with --page-len (default: --slots x --max-len rows' worth)")
     a = ap.parse_args(argv)
+    if a.pages and not a.page_len:
+        ap.error("--pages goes with --page-len (a paged KV cache)")
     if bool(a.model) == bool(a.random_weights):
         ap.error("give --model DIR or --random-weights [--preset NAME]")
     if a.preset and not a.random_weights:
@@ -578,8 +591,10 @@ def main(argv=None) -> int:
         weights_for = lambda spec: random_weights(spec, seed=0, device=device)  # noqa: E731
     max_len = min(a.max_len or 2048, cfg.max_positions)
     tokens = max(a.slots, min(a.max_step_tokens or 512, a.slots * max_len))
+    if a.page_len and a.pages and a.pages * a.page_len < max_len:
+        ap.error(f"--pages {a.pages} of --page-len {a.page_len} rows hold fewer than one sequence's --max-len {max_len}")
     engine = build_engine(cfg, weights_for, backend=backend, device=device, max_len=max_len, slots=a.slots,
-                          max_tokens=tokens, max_queue=a.max_queue)
+                          max_tokens=tokens, max_queue=a.max_queue, page_len=a.page_len, pages=a.pages)
     import uvicorn
 
     app = create_app(engine, model=name, tokenizer=tokenizer, max_len=max_len, eos=eos)

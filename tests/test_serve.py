@@ -33,9 +33,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A tiny llama checkpoint with a word tokenizer (and a chat template), served on the simulator."""
+def serve_tiny(tmp_path_factory, **engine_kw):
+    """A tiny llama checkpoint with a word tokenizer (and a chat template), served on the simulator: yields
+    what the tests use, stops the server after."""
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -47,7 +47,7 @@ def served(tmp_path_factory):
     tok.chat_template = CHAT_TEMPLATE
     cfg = read_config(path)
     engine = build_engine(cfg, lambda spec: load_checkpoint(path, spec), backend="sim", device="cpu", max_len=48,
-                          slots=4, max_tokens=48, max_queue=64)
+                          slots=4, max_tokens=48, max_queue=64, **engine_kw)
     app = create_app(engine, model="tiny-llama", tokenizer=tok, max_len=48)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -63,6 +63,17 @@ def served(tmp_path_factory):
         server.should_exit = True
         thread.join(timeout=30)
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    yield from serve_tiny(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def served_paged(tmp_path_factory):
+    """The same with a paged KV cache: 30 pages of 4 rows for 4 sequences of up to 48 rows."""
+    yield from serve_tiny(tmp_path_factory, page_len=4, pages=30)
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +211,8 @@ def test_health_models_and_metrics(served):
     (["--model", "/no/such/folder"], "--model /no/such/folder: no such directory"),
     (["--random-weights", "--preset", "nope"], "invalid choice"),
     (["--random-weights", "--port", "0"], "--port"),
+    (["--random-weights", "--pages", "8"], "--pages goes with --page-len"),
+    (["--random-weights", "--page-len", "16", "--pages", "2", "--max-len", "64"], "hold fewer than one sequence's --max-len 64"),
 ])
 def test_serve_flags_are_checked_in_one_line(args, message):
     import subprocess
@@ -336,3 +349,32 @@ def test_sigterm_lets_a_started_stream_end_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_paged_server_gives_each_client_its_greedy_text_and_shares_prefix_pages(served_paged, served, greedy):
+    """The paged KV cache behind the server: 16 concurrent streams each get transformers' greedy text; then
+    requests sharing a 12-token prefix (three whole pages) read it from the first one's pages (the prefix
+    metric counts them) and still give the greedy text."""
+    import re
+
+    def one(p):
+        chunks = client(served_paged).completions.create(model="tiny-llama", prompt=p, max_tokens=4, temperature=0,
+                                                         stream=True)
+        return "".join(ch.choices[0].text for ch in chunks)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(one, PROMPTS)) == [greedy[p] for p in PROMPTS]
+
+    def hits():
+        text = httpx.get(served_paged["url"] + "/metrics", timeout=30).text
+        return int(re.search(r"^megaegg_prefix_cache_hit_tokens_total (\d+)$", text, re.M).group(1))
+
+    c = client(served_paged)
+    system = " ".join(f"w{i}" for i in range(20, 32))  # 12 tokens (with BOS 13): three whole pages of 4
+    c.completions.create(model="tiny-llama", prompt=system + " w40", max_tokens=2, temperature=0)
+    before = hits()
+    r = c.completions.create(model="tiny-llama", prompt=system + " " + PROMPTS[0], max_tokens=4, temperature=0)
+    assert hits() - before >= 12
+    want = client(served).completions.create(model="tiny-llama", prompt=system + " " + PROMPTS[0], max_tokens=4,
+                                             temperature=0)
+    assert r.choices[0].text == want.choices[0].text

@@ -12,7 +12,7 @@ request; nothing is recompiled when sequences join or leave. ``run(..., on_step=
 With a :class:`~megaegg.models.pages.PagePool` (``pages=``, for a step graph built with ``page_len`` and
 ``pages``) a slot is a row of the page table: a sequence holds the pages its rows need, reserved when it is
 admitted (a request waits until they are free), and prompts share the whole pages of a prefix that an
-earlier sequence wrote (docs/models.md, "Paged caches").
+earlier sequence wrote (docs/serve.md, "Paged KV cache").
 
 >>> import megaegg as me
 >>> from megaegg.models import ModelConfig, build_step_graph, random_weights
