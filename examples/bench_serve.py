@@ -56,6 +56,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=positive_int, default=None, help="closed loop: requests in flight (default 64; 3 dry-run)")
     p.add_argument("--rate", type=float, default=None, help="open loop instead: arrivals a second (Poisson)")
     p.add_argument("--max-step-tokens", type=positive_int, default=2048, help="rows of one launch (default 2048)")
+    p.add_argument("--page-len", type=positive_int, default=None,
+                   help="a paged KV cache of pages of this many rows (default: a cache of max-len rows a sequence)")
+    p.add_argument("--pages", type=positive_int, default=None, help="pages in the pool, with --page-len (default: as "
+                   "many rows as the caches of slots)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--dry-run", action="store_true", help="CPU smoke test: tiny in f32 on the simulator")
@@ -68,6 +72,8 @@ def parse(argv=None) -> argparse.Namespace:
             setattr(a, name, small if dry else normal)
     if a.rate is not None and not a.rate > 0:
         p.error(f"--rate must be > 0, got {a.rate}")
+    if a.pages and not a.page_len:
+        p.error("--pages goes with --page-len (a paged KV cache)")
     return a
 
 
@@ -167,7 +173,8 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     engine = build_engine(cfg, weights_for, backend=backend, device=device, max_len=max_len, slots=a.concurrency,
-                          max_tokens=max(a.concurrency, a.max_step_tokens), max_queue=a.requests + 1)
+                          max_tokens=max(a.concurrency, a.max_step_tokens), max_queue=a.requests + 1,
+                          page_len=a.page_len, pages=a.pages)
     print(f"  engine ready in {time.perf_counter() - t0:.1f} s ({backend})", file=sys.stderr, flush=True)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, model="bench", max_len=max_len), host="127.0.0.1",
