@@ -213,7 +213,11 @@ class _Pages:
         """Rows ``[0, length)`` of sequence ``s``: ``[Hkv, length, D]``."""
         if self.pages is None:
             return cache[s, :, :length]
-        return torch.stack([cache[page, :, row] for page, row in (self.at(s, p) for p in range(length))], 1)
+        for j in range(-(-length // self.page_len)):  # (each page checked)
+            self.at(s, j * self.page_len)
+        pos = torch.arange(length)
+        pages = torch.tensor(self.pages[s], dtype=torch.long)[pos // self.page_len]
+        return cache[pages.to(cache.device), :, (pos % self.page_len).to(cache.device)].transpose(0, 1)  # [Hkv, L, D]
 
 
 def _kv_store(node, args, env, device):

@@ -525,6 +525,8 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
     from .models import build_step_graph
     from .models.pages import PagePool
 
+    if pages is not None and page_len is None:
+        raise GraphError("build_engine: pages goes with page_len (a paged KV cache)")
     per_seq = -(-max_len // page_len) if page_len else 0
     pages = pages or slots * per_seq
     graph, spec = build_step_graph(cfg, max_len=max_len, slots=slots, sampling=True, page_len=page_len,

@@ -240,3 +240,27 @@ def test_a_page_pool_shares_whole_pages_only_and_evicts_the_least_recent():
     pool.release(e)
     f, shared = pool.admit([1, 2, 3, 4, 5, 6, 7, 8, 1], 9)
     assert shared == 0  # (the evicted pages' rows are gone)
+
+
+def test_a_duplicate_page_never_becomes_a_parent_of_stale_pages():
+    """Two sequences admitted together write the same first page: the second's copy stays unindexed and its
+    next page is keyed on the first's. Once that copy is freed and reused for other tokens, a prompt of those
+    tokens followed by the second's next tokens shares only the page that holds them (a stale child keyed
+    on the reused page matched before)."""
+    from megaegg.models.pages import PagePool
+
+    pool = PagePool(8, 2, 3)
+    a, _ = pool.admit([1, 1, 5], 3)
+    b, _ = pool.admit([1, 1, 2, 2, 5], 5)
+    pool.written(a, [1, 1, 5], 2)
+    pool.written(b, [1, 1, 2, 2, 5], 4)  # b's first page duplicates a's; its second holds [2, 2]
+    copy = b.pages[0]
+    pool.release(b)
+    pool.release(a)
+    while pool.free[-1] != copy:  # (others take pages until b's copy is the next free one)
+        pool.admit([3], 1)
+    c, _ = pool.admit([9, 9, 7], 3)
+    assert c.pages[0] == copy
+    pool.written(c, [9, 9, 7], 2)
+    d, shared = pool.admit([9, 9, 2, 2, 8], 5)
+    assert shared == 2 and d.pages[0] == copy  # [9, 9] only: no page holds [2, 2] after [9, 9]

@@ -475,9 +475,10 @@ __device__ __forceinline__ void partial_async(char* sm, const T* q, long long q_
 #pragma unroll
             for (int v = 0; v < VPR; ++v) {
                 const bool in = ok && v * LPR + w.sub < P::DV;
-                cp_async16(dst + ((j * VPR + v) * 2) * MEGA_THREADS, in ? kp + j * slot_k + v * LPR * VEC : kh,
+                // (a zero fill's dummy source: the split's first row, inside a paged cache's page too)
+                cp_async16(dst + ((j * VPR + v) * 2) * MEGA_THREADS, in ? kp + j * slot_k + v * LPR * VEC : kh + p0 * k_s1,
                            in ? 16 : 0);
-                cp_async16(dst + ((j * VPR + v) * 2 + 1) * MEGA_THREADS, in ? vp + j * slot_v + v * LPR * VEC : vh,
+                cp_async16(dst + ((j * VPR + v) * 2 + 1) * MEGA_THREADS, in ? vp + j * slot_v + v * LPR * VEC : vh + p0 * v_s1,
                            in ? 16 : 0);
             }
         }

@@ -51,6 +51,11 @@ template <int D, int BT> __host__ __device__ constexpr int block_rows(int extra)
 #endif
 }
 
+// The first bad index of the tile (a position, slot or page), kept with its flag: -1 is a value too.
+__device__ __forceinline__ void flag_bad(int& set, int& bad, int value) {
+    if (atomicCAS(&set, 0, 1) == 0) bad = value;
+}
+
 __device__ __forceinline__ void mma16816a(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     mma16816<__nv_bfloat16>(c, a[0], a[1], a[2], a[3], b0, b1);
 }
@@ -154,11 +159,11 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
     int* tpass = tslot + BT;                                                // [BT] the pass that runs the token
     float* tcos = reinterpret_cast<float*>(tpass + BT);                     // ROPE: [BT][D/2] cos, then sin
     float* tsin = tcos + BT * (D / 2);
-    __shared__ int pass_slot, pass_end, bad, distinct;
+    __shared__ int pass_slot, pass_end, bad, bad_set, distinct;  // bad: a bad index's value, once bad_set
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const long long tok0 = c0 * BT;
-    if (tid == 0) bad = -1, distinct = 0;
+    if (tid == 0) bad_set = 0, distinct = 0;
     mega_sync();
     for (int i = tid; i < BT; i += MEGA_THREADS) {
         const long long tk = tok0 + i;
@@ -166,7 +171,7 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         if (tk < N) {
             p = pos.p[tk * pos.s0];
             s = slot.p[tk * slot.s0];
-            if (p < 0 || p >= pages.rows || s < 0 || s >= pages.slots) atomicCAS(&bad, -1, (p < 0 || p >= pages.rows) ? p : s);
+            if (p < 0 || p >= pages.rows || s < 0 || s >= pages.slots) flag_bad(bad_set, bad, (p < 0 || p >= pages.rows) ? p : s);
         }
         tpos[i] = p;
         tslot[i] = (tk < N) ? s : -1;
@@ -180,8 +185,8 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
             if (first) atomicAdd(&distinct, 1);
         }
         mega_sync();
-        if (bad != -1 || c2 >= distinct) {  // (uniform)
-            if (bad != -1 && tid == 0) mega_body_error(MEGA_ERR_INDEX, bad);
+        if (bad_set || c2 >= distinct) {  // (uniform)
+            if (bad_set && tid == 0) mega_body_error(MEGA_ERR_INDEX, bad);
             return;
         }
     }
@@ -194,7 +199,7 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         }
     }
     mega_sync();
-    if (bad != -1) {
+    if (bad_set) {
         if (tid == 0) mega_body_error(MEGA_ERR_INDEX, bad);
         return;  // (uniform: every thread read the same flag)
     }
@@ -275,13 +280,12 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
 #pragma unroll
                 for (int i = 0; i < BLOCK / RSTEP; ++i) {
                     const int kv = b * BLOCK + row0 + i * RSTEP;
-                    long long page_bad = 0;
-                    const long long ko = kv < end ? kv_row(pages, kc.s0, kc.s1, kc.s2, s, kv, c1, &page_bad) : 0;
-                    const long long vo = kv < end ? kv_row(pages, vc.s0, vc.s1, vc.s2, s, kv, c1, &page_bad) : 0;
-                    const bool ok = kv < end && ko >= 0;
-                    if (kv < end && ko < 0) atomicCAS(&bad, -1, (int)page_bad);
-                    cp_async16(kd + i * RSTEP * LD, kc.p + (ok ? ko : 0) + col0, ok ? 16 : 0);
-                    cp_async16(vd + i * RSTEP * LD, vc.p + (ok ? vo : 0) + col0, ok ? 16 : 0);
+                    long long page = s, row = kv;  // (one table load a row for a paged cache)
+                    bool ok = kv < end;
+                    if (ok && !kv_locate(pages, s, kv, page, row)) flag_bad(bad_set, bad, (int)page), ok = false;
+                    if (!ok) page = s, row = 0;  // (a zero fill reads nothing; the address stays inside the cache)
+                    cp_async16(kd + i * RSTEP * LD, kc.p + page * kc.s0 + c1 * kc.s1 + row * kc.s2 + col0, ok ? 16 : 0);
+                    cp_async16(vd + i * RSTEP * LD, vc.p + page * vc.s0 + c1 * vc.s1 + row * vc.s2 + col0, ok ? 16 : 0);
                 }
             }
             cp_async_commit();  // (an empty group past the last block keeps the wait counts uniform)
@@ -401,5 +405,5 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         }
         mega_sync();  // (the pass slot is rewritten next)
     }
-    if (bad != -1 && threadIdx.x == 0) mega_body_error(MEGA_ERR_INDEX, bad);  // (a page outside the pool)
+    if (bad_set && threadIdx.x == 0) mega_body_error(MEGA_ERR_INDEX, bad);  // (a page outside the pool)
 }

@@ -11,19 +11,24 @@ struct KvPages {
     long long slots, rows, page_len, count;
 };
 
-// Element offset of KV head h's row of sequence s at position p (s and p checked by the caller), or -1 for
-// a page outside the pool (*bad: its index).
+// The (page, row) of sequence s's position p (s and p checked by the caller): s and p themselves, or through
+// the page table; false for a page outside the pool (page: its index).
+__device__ __forceinline__ bool kv_locate(const KvPages& pg, long long s, long long p, long long& page, long long& row) {
+    page = s, row = p;
+    if (pg.table.p == nullptr) return true;
+    page = ld_cg(pg.table.p + s * pg.table.s0 + (p / pg.page_len) * pg.table.s1);
+    row = p % pg.page_len;
+    return page >= 0 && page < pg.count;
+}
+
+// Element offset of KV head h's row of sequence s at position p in a cache of strides cs0..cs2, or -1 for a
+// page outside the pool (*bad: its index).
 __device__ __forceinline__ long long kv_row(const KvPages& pg, long long cs0, long long cs1, long long cs2, long long s,
                                             long long p, long long h, long long* bad) {
-    long long page = s, row = p;
-    if (pg.table.p != nullptr) {
-        page = ld_cg(pg.table.p + s * pg.table.s0 + (p / pg.page_len) * pg.table.s1);
-        row = p % pg.page_len;
-        if (page < 0 || page >= pg.count) {
-            *bad = page;
-            return -1;
-        }
+    long long page, row;
+    if (!kv_locate(pg, s, p, page, row)) {
+        *bad = page;
+        return -1;
     }
     return page * cs0 + h * cs1 + row * cs2;
 }
-

@@ -61,7 +61,12 @@ class CacheRows:
         """Rows ``[0, length)`` of sequence ``s`` (of KV head ``head``: ``[length, D]``; all: ``[Hkv, length, D]``)."""
         if self.pages is None:
             return cache[s, head, :length]
-        return torch.stack([cache[page, head, row] for page, row in (self.at(s, p) for p in range(length))], -2)
+        for j in range(-(-length // self.page_len)):  # (each page checked)
+            self.at(s, j * self.page_len)
+        pos = torch.arange(length)
+        pages = torch.tensor(self.pages[s], dtype=torch.long)[pos // self.page_len]
+        rows = cache[pages, :, pos % self.page_len]  # [L, Hkv, D]
+        return rows[:, head].movedim(0, -2)
 
 
 def kv_pages(op, cache_shape, ins, index: int | None) -> str:

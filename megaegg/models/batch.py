@@ -334,7 +334,7 @@ class Batcher:
         """The page table of the running sequences (rows of free slots: zeros, never read)."""
         if self.pages is None:
             return None
-        table = [[0] * self.pages.per_seq for _ in range(self.slots)]
+        table = [[-1] * self.pages.per_seq for _ in range(self.slots)]
         for run in self.running:
             table[run.slot] = self.pages.table_row(run.pages)
         return torch.tensor(table, dtype=torch.int32, device=self.device)
@@ -397,6 +397,8 @@ def single_sequence_decode(step: BatchStepFn, decode_kernel, caches: Mapping[str
     graph, :func:`~megaegg.models.build_decode_graph`: its fused kernel is faster) on that row's cache slot."""
 
     def run(rows: StepRows) -> torch.Tensor:
+        if rows.pages is not None:
+            raise GraphError("single_sequence_decode takes caches of slots; a paged cache's rows are in pages")
         if len(rows.host_pos) != 1 or rows.out.numel() != 1:
             return step(rows)
         slot = rows.host_slot[0]

@@ -7,7 +7,10 @@ tokens) up front, so a running sequence never runs out; a request whose pages ar
 that could never fit is refused when it is submitted.
 
 Prefix sharing: a page whose rows a sequence has written in full is indexed by its tokens and the page
-before it (``(parent page, its epoch, tokens)``: a chain, so equal pages after different prefixes differ).
+before it (``(parent page, its epoch, tokens)``: a chain, so equal pages after different prefixes differ;
+a page whose key another page holds already is a duplicate, left unindexed, and the next one is keyed on
+the indexed twin). A page's epoch moves on each time it is taken, so an entry keyed on an earlier use of
+its parent never matches again.
 A new request starts with the longest chain of indexed pages that its prompt begins with (all but its last
 token: the first launch computes that one's logits), those pages shared (reference counts), and prefills
 only the rest. A released sequence's indexed pages stay cached until a new page is needed and none is
@@ -29,6 +32,7 @@ class SequencePages:
 
     pages: list[int] = field(default_factory=list)
     indexed: int = 0
+    chain: int = -1  # the indexed page holding the rows of its last indexed one (its next page's key parent)
 
 
 class PagePool:
@@ -73,7 +77,7 @@ class PagePool:
         for p in shared:
             self._hold(p)
             seq.pages.append(p)
-        seq.indexed = len(shared)
+        seq.indexed, seq.chain = len(shared), shared[-1] if shared else -1
         for _ in range(need):
             seq.pages.append(self._take())
         self.shared_tokens += len(shared) * self.page_len
@@ -86,9 +90,10 @@ class PagePool:
         while seq.indexed < len(seq.pages) and (seq.indexed + 1) * self.page_len <= fed:
             j = seq.indexed
             page = seq.pages[j]
-            key = self._key(seq.pages[j - 1] if j else -1, tokens[j * self.page_len:(j + 1) * self.page_len])
-            if key not in self.index and page not in self.key_of:
+            key = self._key(seq.chain, tokens[j * self.page_len:(j + 1) * self.page_len])
+            if key not in self.index:
                 self.index[key], self.key_of[page] = page, key
+            seq.chain = self.index[key]  # (this page, or its indexed twin: a duplicate stays unindexed)
             seq.indexed += 1
 
     def release(self, seq: SequencePages) -> None:
@@ -103,8 +108,9 @@ class PagePool:
         seq.pages.clear()
 
     def table_row(self, seq: SequencePages) -> list[int]:
-        """The sequence's row of the page table (unused entries 0: never read, no row lies there)."""
-        return seq.pages + [0] * (self.per_seq - len(seq.pages))
+        """The sequence's row of the page table (unused entries -1: never read, and a body that did would
+        report it)."""
+        return seq.pages + [-1] * (self.per_seq - len(seq.pages))
 
     # --- internals ----------------------------------------------------------------------------------
     def _key(self, parent: int, tokens: list[int]) -> tuple:
@@ -133,6 +139,6 @@ class PagePool:
         else:
             p, _ = self.cached.popitem(last=False)
             del self.index[self.key_of.pop(p)]
-            self.epoch[p] += 1
+        self.epoch[p] += 1  # (entries keyed on the page's earlier rows no longer match)
         self.refs[p] = 1
         return p
