@@ -134,11 +134,12 @@ def test_a_bad_page_table_is_one_error(bad, message):
         me.kv_store(g.input("kc", [POOL, HKV, PAGE, D], me.f32), k, pos, slot, pages=bad(g))
 
 
-def test_the_paged_step_graph_gives_the_step_graphs_logits():
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny"])
+def test_the_paged_step_graph_gives_the_step_graphs_logits(preset):
     """A tiny model's step graph with its caches in pages (scattered over the pool) and with slots: a prompt
-    of 70 tokens (flash attention over it), then a decode step of all three sequences, the same logits on
-    the simulator."""
-    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.bf16)
+    of 70 tokens (flash attention over it, q's RoPE and qwen3's norms folded in), then a decode step of all
+    three sequences, the same logits on the simulator."""
+    cfg = dataclasses.replace(ModelConfig.preset(preset), dtype=me.bf16)
     max_len, page = 96, 16
     plain, spec = build_step_graph(cfg, max_len=max_len, slots=SLOTS)
     paged, pspec = build_step_graph(cfg, max_len=max_len, slots=SLOTS, page_len=page, pages=20)
