@@ -287,12 +287,19 @@ template <class T, int D> __host__ __device__ constexpr int ring_stages() {
     return cmax(2, cmin(6, MEGA_SMEM / (MEGA_WARPS * 2 * (D == 64 ? 16 : 8) * (D + 8) * (int)sizeof(T))));
 }
 
+// A paged cache's rows for partial_mma<PAGED>: row r at kh (vh) + page * ks0 (vs0) + (r % page_len) * k_s1
+// (v_s1), page = table[(r / page_len) * t_s1] (the sequence's row of the page table, its pages checked).
+struct PagedRows {
+    const int* table;
+    long long t_s1, page_len, ks0, vs0;
+};
+
 // part == nullptr: write the normalised rows to out (o_s0: its head stride) instead of partials.
-template <class T, int D, int G>
+template <class T, int D, int G, bool PAGED = false>
 __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0, const T* kh, long long k_s1,
                                             const T* vh, long long v_s1, long long p0, long long p1, float scale,
                                             float* part, long long p_s0, long long p_s1, long long c0, long long c1,
-                                            T* out = nullptr, long long o_s0 = 0) {
+                                            T* out = nullptr, long long o_s0 = 0, PagedRows pg = {}) {
     constexpr int BR = D == 64 ? 16 : 8;  // cache rows a warp step
     constexpr int NTS = BR / 8;           // n8 tiles of S
     constexpr int KS = D / 16;            // k16 steps of q.K
@@ -320,8 +327,14 @@ __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0
 #pragma unroll
             for (int i = 0; i < CPL; ++i) {
                 const int c = lane + 32 * i, v = c / (BR * CPR), row = (c / CPR) % BR, col = 8 * (c % CPR);
-                const long long r = r0 + row;
-                const T* src = (v ? vh + (r < p1 ? r : r0) * v_s1 : kh + (r < p1 ? r : r0) * k_s1) + col;
+                const long long r = r0 + row, rr = r < p1 ? r : r0;
+                const T* src;
+                if constexpr (PAGED) {  // (one L1-cached table load a chunk)
+                    const long long page = ld_cg(pg.table + (rr / pg.page_len) * pg.t_s1), in_page = rr % pg.page_len;
+                    src = (v ? vh + page * pg.vs0 + in_page * v_s1 : kh + page * pg.ks0 + in_page * k_s1) + col;
+                } else {
+                    src = (v ? vh + rr * v_s1 : kh + rr * k_s1) + col;
+                }
                 cp_async16(dst + (v * BR + row) * LD + col, src, r < p1 ? 16 : 0);
             }
         }
@@ -691,49 +704,50 @@ __device__ __forceinline__ bool ragged_row_ok(long long p, long long max_len, lo
     return false;  // uniform: every thread read the same values
 }
 
-// ragged_partial_merge<T, D, G>: row c0's KV head c1, split c2 of `splits`. The split count is a run-time
-// value (the op's launch count: blockops/ragged_attention.py picks it so that a batch's rows x KV heads x
-// splits fill about one wave of SMs), each split `chunk = ceil(length / splits)` cache rows of the op's
-// bound `length`; the row has ceil((pos + 1) / chunk) of them, and an instance past those does nothing.
-// A paged cache (pages.table): split c2 is page c2 of the row's sequence (chunk = page_len), read as a
-// cache of one page. Partials go to part[c0, Hq, splits, D + 2]; the last of the row's splits for this KV
-// head to arrive (a counter per (row, KV head) in the launch-zeroed counter bank, as attn_partial_merge)
-// merges them into out[c0, c1*G .. c1*G + G). A position outside min(rows, length), a slot outside the
-// cache or a page outside the pool reports MEGA_ERR_INDEX and writes nothing.
-template <class T, int D, int G>
+// ragged_partial_merge<T, D, G, PAGING>: row c0's KV head c1, split c2 of `splits`. The split count is a
+// run-time value (the op's launch count: blockops/ragged_attention.py picks it so that a batch's rows x KV
+// heads x splits fill about one wave of SMs), each split `chunk = ceil(length / splits)` cache rows of the
+// op's bound `length`; the row has ceil((pos + 1) / chunk) of them, and an instance past those does
+// nothing. A paged cache (pages.table): PAGING 2, the tensor-core body finds each row's page in the table
+// (the split's pages checked first); PAGING 1 (the other bodies), split c2 is page c2 of the row's sequence
+// (chunk = page_len), read as a cache of one page. Partials go to part[c0, Hq, splits, D + 2]; the last of
+// the row's splits for this KV head to arrive (a counter per (row, KV head) in the launch-zeroed counter
+// bank, as attn_partial_merge) merges them into out[c0, c1*G .. c1*G + G). A position outside
+// min(rows, length), a slot outside the cache or a page outside the pool reports MEGA_ERR_INDEX and
+// writes nothing.
+template <class T, int D, int G, int PAGING>
 __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, Ten4<const T> kc, Ten4<const T> vc,
                                                   Vec<const int> pos, Vec<const int> slot, KvPages pages,
                                                   long long length, long long splits, long long Hkv, float scale,
                                                   float* part, unsigned* arrive, Ten3<T> out, long long c0, long long c1,
                                                   long long c2, const MegaWaits& wl) {
+    static_assert(PAGING != 2 || attn_impl::MmaPath<T, D, G>::ok, "ragged_partial_merge: rows through the page table "
+                  "on the tensor-core body only (blockops/ragged_attention.py: paged)");
     in_global(q, kc, vc, pos, slot, out);
-    const bool paged = pages.table.p != nullptr;
     const long long bound = min_i64(pages.rows, length);
-    const long long chunk = paged ? pages.page_len : (length + splits - 1) / splits;
-    // Split c2 of sequence s: the cache index (slot, or page) its rows are under, and the logical row of
-    // that index's row 0 (a page: c2 * chunk). -1: a page outside the pool (read before the wait: stale
-    // values only make the prefetch useless).
-    const auto split_at = [&](long long s, long long& first) -> long long {
-        first = paged ? c2 * chunk : 0;
-        if (!paged) return s;
-        const long long page = ld_cg(pages.table.p + s * pages.table.s0 + c2 * pages.table.s1);
+    const long long chunk = PAGING == 1 ? pages.page_len : (length + splits - 1) / splits;
+    const auto page_at = [&](long long s, long long j) -> long long {  // page j of sequence s (-1: outside the pool)
+        const long long page = ld_cg(pages.table.p + s * pages.table.s0 + j * pages.table.s1);
         return page >= 0 && page < pages.count ? page : -1;
     };
     // Before the wait on q's and the new cache row's producers: this instance's cache rows (all but the new
-    // one written by earlier steps) start streaming into L2, one bulk prefetch each of K and V, so the
-    // body's loads after the wait find them there instead of paying a round trip per two register steps
-    // (perf-notes #89). Only a prefetch: a position or slot read before the wait (an input, or stale) can
-    // only make it useless; it stays inside the caches.
+    // one written by earlier steps) start streaming into L2, one bulk prefetch each of K and V a contiguous
+    // run (a page), so the body's loads after the wait find them there instead of paying a round trip per
+    // two register steps (perf-notes #89). Only a prefetch: a position, slot or page read before the wait
+    // (an input, or stale) can only make it useless; it stays inside the caches.
     if (threadIdx.x == 0) {
         const long long p = pos.p[c0 * pos.s0], s = slot.p[c0 * slot.s0], r0 = c2 * chunk;
         if (p >= 0 && p < bound && s >= 0 && s < pages.slots && r0 <= p && kc.s3 == 1 && vc.s3 == 1 && kc.s2 == D &&
             vc.s2 == D) {
-            long long first = 0;
-            const long long at = split_at(s, first);
-            const long long bytes = (min_i64(r0 + chunk, p + 1) - r0) * D * (long long)sizeof(T);
-            if (at >= 0) {
-                mega_prefetch_l2_range(kc.p + at * kc.s0 + c1 * kc.s1 + (r0 - first) * D, bytes);
-                mega_prefetch_l2_range(vc.p + at * vc.s0 + c1 * vc.s1 + (r0 - first) * D, bytes);
+            const long long r1 = min_i64(r0 + chunk, p + 1);
+            for (long long r = r0; r < r1;) {  // (a cache of slots: one run)
+                const long long page = PAGING ? page_at(s, r / pages.page_len) : s;
+                const long long row = PAGING ? r % pages.page_len : r, n = min_i64(r1 - r, pages.page_len - row);
+                if (page >= 0) {
+                    mega_prefetch_l2_range(kc.p + page * kc.s0 + c1 * kc.s1 + row * D, n * D * (long long)sizeof(T));
+                    mega_prefetch_l2_range(vc.p + page * vc.s0 + c1 * vc.s1 + row * D, n * D * (long long)sizeof(T));
+                }
+                r += n;
             }
         }
     }
@@ -742,15 +756,25 @@ __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, T
     if (!ragged_row_ok(p, bound, s, pages.slots)) return;
     const long long nsplit = (p + chunk) / chunk;  // ceil((p + 1) / chunk)
     if (c2 >= nsplit) return;  // past the row's length: no work, no arrival
-    long long first = 0;
-    const long long at = split_at(s, first);
-    if (at < 0) {  // (uniform: every thread read the same entry)
-        if (threadIdx.x == 0) mega_body_error(MEGA_ERR_INDEX, ld_cg(pages.table.p + s * pages.table.s0 + c2 * pages.table.s1));
-        return;
+    const long long r0 = c2 * chunk, r1 = min_i64(r0 + chunk, p + 1);
+    if constexpr (PAGING != 0) {  // the split's pages, checked before any copy (uniform: every thread agrees)
+        __shared__ int bad_page, any_bad;
+        if (threadIdx.x == 0) any_bad = 0;
+        mega_sync();
+        for (long long j = r0 / pages.page_len + threadIdx.x; j <= (r1 - 1) / pages.page_len; j += MEGA_THREADS)
+            if (page_at(s, j) < 0 && atomicCAS(&any_bad, 0, 1) == 0)
+                bad_page = ld_cg(pages.table.p + s * pages.table.s0 + j * pages.table.s1);
+        mega_sync();
+        if (any_bad) {
+            if (threadIdx.x == 0) mega_body_error(MEGA_ERR_INDEX, bad_page);
+            return;
+        }
     }
     const Mat<const T> qr = q.at(c0);
-    // the slot's (or the page's) rows, row 0 at logical row `first` (a page's view starts `first` rows before
-    // its memory: the bodies read only rows [c2 * chunk, ...), which are the page's)
+    // the slot's rows (PAGING 0), a page's with row 0 at logical row `first` (PAGING 1: a page's view starts
+    // `first` rows before its memory; the bodies read only rows [r0, r1), which are the page's), or page 0's
+    // (PAGING 2: the body adds each row's page)
+    const long long at = PAGING == 1 ? page_at(s, c2) : PAGING == 2 ? 0 : s, first = PAGING == 1 ? r0 : 0;
     Ten3<const T> kr = kc.at(at), vr = vc.at(at);
     kr.p -= first * kr.s1, vr.p -= first * vr.s1;
     const long long hs = splits * (D + 2);  // a query head's partials
@@ -759,13 +783,20 @@ __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, T
     if constexpr (attn_impl::MmaPath<T, D, G>::ok) {
         if (mma) {  // the row's only split writes its output from the block's combine; else its partials
             const bool only = nsplit == 1;
-            attn_impl::partial_mma<T, D, G>(shared_ptr(smem), qr.p, qr.s0, kr.p + c1 * kr.s0, kr.s1, vr.p + c1 * vr.s0,
-                                            vr.s1, c2 * chunk, min_i64(c2 * chunk + chunk, p + 1), scale,
-                                            only ? nullptr : pr.p, pr.s0, pr.s1, c1, c2, out.p + c0 * out.s0, out.s1);
+            attn_impl::partial_mma<T, D, G, PAGING == 2>(
+                shared_ptr(smem), qr.p, qr.s0, kr.p + c1 * kr.s0, kr.s1, vr.p + c1 * vr.s0, vr.s1, r0, r1, scale,
+                only ? nullptr : pr.p, pr.s0, pr.s1, c1, c2, out.p + c0 * out.s0, out.s1,
+                attn_impl::PagedRows{pages.table.p + s * pages.table.s0, pages.table.s1, pages.page_len, kc.s0, vc.s0});
             if (only) return;
         }
     }
-    if (!mma) attn_partial<T, D, G>(smem, qr, kr, vr, p + 1, chunk, scale, pr, c1, c2);
+    if (!mma) {
+        if (PAGING == 2) {  // (the caches' layout is the graph's: not reached)
+            if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
+            return;
+        }
+        attn_partial<T, D, G>(smem, qr, kr, vr, p + 1, chunk, scale, pr, c1, c2);
+    }
     if (mega_last_arrival(arrive + c0 * Hkv + c1, (unsigned)nsplit))  // (the last split merges)
         attn_merge<T, D>(Mat<const float>{pr.p, pr.s0, pr.s1}, p + 1, chunk, (c1 + 1) * G, G, out.at(c0), c1);
 }

@@ -14,9 +14,11 @@ row's ``group`` query heads, so the merge needs no op and no hand-off of its own
 whole along slots and positions (which ones is data), so an instance waits for the ``kv_store``
 instance of its head.
 
-Paged caches (``ragged_attention(..., pages=)``, the op's last input): split ``s`` is page ``s`` of the
-row's sequence (``chunk`` = the page's rows, ``ceil(length / page_len)`` splits), so each instance reads
-one page, contiguous, through the same bodies.
+Paged caches (``ragged_attention(..., pages=)``, the op's last input; ``params["paged"]``): on the
+tensor-core body (bf16 / f16, ``group`` <= 8, head dim 64 or 128: ``"rows"``) the splits are as above and
+the body finds each cache row's page in the table; otherwise (``"split"``) split ``s`` is page ``s`` of
+the row's sequence (``chunk`` = the page's rows, ``ceil(length / page_len)`` splits), each instance one
+page, contiguous, through the same bodies.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..dims import DimLike, as_dim, ceildiv, dmax, dmin
+from ..dtypes import bf16, f16
 from ..dtypes import f32 as F32
 from ..dtypes import i32 as I32
 from .attention import merge, partial
@@ -46,6 +49,12 @@ def row_length(op, ins_pos, ins_slot, i: int, where: CacheRows, bound: int | Non
     p = row_index(op.kind, "position", int(ins_pos[i]), where.rows if bound is None else bound)
     s = row_index(op.kind, "slot", int(ins_slot[i]), where.slots)
     return p + 1, s
+
+
+def tensor_core_body(dtype, group: int, head_dim: int) -> bool:
+    """Whether the tensor-core body runs the attention (attention.cuh: MmaPath): it can read a paged cache's
+    rows through the page table."""
+    return dtype in (bf16, f16) and group <= 8 and head_dim in (64, 128)
 
 
 def paged_splits(length: DimLike, page_len: int):
@@ -89,7 +98,7 @@ class RaggedPartialMerge(BlockKind):
         i, h = env["_i0"], env["_i1"]
         length, splits = p["length"].eval(env), p["splits"].eval(env)
         rows, sl = row_length(op, pos, slot, i, where, min(where.rows, length))
-        chunk = where.page_len if p.get("paged") else -(-length // splits)
+        chunk = where.page_len if p.get("paged") == "split" else -(-length // splits)
         k, v = where.sequence(kc, sl, rows), where.sequence(vc, sl, rows)
         parts = [partial(q[i], k, v, {**p, "chunk": chunk}, h, s, rows) for s in range(-(-rows // chunk))]
         part = torch.stack([torch.cat([num, m[:, None], l[:, None]], 1) for num, m, l in parts], 1)  # [G, S, D+2]
@@ -116,7 +125,8 @@ class RaggedPartialMerge(BlockKind):
                 ("length", p["length"].to_c(dimc)), ("splits", p["splits"].to_c(dimc)), ("Hkv", f"{hkv}LL"),
                 ("scale", f"{float(p['scale'])!r}f"), ("part", f"(float*){part.ptr}"), ("arrive", f"(unsigned*){arrive.ptr}"),
                 ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1"), ("c2", "c2"), ("wl", "wl")]
-        return c_call("ragged_partial_merge", [q.ctype, d, p["group"]], args)
+        paging = {None: 0, "split": 1, "rows": 2}[p.get("paged")]
+        return c_call("ragged_partial_merge", [q.ctype, d, p["group"], paging], args)
 
 
 @term
@@ -137,13 +147,15 @@ class RaggedSplitTerm(Term):
         hkv, length = kc.shape[1].value, n.attrs["length"]
         group = hq.value // hkv
         params = {"length": length, "group": group, "scale": n.attrs["scale"]}
-        if pages is None:
+        if pages is not None and tensor_core_body(q.dtype, group, d.value):  # each row's page found by the body
+            params["paged"] = "rows"
+        if pages is None or params.get("paged") == "rows":
             # partials [rows * Hkv * splits, G, D + 2] in all (pairs * splits <= max(pairs, SPLIT_WAVE)): laid
             # out [rows, Hq, splits, D + 2] by the body
             params["splits"] = split_count(length, chunk, rows * hkv)
             part_rows = dmax(rows * hkv, SPLIT_WAVE)
         else:  # a split a page: at most a sequence's pages a (row, KV head)
-            params["splits"], params["paged"] = paged_splits(length, kc.shape[2].value), True
+            params["splits"], params["paged"] = paged_splits(length, kc.shape[2].value), "split"
             part_rows = rows * hkv * b.graph.nodes[pages].shape[1].value
         part = b.scratch(f"ragged_part{value}", (part_rows, as_dim(group), as_dim(d.value + 2)), F32)
         arrive = b.accum(f"ragged_arrive{value}", (rows * hkv,), I32)
