@@ -201,9 +201,13 @@ class Engine:
             f"megaegg_launches_total {b.launches}",
             "# HELP megaegg_failed_launches_total Launches that raised.", "# TYPE megaegg_failed_launches_total counter",
             f"megaegg_failed_launches_total {self.failed_launches}",
-            "# HELP megaegg_prefix_cache_hit_tokens_total Prompt tokens not prefilled: a free slot held their rows.",
+            "# HELP megaegg_prefix_cache_hit_tokens_total Prompt tokens not prefilled: a free slot or shared pages "
+            "held their rows.",
             "# TYPE megaegg_prefix_cache_hit_tokens_total counter",
             f"megaegg_prefix_cache_hit_tokens_total {b.prefix_hits}",
+            "# HELP megaegg_preemptions_total Sequences whose pages went back to let others grow (a paged cache).",
+            "# TYPE megaegg_preemptions_total counter",
+            f"megaegg_preemptions_total {b.preemptions}",
         ]
         lines += self.ttft.text("megaegg_time_to_first_token_seconds", "Time from a request to its first token.")
         lines += self.itl.text("megaegg_inter_token_latency_seconds", "Time between a request's tokens.")

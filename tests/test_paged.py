@@ -199,23 +199,24 @@ def test_a_paged_batcher_gives_the_slot_batchers_tokens_and_shares_prefixes():
     assert pool.available() == pool.count  # every page back (cached or free)
 
 
-def test_a_request_waits_for_pages_and_one_that_never_fits_is_refused():
-    """A pool of 5 pages of 4 rows: a request needing 4 pages runs alone (the next waits for its pages,
-    though a slot is free); one needing 8 pages is refused when submitted, naming the pool."""
+def test_a_growing_sequence_preempts_the_youngest_and_the_tokens_stay_the_same():
+    """A pool of 4 pages of 4 rows: requests of 13 rows (4 pages) and 5 rows (2 pages) both start on their
+    prompts' pages; as they grow the pool runs out, the one admitted last is preempted (its pages back), waits
+    and prefills its prompt and tokens again: both get the tokens of a batcher with caches of slots, and the
+    pages all come back. A request needing more pages than the pool holds is refused at submit."""
     from megaegg.models.batch import Batcher, Request, reference_batch_step
     from megaegg.models.pages import PagePool
 
-    _, _, (graph, pspec, _), weights = paged_batcher_case(pool=5)
-    pool = PagePool(5, 4, 8, prefix_cache=False)
+    _, (plain, spec, _), (graph, pspec, _), weights = paged_batcher_case(pool=4)
+    reqs = [Request([1, 2, 3, 4, 5, 6, 7, 8], 6), Request([9, 10, 11], 3)]
+    want = [g.tokens for g in Batcher(reference_batch_step(plain, weights, spec.new_caches()), slots=2, max_len=32,
+                                      max_tokens=6).run(reqs)]
+    pool = PagePool(4, 4, 8, prefix_cache=False)
     b = Batcher(reference_batch_step(graph, weights, pspec.new_caches()), slots=2, max_len=32, max_tokens=6, pages=pool)
-    with pytest.raises(me.GraphError, match=r"25 prompt \+ 5 new tokens need 8 pages of 4 rows, the pool holds 5"):
+    with pytest.raises(me.GraphError, match=r"25 prompt \+ 5 new tokens need 8 pages of 4 rows, the pool holds 4"):
         b.submit(Request(list(range(1, 26)), 5))
-    b.submit(Request([1, 2, 3, 4, 5, 6, 7, 8], 6))  # 13 rows: 4 pages
-    b.submit(Request([9, 10, 11], 3))  # 5 rows: 2 pages
-    b.step()
-    assert len(b.running) == 1 and len(b.waiting) == 1 and b.free == [1]
-    outs = b.run()
-    assert [len(o.tokens) for o in outs] == [6, 3] and pool.available() == 5
+    got = [g.tokens for g in b.run(reqs)]
+    assert got == want and b.preemptions >= 1 and pool.available() == 4
 
 
 def test_a_page_pool_shares_whole_pages_only_and_evicts_the_least_recent():
@@ -265,3 +266,25 @@ def test_a_duplicate_page_never_becomes_a_parent_of_stale_pages():
     pool.written(c, [9, 9, 7], 2)
     d, shared = pool.admit([9, 9, 2, 2, 8], 5)
     assert shared == 2 and d.pages[0] == copy  # [9, 9] only: no page holds [2, 2] after [9, 9]
+
+
+def test_a_small_pool_with_shared_prefixes_and_preemptions_gives_the_slot_tokens():
+    """Eight requests, several sharing prefixes, through three slots and a pool of 7 pages of 4 rows (too
+    few for three sequences at once): preemptions, re-prefills that read their own cached pages and pages
+    shared between running sequences, and still the tokens of caches of slots; every page comes back."""
+    from megaegg.models.batch import Batcher, Request, reference_batch_step
+    from megaegg.models.pages import PagePool
+
+    cfg = ModelConfig.preset("tiny")
+    plain, spec = build_step_graph(cfg, max_len=32, slots=3)
+    graph, pspec = build_step_graph(cfg, max_len=32, slots=3, page_len=4, pages=7)
+    weights = random_weights(spec, seed=12)
+    base = [3, 17, 5, 9, 11, 4, 6, 8]
+    prompts = [base + [1], base + [2, 7], [40, 41], base[:4] + [9], base + [1], [50] * 9, base[:6], [60, 61, 62]]
+    reqs = [Request(p, 4 + i % 3) for i, p in enumerate(prompts)]
+    want = [g.tokens for g in Batcher(reference_batch_step(plain, weights, spec.new_caches()), slots=3, max_len=32,
+                                      max_tokens=8).run(reqs)]
+    pool = PagePool(7, 4, 8)
+    b = Batcher(reference_batch_step(graph, weights, pspec.new_caches()), slots=3, max_len=32, max_tokens=8, pages=pool)
+    assert [g.tokens for g in b.run(reqs)] == want
+    assert b.preemptions >= 1 and b.prefix_hits >= 8 and pool.available() == 7

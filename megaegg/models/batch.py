@@ -10,9 +10,11 @@ request; nothing is recompiled when sequences join or leave. ``run(..., on_step=
 ``KeyboardInterrupt``), :meth:`Batcher.drain` returns what every request generated so far.
 
 With a :class:`~megaegg.models.pages.PagePool` (``pages=``, for a step graph built with ``page_len`` and
-``pages``) a slot is a row of the page table: a sequence holds the pages its rows need, reserved when it is
-admitted (a request waits until they are free), and prompts share the whole pages of a prefix that an
-earlier sequence wrote (docs/serve.md, "Paged KV cache").
+``pages``) a slot is a row of the page table: a sequence holds the pages its rows need, taken as it grows
+(a request is admitted once its prompt's pages are free; when a growing sequence finds none, the most
+recently admitted sequence is preempted: its pages go back and it waits at the head of the queue, to
+prefill its prompt and tokens again), and prompts share the whole pages of a prefix that an earlier
+sequence wrote (docs/serve.md, "Paged KV cache").
 
 >>> import megaegg as me
 >>> from megaegg.models import ModelConfig, build_step_graph, random_weights
@@ -123,16 +125,21 @@ class _Running:
     slot: int = -1  # its cache slot, once admitted
     fed: int = 0  # tokens whose K and V are in the cache
     pages: SequencePages | None = None  # a paged cache's pages
+    context: list[int] | None = None  # what it prefills: its prompt, or after a preemption its prompt and tokens
+    admitted: int = 0  # when it was admitted (a count): the most recent is preempted first
+
+    def __post_init__(self) -> None:
+        if self.context is None:
+            self.context = self.generation.prompt
 
     @property
     def prefilling(self) -> bool:
-        return self.fed < len(self.generation.prompt)
+        return self.fed < len(self.context)
 
     @property
     def pending(self) -> list[int]:
-        """Tokens still to feed: the rest of the prompt, or the last generated token."""
-        prompt = self.generation.prompt
-        return prompt[self.fed:] if self.prefilling else [self.generation.tokens[-1]]
+        """Tokens still to feed: the rest of the prompt (context), or the last generated token."""
+        return self.context[self.fed:] if self.prefilling else [self.generation.tokens[-1]]
 
 
 PREFIX_MIN = 4  # tokens a cached prefix must share before a request takes its slot over an empty one
@@ -170,6 +177,8 @@ class Batcher:
         self._releases = 0
         self.prefix_hits = 0  # prompt tokens not prefilled: their rows were in the slot (or in shared pages)
         self.pages = pages
+        self.preemptions = 0  # sequences whose pages were taken back to let others grow
+        self._admissions = 0
         if pages is not None and prefix_cache:
             raise GraphError("prefix_cache keeps a finished sequence's rows in its slot; a paged cache shares "
                              "prefixes through its PagePool (prefix_cache=True there) instead: pass one of them")
@@ -222,8 +231,8 @@ class Batcher:
         Returns what it did."""
         while self.waiting and self.free:
             run = self.waiting[0]
-            if self.pages is not None:  # its pages first: a request waits (in order) until they are free
-                held = self.pages.admit(run.generation.prompt, len(run.generation.prompt) + run.request.max_new_tokens - 1)
+            if self.pages is not None:  # its prompt's pages first: a request waits (in order) until they are free
+                held = self.pages.admit(run.context, len(run.context))
                 if held is None:
                     break
                 run.pages, shared = held
@@ -233,21 +242,21 @@ class Batcher:
                 run.slot, run.fed = self._admit(run.generation.prompt)
             self.waiting.popleft()
             self.prefix_hits += run.fed
+            self._admissions += 1
+            run.admitted = self._admissions
             self.running.append(run)
+        plan = self._plan()
+        while self.pages is not None and not self._grow(plan):
+            plan = self._plan()  # (a sequence was preempted: its rows and budget go to the others)
         decoding = [r for r in self.running if not r.prefilling]
         prefilling = [r for r in self.running if r.prefilling]
         rows: list[tuple[_Running, int, int]] = []  # (sequence, token, position)
         fed: dict[int, int] = {}  # sequence index -> tokens fed this launch
         outs: list[tuple[_Running, int]] = []  # (sequence, its row whose next token it gets)
-        budget = self.max_tokens
-        for run in decoding + prefilling:
-            take = run.pending[:budget]  # (decoding sequences always fit: max_tokens >= slots)
-            if not take:
-                break
+        for run, take in plan:
             rows += [(run, t, run.fed + j) for j, t in enumerate(take)]
             fed[run.index] = len(take)
-            budget -= len(take)
-            if run.fed + len(take) >= len(run.generation.prompt):
+            if run.fed + len(take) >= len(run.context):
                 outs.append((run, len(rows) - 1))
         t0 = time.perf_counter()
         tokens = self.step_fn(self._rows(rows, outs))
@@ -266,6 +275,40 @@ class Batcher:
         return StepInfo(step=self.launches, seconds=seconds, rows=len(rows), prefill_rows=prefill_rows,
                         tokens=tuple((run.index, tok) for (run, _), tok in zip(outs, new)),
                         running=len(self.running), waiting=len(self.waiting), finished=len(self.done))
+
+    def _plan(self) -> list[tuple[_Running, list[int]]]:
+        """What each running sequence feeds this launch: decoding ones first, one token each (they always
+        fit: max_tokens >= slots), then prompts, what is left of the token budget."""
+        plan, budget = [], self.max_tokens
+        for run in [r for r in self.running if not r.prefilling] + [r for r in self.running if r.prefilling]:
+            take = run.pending[:budget]
+            if not take:
+                break
+            plan.append((run, take))
+            budget -= len(take)
+        return plan
+
+    def _grow(self, plan) -> bool:
+        """Pages for every row the plan writes; when none is left, the most recently admitted running sequence
+        (perhaps the one growing) is preempted (False: plan again). A lone sequence always fits: submit checked
+        that its rows fit the pool."""
+        for run, take in plan:
+            if not self.pages.grow(run.pages, run.fed + len(take)):
+                if len(self.running) == 1:
+                    raise GraphError(f"the page pool cannot hold request {run.index}'s {run.fed + len(take)} rows")
+                self._preempt(max(self.running, key=lambda r: r.admitted))
+                return False
+        return True
+
+    def _preempt(self, run: _Running) -> None:
+        """Take a running sequence's pages back: it waits at the head of the queue to prefill its prompt and
+        the tokens it generated so far again (their pages may still be cached: then it shares them)."""
+        self.running.remove(run)
+        self._release(run)
+        run.context = run.generation.prompt + run.generation.tokens
+        run.fed, run.pages, run.slot = 0, None, -1
+        self.waiting.appendleft(run)
+        self.preemptions += 1
 
     def _admit(self, prompt: list[int]) -> tuple[int, int]:
         """A free slot for ``prompt`` and the tokens of it whose rows that slot holds (at most all but the

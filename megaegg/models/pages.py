@@ -2,9 +2,9 @@
 sequence's rows, and the whole pages of prompts that later requests may share.
 
 A sequence holds a list of pages, its row of the page table; position ``p`` is row ``p % page_len`` of its
-page ``p // page_len``. :meth:`PagePool.admit` reserves every page a request can need (its prompt and new
-tokens) up front, so a running sequence never runs out; a request whose pages are not free waits, and one
-that could never fit is refused when it is submitted.
+page ``p // page_len``. :meth:`PagePool.admit` gives a new sequence the pages of its prompt and
+:meth:`PagePool.grow` more as it writes rows (the batcher preempts another sequence when none is left); a
+request that could never fit is refused when it is submitted.
 
 Prefix sharing: a page whose rows a sequence has written in full is indexed by its tokens and the page
 before it (``(parent page, its epoch, tokens)``: a chain, so equal pages after different prefixes differ;
@@ -65,9 +65,9 @@ class PagePool:
 
     # --- a sequence's life --------------------------------------------------------------------------
     def admit(self, prompt: list[int], rows: int) -> tuple[SequencePages, int] | None:
-        """Pages for a sequence of ``prompt`` that will hold ``rows`` rows in all, and how many prompt tokens
-        shared pages already hold (whole pages, at most all but the last token); None if the pool cannot
-        hold it now (the request waits)."""
+        """Pages for a new sequence's first ``rows`` rows (its prompt's: the batcher grows it later) and how
+        many prompt tokens shared pages already hold (whole pages, at most all but the last token); None if
+        the pool cannot hold them now (the request waits)."""
         shared = self._shared_prefix(prompt)
         need = self.pages_for(rows) - len(shared)
         # (a shared page that is cached, no sequence holding it, stops being available once taken)
@@ -82,6 +82,15 @@ class PagePool:
             seq.pages.append(self._take())
         self.shared_tokens += len(shared) * self.page_len
         return seq, len(shared) * self.page_len
+
+    def grow(self, seq: SequencePages, rows: int) -> bool:
+        """Pages for the sequence's first ``rows`` rows (False, and nothing taken, if the pool has too few)."""
+        need = self.pages_for(rows) - len(seq.pages)
+        if need > self.available():
+            return False
+        for _ in range(need):
+            seq.pages.append(self._take())
+        return True
 
     def written(self, seq: SequencePages, tokens: list[int], fed: int) -> None:
         """The sequence's rows ``[0, fed)`` hold ``tokens[:fed]``: index its pages that became whole."""
