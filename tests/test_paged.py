@@ -288,3 +288,25 @@ def test_a_small_pool_with_shared_prefixes_and_preemptions_gives_the_slot_tokens
     b = Batcher(reference_batch_step(graph, weights, pspec.new_caches()), slots=3, max_len=32, max_tokens=8, pages=pool)
     assert [g.tokens for g in b.run(reqs)] == want
     assert b.preemptions >= 1 and b.prefix_hits >= 8 and pool.available() == 7
+
+
+def test_a_page_keyed_on_a_twin_that_was_taken_meanwhile_is_not_shared():
+    """A duplicate page's successor is keyed on its indexed twin as the twin was when the chain reached it:
+    if another sequence takes the twin before the successor is written, a prompt along the new owner's pages
+    must not share the successor (review repro: 12 tokens shared, 8 of them computed after another prefix)."""
+    from megaegg.models.pages import PagePool
+
+    pool = PagePool(5, 4, 8)
+    s1, _ = pool.admit(list(range(1, 10)), 9)
+    pool.written(s1, list(range(1, 10)), 9)
+    pool.release(s1)
+    s2, _ = pool.admit(list(range(1, 9)), 8)  # (its last token unshared: page 1 duplicates s1's cached twin)
+    pool.written(s2, list(range(1, 9)), 8)
+    assert pool.grow(s2, 9)
+    x, _ = pool.admit([20, 21, 22, 23, 30, 31, 32, 33], 8)  # takes the twin
+    pool.written(x, [20, 21, 22, 23, 30, 31, 32, 33], 8)
+    pool.written(s2, list(range(1, 13)), 12)
+    pool.release(x)
+    pool.release(s2)
+    _, shared = pool.admit([20, 21, 22, 23, 30, 31, 32, 33, 9, 10, 11, 12, 99], 13)
+    assert shared == 8

@@ -241,7 +241,8 @@ class Batcher:
             else:
                 run.slot, run.fed = self._admit(run.generation.prompt)
             self.waiting.popleft()
-            self.prefix_hits += run.fed
+            if not run.admitted:  # (a preempted sequence's re-read rows are no prompt tokens saved)
+                self.prefix_hits += run.fed
             self._admissions += 1
             run.admitted = self._admissions
             self.running.append(run)

@@ -33,6 +33,7 @@ class SequencePages:
     pages: list[int] = field(default_factory=list)
     indexed: int = 0
     chain: int = -1  # the indexed page holding the rows of its last indexed one (its next page's key parent)
+    chain_epoch: int = 0  # that page's epoch then (taken by another sequence since: the key no longer matches)
 
 
 class PagePool:
@@ -78,6 +79,7 @@ class PagePool:
             self._hold(p)
             seq.pages.append(p)
         seq.indexed, seq.chain = len(shared), shared[-1] if shared else -1
+        seq.chain_epoch = self.epoch[seq.chain] if shared else 0
         for _ in range(need):
             seq.pages.append(self._take())
         self.shared_tokens += len(shared) * self.page_len
@@ -99,10 +101,11 @@ class PagePool:
         while seq.indexed < len(seq.pages) and (seq.indexed + 1) * self.page_len <= fed:
             j = seq.indexed
             page = seq.pages[j]
-            key = self._key(seq.chain, tokens[j * self.page_len:(j + 1) * self.page_len])
+            key = (seq.chain, seq.chain_epoch, tuple(tokens[j * self.page_len:(j + 1) * self.page_len]))
             if key not in self.index:
                 self.index[key], self.key_of[page] = page, key
             seq.chain = self.index[key]  # (this page, or its indexed twin: a duplicate stays unindexed)
+            seq.chain_epoch = self.epoch[seq.chain]
             seq.indexed += 1
 
     def release(self, seq: SequencePages) -> None:
