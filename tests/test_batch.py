@@ -11,6 +11,7 @@ import torch
 from tiny_checkpoints import save_tiny
 
 import megaegg as me
+from queue_edits import without_waits
 from megaegg.interpreter import Interleaving, SimulationError
 from megaegg.models import ModelConfig, build_step_graph, load_checkpoint, random_weights, read_config
 from megaegg.models.batch import Batcher, Request, Sampling, kernel_batch_step, reference_batch_step
@@ -147,13 +148,10 @@ def test_kv_store_and_ragged_attention_on_adversarial_interleavings():
     for seed in range(4):
         out = kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=seed % 2 == 1), **ins, **fresh(), n=rows)
         assert torch.allclose(out["o"], ref["o"], atol=1e-5, rtol=1e-5)
-    q0 = kernel.queue
-    kernel.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_partial_merge"
-                                                         else e for e in q0.entries))
-    with pytest.raises(SimulationError, match=r"ragged_partial_merge .* read unwritten elements of buffer '[kv]c'"):
+    with without_waits(kernel, "ragged_partial_merge"), pytest.raises(
+            SimulationError, match=r"ragged_partial_merge .* read unwritten elements of buffer '[kv]c'"):
         for seed in range(8):
             kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=True), **ins, **fresh(), n=rows)
-    kernel.queue = q0
 
 
 def test_a_position_outside_the_cache_is_an_error_naming_the_op(tiny):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import megaegg as me
+from queue_edits import without_waits
 from megaegg.models import ModelConfig, build_step_graph
 from megaegg.interpreter import Interleaving, SimulationError
 from megaegg.interpreter.tensor_maps import TensorMapError, plan
@@ -314,13 +315,9 @@ def check_flash_on_prompts(k, g, w, seed: int) -> None:
         out = k.simulate(Interleaving(sms=6, seed=s, adversarial=s > 0), **ins, **fresh(), n=n)
         err = rel(out["o"], ref["o"])
         assert err < 1e-2, err
-    q0 = k.queue
-    k.queue = dataclasses.replace(q0, entries=tuple(dataclasses.replace(e, waits=()) if e.op.kind == "ragged_flash" else e
-                                                    for e in q0.entries))
-    with pytest.raises(SimulationError, match=r"ragged_flash .* read unwritten elements"):
+    with without_waits(k, "ragged_flash"), pytest.raises(SimulationError, match=r"ragged_flash .* read unwritten elements"):
         for s in range(8):
             k.simulate(Interleaving(sms=8, seed=s, adversarial=True), **ins, **fresh(), n=n)
-    k.queue = q0
 
 
 def test_flash_attention_over_prompts_on_the_simulator():
