@@ -35,6 +35,11 @@ class CostModel:
     # rows has the shared memory for 3 (rewrite/regimes.py, interpreter/render.py: TILE_SMEM).
     step_latency: float = 1.9e-6
     stages_in_flight: int = 1
+    # an op's byte stream takes this share longer for each SM its last wave leaves idle, as a share of the SMs:
+    # within the per-SM share above 110-112 instances price as 128 do, but in the model an SM streams at most
+    # ~1.1x its fair share, so tiles that fill the chip win (llama-3.1-8b's glu_down: 128 of 112 rows, not 112
+    # of 128; perf-notes #95)
+    idle_sm_share: float = 0.1
 
     def seconds(self, nbytes: int, instances: int, flops: float = 0.0, steps: float = 0, hops: int = 0) -> float:
         """Time for ``instances`` equal instances moving ``nbytes`` in all, doing ``flops`` on tensor
@@ -43,8 +48,9 @@ class CostModel:
         instances = max(1, instances)
         waves = math.ceil(instances / self.sms)
         per_sm_bw = self.bandwidth / self.sms * self.sm_bandwidth_share
-        stream = max(nbytes / self.bandwidth, waves * (nbytes / instances) / per_sm_bw,
-                     waves * (flops / instances) / (self.tensor_flops / self.sms),
+        stream = max(nbytes / self.bandwidth, waves * (nbytes / instances) / per_sm_bw)
+        stream *= 1 + self.idle_sm_share * (waves * self.sms - instances) / self.sms  # (streaming only)
+        stream = max(stream, waves * (flops / instances) / (self.tensor_flops / self.sms),
                      waves * (steps / instances) * self.step_latency / self.stages_in_flight)
         ramp = waves * min(nbytes / instances, self.ramp_bytes) / per_sm_bw
         return stream + ramp + waves * self.instance_overhead + (1 + hops) * self.op_overhead

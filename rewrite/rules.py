@@ -15,13 +15,13 @@ from .terms import NONE, Op, acc, node
 
 # Rows of the weight per matvec instance. 16 rows x K=2048 x bf16 = 64 KB per instance;
 # docs/design.md: pops cost a few % below ~128 KB, so the larger tiles win on big layers.
-# 24, 48 and 96 fill 128 SMs with common widths (3072, 6144, 12288 rows: qwen3's MLPs).
-MATVEC_ROWS = (8, 16, 24, 32, 48, 64, 96, 128)
+# 24, 48, 96 and 112 fill 128 SMs with common widths (3072, 6144, 12288 rows: qwen3's MLPs; 14336: llama-3.1-8b's).
+MATVEC_ROWS = (8, 16, 24, 32, 48, 64, 96, 112, 128)
 ELEMENTWISE_TILES = (1024, 8192)
 ROW_TILES = (1, 4, 16, 64)  # (16, 64: the rows of a prompt, whose instances would otherwise be mostly overhead)
 ATTENTION_CHUNKS = (64, 256)  # KV rows per split-KV instance
 ARGMAX_CHUNKS = (1024, 4096)
-MOE_ROWS = (8, 16, 32, 64, 128)  # rows of one expert's MLP per moe_glu_down instance
+MOE_ROWS = (8, 16, 32, 48, 64, 128)  # rows of one expert's MLP per moe_glu_down instance (48: 8 experts of 768 on 128)
 ALL_REDUCE_TILES = (1024, 4096)  # elements per all-reduce instance
 # (weight rows, K splits) of a batch's matvec split over K (blockops/matvec_split.py: fits a runtime row count)
 SPLIT_TILES = tuple((r, s) for r in (32, 48, 64) for s in (2, 4))

@@ -10,43 +10,55 @@
 
 namespace moe_impl {
 
-// The expert and routing weight of `slot` among the top_k of softmax(logits[0, :E]).
-// Uses smem[0, 4 * E + 256); every thread gets the result.
+// The expert and routing weight of `slot` among the top_k of softmax(logits[0, :E]), found by warp 0
+// alone (lane l owns the experts l, l + 32, ...: no block barrier until the result is shared, where the
+// block-wide version paid ~4 a round of the top_k). Uses smem[0, 4 * E); every thread gets the result.
 template <class T, class TL>
 __device__ void route(char* smem, Vec<const TL> logits, int E, int top_k, bool normalize, long long slot, int& expert,
                       float& weight) {
+    __shared__ int routed_expert;
+    __shared__ float routed_weight;
     float* p = shared_ptr<float>(smem);
-    char* red = smem + ((4 * E + 15) & ~15);
-    float m = MEGA_NEG_INF;
-    for (int i = threadIdx.x; i < E; i += MEGA_THREADS) {
-        p[i] = ld_f32(logits.p + i * logits.s0);
-        m = fmaxf(m, p[i]);
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        float m = MEGA_NEG_INF;
+        for (int i = lane; i < E; i += 32) {
+            p[i] = ld_f32(logits.p + i * logits.s0);
+            m = fmaxf(m, p[i]);
+        }
+        m = warp_max(m);
+        float s = 0.0f;
+        for (int i = lane; i < E; i += 32) {
+            p[i] = expf(p[i] - m);
+            s += p[i];
+        }
+        s = warp_sum(s);
+        for (int i = lane; i < E; i += 32) p[i] /= s;
+        float chosen = 0.0f, mine = 0.0f;
+        long long mine_i = 0;
+        for (int j = 0; j < top_k; ++j) {  // j-th largest: a warp argmax, then taken out by its owner lane
+            float bv = MEGA_NEG_INF;
+            long long bi = 0x7fffffffffffffffll;
+            for (int i = lane; i < E; i += 32)
+                if (argmax_impl::better(p[i], i, bv, bi)) bv = p[i], bi = i;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float v = __shfl_xor_sync(MEGA_FULL_MASK, bv, o);
+                const long long i = __shfl_xor_sync(MEGA_FULL_MASK, bi, o);
+                if (argmax_impl::better(v, i, bv, bi)) bv = v, bi = i;
+            }
+            chosen += bv;
+            if (j == slot) mine = bv, mine_i = bi;
+            if ((bi & 31) == lane) p[bi] = MEGA_NEG_INF;  // (lane-owned: the next round's reads are its own)
+        }
+        if (lane == 0) {
+            routed_expert = (int)mine_i;
+            routed_weight = round_to<T>(normalize ? mine / chosen : mine);
+        }
     }
-    m = block_reduce_max(m, reinterpret_cast<float*>(red));
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < E; i += MEGA_THREADS) {
-        p[i] = expf(p[i] - m);
-        s += p[i];
-    }
-    s = block_reduce_sum(s, reinterpret_cast<float*>(red));
-    for (int i = threadIdx.x; i < E; i += MEGA_THREADS) p[i] /= s;
-    float chosen = 0.0f, mine = 0.0f;
-    long long mine_i = 0;
-    for (int j = 0; j < top_k; ++j) {  // j-th largest: a block argmax, then taken out
-        float bv = MEGA_NEG_INF;
-        long long bi = 0x7fffffffffffffffll;
-        mega_sync();  // (the previous round's removal is visible)
-        for (int i = threadIdx.x; i < E; i += MEGA_THREADS)
-            if (argmax_impl::better(p[i], i, bv, bi)) bv = p[i], bi = i;
-        argmax_impl::block_best(bv, bi, red);
-        chosen += bv;
-        if (j == slot) mine = bv, mine_i = bi;
-        mega_sync();
-        if (threadIdx.x == 0) p[bi] = MEGA_NEG_INF;
-    }
-    mega_sync();  // (smem free for the body)
-    expert = (int)mine_i;
-    weight = round_to<T>(normalize ? mine / chosen : mine);
+    mega_sync();  // (the result shared; p is read by warp 0 only, so smem is free for the body)
+    expert = routed_expert;
+    weight = routed_weight;
 }
 
 }  // namespace moe_impl
