@@ -9,8 +9,9 @@ Endpoints: ``/v1/completions`` and ``/v1/chat/completions`` (whole or streamed a
 One engine thread owns the :class:`~megaegg.models.batch.Batcher`: requests join and leave the running
 batch between launches, a prompt prefills in chunks of the step's token budget beside the decoding
 sequences, and a client that disconnects frees its sequence before the next launch. A full queue
-answers 429; a bad request 400 with an OpenAI-style error naming the field; a failed launch ends the
-requests it carried with an error and the loop goes on.
+(``--max-queue`` requests not started yet; preempted sequences waiting to resume do not count) answers
+429; a bad request 400 with an OpenAI-style error naming the field; a failed launch ends the requests it
+carried with an error and the loop goes on.
 
 Prefix caching by slot: a finished sequence's slot keeps its K/V rows, and a new request goes to the
 free slot sharing the longest prefix with its prompt, prefilling only the rest (a repeated system
@@ -103,7 +104,8 @@ class Engine:
         with self.cond:
             if self.closed:
                 raise RequestError("the server is shutting down", status=503, kind="server_error")
-            if len(self.inbox) + len(self.batcher.waiting) >= self.max_queue:
+            # (requests not started yet: a preempted sequence waiting to resume was accepted already)
+            if len(self.inbox) + self.batcher.queued >= self.max_queue:
                 raise RequestError(f"the queue is full ({self.max_queue} requests waiting): retry later", status=429,
                                    kind="rate_limit_error")
             self.inbox.append((request, stream))
@@ -191,8 +193,12 @@ class Engine:
         lines = [
             "# HELP megaegg_requests_total Requests accepted.", "# TYPE megaegg_requests_total counter",
             f"megaegg_requests_total {self.requests_total}",
-            "# HELP megaegg_queue_depth Requests waiting for a sequence slot.", "# TYPE megaegg_queue_depth gauge",
-            f"megaegg_queue_depth {len(b.waiting)}",
+            "# HELP megaegg_queue_depth Requests waiting to start (what --max-queue limits).",
+            "# TYPE megaegg_queue_depth gauge",
+            f"megaegg_queue_depth {b.queued}",
+            "# HELP megaegg_preempted_waiting Preempted sequences waiting to resume (a paged cache).",
+            "# TYPE megaegg_preempted_waiting gauge",
+            f"megaegg_preempted_waiting {max(0, len(b.waiting) - b.queued)}",
             "# HELP megaegg_running Sequences in the running batch.", "# TYPE megaegg_running gauge",
             f"megaegg_running {len(b.running)}",
             "# HELP megaegg_generated_tokens_total Tokens generated.", "# TYPE megaegg_generated_tokens_total counter",

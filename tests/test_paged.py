@@ -198,15 +198,16 @@ def test_a_paged_batcher_gives_the_slot_batchers_tokens_and_shares_prefixes():
 
 
 def test_a_growing_sequence_preempts_the_youngest_and_the_tokens_stay_the_same():
-    """A pool of 4 pages of 4 rows: requests of 13 rows (4 pages) and 5 rows (2 pages) both start on their
-    prompts' pages; as they grow the pool runs out, the one admitted last is preempted (its pages back), waits
-    and prefills its prompt and tokens again: both get the tokens of a batcher with caches of slots, and the
-    pages all come back. A request needing more pages than the pool holds is refused at submit."""
+    """A pool of 4 pages of 4 rows: two requests of 12 rows (3 pages) both start on their prompts' page (the
+    headroom, a page each for their first decode rows, is there); as they grow the pool runs out, the one
+    admitted last is preempted (its pages back), waits and prefills its prompt and tokens again: both get the
+    tokens of a batcher with caches of slots, and the pages all come back. A request needing more pages than
+    the pool holds is refused at submit."""
     from megaegg.models.batch import Batcher, Request, reference_batch_step
     from megaegg.models.pages import PagePool
 
     _, (plain, spec, _), (graph, pspec, _), weights = paged_batcher_case(pool=4)
-    reqs = [Request([1, 2, 3, 4, 5, 6, 7, 8], 6), Request([9, 10, 11], 3)]
+    reqs = [Request([1, 2, 3], 10), Request([9, 10, 11], 10)]
     want = [g.tokens for g in Batcher(reference_batch_step(plain, weights, spec.new_caches()), slots=2, max_len=32,
                                       max_tokens=6).run(reqs)]
     pool = PagePool(4, 4, 8, prefix_cache=False)
@@ -215,6 +216,93 @@ def test_a_growing_sequence_preempts_the_youngest_and_the_tokens_stay_the_same()
         b.submit(Request(list(range(1, 26)), 5))
     got = [g.tokens for g in b.run(reqs)]
     assert got == want and b.preemptions >= 1 and pool.available() == 4
+
+
+def tiny_paged(pool: int, page: int = 4, slots: int = 2, max_len: int = 32):
+    """The tiny model's step graph with caches of slots and with a pool of pages, on the reference executor."""
+    from megaegg.models.batch import reference_batch_step
+
+    cfg = ModelConfig.preset("tiny")
+    plain, spec = build_step_graph(cfg, max_len=max_len, slots=slots)
+    graph, pspec = build_step_graph(cfg, max_len=max_len, slots=slots, page_len=page, pages=pool)
+    weights = random_weights(spec, seed=11)
+    return (lambda: reference_batch_step(plain, weights, spec.new_caches()),  # noqa: E731
+            lambda: reference_batch_step(graph, weights, pspec.new_caches()))  # noqa: E731
+
+
+def test_admission_leaves_headroom_so_a_new_request_is_not_preempted_before_it_decodes():
+    """A pool of 4 pages of 4 rows. (a) Prompts of 8 and 3 tokens: admitting both leaves one page, which the
+    first takes at its first decode, and the second (the youngest) was preempted two launches after its
+    prefill, wasted. Now the second waits until the pages for both sequences' next rows are there (here: the
+    first finishes), never preempted, its prompt prefilled once. (b) A sequence decoding into a new page, a
+    request arriving then: it used to take the last pages and be preempted in that same step; now it waits.
+    A request that waits for headroom starts once the others are done (no deadlock), with the slot tokens."""
+    from megaegg.models.batch import Batcher, Request
+    from megaegg.models.pages import PagePool
+
+    plain, paged = tiny_paged(pool=4)
+    reqs = [Request([1, 2, 3, 4, 5, 6, 7, 8], 6), Request([9, 10, 11], 3)]
+    want = [g.tokens for g in Batcher(plain(), slots=2, max_len=32, max_tokens=16).run(reqs)]
+    pool = PagePool(4, 4, 8, prefix_cache=False)
+    b = Batcher(paged(), slots=2, max_len=32, max_tokens=16, pages=pool)
+    assert [g.tokens for g in b.run(reqs)] == want
+    assert b.preemptions == 0 and sum(b.prefill_rows) == 8 + 3 and pool.available() == 4
+
+    reqs = [Request([1, 2, 3, 4, 5, 6, 7, 8], 9), Request([20, 21, 22, 23, 24, 25, 26, 27], 2)]
+    want = [g.tokens for g in Batcher(plain(), slots=2, max_len=32, max_tokens=16).run(reqs)]
+    pool = PagePool(4, 4, 8, prefix_cache=False)
+    b = Batcher(paged(), slots=2, max_len=32, max_tokens=16, pages=pool)
+    b.submit(reqs[0])
+    b.step()  # the first prefilled: it holds 2 pages, its next row (8) starts a third
+    b.submit(reqs[1])  # its prompt's 2 pages are free, but then the first could not grow
+    info = b.step()
+    assert b.preemptions == 0 and (info.running, info.waiting) == (1, 1)
+    assert [g.tokens for g in b.run()] == want and b.preemptions == 0 and pool.available() == 4
+
+
+def fake_step(rows):
+    """A step function with no model: each output row's next token from its token and position."""
+    tok, pos = rows.token.tolist(), rows.host_pos
+    return torch.tensor([(tok[i] * 31 + pos[i] * 7 + 3) % 97 for i in rows.out.tolist()], dtype=torch.int32)
+
+
+def test_a_preempted_request_streams_each_token_once_and_drain_keeps_its_tokens():
+    """Two requests of 12 rows through a pool of 4 pages of 4: the second is preempted after 6 tokens and
+    resumes after the first finishes. on_token gets each token once, in order (the re-prefill of its prompt
+    and tokens emits none), the same as the slot batcher's; stopped right after the preemption, drain gives
+    the preempted request the tokens it had (streamed, not again), its pages are all back, and it counts as
+    no request waiting to start."""
+    from megaegg.models.batch import Batcher, Request
+    from megaegg.models.pages import PagePool
+
+    plain, paged = tiny_paged(pool=4)
+    prompts = [[1, 2, 3], [9, 10, 11]]
+    want = [g.tokens for g in Batcher(plain(), slots=2, max_len=32, max_tokens=16).run([Request(p, 10) for p in prompts])]
+    for stop_after_preemption in (False, True):
+        streamed = [[], []]
+        reqs = [Request(p, 10, on_token=out.append) for p, out in zip(prompts, streamed)]
+        pool = PagePool(4, 4, 8, prefix_cache=False)
+        b = Batcher(paged(), slots=2, max_len=32, max_tokens=16, pages=pool)
+        outs = b.run(reqs, on_step=lambda info: stop_after_preemption and b.preemptions > 0)
+        assert b.preemptions == 1 and pool.available() == 4 and not b.busy() and b.queued == 0
+        assert [g.tokens for g in outs] == streamed
+        if not stop_after_preemption:
+            assert streamed == want and all(g.finished for g in outs)
+            continue
+        assert [len(t) for t in streamed] == [7, 6] and [g.finished for g in outs] == [False, False]
+        assert all(t == w[:len(t)] for t, w in zip(streamed, want))
+    # (the same with no model, checked step by step: the preempted one waits, not counted as queued)
+    b = Batcher(fake_step, slots=2, max_len=32, max_tokens=16, pages=PagePool(4, 4, 8, prefix_cache=False))
+    for p in prompts:
+        b.submit(Request(p, 10))
+    assert b.queued == 2
+    while not b.preemptions:
+        b.step()
+    assert (len(b.running), len(b.waiting), b.queued) == (1, 1, 0)
+    b.submit(Request([5], 2))
+    assert b.queued == 1
+    outs = b.drain()
+    assert [len(g.tokens) for g in outs] == [7, 6, 0] and b.queued == 0 and b.pages.available() == 4
 
 
 def test_a_page_pool_shares_whole_pages_only_and_evicts_the_least_recent():
@@ -268,8 +356,9 @@ def test_a_duplicate_page_never_becomes_a_parent_of_stale_pages():
 
 def test_a_small_pool_with_shared_prefixes_and_preemptions_gives_the_slot_tokens():
     """Eight requests, several sharing prefixes, through three slots and a pool of 7 pages of 4 rows (too
-    few for three sequences at once): preemptions, re-prefills that read their own cached pages and pages
-    shared between running sequences, and still the tokens of caches of slots; every page comes back."""
+    few for three sequences at once): preemptions, re-prefills that read their own cached pages (more tokens
+    shared than prompt tokens saved) and pages shared between running sequences, and still the tokens of
+    caches of slots; every page comes back."""
     from megaegg.models.batch import Batcher, Request, reference_batch_step
     from megaegg.models.pages import PagePool
 
@@ -278,14 +367,14 @@ def test_a_small_pool_with_shared_prefixes_and_preemptions_gives_the_slot_tokens
     graph, pspec = build_step_graph(cfg, max_len=32, slots=3, page_len=4, pages=7)
     weights = random_weights(spec, seed=12)
     base = [3, 17, 5, 9, 11, 4, 6, 8]
-    prompts = [base + [1], base + [2, 7], [40, 41], base[:4] + [9], base + [1], [50] * 9, base[:6], [60, 61, 62]]
+    prompts = [base + [1], [40, 41], base + [2, 7], base[:4] + [9], base + [1], [50] * 9, base[:6], [60, 61, 62]]
     reqs = [Request(p, 4 + i % 3) for i, p in enumerate(prompts)]
     want = [g.tokens for g in Batcher(reference_batch_step(plain, weights, spec.new_caches()), slots=3, max_len=32,
                                       max_tokens=8).run(reqs)]
     pool = PagePool(7, 4, 8)
     b = Batcher(reference_batch_step(graph, weights, pspec.new_caches()), slots=3, max_len=32, max_tokens=8, pages=pool)
     assert [g.tokens for g in b.run(reqs)] == want
-    assert b.preemptions >= 1 and b.prefix_hits >= 8 and pool.available() == 7
+    assert b.preemptions >= 1 and b.prefix_hits >= 8 and pool.shared_tokens > b.prefix_hits and pool.available() == 7
 
 
 def test_a_page_keyed_on_a_twin_that_was_taken_meanwhile_is_not_shared():

@@ -263,6 +263,66 @@ def test_a_failed_launch_ends_its_requests_with_an_error_and_the_loop_goes_on():
         engine.close()
 
 
+def test_a_preempted_sequence_does_not_count_toward_the_queue_limit():
+    """The engine alone over a paged batcher (a step function with no model): of two sequences of 12 rows in
+    a pool of 4 pages of 4, the second is preempted and waits to resume. With --max-queue 1 a new request is
+    still accepted (the preempted one was accepted already: only requests not started count), the next one
+    gets 429; every request then gets its tokens, each once, the preempted one those of a run with no
+    preemption."""
+    from megaegg.models.batch import Batcher, Request, Sampling
+    from megaegg.models.pages import PagePool
+    from megaegg.serve import Engine, RequestError, Stream
+
+    hold, parked, gate = threading.Event(), threading.Event(), threading.Event()
+
+    def step(rows):  # (each next token from its row's token and position)
+        if hold.is_set():
+            parked.set()
+            assert gate.wait(30)
+        tok, pos = rows.token.tolist(), rows.host_pos
+        return torch.tensor([(tok[i] * 31 + pos[i] * 7 + 3) % 97 for i in rows.out.tolist()], dtype=torch.int32)
+
+    class Sink(Stream):
+        def __init__(self):
+            super().__init__(loop=None, queue=None)
+            self.items = []
+
+        def put(self, item):
+            self.items.append(item)
+
+    prompts = [[1, 2, 3], [9, 10, 11]]
+    reqs = [Request(p, 10) for p in prompts] + [Request([5], 2)]
+    want = [g.tokens for g in Batcher(step, slots=2, max_len=32).run(reqs)]  # (no pages: no preemption)
+    streamed = [[], []]
+    b = Batcher(step, slots=2, max_len=32, max_tokens=16, pages=PagePool(4, 4, 8, prefix_cache=False))
+    for p, out in zip(prompts, streamed):
+        b.submit(Request(p, 10, on_token=out.append))
+    while not b.preemptions:
+        b.step()
+    assert (len(b.running), len(b.waiting), b.queued) == (1, 1, 0)
+    hold.set()
+    engine = Engine(b, max_queue=1, vocab=97)
+    try:
+        assert parked.wait(30)  # the engine is in a launch; the preempted sequence waits (no pages for it yet)
+        assert len(b.waiting) == 1
+        accepted = Sink()
+        engine.submit([5], 2, Sampling(), [], accepted)
+        with pytest.raises(RequestError) as refused:
+            engine.submit([6], 2, Sampling(), [], Sink())
+        assert refused.value.status == 429
+        hold.clear()
+        gate.set()
+        deadline = time.time() + 30
+        while b.busy() or engine.inbox or accepted.items[-1:] != [None]:
+            assert time.time() < deadline, "the requests did not finish"
+            time.sleep(0.01)
+        assert streamed == want[:2] and accepted.items == want[2] + [None]
+        assert b.preemptions == 1 and b.queued == 0
+    finally:
+        gate.set()
+        engine.close()
+
+
 def test_streamed_chunks_carry_each_token_id(served):
     c = client(served)
     whole = c.completions.create(model="tiny-llama", prompt=PROMPTS[6], max_tokens=4, temperature=0)

@@ -10,11 +10,14 @@ request; nothing is recompiled when sequences join or leave. ``run(..., on_step=
 ``KeyboardInterrupt``), :meth:`Batcher.drain` returns what every request generated so far.
 
 With a :class:`~megaegg.models.pages.PagePool` (``pages=``, for a step graph built with ``page_len`` and
-``pages``) a slot is a row of the page table: a sequence holds the pages its rows need, taken as it grows
-(a request is admitted once its prompt's pages are free; when a growing sequence finds none, the most
-recently admitted sequence is preempted: its pages go back and it waits at the head of the queue, to
-prefill its prompt and tokens again), and prompts share the whole pages of a prefix that an earlier
-sequence wrote (docs/serve.md, "Paged KV cache").
+``pages``) a slot is a row of the page table: a sequence holds the pages its rows need, taken as it grows.
+A request is admitted once its prompt's pages are free and, besides them, the pages that every running
+sequence and itself need for their next :data:`HEADROOM_ROWS` rows (so that a growing sequence does not
+preempt it before its first decode; with nothing running, no headroom: a lone request that fits the pool
+always starts). When a growing sequence still finds no page, the most recently admitted sequence is
+preempted: its pages go back and it waits at the head of the queue, to prefill its prompt and tokens again
+(emitting only new tokens). Prompts share the whole pages of a prefix that an earlier sequence wrote
+(docs/serve.md, "Paged KV cache").
 
 >>> import megaegg as me
 >>> from megaegg.models import ModelConfig, build_step_graph, random_weights
@@ -143,6 +146,10 @@ class _Running:
 
 
 PREFIX_MIN = 4  # tokens a cached prefix must share before a request takes its slot over an empty one
+# A paged cache admits a request only if, its prompt's pages taken, the pool keeps the pages each running
+# sequence (and the request) needs for its next HEADROOM_ROWS rows: the row this launch writes and the next
+# launch's, for a decoding sequence; its first two decode rows, for a prefilling one.
+HEADROOM_ROWS = 2
 
 
 class Batcher:
@@ -162,6 +169,9 @@ class Batcher:
             raise GraphError(f"max_tokens {self.max_tokens} must be at least the {slots} slots (one token each)")
         self.device, self.vocab = torch.device(device), vocab
         self.waiting: deque[_Running] = deque()
+        # requests waiting that were never admitted (a preempted sequence back in the queue is not one):
+        # what a server's queue limit counts (a single int, read from other threads)
+        self.queued = 0
         self.running: list[_Running] = []
         self.free = list(range(slots))
         self.done: list[_Running] = []
@@ -206,6 +216,7 @@ class Batcher:
         run = _Running(request, self._count, Generation(prompt=prompt, tokens=[]))
         self._count += 1
         self.waiting.append(run)
+        self.queued += 1
         return run.index
 
     def busy(self) -> bool:
@@ -217,6 +228,8 @@ class Batcher:
         for run in list(self.waiting):
             if run.index == index:
                 self.waiting.remove(run)
+                if not run.admitted:
+                    self.queued -= 1
                 return run.generation
         for run in self.running:
             if run.index == index:
@@ -231,8 +244,9 @@ class Batcher:
         Returns what it did."""
         while self.waiting and self.free:
             run = self.waiting[0]
-            if self.pages is not None:  # its prompt's pages first: a request waits (in order) until they are free
-                held = self.pages.admit(run.context, len(run.context))
+            if self.pages is not None:  # its prompt's pages and the headroom: a request waits (in order) until free
+                keep = sum(self._headroom(r) for r in self.running + [run]) if self.running else 0
+                held = self.pages.admit(run.context, len(run.context), keep=keep)
                 if held is None:
                     break
                 run.pages, shared = held
@@ -243,6 +257,7 @@ class Batcher:
             self.waiting.popleft()
             if not run.admitted:  # (a preempted sequence's re-read rows are no prompt tokens saved)
                 self.prefix_hits += run.fed
+                self.queued -= 1
             self._admissions += 1
             run.admitted = self._admissions
             self.running.append(run)
@@ -288,6 +303,15 @@ class Batcher:
             plan.append((run, take))
             budget -= len(take)
         return plan
+
+    def _headroom(self, run: _Running) -> int:
+        """Pages the sequence needs beyond those it holds (a waiting one: its context's) for its next
+        HEADROOM_ROWS rows past what it has fed and will prefill, never past its last row (prompt +
+        max_new_tokens - 1: the last token is not fed)."""
+        held = len(run.pages.pages) if run.pages is not None else self.pages.pages_for(len(run.context))
+        last = len(run.generation.prompt) + run.request.max_new_tokens - 1
+        rows = min(max(run.fed, len(run.context)) + HEADROOM_ROWS, last)
+        return max(0, self.pages.pages_for(rows) - held)
 
     def _grow(self, plan) -> bool:
         """Pages for every row the plan writes; when none is left, the most recently admitted running sequence
@@ -388,8 +412,8 @@ class Batcher:
         """Submit ``requests``, step until every submitted request is done; their generations in submission order.
 
         ``on_step`` is called with a :class:`~megaegg.models.generate.StepInfo` after each launch; if it returns
-        True, the run stops there: every request's generation so far is returned (:meth:`drain`; those cut short
-        have ``finished`` False, those not started no tokens)."""
+        True, the run stops there: every request's generation so far is returned (:meth:`drain`; those cut short,
+        running or preempted, have ``finished`` False, those not started no tokens)."""
         for r in requests:
             self.submit(r)
         while self.busy():
@@ -402,14 +426,16 @@ class Batcher:
 
     def drain(self) -> list[Generation]:
         """Stop every request now: the generations so far of all requests not yet returned (finished ones whole,
-        running ones cut short, waiting ones empty), in submission order; their slots are free again.
+        running ones cut short, waiting ones as far as they got: none for a request never started, the tokens
+        already generated (and given to ``on_token``) for a preempted one), in submission order; their slots
+        are free again. Nothing is given to ``on_token`` here.
         Call it after :meth:`run` or :meth:`step` raised (``KeyboardInterrupt``, a failed launch) to keep what was
         generated; a cut-short sequence's slot is reused from position 0, so the batcher can run again."""
         runs = sorted(self.done + self.running + list(self.waiting), key=lambda r: r.index)
         for run in self.running:  # (their pages: the rows a failed launch half wrote are in unindexed ones)
             if run.pages is not None:
                 self.pages.release(run.pages)
-        self.done, self.running, self.waiting = [], [], deque()
+        self.done, self.running, self.waiting, self.queued = [], [], deque(), 0
         self.free = list(range(self.slots))
         self.cached = [[] for _ in range(self.slots)]  # (a failed launch may have left any row half written)
         return [r.generation for r in runs]

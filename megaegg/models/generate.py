@@ -51,7 +51,7 @@ class StepInfo:
     prefill_rows: int  # of them, prompt tokens (0: a pure decode step)
     tokens: tuple[tuple[int, int], ...] = ()  # (sequence index, token) it generated, in order
     running: int = 0  # sequences in flight after it
-    waiting: int = 0  # sequences not started yet
+    waiting: int = 0  # sequences waiting for a slot: not started yet, or preempted (a paged cache)
     finished: int = 0  # sequences done (token budget or stop token)
 
 

@@ -2,7 +2,8 @@
 sequence's rows, and the whole pages of prompts that later requests may share.
 
 A sequence holds a list of pages, its row of the page table; position ``p`` is row ``p % page_len`` of its
-page ``p // page_len``. :meth:`PagePool.admit` gives a new sequence the pages of its prompt and
+page ``p // page_len``. :meth:`PagePool.admit` gives a new sequence the pages of its prompt (if ``keep``
+pages stay available beside them: the batcher's headroom for the running sequences to grow) and
 :meth:`PagePool.grow` more as it writes rows (the batcher preempts another sequence when none is left); a
 request that could never fit is refused when it is submitted.
 
@@ -65,14 +66,15 @@ class PagePool:
         return len(self.free) + len(self.cached)
 
     # --- a sequence's life --------------------------------------------------------------------------
-    def admit(self, prompt: list[int], rows: int) -> tuple[SequencePages, int] | None:
+    def admit(self, prompt: list[int], rows: int, *, keep: int = 0) -> tuple[SequencePages, int] | None:
         """Pages for a new sequence's first ``rows`` rows (its prompt's: the batcher grows it later) and how
         many prompt tokens shared pages already hold (whole pages, at most all but the last token); None if
-        the pool cannot hold them now (the request waits)."""
+        the pool cannot hold them now with ``keep`` pages still available after (the request waits; nothing
+        is taken)."""
         shared = self._shared_prefix(prompt)
         need = self.pages_for(rows) - len(shared)
         # (a shared page that is cached, no sequence holding it, stops being available once taken)
-        if need > self.available() - sum(1 for p in shared if p in self.cached):
+        if need + keep > self.available() - sum(1 for p in shared if p in self.cached):
             return None
         seq = SequencePages()
         for p in shared:
