@@ -330,6 +330,24 @@ def test_a_page_pool_shares_whole_pages_only_and_evicts_the_least_recent():
     assert shared == 0  # (the evicted pages' rows are gone)
 
 
+def test_eviction_takes_a_prefixs_last_page_first():
+    """A released three-page prefix, then one page needed: the evicted page is the prefix's last, so a
+    later prompt still shares its first two pages (evicting the first would strand both others)."""
+    from megaegg.models.pages import PagePool
+
+    pool = PagePool(4, 4, 4)
+    prompt = list(range(1, 14))  # 13 tokens: three whole pages and a last token
+    a, _ = pool.admit(prompt, 13)
+    pool.written(a, prompt, 13)
+    a_pages = list(a.pages)
+    pool.release(a)  # three indexed pages cached, one page free
+    b, shared = pool.admit([50, 51], 8)  # two pages: the free one and one evicted
+    assert shared == 0
+    pool.release(b)
+    c, shared = pool.admit(prompt, 13)
+    assert shared == 8 and c.pages[:2] == a_pages[:2]
+
+
 def test_a_duplicate_page_never_becomes_a_parent_of_stale_pages():
     """Two sequences admitted together write the same first page: the second's copy stays unindexed and its
     next page is keyed on the first's. Once that copy is freed and reused for other tokens, a prompt of those

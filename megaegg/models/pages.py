@@ -111,8 +111,10 @@ class PagePool:
             seq.indexed += 1
 
     def release(self, seq: SequencePages) -> None:
-        """The sequence ended: its pages go back (indexed ones stay cached for later prompts)."""
-        for p in seq.pages:
+        """The sequence ended: its pages go back (indexed ones stay cached for later prompts). Its last page is
+        released first, so it is the first evicted: a prefix's head, on which its later pages are keyed, goes
+        last (evicting the head first would strand every page after it)."""
+        for p in reversed(seq.pages):
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 if p in self.key_of:
