@@ -25,6 +25,21 @@ class OpTime:
     span_us: float  # first claim to last finish
 
 
+@dataclass(frozen=True)
+class OpStages:
+    """Where an op's instances spend a hand-off, medians over its entries (a decode step: one a layer), us."""
+
+    kind: str
+    entries: int
+    instances: int  # an entry's
+    claim_gap: float  # an SM's last instance done -> this instance claimed (end barrier, claim atomic, table search)
+    claim_to_pass: float  # claimed -> its waits passed (early loads, the poll)
+    handoff: float  # the previous entry's last instance done -> this entry's first wait passed (< 0: overlapped)
+    run: float  # an instance's waits passed -> done
+    run_max: float  # the entry's slowest instance
+    step: float  # the previous entry's last instance done -> this entry's last done
+
+
 @dataclass
 class Trace:
     queue: WorkQueue
@@ -66,6 +81,39 @@ class Trace:
             "pop_pct": float(100 * pops / (wall * len(sms))),
             "ops": per_op,
         }
+
+    def stages(self) -> list[OpStages]:
+        """Per op signature (kind, instances) in queue order of first appearance: the stages of a hand-off
+        (docs/perf-notes.md #97)."""
+        t = self.times_us()
+        claim, waited, done = t[:, 0], t[:, 1], t[:, 2]
+        gap = np.full(len(t), np.nan)
+        for s in np.unique(self.sm):
+            idx = np.where(self.sm == s)[0]
+            order = idx[np.argsort(claim[idx])]
+            gap[order[1:]] = claim[order[1:]] - done[order[:-1]]
+        rows: dict[tuple, dict[str, list]] = {}
+        prev_done = None
+        for k in range(len(self.queue.entries)):
+            m = self.entry == k
+            if not m.any():
+                continue
+            key = (self.queue.entries[k].op.kind, int(m.sum()))
+            d = rows.setdefault(key, {f: [] for f in ("gap", "wait", "handoff", "run", "run_max", "step")})
+            d["gap"] += list(gap[m][~np.isnan(gap[m])])
+            d["wait"].append(float(np.median(waited[m] - claim[m])))
+            d["run"].append(float(np.median(done[m] - waited[m])))
+            d["run_max"].append(float((done[m] - waited[m]).max()))
+            if prev_done is not None:
+                d["handoff"].append(float(waited[m].min() - prev_done))
+            d["step"].append(float(done[m].max() - (prev_done if prev_done is not None else claim.min())))
+            prev_done = float(done[m].max())
+
+        def med(xs):
+            return float(np.median(xs)) if len(xs) else float("nan")
+
+        return [OpStages(kind, len(d["run"]), n, med(d["gap"]), med(d["wait"]), med(d["handoff"]), med(d["run"]),
+                         med(d["run_max"]), med(d["step"])) for (kind, n), d in rows.items()]
 
     def by_kind(self) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = {}

@@ -149,6 +149,11 @@ def main() -> None:
               f"pops {s['pop_pct']:.1f}%, {s['instances']} instances")
         for kind, d in sorted(tr.by_kind().items(), key=lambda kv: -kv[1]["busy_us"]):
             print(f"  {kind:<20} inst {d['instances']:>6}  busy {d['busy_us']:>10.1f} us  wait {d['wait_us']:>10.1f} us")
+        print("  stages (us, medians over entries): op, entries x instances, claim gap, claim->pass, hand-off, "
+              "run, slowest run, step")
+        for st in tr.stages():
+            print(f"    {st.kind:<20} {st.entries:>3} x {st.instances:<5} {st.claim_gap:6.2f} {st.claim_to_pass:6.2f} "
+                  f"{st.handoff:6.2f} {st.run:6.2f} {st.run_max:6.2f} {st.step:6.2f}")
         if os.environ.get("OUT"):
             np.savez(os.path.join(os.environ["OUT"], f"ab_{preset}_{name}.npz"), records=tr.records)
             with open(os.path.join(os.environ["OUT"], f"ab_{preset}_{name}.json"), "w") as f:
