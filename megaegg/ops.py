@@ -330,6 +330,9 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Mapping | None
     return inv.to(torch.float32)
 
 
+ROPE_ROUNDINGS = ("f32", "hf")
+
+
 def rope(
     x: Tensor,
     pos: DimLike | Tensor,
@@ -337,14 +340,22 @@ def rope(
     theta: float = 10000.0,
     scaling: Mapping | None = None,
     inv_freq: Tensor | None = None,
+    rounding: str = "f32",
     name: str | None = None,
 ) -> Tensor:
     """Rotary position embedding, rotate-half form, over the last dim of ``x``.
 
     ``pos`` is a runtime dim (every row at that position: decode) or an i32 tensor
-    ``[T]`` giving the position of each index of ``x``'s first dim.
+    ``[T]`` giving the position of each index of ``x``'s first dim. The angles are
+    ``f32(pos) * inv_freq`` in f32, their cos and sin torch's. ``rounding``: ``"f32"``
+    (``x1 cos - x2 sin``, ``x2 cos + x1 sin`` in f32, rounded once to x's dtype) or ``"hf"``
+    (as Hugging Face's ``apply_rotary_pos_emb`` computes in x's dtype: cos and sin rounded
+    to it, then each product and each sum); the same in f32.
     """
     _check_float("rope", x)
+    if rounding not in ROPE_ROUNDINGS:
+        raise ValueError(f"rope: rounding must be one of {ROPE_ROUNDINGS}, got {rounding!r}")
+    hf = {"rounding": "hf"} if rounding == "hf" else {}  # (absent: f32, so graphs built before it are unchanged)
     d = x.shape[-1]
     if not d.is_const or d.value % 2:
         raise ShapeError(f"rope: last dim of {_desc(x)} must be a concrete even head dim")
@@ -358,8 +369,8 @@ def rope(
         if pos.dtype != i32 or pos.ndim != 1 or x.ndim < 2 or not same_dim(pos.shape[0], x.shape[0]):
             raise ShapeError(f"rope: positions {_desc(pos)} must be i32[{x.shape[0] if x.ndim else '?'}] for x {_desc(x)}")
         _check_static("rope", "x", x, range(1, x.ndim - 1), "dims between the first and the last")
-        return _new("rope", (x, inv_freq, pos), x.shape, x.dtype, name, pos=None)
-    return _new("rope", (x, inv_freq), x.shape, x.dtype, name, pos=as_dim(pos))
+        return _new("rope", (x, inv_freq, pos), x.shape, x.dtype, name, pos=None, **hf)
+    return _new("rope", (x, inv_freq), x.shape, x.dtype, name, pos=as_dim(pos), **hf)
 
 
 # --- lookup, attention, cache -------------------------------------------------------

@@ -150,6 +150,9 @@ def _rope(node: Node, args, env, device):
     shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (inv.shape[0],) if x.ndim >= 2 else (inv.shape[0],)
     cos, sin = angles.cos().reshape(shape), angles.sin().reshape(shape)
     h = x.shape[-1] // 2
+    if node.attrs.get("rounding") == "hf":  # as transformers' apply_rotary_pos_emb: in the dtype, op by op
+        x, cos, sin = _to(node, x), _to(node, torch.cat([cos, cos], -1)), _to(node, torch.cat([sin, sin], -1))
+        return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
     x1, x2 = x[..., :h], x[..., h:]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return _to(node, out)

@@ -11,6 +11,8 @@ from typing import Callable
 
 from egglog import EGraph, union
 
+from ..dims import as_dim
+from ..dtypes import f32
 from ..graph import LEAF_OPS, Graph, Node
 from .terms import Op, node
 
@@ -41,7 +43,9 @@ ENCODERS: dict[str, Callable[[Graph, Node], dict | None]] = {
     "div": lambda g, n: dict(a=n.inputs[0], b=n.inputs[1]),
     "neg": lambda g, n: dict(a=n.inputs[0]),
     "silu": lambda g, n: dict(a=n.inputs[0]),
-    "rope": lambda g, n: dict(x=n.inputs[0], node=n.id) if n.attrs["pos"] is not None else ("rope_at_ids", dict(x=n.inputs[0], node=n.id)),
+    "rope": lambda g, n: dict(x=n.inputs[0], node=n.id) if n.attrs["pos"] is not None else (
+        "rope_at_ids", dict(x=n.inputs[0], inv=n.inputs[1], pos=n.inputs[2], hf=int(n.attrs.get("rounding") == "hf"),
+                            node=n.id)),
     "kv_append": lambda g, n: dict(cache=n.inputs[0], new=n.inputs[1]),
     "kv_store": lambda g, n: dict(new=n.inputs[1], node=n.id),
     "ragged_attention": lambda g, n: dict(q=n.inputs[0], node=n.id),
@@ -78,6 +82,65 @@ def scale_views(graph: Graph, n: Node) -> list[Op]:
     return out
 
 
+def _ones(shape) -> bool:
+    return all(d.is_const and d.value == 1 for d in shape)
+
+
+def _keeps_rows(graph: Graph, n: Node) -> bool:
+    """Whether view node ``n`` (a reshape or a permute) has its input's rows in their order: the same last
+    dim, and the elements in the same order (a reshape; a permute that moves only dims of size 1)."""
+    src = graph.nodes[n.inputs[0]].shape
+    if not n.shape or not src or n.shape[-1] != src[-1]:
+        return False
+    if n.op == "reshape":
+        return True
+    dims = n.attrs["dims"]
+    return n.op == "permute" and dims[-1] == len(src) - 1 and \
+        [d for d in dims if not _ones(src[d:d + 1])] == [d for d in range(len(src)) if not _ones(src[d:d + 1])]
+
+
+def rope_views(graph: Graph, n: Node) -> list[Op]:
+    """The forms of a node that the rule recovering RoPE as Hugging Face writes it looks for (rules.py:
+    ``_recover_rope``): cos, sin, a concatenation of two tensors along the last dim, a half of the last dim,
+    a view keeping its input's rows, a product broadcasting one row a token (``scale_tokens``) and the
+    angles' outer product of positions and frequencies (``outer``). The node keeps its own term too."""
+    ins = [graph.nodes[i] for i in n.inputs]
+    if n.op in ("cos", "sin"):
+        return [getattr(Op, n.op)(a=n.inputs[0])]
+    if n.op == "concat" and len(ins) == 2 and n.attrs["dim"] == len(n.shape) - 1:
+        return [Op.concat_last(a=n.inputs[0], b=n.inputs[1])]
+    if n.op == "slice" and n.attrs["dim"] == len(n.shape) - 1:
+        size, start, stop = ins[0].shape[-1], n.attrs["start"], n.attrs["stop"]
+        if size.is_const and size.value % 2 == 0 and start.is_const and stop.is_const:
+            h = size.value // 2
+            halves = {(0, h): 0, (h, 2 * h): 1}
+            if (start.value, stop.value) in halves:
+                return [Op.half(src=n.inputs[0], upper=halves[(start.value, stop.value)])]
+        return []
+    r = len(n.shape)
+    if n.op == "permute" and r >= 2 and list(n.attrs["dims"]) == [*range(r - 2), r - 1, r - 2] and ins[0].op == "mul":
+        m = ins[0]  # (f @ p).transpose(-1, -2), f [1, .., K, 1], p [.., 1, S]: transformers 4's angles
+        for f, p in (m.inputs, m.inputs[::-1]):
+            fs, ps = graph.nodes[f].shape, graph.nodes[p].shape
+            if m.dtype == f32 and len(fs) == len(ps) == len(m.shape) and _ones(fs[:-2] + fs[-1:]) and \
+                    _ones(ps[-2:-1]) and m.shape == ps[:-2] + fs[-2:-1] + ps[-1:]:
+                return [Op.outer(p=p, f=f)]
+    if n.op in ("reshape", "permute"):
+        return [Op.rows_of(src=n.inputs[0])] if _keeps_rows(graph, n) else []
+    if n.op != "mul":
+        return []
+    out = []
+    for (x, t), (xn, tn) in zip((n.inputs, n.inputs[::-1]), (ins, ins[::-1])):
+        xs, ts = xn.shape, tn.shape
+        if r >= 2 and xs == n.shape and len(ts) <= r:
+            tp = (as_dim(1),) * (r - len(ts)) + ts
+            if tp[-1] == xs[-1] and tp[0] == xs[0] and _ones(tp[1:-1]):
+                out.append(Op.scale_tokens(x=x, t=t))
+        if n.dtype == f32 and len(ts) == 1 and xs and _ones(xs[-1:]) and n.shape == xs[:-1] + ts:
+            out.append(Op.outer(p=x, f=t))
+    return out
+
+
 def term_of(graph: Graph, n: Node) -> Op:
     """The node's graph term: its encoder's fields (and, where it names one, another constructor than the
     op's own), else ``Op.other``."""
@@ -109,6 +172,7 @@ def encode(graph: Graph, live: set[int]) -> EGraph:
     ]
     actions += [union(node(n.id)).with_(t) for n in graph.nodes if n.id in live and (t := heads_view(graph, n)) is not None]
     actions += [union(node(n.id)).with_(t) for n in graph.nodes if n.id in live for t in scale_views(graph, n)]
+    actions += [union(node(n.id)).with_(t) for n in graph.nodes if n.id in live for t in rope_views(graph, n)]
     if actions:
         egraph.register(*actions)
     return egraph

@@ -50,6 +50,12 @@ def rms_norm_rows(i, x, g, eps) -> tuple:
     return tuple(union(node(i)).with_(Op.rms_norm_rows(x=x, g=g, eps=eps, rows_per=t)) for t in ROW_TILES)
 
 
+def rope_ids_rows(i, x, g, eps, inv, pos, hf) -> tuple:
+    """Node i's RoPE at positions from a tensor as its row tiles (rope_ids, one alternative a tile height)."""
+    return tuple(union(node(i)).with_(Op.rope_ids(x=x, g=g, eps=eps, inv=inv, pos=pos, hf=hf, rope=i, append=NONE, rows_per=t))
+                 for t in ROW_TILES)
+
+
 def gemm(x, w, *, w2=NONE, r=NONE, bm, bn, splits=1) -> Op:
     """``Op.gemm`` with its optional fusions absent unless given."""
     return Op.gemm(x=x, w=w, w2=w2, r=r, bm=bm, bn=bn, splits=splits)
@@ -74,9 +80,7 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, dt: String,
     yield rule(eq(node(i)).to(Op.rope(x=x, node=i))).then(
         *(union(node(i)).with_(Op.rope_rows(x=x, g=NONE, eps=0.0, rope=i, append=NONE, rows_per=t)) for t in ROW_TILES)
     )
-    yield rule(eq(node(i)).to(Op.rope_at_ids(x=x, node=i))).then(
-        *(union(node(i)).with_(Op.rope_ids(x=x, g=NONE, eps=0.0, rope=i, rows_per=t)) for t in ROW_TILES)
-    )
+    yield rule(eq(node(i)).to(Op.rope_at_ids(x=x, inv=w, pos=a, hf=s, node=i))).then(*rope_ids_rows(i, x, NONE, 0.0, w, a, s))
     yield rule(eq(node(i)).to(Op.kv_append(cache=x, new=a))).then(union(node(i)).with_(Op.kv_append_row(node=i)))
     yield rule(eq(node(i)).to(Op.kv_store(new=a, node=i))).then(union(node(i)).with_(Op.kv_store_heads(node=i)))
     yield rule(eq(node(i)).to(Op.ragged_attention(q=x, node=i))).then(*(  # (flash: chunk 64 only)
@@ -257,33 +261,86 @@ def _fuse_heads(x: i64, w: i64, g: i64, eps: f64, rows: i64, d: i64, b: i64, h: 
 
 
 @fusion.register
-def _fuse_rope(x: i64, g: i64, eps: f64, h: i64, r: i64, c: i64, t: i64, i: i64):
+def _fuse_rope(x: i64, g: i64, eps: f64, h: i64, r: i64, c: i64, t: i64, v: i64, inv: i64, p: i64, hf: i64, i: i64):
     # qwen3's per-head RMSNorm before RoPE: the rope instance normalises its own rows.
     yield rule(
         eq(node(i)).to(Op.rope(x=h, node=i)),
         eq(node(h)).to(Op.rms_norm(x=x, g=g, eps=eps)),
     ).then(*(union(node(i)).with_(Op.rope_rows(x=x, g=g, eps=eps, rope=i, append=NONE, rows_per=tt)) for tt in ROW_TILES))
-    # ... and at positions from a tensor (a batch, a prompt)
+    # ... and at positions from a tensor (a batch, a prompt, a traced step)
     yield rule(
-        eq(node(i)).to(Op.rope_at_ids(x=h, node=i)),
+        eq(node(i)).to(Op.rope_at_ids(x=h, inv=inv, pos=p, hf=hf, node=i)),
         eq(node(h)).to(Op.rms_norm(x=x, g=g, eps=eps)),
-    ).then(*(union(node(i)).with_(Op.rope_ids(x=x, g=g, eps=eps, rope=i, rows_per=tt)) for tt in ROW_TILES))
+    ).then(*rope_ids_rows(i, x, g, eps, inv, p, hf))
+    # Views that keep their input's rows in order (a traced model's unsqueezes, transposes of size-1 dims and
+    # reshapes to [heads, D]) between the ops: a RoPE rotates, and a KV append writes, those rows alike
+    yield rule(
+        eq(node(i)).to(Op.rope_at_ids(x=v, inv=inv, pos=p, hf=hf, node=i)),
+        eq(node(v)).to(Op.rows_of(src=h)),
+    ).then(union(node(i)).with_(Op.rope_at_ids(x=h, inv=inv, pos=p, hf=hf, node=i)))
+    yield rule(
+        eq(node(i)).to(Op.kv_append(cache=c, new=v)),
+        eq(node(v)).to(Op.rows_of(src=h)),
+    ).then(union(node(i)).with_(Op.kv_append(cache=c, new=h)))
     # RoPE + KV append: the rotated rows go straight into the cache row (one hand-off fewer
     # between the K projection and attention, perf-notes #35).
     yield rule(
         eq(node(i)).to(Op.kv_append(cache=c, new=h)),
         eq(node(h)).to(Op.rope_rows(x=x, g=g, eps=eps, rope=r, append=NONE, rows_per=t)),
     ).then(union(node(i)).with_(Op.rope_rows(x=x, g=g, eps=eps, rope=r, append=i, rows_per=t)))
+    yield rule(  # (at a position from a tensor: a traced decode step's)
+        eq(node(i)).to(Op.kv_append(cache=c, new=h)),
+        eq(node(h)).to(Op.rope_ids(x=x, g=g, eps=eps, inv=inv, pos=p, hf=hf, rope=r, append=NONE, rows_per=t)),
+    ).then(union(node(i)).with_(Op.rope_ids(x=x, g=g, eps=eps, inv=inv, pos=p, hf=hf, rope=r, append=i, rows_per=t)))
     # ... and into a batch's cache rows at (slot, position) pairs: the store rotates (and normalises) its rows
     yield rule(
         eq(node(i)).to(Op.kv_store(new=h, node=i)),
-        eq(node(h)).to(Op.rope_ids(x=x, g=g, eps=eps, rope=r, rows_per=t)),
-    ).then(union(node(i)).with_(Op.kv_store_rope(x=x, g=g, eps=eps, rope=r, store=i)))
+        eq(node(h)).to(Op.rope_ids(x=x, g=g, eps=eps, inv=inv, pos=p, hf=hf, rope=r, append=NONE, rows_per=t)),
+    ).then(union(node(i)).with_(Op.kv_store_rope(x=x, g=g, eps=eps, inv=inv, pos=p, hf=hf, store=i)))
     # ... and q's rows rotated (and normalised) by the prompt's flash attention as it loads them
     yield rule(
         eq(node(i)).to(Op.ragged_attention(q=h, node=i)),
-        eq(node(h)).to(Op.rope_ids(x=x, g=g, eps=eps, rope=r, rows_per=t)),
-    ).then(union(node(i)).with_(Op.ragged_flash_rope(x=x, g=g, eps=eps, rope=r, node=i)))
+        eq(node(h)).to(Op.rope_ids(x=x, g=g, eps=eps, inv=inv, pos=p, hf=hf, rope=r, append=NONE, rows_per=t)),
+    ).then(union(node(i)).with_(Op.ragged_flash_rope(x=x, g=g, eps=eps, inv=inv, pos=p, hf=hf, node=i)))
+    # (a chain of such views is one)
+    yield rule(
+        eq(node(i)).to(Op.rows_of(src=v)),
+        eq(node(v)).to(Op.rows_of(src=h)),
+    ).then(union(node(i)).with_(Op.rows_of(src=h)))
+
+
+@fusion.register
+def _recover_rope(x: i64, m1: i64, m2: i64, cv: i64, sv: i64, c: i64, s: i64, cc: i64, ss: i64, r: i64, n: i64,
+                  hi: i64, lo: i64, a: i64, f: i64, pf: i64, p: i64, inv: i64, t: String, i: i64):
+    # RoPE as Hugging Face writes it (LlamaRotaryEmbedding, apply_rotary_pos_emb), each op rounding to T:
+    #   F = f32(P)[..., None] * inv_freq; A = cat(F, F); C, S = T(cos(A)), T(sin(A)), seen as [tokens, 1, .., 1, D]
+    #   out = x * C + cat(-x[..., D/2:], x[..., :D/2]) * S
+    # is rope_at_ids(x, inv_freq, P) with hf rounding (cos / sin, each product and the sum rounded to T: the
+    # rope body rounds at the same points, rope.cuh's rope_rotate), x's rows of token k at position P[k]; then
+    # the rules above fold qwen3's q / k norms and the K append into it, and cos, sin and the angles (computed
+    # once a step, read by every layer) are dead when every RoPE folds. In f32 (no casts) the two roundings
+    # are one.
+    rotation = (
+        eq(node(m1)).to(Op.scale_tokens(x=x, t=cv)),
+        eq(node(m2)).to(Op.scale_tokens(x=r, t=sv)),
+        eq(node(r)).to(Op.concat_last(a=n, b=lo)),
+        eq(node(n)).to(Op.neg(a=hi)),
+        eq(node(hi)).to(Op.half(src=x, upper=1)),
+        eq(node(lo)).to(Op.half(src=x, upper=0)),
+        eq(node(cv)).to(Op.rows_of(src=c)),
+        eq(node(sv)).to(Op.rows_of(src=s)),
+        eq(node(a)).to(Op.concat_last(a=f, b=f)),
+        eq(node(f)).to(Op.outer(p=pf, f=inv)),
+        eq(node(pf)).to(Op.cast(a=p, dtype="f32", src="i32")),
+    )
+    rounded = (eq(node(c)).to(Op.cast(a=cc, dtype=t, src="f32")), eq(node(cc)).to(Op.cos(a=a)),
+               eq(node(s)).to(Op.cast(a=ss, dtype=t, src="f32")), eq(node(ss)).to(Op.sin(a=a)))
+    for lhs in (Op.add(a=m1, b=m2, same_shape=1), Op.add(a=m2, b=m1, same_shape=1)):
+        for hf, trig in ((1, rounded), (0, (eq(node(c)).to(Op.cos(a=a)), eq(node(s)).to(Op.sin(a=a))))):
+            yield rule(eq(node(i)).to(lhs), *rotation, *trig).then(
+                union(node(i)).with_(Op.rope_at_ids(x=x, inv=inv, pos=p, hf=hf, node=i)),
+                *rope_ids_rows(i, x, NONE, 0.0, inv, p, hf),
+            )
 
 
 @fusion.register

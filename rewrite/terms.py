@@ -38,7 +38,9 @@ GRAPH_TERMS = {
     "silu": fields("a:ref"),
     "heads": fields("src:ref head_dim:int"),  # a reshape view [1, H*D] -> [H, D], seen so QKV fusion can look through it
     "rope": fields("x:ref node:node"),  # RoPE at a runtime-dim position
-    "rope_at_ids": fields("x:ref node:node"),  # RoPE at positions from an i32 tensor (a batch, a prompt)
+    # RoPE at positions from the i32 tensor pos (a batch, a prompt), frequencies inv, hf: Hugging Face's rounding
+    # (ops.rope's rounding="hf"); node: its value (a rope node, or the sum of a RoPE written out: rules.py)
+    "rope_at_ids": fields("x:ref inv:ref pos:ref hf:int node:node"),
     "kv_append": fields("cache:ref new:ref"),
     "kv_store": fields("new:ref node:node"),  # rows into a cache at (slot, position) pairs from i32 tensors
     "ragged_attention": fields("q:ref node:node"),  # its q seen, so q's RoPE can fold into the prompt's flash
@@ -55,6 +57,15 @@ GRAPH_TERMS = {
     "sigmoid": fields("a:ref dtype:str"),
     "scale_last": fields("x:ref g:ref dtype:str"),  # x [..., D] * g [D] (either order), the product's dtype
     "scale_rows": fields("x:ref s:ref"),  # x [..., D] * s [..., 1] (either order)
+    # ... and of RoPE as Hugging Face writes it (rules.py: _recover_rope); cos and sin also stay Op.other
+    "cos": fields("a:ref"),
+    "sin": fields("a:ref"),
+    "concat_last": fields("a:ref b:ref"),  # two tensors concatenated along their last dim
+    "half": fields("src:ref upper:int"),  # a slice view: the lower (0) or upper (1) half of the last dim
+    "rows_of": fields("src:ref"),  # a view with src's rows in src's order (its last dim, its elements' order)
+    "scale_tokens": fields("x:ref t:ref"),  # x [T, ..., D] * t [T, 1, ..., 1, D] (either order): a row of t a token
+    # angles in f32: p [..., 1] * f [K] (either order) -> [..., K], or (f [1, .., 1, K, 1] @ p [.., 1, S]) transposed
+    "outer": fields("p:ref f:ref"),
     "other": fields("op:str node:node"),  # any other graph op: lowered by a single-node term
 }
 _EGG_TYPES = {"ref": i64Like, "sum": i64Like, "node": i64Like, "int": i64Like, "float": f64Like, "str": StringLike}

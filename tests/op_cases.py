@@ -64,6 +64,7 @@ CASES = {
     "rms_norm": lambda dt: (lambda g: g.output("y", me.rms_norm(g.input("x", [5, 128], dt), g.weight("w", [128], dt), 1e-5)), {"x": [5, 128]}, {"w": [128]}),
     "silu_mul_add": lambda dt: (lambda g: g.output("y", me.silu(g.input("a", [1, 3000], dt)) * g.input("b", [1, 3000], dt) + g.input("c", [3000], dt)), {"a": [1, 3000], "b": [1, 3000], "c": [3000]}, {}),
     "rope": lambda dt: (lambda g: g.output("y", me.rope(g.input("x", [4, 64], dt), P, theta=10000.0)), {"x": [4, 64]}, {}),
+    "rope_hf": lambda dt: (lambda g: g.output("y", me.rope(g.input("x", [4, 64], dt), P, theta=10000.0, rounding="hf")), {"x": [4, 64]}, {}),
     "softmax": lambda dt: (lambda g: g.output("y", me.softmax(g.input("x", [3, 777], dt))), {"x": [3, 777]}, {}),
     "argmax": lambda dt: (lambda g: g.output("y", me.argmax(g.input("x", [1, 10000], dt))), {"x": [1, 10000]}, {}),
     "gated_mlp_residual": lambda dt: (lambda g: _gated_mlp(g, dt), {"x": [1, 128]}, {"g": [128], "wg": [200, 128], "wu": [200, 128], "wd": [128, 200]}),

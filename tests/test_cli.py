@@ -52,8 +52,8 @@ def test_bench_hf_dry_run_compares_the_traced_and_the_built_step(tmp_path):
     (row,) = json.loads((tmp_path / "r.json").read_text())
     assert row["preset"] == "tiny" and row["traced_ms"] > 0 and row["built_ms"] > 0
     assert row["ratio"] == pytest.approx(row["traced_ms"] / row["built_ms"])
-    # the traced step's RoPE runs as elementwise ops, the built one's as `rope` (docs/frontend.md)
-    assert row["built_ops"]["rope"] > 0 and "rope" not in row["traced_ops"] and row["traced_ops"]["elementwise"] > 0
+    # both steps run RoPE as `rope` ops (the traced one's recovered by a rule, docs/frontend.md), no elementwise op
+    assert row["traced_ops"]["rope"] == row["built_ops"]["rope"] > 0 and "elementwise" not in row["traced_ops"]
     assert "tiny: block ops (built, traced) where they differ" in out.stdout
     bad = run("examples/bench_hf.py", "--preset", "nope")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --preset: unknown preset 'nope'"), bad.stderr

@@ -358,7 +358,7 @@ OP_CASES = {
     "f32_scalars": (lambda x: 0.1 * x / 3.0 - 0.7, [(4, 40)]),
     "rsub": (lambda x: 1.0 - x, [(4, 40, "bf16")]),
     # Hugging Face's apply_rotary_pos_emb with cos / sin given: slices, a negation, a concatenation, two
-    # broadcasting products and a sum (elementwise ops; no rule recovers rope from them yet)
+    # broadcasting products and a sum (elementwise ops: cos / sin are no angles of positions, so no rope op)
     "rope_written_out": (lambda q, cos, sin: q * cos + torch.cat((-q[..., 4:], q[..., :4]), -1) * sin,
                          [(5, 2, 8), (5, 1, 8), (5, 1, 8)]),
 }
@@ -377,6 +377,53 @@ def test_each_op_against_eager(case):
             args.append(torch.randn(*shape, generator=gen).to(torch.bfloat16 if kind == "bf16" else torch.float32))
     run = me.from_torch(fn, tuple(args), backend="sim")
     close(run(*args), fn(*args), tol=2e-2 if any(a.dtype == torch.bfloat16 for a in args) else 1e-5)
+
+
+class HFRotary(nn.Module):
+    """q, k [1, heads, tokens, D] rotated at position_ids [1, tokens] as transformers 5 writes it
+    (LlamaRotaryEmbedding.forward, then apply_rotary_pos_emb: every op in q's dtype)."""
+
+    def __init__(self, d=16, matmul=False):
+        super().__init__()
+        self.matmul = matmul  # transformers 4's angles: a matrix product, transposed
+        self.register_buffer("inv_freq", 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float) / d)), persistent=False)
+
+    def forward(self, q, k, position_ids):
+        if self.matmul:
+            inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+            freqs = (inv.float() @ position_ids[:, None, :].float()).transpose(1, 2)
+        else:
+            freqs = position_ids[..., None].float() * self.inv_freq.to(dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype).unsqueeze(1), emb.sin().to(q.dtype).unsqueeze(1)
+        half = q.shape[-1] // 2
+        rotate_half = lambda x: torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # noqa: E731
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("dtype, matmul", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
+def test_rope_as_hugging_face_writes_it_is_one_rope_op_rounded_as_it_is(dtype, matmul):
+    """A decode step's RoPE written as transformers writes it (angles from the position, as a product or as
+    transformers 4's matrix product; cos / sin cast to the dtype, slices, a negation, a concatenation,
+    broadcasting products and a sum) is recovered by a rule as one rope op each for q and k that rounds as
+    those ops do: the same bits as eager. With several tokens (a prompt: the position varies along the
+    heads' inner dim) it stays elementwise, and correct."""
+    m = HFRotary(matmul=matmul)
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, h, 1, 16, generator=gen).to(dtype) * 3 for h in (4, 2))
+    run = me.from_torch(m, (q, k, torch.tensor([[5]])), backend="sim")
+    ops = [e.op for e in run.kernel.queue.entries]
+    assert [op.kind for op in ops] == ["rope", "rope"] and all(op.params.get("hf", False) == (dtype != torch.float32)
+                                                               for op in ops), [(op.kind, op.params) for op in ops]
+    for pos in (0, 7, 1234, 60000):
+        ids = torch.tensor([[pos]])
+        for got, want in zip(run(q, k, ids), m(q, k, ids)):
+            assert torch.equal(got, want), pos
+    q3, k3 = q.expand(1, 4, 3, 16).contiguous(), k.expand(1, 2, 3, 16).contiguous()
+    run3 = me.from_torch(m, (q3, k3, torch.tensor([[3, 9, 400]])), backend="sim")
+    assert "rope" not in [e.op.kind for e in run3.kernel.queue.entries]
+    for got, want in zip(run3(q3, k3, torch.tensor([[3, 9, 400]])), m(q3, k3, torch.tensor([[3, 9, 400]]))):
+        assert torch.equal(got, want)
 
 
 def test_negative_and_out_of_range_slice_bounds_count_as_torch_does():

@@ -71,6 +71,42 @@ def test_greedy_tokens_equal_transformers(arch):
     assert got == want, (arch, got, want)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny"])
+def test_the_traced_decode_step_runs_the_hand_built_graphs_block_ops(preset):
+    """RoPE as transformers writes it (angles, cos / sin cast to bf16, slices, a negation, a concatenation,
+    products and a sum) becomes one rope op each for q and k, rounded as transformers rounds (rules.py:
+    _recover_rope), with qwen3's q / k norms and the K append folded into it: the traced bf16 decode step
+    runs the block ops of the hand-built decode graph of the same config (no elementwise op left), but the
+    built graph's greedy argmax (the traced step returns the logits), with the logits of transformers' bf16
+    forward (to bf16's noise: the fused RoPE itself is bit for bit, test_frontend.py)."""
+    from collections import Counter
+
+    from megaegg.models import PRESETS, ModelConfig, build_decode_graph, random_weights
+
+    cfg = dict(PRESETS[preset])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    with torch.no_grad():  # (spread-out logits, as _model's)
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if p.ndim > 1 else 0.2) + (1.0 if p.ndim == 1 else 0.0))
+    model = model.to(torch.bfloat16).eval()
+    lm = me.from_transformers(model, max_len=16, backend="sim")
+    traced = Counter(e.op.kind for e in lm.kernel.kernel.queue.entries)
+    graph, spec = build_decode_graph(ModelConfig.preset(preset), max_len=16)
+    built = Counter(e.op.kind for e in me.compile(graph, random_weights(spec), backend="sim").queue.entries)
+    assert traced == built - Counter(argmax_partial=1, argmax_reduce=1), (traced, built)
+    ropes = [e.op for e in lm.kernel.kernel.queue.entries if e.op.kind == "rope"]
+    assert all(op.params.get("hf") and "pos_ids" in op.params["roles"] for op in ropes)
+    assert all(("g" in op.params["roles"]) == (preset == "qwen3-tiny") for op in ropes)
+    ids = [5, 17, 42, 8, 63, 1]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].float()
+    lm.prompt(ids[:4])
+    for p in (4, 5):
+        got = lm.step(ids[p], p)
+        assert ((got - want[p]).norm() / want[p].norm()).item() < 2e-2, p
+
+
 def test_logits_of_a_step_match_the_model():
     model = _model("llama", seed=3)
     lm = me.from_transformers(model, max_len=16, backend="sim")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from op_cases import CASES, mlp_sum_readers, qk_norm_rope_append
+from op_cases import CASES, P, mlp_sum_readers, qk_norm_rope_append
 from test_reference import WEIGHTS, build_layer
 
 import megaegg as me
@@ -251,6 +251,42 @@ def test_rope_takes_the_head_norm_and_writes_the_cache_row():
     assert kinds.count("rms_norm") == 0 and kinds.count("kv_append") == 1 and kinds.count("rope") == 2
     cache_rope = next(e.op for e in k.queue.entries if e.op.kind == "rope" and k.queue.program.buffers[e.op.output.buffer].name == "kc")
     assert cache_rope.params["roles"] == ("x", "inv_freq", "g")
+
+
+def test_hf_rounding_rope_in_each_fused_form_gives_the_references_bits():
+    """ops.rope(rounding="hf") rounds as transformers' apply_rotary_pos_emb computes in bf16 (cos / sin, each
+    product and each sum): the rope op at a runtime position after qwen3's norm, k's writing its cache row
+    (rope_rows), at positions from a tensor (rope_ids) and rotating a batch's K rows as they are stored
+    (kv_store_rope) give the reference's bits; the f32 rounding does not, on the same data."""
+    dt, outs = me.bf16, {}
+    for rounding in ("hf", "f32"):
+        g = me.Graph(f"rope_{rounding}")
+        r = dict(theta=10000.0, rounding=rounding)
+        ids, at, slot = (g.input(n, [3], me.i32) for n in ("ids", "at", "slot"))
+        g.output("q", me.rope(me.rms_norm(g.input("q", [4, 64], dt), g.weight("gq", [64], dt), 1e-6), P, **r))
+        k = me.rope(me.rms_norm(g.input("k", [2, 64], dt), g.weight("gk", [64], dt), 1e-6), P, **r)
+        g.output("kc", me.kv_append(g.input("kc", [2, 16, 64], dt), k, P))
+        g.output("x", me.rope(g.input("x", [3, 2, 64], dt), ids, **r))
+        g.output("kc2", me.kv_store(g.input("kc2", [2, 2, 16, 64], dt), me.rope(g.input("kn", [3, 2, 64], dt), ids, **r),
+                                    at, slot))
+        torch.manual_seed(8)
+        w = {"gq": torch.randn(64).to(dt.torch), "gk": torch.randn(64).to(dt.torch)}
+        k_ = me.compile(g, w, backend="sim", max_dims={"pos": 15})
+        ops = [e.op for e in k_.queue.entries]
+        assert sorted(op.kind for op in ops) == ["kv_store", "rope", "rope", "rope"], [op.kind for op in ops]
+        assert all(op.params.get("hf", False) == (rounding == "hf") for op in ops)
+        ins = {"ids": torch.tensor([3, 900, 15], dtype=torch.int32), "at": torch.tensor([3, 9, 15], dtype=torch.int32),
+               "slot": torch.tensor([1, 0, 1], dtype=torch.int32),
+               **{n: torch.randn(s).to(dt.torch) * 2 for n, s in (("q", [4, 64]), ("k", [2, 64]), ("x", [3, 2, 64]),
+                                                                    ("kn", [3, 2, 64]))},
+               "kc": torch.zeros(2, 16, 64, dtype=dt.torch), "kc2": torch.zeros(2, 2, 16, 64, dtype=dt.torch)}
+        ref = me.run_reference(g, {n: t.clone() for n, t in ins.items()}, w, {"pos": 11})
+        for sch in INTERLEAVINGS[:2]:
+            out = k_.simulate(sch, **{n: t.clone() for n, t in ins.items()}, pos=11)
+            for name in ref:
+                assert torch.equal(out[name], ref[name]), (rounding, name)
+        outs[rounding] = ref
+    assert not any(torch.equal(outs["hf"][n], outs["f32"][n]) for n in outs["hf"])
 
 
 def test_gated_mlp_through_a_weight_view_stays_unfused():

@@ -19,7 +19,8 @@
 //   C (16 x 8):  {c0 c1} row g, cols 2t, 2t+1; {c2 c3} row g+8
 // S = Q K^T: A from q (pairs along D: one 32-bit load each), B from K with ldmatrix (rows = cache rows).
 // ROPE: q is read unrotated (the Q projection's output) and rotated (NORM: RMS-normalised over D with g
-// first, qwen3's q norm) as it is loaded, as rope.cuh's rope_store rounds it: a thread holds columns
+// first, qwen3's q norm) as it is loaded, as rope.cuh's rope_rotate rounds it (HF: as Hugging Face's
+// apply_rotary_pos_emb): a thread holds columns
 // 16kk + 2t + {0, 1, 8, 9} of its rows, so both halves of each rotation pair (j, j + D/2: kk + D/32)
 // are in its registers; a row's sum of squares is its quad's (two shuffles). The tile's cos / sin
 // (BT tokens x D/2) go to shared memory first, one accurate sincosf each from a loop that is not
@@ -30,6 +31,7 @@
 #pragma once
 #include "common.cuh"
 #include "kv_pages.cuh"
+#include "rope.cuh"
 
 namespace flash_detail {
 
@@ -74,7 +76,7 @@ __device__ __forceinline__ float exp2f_fast(float x) {  // 2^x (2^-inf = 0)
 
 // One row's q fragments (a thread's D/4 values of it: qa[kk][h] and qa[kk][h + 2]) rotated by its token's
 // cos / sin (D/2 each, in shared memory) [after an RMSNorm with g]. `t`: the thread's column pair (lane % 4).
-template <int D, bool NORM>
+template <int D, bool NORM, bool HF>
 __device__ __forceinline__ void rope_q_row(unsigned (&qa)[D / 16][4], int h, const float* cos_row, const float* sin_row,
                                            int t, Vec<const __nv_bfloat16> g, float eps) {
     float x[D / 16][4];
@@ -109,9 +111,9 @@ __device__ __forceinline__ void rope_q_row(unsigned (&qa)[D / 16][4], int h, con
         for (int e = 0; e < 4; ++e) {
             const int j = 16 * kk + 2 * t + OFF[e];
             const float cs = cos_row[j], sn = sin_row[j];
-            const float x1 = x[kk][e], x2 = x[kk + HK][e];
-            x[kk][e] = __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn));
-            x[kk + HK][e] = __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
+            const float2 y = rope_rotate<__nv_bfloat16, HF>(x[kk][e], x[kk + HK][e], sn, cs);
+            x[kk][e] = y.x;
+            x[kk + HK][e] = y.y;
         }
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -131,7 +133,7 @@ struct FlashQRope {
     float eps;
 };
 
-template <int D, int G, bool ROPE, bool NORM>
+template <int D, int G, bool ROPE, bool NORM, bool HF = false>
 __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> q, Ten4<const __nv_bfloat16> kc,
                                           Ten4<const __nv_bfloat16> vc, Vec<const int> pos, Vec<const int> slot,
                                           long long N, KvPages pages, float scale,
@@ -227,8 +229,8 @@ __device__ __noinline__ void ragged_flash(char* smem, Ten3<const __nv_bfloat16> 
         if constexpr (ROPE) {  // (rotating while the first K/V blocks load instead took the D = 128 normalising
                                // body to 255 registers)
             const int i0c = in0 ? i0 : 0, i1c = in1 ? i1 : 0;  // (rows past the tile: zeros, any rotation)
-            rope_q_row<D, NORM>(qa, 0, tcos + i0c * (D / 2), tsin + i0c * (D / 2), t, qr.g, qr.eps);
-            rope_q_row<D, NORM>(qa, 1, tcos + i1c * (D / 2), tsin + i1c * (D / 2), t, qr.g, qr.eps);
+            rope_q_row<D, NORM, HF>(qa, 0, tcos + i0c * (D / 2), tsin + i0c * (D / 2), t, qr.g, qr.eps);
+            rope_q_row<D, NORM, HF>(qa, 1, tcos + i1c * (D / 2), tsin + i1c * (D / 2), t, qr.g, qr.eps);
         }
     }
     const float sl2 = scale * 1.4426950408889634f;  // scores in base 2

@@ -42,11 +42,11 @@ __device__ __noinline__ void kv_store(Ten3<const T> src, Vec<const int> pos, Vec
 }
 
 // kv_store_rope: as kv_store, each row rotated first as rope_rows does (at position pos_ids[i]; NORM: after
-// its RMSNorm with g): cache[slot[i], c0, pos[i], :] = rope(new[i, c0, :]). A warp a row; a warp's rows
+// its RMSNorm with g; HF: rope_rotate's rounding): cache[slot[i], c0, pos[i], :] = rope(new[i, c0, :]). A warp a row; a warp's rows
 // (RPW of them) and their positions, slots and position ids (and the lane's frequencies and gains) are all loaded before the first is stored,
 // so they cost one round trip, not three a row (a 64-row instance took 13 us with those loads inside the
 // store loop: perf-notes #89).
-template <class T, int D, bool NORM, int ROWS_PER>
+template <class T, int D, bool NORM, int ROWS_PER, bool HF = false>
 __device__ __noinline__ void kv_store_rope(Ten3<const T> src, Vec<const int> pos, Vec<const int> slot, long long n,
                                            const float* inv_freq, Vec<const int> pos_ids, Vec<const T> g, float eps,
                                            Ten4<T> cache, KvPages pages, long long c0, long long c1) {
@@ -78,6 +78,6 @@ __device__ __noinline__ void kv_store_rope(Ten3<const T> src, Vec<const int> pos
             if ((threadIdx.x & 31) == 0) mega_body_error(MEGA_ERR_INDEX, bad);
             continue;
         }
-        rope_store<T, D, NORM, true>(x1[j], x2[j], (long long)pid[j], lane, eps, cache.p + at, cache.s3);
+        rope_store<T, D, NORM, true, HF>(x1[j], x2[j], (long long)pid[j], lane, eps, cache.p + at, cache.s3);
     }
 }

@@ -1,12 +1,14 @@
 // matvec_heads (megaegg/blockops/matvec_heads.py is the definition): the matvec body
 // computes this instance's ROWS rows into a shared-memory tile (the top 4 KB of dynamic
 // shared memory, reserved for epilogues), then each row is RoPE-rotated within its head
-// and stored to out[head, d] (the q buffer or a KV cache row).
+// and stored to out[head, d] (the q buffer or a KV cache row), rounded as rope.cuh's rope_rotate does
+// (HF: as Hugging Face's apply_rotary_pos_emb).
 #pragma once
 #include "common.cuh"
 #include "matvec_tile.cuh"
+#include "rope.cuh"
 
-template <class T, int K, int ROWS, int D, bool HAS_NORM, bool ROPE>
+template <class T, int K, int ROWS, int D, bool HAS_NORM, bool ROPE, bool HF = false>
 __device__ __noinline__ void matvec_heads(char* smem, Mat<const T> x, Vec<const T> g, float eps, Mat<const T> w,
                                           const float* inv_freq, long long pos, Mat<T> out, long long N,
                                           long long n_tile) {
@@ -22,9 +24,9 @@ __device__ __noinline__ void matvec_heads(char* smem, Mat<const T> x, Vec<const 
         float v = to_f32(tile[i]);
         if (ROPE) {
             float s, c;
-            sincosf((float)pos * ld_cg(inv_freq + d % HALF), &s, &c);
+            sincosf(__fmul_rn((float)pos, ld_cg(inv_freq + d % HALF)), &s, &c);
             const float partner = to_f32(tile[d < HALF ? i + HALF : i - HALF]);
-            v = d < HALF ? v * c - partner * s : v * c + partner * s;
+            v = d < HALF ? rope_rotate<T, HF>(v, partner, s, c).x : rope_rotate<T, HF>(partner, v, s, c).y;
         }
         out.p[(n / D) * out.s0 + d * out.s1] = from_f32<T>(v);
     }

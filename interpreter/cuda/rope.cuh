@@ -2,7 +2,8 @@
 // rows)) of x[rows, D] (blockops/rope.py). Row r sits at position pos_ids[(r / group) *
 // pos_s0] when pos_ids is given, else at `pos`. angle = float(position) * inv_freq[j]
 // (f32), accurate sincosf, and the products and sums rounded one by one (no FMA
-// contraction) as torch evaluates x1*cos - x2*sin and x2*cos + x1*sin.
+// contraction) as torch evaluates x1*cos - x2*sin and x2*cos + x1*sin (rope_rotate: HF
+// rounds as Hugging Face's apply_rotary_pos_emb does).
 // NORM: each row is first RMS-normalised as the rms_norm kind does (rownorm.cuh),
 // x <- T(T(x * rinv) * g). A warp per row, lanes over the D/2 rotation pairs; out may be
 // a KV cache row (RoPE + KV append), and in place (out == x) is safe.
@@ -65,7 +66,25 @@ template <bool OUTLINE> __device__ __forceinline__ float2 rope_sincos(float x) {
     }
 }
 
-template <class T, int D, bool NORM, bool OUTLINE = false>
+// The rotation of one pair (x1, x2) = (x[j], x[j + D/2]) by its angle's (sin, cos): (x1 cos - x2 sin,
+// x2 cos + x1 sin), each product and sum rounded to f32 (no FMA contraction), the caller rounding to T once.
+// HF: as Hugging Face's apply_rotary_pos_emb computes it in T (x * cos + rotate_half(x) * sin, cos and sin
+// cast to T first): cos and sin rounded to T, each product rounded to T, and each sum (in f32, as torch
+// adds two T values) rounded to T. The one definition of both roundings: every body that rotates calls it
+// (blockops/rope.py: rotated() is its CPU twin). In f32 the two agree.
+template <class T, bool HF>
+__device__ __forceinline__ float2 rope_rotate(float x1, float x2, float sn, float cs) {
+    if constexpr (HF) {
+        cs = round_to<T>(cs), sn = round_to<T>(sn);
+        const float a = round_to<T>(__fmul_rn(x1, cs)), b = round_to<T>(__fmul_rn(x2, sn));
+        const float c = round_to<T>(__fmul_rn(x2, cs)), d = round_to<T>(__fmul_rn(x1, sn));
+        return make_float2(round_to<T>(__fsub_rn(a, b)), round_to<T>(__fadd_rn(c, d)));
+    } else {
+        return make_float2(__fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn)), __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn)));
+    }
+}
+
+template <class T, int D, bool NORM, bool OUTLINE = false, bool HF = false>
 __device__ __forceinline__ void rope_store(float (&x1)[rope_pairs<D>()], float (&x2)[rope_pairs<D>()], long long p,
                                            const RopeLane<D>& c, float eps, T* out, long long os) {
     constexpr int H = D / 2, PL = rope_pairs<D>();
@@ -86,13 +105,13 @@ __device__ __forceinline__ void rope_store(float (&x1)[rope_pairs<D>()], float (
         const int j = t * 32 + lane;
         if (j >= H) continue;
         const float2 sc = rope_sincos<OUTLINE>(__fmul_rn((float)p, c.freq[t]));
-        const float sn = sc.x, cs = sc.y;
-        out[j * os] = from_f32<T>(__fsub_rn(__fmul_rn(x1[t], cs), __fmul_rn(x2[t], sn)));
-        out[(j + H) * os] = from_f32<T>(__fadd_rn(__fmul_rn(x2[t], cs), __fmul_rn(x1[t], sn)));
+        const float2 y = rope_rotate<T, HF>(x1[t], x2[t], sc.x, sc.y);
+        out[j * os] = from_f32<T>(y.x);
+        out[(j + H) * os] = from_f32<T>(y.y);
     }
 }
 
-template <class T, int D, bool NORM>
+template <class T, int D, bool NORM, bool HF = false>
 __device__ __noinline__ void rope_rows(Mat<const T> x, const float* inv_freq, Vec<const int> pos_ids, long long pos,
                                        long long group, Vec<const T> g, float eps, Mat<T> out, long long rows,
                                        int rows_per, long long c0) {
@@ -104,6 +123,6 @@ __device__ __noinline__ void rope_rows(Mat<const T> x, const float* inv_freq, Ve
         const long long p = pos_ids.p ? (long long)ld_cg(pos_ids.p + (r / group) * pos_ids.s0) : pos;
         float x1[rope_pairs<D>()], x2[rope_pairs<D>()];
         rope_load<T, D>(x.p + r * x.s0, x.s1, x1, x2);
-        rope_store<T, D, NORM>(x1, x2, p, lane, eps, out.p + r * out.s0, out.s1);
+        rope_store<T, D, NORM, false, HF>(x1, x2, p, lane, eps, out.p + r * out.s0, out.s1);
     }
 }

@@ -36,7 +36,7 @@ from .base import NONE, BlockKind, Partition, Term, c_call, dimc, f32, fields, n
 from ..ir.footprint import Full, Tile
 from .kv_store import CacheRows, kv_pages, pages_of
 from .ragged_attention import row_length
-from .rope import rotated
+from .rope import hf_param, rotated
 
 ROWS = 128  # (row, head) pairs an instance: 8 warps x 16
 PASS_SPLITS = 8  # instances a tile's passes spread over, at most
@@ -92,7 +92,7 @@ class RaggedFlash(BlockKind):
                 if "g" in rope:
                     qr = rms_normed(qr, rope["g"], op.params["eps"], q.dtype)
                 p = torch.full((qr.shape[0],), float(rope["pos_ids"][r]))
-                qr = f32(rotated(qr, p, rope["inv_freq"], q.dtype))
+                qr = f32(rotated(qr, p, rope["inv_freq"], q.dtype, op.params.get("hf", False)))
             scores = qr @ k.T * op.params["scale"]  # [G, L]
             out[r, heads] = (torch.softmax(scores, -1) @ v).to(out.dtype)
 
@@ -126,7 +126,8 @@ class RaggedFlash(BlockKind):
             return c_call("ragged_flash", [d, p["group"], "false", "false"], [*args, ("qr", "FlashQRope{}")])
         g = rope["g"].view() if "g" in rope else no_view(1, q.ctype)
         qr = f"FlashQRope{{{rope['inv_freq'].ptr}, {rope['pos_ids'].view(0)}, {g}, {float(p['eps'])!r}f}}"
-        return c_call("ragged_flash", [d, p["group"], "true", "true" if "g" in rope else "false"], [*args, ("qr", qr)])
+        hf = ["true"] if p.get("hf") else []
+        return c_call("ragged_flash", [d, p["group"], "true", "true" if "g" in rope else "false", *hf], [*args, ("qr", qr)])
 
 
 def sequence_rows(op) -> int:
@@ -189,36 +190,38 @@ class RaggedFlashTerm(Term):
 
 @term
 class RaggedFlashRopeTerm(Term):
-    """``ragged_flash`` of attention node ``node`` whose q is RoPE node ``rope`` (at positions from its i32
-    tensor) of ``x`` [after a per-row RMSNorm(``g``)]: each instance rotates its q rows as it loads them."""
+    """``ragged_flash`` of attention node ``node`` whose q is a RoPE (at positions from the i32 tensor ``pos``,
+    frequencies ``inv``, ``hf`` rounding: a ``rope_ids``'s fields) of ``x`` [after a per-row RMSNorm(``g``)]:
+    each instance rotates its q rows as it loads them."""
 
     name = "ragged_flash_rope"
-    fields = fields("x:ref g:ref eps:float rope:node node:node")
+    fields = fields("x:ref g:ref eps:float inv:ref pos:ref hf:int node:node")
     min_rows = RaggedFlashTerm.min_rows
     needs = RaggedFlashTerm.needs + ", q rotated at one position a token"
 
     def refs(self, graph, args):
-        r, n = graph.nodes[args["rope"]], graph.nodes[args["node"]]
-        return tuple(i for i in (args["x"], *n.inputs[1:], r.inputs[1], r.inputs[2], args["g"]) if i != NONE)
+        n = graph.nodes[args["node"]]
+        return tuple(i for i in (args["x"], *n.inputs[1:], args["inv"], args["pos"], args["g"]) if i != NONE)
 
     def fits(self, graph, args) -> bool:
-        r, x = graph.nodes[args["rope"]], graph.nodes[args["x"]]
-        return (RaggedFlashTerm().fits(graph, {"node": args["node"], "chunk": BLOCK}) and len(r.shape) == 3
-                and x.shape == r.shape and x.dtype == r.dtype and len(graph.nodes[r.inputs[2]].shape) == 1
+        q, x = graph.nodes[graph.nodes[args["node"]].inputs[0]], graph.nodes[args["x"]]
+        return (RaggedFlashTerm().fits(graph, {"node": args["node"], "chunk": BLOCK}) and len(q.shape) == 3
+                and x.shape == q.shape and x.dtype == q.dtype and len(graph.nodes[args["pos"]].shape) == 1
                 and (args["g"] == NONE or graph.nodes[args["g"]].dtype == bf16))
 
     def lower(self, b, value, args):
-        n, r = b.graph.nodes[value], b.graph.nodes[args["rope"]]
+        n = b.graph.nodes[value]
         kc, vc, pos, slot = (b.operand(i) for i in n.inputs[1:5])
         pages = paged_operands(b, n)
-        rope = {"inv_freq": r.inputs[1], "pos_ids": r.inputs[2], "g": args["g"]}
+        rope = {"inv_freq": args["inv"], "pos_ids": args["pos"], "g": args["g"]}
         roles = tuple(k for k, v in rope.items() if v != NONE)
         group = n.shape[1].value // kc.shape[1].value
+        x = b.operand(args["x"])
         params = {"group": group, "scale": n.attrs["scale"], "length": n.attrs["length"], "rope": roles,
-                  "eps": args["eps"], **pass_splits(n, b.operand(args["x"]), node_slots(b.graph, n)),
-                  **({"paged": True} if pages else {})}
-        inputs = [b.operand(args["x"]), kc, vc, b.flat(pos), b.flat(slot), *pages,
-                  *(b.flat(b.operand(rope[k])) if k == "pos_ids" else b.operand(rope[k]) for k in roles)]
+                  "eps": args["eps"], **pass_splits(n, x, node_slots(b.graph, n)),
+                  **({"paged": True} if pages else {}), **hf_param(args["hf"])}
+        inputs = [x, kc, vc, b.flat(pos), b.flat(slot), *pages,
+                  *(b.flat(b.operand(rope[k])) if k in ("pos_ids", "inv_freq") else b.operand(rope[k]) for k in roles)]
         refs = {args["x"], *n.inputs[1:], *(v for v in rope.values() if v != NONE)}
         b.emit("ragged_flash", b.absorbed(value, refs), inputs, b.output(value), params)
 

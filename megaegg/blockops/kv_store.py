@@ -12,8 +12,9 @@ Hkv, page_len, D]`` and position ``p`` of sequence ``s`` its row ``p % page_len`
 page_len]`` (``CacheRows``: the one place that maps them, for the attention kinds too).
 
 Fusion (operand roles in ``params["roles"]``, after ``new, pos, slot``): ``inv_freq`` and ``pos_ids``
-a RoPE prologue (row ``i`` rotated at ``pos_ids[i]``, as the ``rope`` kind does), with ``g`` a per-head
-RMSNorm before it (qwen3's k norm): the K projection's rows go into the cache with no RoPE op between.
+a RoPE prologue (row ``i`` rotated at ``pos_ids[i]``, as the ``rope`` kind does, ``params["hf"]`` its
+rounding), with ``g`` a per-head RMSNorm before it (qwen3's k norm): the K projection's rows go into the
+cache with no RoPE op between.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from ..dims import ceildiv
 from .base import NONE, BlockKind, Partition, Term, c_call, f32, fields, no_view, register, rms_normed, term
 from ..ir.footprint import Full, Tile
-from .rope import rotated
+from .rope import hf_param, rope_input, rotated
 
 ROLES = ("new", "pos", "slot")  # a plain store's operands
 ROWS = 64  # rows an instance (a prompt's 2048 rows: 32 instances a head, each a round trip of loads)
@@ -106,7 +107,8 @@ class KvStore(BlockKind):
             x = f32(rows)
             if "g" in k:
                 x = rms_normed(x, ins[k["g"]], op.params["eps"], out.dtype)
-            rows = rotated(x, ins[k["pos_ids"]][r0 : r0 + ROWS].long().float(), ins[k["inv_freq"]], out.dtype)
+            rows = rotated(x, ins[k["pos_ids"]][r0 : r0 + ROWS].long().float(), ins[k["inv_freq"]], out.dtype,
+                           op.params.get("hf", False))
         where = CacheRows("kv_store", out.shape, ins[k["pages"]] if "pages" in k else None)
         for i in range(new.shape[0]):
             p = row_index("kv_store", "position", int(pos[i]), where.rows)
@@ -130,7 +132,8 @@ class KvStore(BlockKind):
                      ("eps", f"{float(op.params.get('eps', 0.0))!r}f")]
         args += [("cache", out.view(const=False)), ("pages", pages)]
         if "inv_freq" in k:
-            return c_call("kv_store_rope", [new.ctype, d, "true" if "g" in k else "false", ROWS],
+            return c_call("kv_store_rope", [new.ctype, d, "true" if "g" in k else "false", ROWS,
+                                            *(["true"] if op.params.get("hf") else [])],
                           [*args, ("c0", "c0"), ("c1", "c1")])
         return c_call("kv_store", [new.ctype], [*args, ("D", f"{d}LL"), ("rows_per", str(ROWS)), ("c0", "c0"), ("c1", "c1")])
 
@@ -155,25 +158,27 @@ class KvStoreHeadsTerm(Term):
 
 @term
 class KvStoreRopeTerm(Term):
-    """The ``kv_store`` node ``store`` of the RoPE node ``rope`` (at positions from its i32 tensor) of
-    ``x`` [after a per-row RMSNorm(``g``)]: the rows rotated as they are stored, a head of 64 rows per instance."""
+    """The ``kv_store`` node ``store`` of a RoPE (at positions from the i32 tensor ``pos``, frequencies ``inv``,
+    ``hf`` rounding: a ``rope_ids``'s fields) of ``x`` [after a per-row RMSNorm(``g``)]: the rows rotated as
+    they are stored, a head of 64 rows per instance."""
 
     name = "kv_store_rope"
-    fields = fields("x:ref g:ref eps:float rope:node store:node")
+    fields = fields("x:ref g:ref eps:float inv:ref pos:ref hf:int store:node")
 
     def refs(self, graph, args):
-        r, s = graph.nodes[args["rope"]], graph.nodes[args["store"]]
+        s = graph.nodes[args["store"]]
         cache, _new, pos, slot = s.inputs[:4]
-        return tuple(i for i in (args["x"], args["g"], r.inputs[1], r.inputs[2], cache, pos, slot, pages_of(s.inputs, 4))
+        return tuple(i for i in (args["x"], args["g"], args["inv"], args["pos"], cache, pos, slot, pages_of(s.inputs, 4))
                      if i not in (NONE, None))
 
     def lower(self, b, value, args):
-        r, s = b.graph.nodes[args["rope"]], b.graph.nodes[value]
-        _cache, _new, pos, slot = s.inputs[:4]
-        operands = {"new": args["x"], "pos": pos, "slot": slot, "pages": pages_of(s.inputs, 4), "inv_freq": r.inputs[1],
-                    "pos_ids": r.inputs[2], "g": args["g"]}
+        s = b.graph.nodes[value]
+        _cache, new, pos, slot = s.inputs[:4]
+        operands = {"new": args["x"], "pos": pos, "slot": slot, "pages": pages_of(s.inputs, 4), "inv_freq": args["inv"],
+                    "pos_ids": args["pos"], "g": args["g"]}
         present = tuple(k for k, v in operands.items() if v not in (NONE, None))
-        inputs = [b.flat(b.operand(operands[k])) if k in ("pos", "slot", "pos_ids") else b.operand(operands[k])
+        inputs = [rope_input(b, args["x"], new) if k == "new" else
+                  b.flat(b.operand(operands[k])) if k in ("pos", "slot", "pos_ids", "inv_freq") else b.operand(operands[k])
                   for k in present]
-        params = {"roles": present, "eps": args["eps"]}
+        params = {"roles": present, "eps": args["eps"], **hf_param(args["hf"])}
         b.emit("kv_store", b.absorbed(value, {operands[k] for k in present}), inputs, b.operand(value), params)

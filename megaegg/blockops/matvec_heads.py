@@ -4,7 +4,8 @@ in one op. The destination is the q buffer, or a KV cache row at ``pos`` (a view
 
 Each instance computes ``rows`` rows (whole heads) into a shared-memory tile, then its
 epilogue rotates and stores them. Rounding follows the unfused ops: the projection
-rounds to the storage dtype, RoPE computes in fp32 from that and rounds again.
+rounds to the storage dtype, RoPE rotates that as the ``rope`` kind does (``rope.rotated``,
+``params["hf"]`` its rounding).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..dims import as_dim, ceildiv
 from .base import NONE, BlockKind, Partition, Term, c_call, dimc, fields, no_view, register, term
 from ..ir.footprint import Full, Tile
 from .matvec import products, roles
+from .rope import hf_param, hf_rounding, rotated
 
 
 @register
@@ -42,10 +44,8 @@ class MatVecHeads(BlockKind):
         r1 = min(r0 + p["rows"], ins[k["w"]].shape[0])
         y = products(op, ins, slice(0, 1), slice(r0, r1), dt).reshape(-1, d)  # [heads, D]
         if "inv_freq" in k:
-            ang = float(p["pos"].eval(env)) * ins[k["inv_freq"]].float()
-            cos, sin = ang.cos(), ang.sin()
-            h = d // 2
-            y = torch.cat([y[:, :h] * cos - y[:, h:] * sin, y[:, h:] * cos + y[:, :h] * sin], -1)
+            y = rotated(y.float(), torch.full((y.shape[0],), float(p["pos"].eval(env))), ins[k["inv_freq"]], dt,
+                        p.get("hf", False))
         out[r0 // d : r0 // d + y.shape[0]] = y.to(dt)
 
     def cuda_call(self, op, ins, out) -> str:
@@ -55,7 +55,7 @@ class MatVecHeads(BlockKind):
         inv = ins[k["inv_freq"]].ptr if "inv_freq" in k else "nullptr"
         pos = p["pos"].to_c(dimc) if "inv_freq" in k else "0"
         kdim, n = op.inputs[k["w"]].shape[1].value, op.inputs[k["w"]].shape[0].value
-        flags = ["true" if "g" in k else "false", "true" if "inv_freq" in k else "false"]
+        flags = ["true" if "g" in k else "false", "true" if "inv_freq" in k else "false", *(["true"] if p.get("hf") else [])]
         args = [("smem", "smem"), ("x", x.view()), ("g", g), ("eps", f"{float(p.get('eps', 0.0))!r}f"), ("w", w.view()),
                 ("inv_freq", inv), ("pos", pos), ("out", out.view(const=False)), ("N", f"{n}LL"), ("n_tile", "c1")]
         return c_call("matvec_heads", [x.ctype, kdim, p["rows"], p["head_dim"], *flags], args)
@@ -95,5 +95,6 @@ class MatVecHeadsTerm(Term):
         head_dim = inputs[present.index("w")].shape[0].value // heads.value
         pos = b.graph.nodes[rope].attrs["pos"] if rope != NONE else as_dim(0)
         out = b.cache_row(append) if append != NONE else b.output(value)
-        params = {"rows": args["rows"], "head_dim": head_dim, "roles": present, "eps": args["eps"], "pos": pos}
+        params = {"rows": args["rows"], "head_dim": head_dim, "roles": present, "eps": args["eps"], "pos": pos,
+                  **hf_param(rope != NONE and hf_rounding(b.graph.nodes[rope]))}
         b.emit("matvec_heads", b.absorbed(value, {v for v in operands.values() if v != NONE}), inputs, out, params)
