@@ -51,7 +51,8 @@ def scheduled_seconds(program: BlockProgram, env: dict[str, int], model: Instanc
     first; an op's instances wait for the whole of every op that wrote what they read."""
     writer: dict[int, int] = {}
     done: list[float] = []
-    free = [0.0] * model.sms
+    sm_free = [0.0] * model.sms  # when each SM ends its last instance so far
+    free = [(0.0, sm) for sm in range(model.sms)]  # (that time, the SM), the earliest first
     for k, op in enumerate(program.ops):
         n = max(1, int(op.launch_count.eval(env))) if op.grid else 1
         share = (op.estimate.bytes if op.estimate else 0) / n
@@ -61,24 +62,25 @@ def scheduled_seconds(program: BlockProgram, env: dict[str, int], model: Instanc
         early = REGISTRY[op.kind].waits_in_body
         ends = []
         for _ in range(n):
-            claimed = heapq.heappop(free) + model.claim
+            t, sm = heapq.heappop(free)
+            claimed = t + model.claim
             if early:
                 passed = max(ready, claimed + model.early_issue)
                 streamed = min(share, model.early_bytes, rate * (passed - claimed))
             else:
                 passed, streamed = max(ready, claimed + model.poll), 0.0
-            ends.append(passed + fixed + (share - streamed) / rate)
-            heapq.heappush(free, ends[-1])
-        end = max(ends)
+            sm_free[sm] = passed + fixed + (share - streamed) / rate
+            ends.append((sm_free[sm], sm))
+            heapq.heappush(free, (sm_free[sm], sm))
+        end = max(t for t, _ in ends)
         if op.kind in COMBINING:  # one last arrival an output tile (all grid axes but the split) holds its SM
             tiles = 1
             for d in op.grid[:-1]:
                 tiles *= int(d.eval(env))
-            late = sorted(ends)[-tiles:]
-            rest = list(free)
-            for t in late:
-                rest.remove(t)
-            free = rest + [t + model.combine for t in late]
+            last = sorted(((t, sm) for t, sm in ends if sm_free[sm] == t), reverse=True)[:tiles]  # (SMs not reused)
+            for t, sm in last:
+                sm_free[sm] = t + model.combine
+            free = [(t, sm) for sm, t in enumerate(sm_free)]
             heapq.heapify(free)
             end += model.combine
         done.append(end)
@@ -86,16 +88,19 @@ def scheduled_seconds(program: BlockProgram, env: dict[str, int], model: Instanc
     return max(done, default=0.0)
 
 
-def refine_tiles(chosen: dict, allowed: dict, build: Callable[[dict], BlockProgram], env: dict[str, int],
-                 model: InstanceModel = InstanceModel(), gain: float = 0.002) -> dict:
-    """``chosen`` with the tile heights of the ops that read a combining op's output revisited (the O
-    projection after attention; only these: the schedule's ranking of other ops' tiles was not confirmed on
-    a GPU, perf-notes #98). Such values whose choices are the same block op but for their operands (the O
-    projection of every layer) form a group; a group takes the tile height that all its values offer and
-    that shortens the scheduled program by more than ``gain`` of it."""
-    program = build(chosen)
+def combine_readers(program: BlockProgram) -> set[int]:
+    """The graph nodes whose block ops read a combining op's output (the O projection)."""
     combined = {o.output.buffer for o in program.ops if o.kind in COMBINING}
-    readers = {s for o in program.ops if any(i.buffer in combined for i in o.inputs) for s in o.sources}
+    return {s for o in program.ops if any(i.buffer in combined for i in o.inputs) for s in o.sources}
+
+
+def refine_tiles(chosen: dict, allowed: dict, readers: set[int], build: Callable[[dict], BlockProgram],
+                 env: dict[str, int], model: InstanceModel = InstanceModel(), gain: float = 0.002) -> dict:
+    """``chosen`` with the tile heights of the values of ``readers`` (``combine_readers``: the O projection
+    after attention; only these: the schedule's ranking of other ops' tiles was not confirmed on a GPU,
+    perf-notes #98) revisited. Such values whose choices are the same block op but for their operands (the
+    O projection of every layer) form a group; a group takes the tile height that all its values offer and
+    that shortens the scheduled program (``build(choices)``) by more than ``gain`` of it."""
     groups: dict[tuple, list] = {}
     for v in sorted(chosen, key=_node):
         c, term = chosen[v], TERMS[chosen[v].term]
@@ -103,7 +108,9 @@ def refine_tiles(chosen: dict, allowed: dict, build: Callable[[dict], BlockProgr
             key = (c.term, *((f.name, c.named[f.name]) for f in term.fields
                              if f.kind not in ("ref", "sum", "node") and f.name != TILE_FIELD))
             groups.setdefault(key, []).append(v)
-    best = scheduled_seconds(program, env, model)
+    if not groups:
+        return chosen
+    best = scheduled_seconds(build(chosen), env, model)
     for group in groups.values():
         options = [{a.named[TILE_FIELD]: a for a in allowed.get(v, ()) if _same_but_tile(a, chosen[v])} for v in group]
         for tile in sorted(set.intersection(*(set(o) for o in options)) - {chosen[group[0]].named[TILE_FIELD]}):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ..graph import Graph
 from .build import ProgramBuilder, build_program
 from .cost import CostModel
-from .critical import refine_tiles
+from .critical import combine_readers, refine_tiles
 from .encode import encode
 from .extract import alternatives, choose, computing_nodes
 from .layers import Repeats, expand, find_repeats, reduce
@@ -87,7 +87,11 @@ def rewrite(
         chosen = choose(small, allowed, price)  # DAG extraction by cost
         chosen = balance_siblings(small, allowed, chosen, estimates, model)  # Q, K, V share one wave
         if rows is None:  # a decode step: the tile heights that shorten the layer's critical path (critical.py)
-            chosen = refine_tiles(chosen, allowed, lambda ch: build_program(small, ch, env), env)
+            # (priced on the whole graph's program: the reduced graph's would weigh a layer's gain differently,
+            # and a rewrite with repeats must choose what one without them does)
+            readers = combine_readers(build_program(small, chosen, env))
+            chosen = refine_tiles(chosen, allowed, readers,
+                                  lambda ch: build_program(graph, expand(ch, repeats) if repeats else ch, env), env)
         return (expand(chosen, repeats) if repeats else chosen), model
 
     chosen, model = extract(env, {**env, rows: min(max_dims[rows], TIE_ROWS * env.get(rows, 1))} if rows else None)

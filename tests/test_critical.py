@@ -57,3 +57,40 @@ def test_programs_with_row_regimes_are_not_refined(preset, monkeypatch):
     refined = str(rewrite(g, **kw))
     monkeypatch.setattr(schedule, "refine_tiles", lambda chosen, *a, **k: pytest.fail("refined a step graph"))
     assert str(rewrite(g, **kw)) == refined
+
+
+def test_a_rewrite_with_repeated_layers_refines_as_a_full_one(monkeypatch):
+    """The reduced graph's rewrite (a few layers, the middle one copied) must choose what a rewrite of every
+    layer does: the schedule prices the whole program either way (a borderline config, found by a review:
+    llama-3.2-1b's shape with 16 heads, where the reduced program once weighed the O tile's gain at half)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(ModelConfig.preset("llama-3.2-1b"), heads=16, layers=16)
+    g, _ = build_decode_graph(cfg, max_len=1024)
+    kw = dict(dims_hint=ENV, max_dims={"pos": 1023})
+    once = str(rewrite(g, **kw))
+    monkeypatch.setattr(schedule, "find_repeats", lambda graph: None)
+    assert str(rewrite(g, **kw)) == once
+
+
+def test_the_schedule_takes_a_merge_on_an_sm_reused_within_its_op():
+    """A combining op whose instances share SMs (131 held by a long op before it): its last arrivals are
+    the SMs' latest instances, found without error, and the merge is on the critical path."""
+    from types import SimpleNamespace as NS
+
+    from megaegg.dims import as_dim
+
+    def op(kind, grid, nbytes, out, ins=()):
+        dims = tuple(as_dim(d) for d in grid)
+        count = dims[0]
+        for d in dims[1:]:
+            count = count * d
+        return NS(kind=kind, grid=dims, launch_count=count, estimate=NS(bytes=nbytes, hops=0),
+                  inputs=[NS(buffer=b) for b in ins], output=NS(buffer=out))
+
+    model = InstanceModel()
+    long = op("matvec", [131], 131 * 10_000_000, 1)
+    merge = op("attn_partial_merge", [4, 2], 8 * 1000, 2)
+    t = scheduled_seconds(NS(ops=[long, merge]), {}, model)
+    alone = scheduled_seconds(NS(ops=[merge]), {}, model)
+    assert alone >= model.combine and t >= alone

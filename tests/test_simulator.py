@@ -289,6 +289,29 @@ def test_hf_rounding_rope_in_each_fused_form_gives_the_references_bits():
     assert not any(torch.equal(outs["hf"][n], outs["f32"][n]) for n in outs["hf"])
 
 
+def test_a_written_out_rope_broadcast_over_a_runtime_dim_stays_elementwise():
+    """RoPE written out as transformers writes it, one position for x [1, S, D]'s S rows with S a runtime
+    dim: the fused rope_ids needs its rows' groups at compile time, so the ops stay elementwise (a review
+    found the compile raising) and give the reference's bits."""
+    from megaegg import ops as O
+
+    D = 16
+    g = me.Graph("rope_runtime_mid")
+    x = g.input("x", [1, me.sym("S"), D], me.bf16)
+    p = g.input("p", [1, 1], me.i32)
+    inv = g.constant("inv", 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float) / D)))
+    a = O.concat([O.mul(O.cast(p, me.f32), inv)] * 2, -1)
+    c, s = (O.reshape(O.cast(f(a), me.bf16), [1, 1, D]) for f in (O.cos, O.sin))
+    rot = O.concat([O.neg(O.slice(x, 2, D // 2, D)), O.slice(x, 2, 0, D // 2)], -1)
+    g.output("y", O.add(O.mul(x, c), O.mul(rot, s)))
+    k = me.compile(g, {}, backend="sim", max_dims={"S": 64})
+    assert "rope" not in {e.op.kind for e in k.queue.entries}
+    torch.manual_seed(3)
+    ins = {"x": torch.randn(1, 5, D).to(torch.bfloat16), "p": torch.tensor([[37]], dtype=torch.int32)}
+    ref = me.run_reference(g, ins, {}, {"S": 5})
+    assert torch.equal(k(**ins, S=5)["y"], ref["y"])
+
+
 def test_gated_mlp_through_a_weight_view_stays_unfused():
     """glu_down reads its weights' rows directly: a gate weight seen through a transpose is
     left to the matvec path (which handles strides), and the result stays right."""

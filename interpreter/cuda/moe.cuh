@@ -12,7 +12,8 @@ namespace moe_impl {
 
 // The expert and routing weight of `slot` among the top_k of softmax(logits[0, :E]), found by warp 0
 // alone (lane l owns the experts l, l + 32, ...: no block barrier until the result is shared, where the
-// block-wide version paid ~4 a round of the top_k). Uses smem[0, 4 * E); every thread gets the result.
+// block-wide version paid ~4 a round of the top_k). Uses smem[0, 4 * E); every thread gets the result. NaN
+// logits report MEGA_ERR_NAN (the op's row 0) and route to expert 0 with weight 0, nothing read out of range.
 template <class T, class TL>
 __device__ void route(char* smem, Vec<const TL> logits, int E, int top_k, bool normalize, long long slot, int& expert,
                       float& weight) {
@@ -49,11 +50,13 @@ __device__ void route(char* smem, Vec<const TL> logits, int E, int top_k, bool n
             }
             chosen += bv;
             if (j == slot) mine = bv, mine_i = bi;
-            if ((bi & 31) == lane) p[bi] = MEGA_NEG_INF;  // (lane-owned: the next round's reads are its own)
+            if (bi < E && (bi & 31) == lane) p[bi] = MEGA_NEG_INF;  // (lane-owned: the next round's reads are its own)
         }
         if (lane == 0) {
-            routed_expert = (int)mine_i;
-            routed_weight = round_to<T>(normalize ? mine / chosen : mine);
+            const bool nan = mine_i >= E;  // (NaN logits: no probability compares; none chosen)
+            if (nan) mega_body_error(MEGA_ERR_NAN, 0);
+            routed_expert = nan ? 0 : (int)mine_i;
+            routed_weight = nan ? 0.0f : round_to<T>(normalize ? mine / chosen : mine);
         }
     }
     mega_sync();  // (the result shared; p is read by warp 0 only, so smem is free for the body)

@@ -130,9 +130,15 @@ class RopeIdsTerm(Term):
     fields = fields("x:ref g:ref eps:float inv:ref pos:ref hf:int rope:node append:node rows_per:int")
     tile = "rows_per"
 
+    needs = "the dims between the first and the last known at compile time (a position a group of rows)"
+
     def refs(self, graph, args):
         cache = graph.nodes[args["append"]].inputs[0] if args["append"] != NONE else NONE
         return tuple(i for i in (args["x"], args["g"], args["inv"], args["pos"], cache) if i != NONE)
+
+    def fits(self, graph, args) -> bool:
+        # (ops.rope checks it; a RoPE recovered from written-out ops may broadcast its position over a runtime dim)
+        return all(d.is_const for d in graph.nodes[args["rope"]].shape[1:-1])
 
     def lower(self, b, value, args):
         r = b.graph.nodes[args["rope"]]
