@@ -152,6 +152,17 @@ class ProgramBuilder:
         """View as 1-D."""
         return o if len(o.shape) == 1 else self.view(o, "reshape", (numel(o.shape),))
 
+    def adjacent(self, o: Operand) -> Operand:
+        """``o`` as 1-D elements one after another (a body that takes a bare pointer, RoPE's frequencies): itself
+        when its view already is, else a contiguous copy."""
+        o = self.flat(o)
+        lay = layout_of(self.buffers[o.buffer].shape, o.views)
+        if lay is not None and lay.stride[0].is_const and lay.stride[0].value == 1:
+            return o
+        dst = self.scratch(f"copy{len(self.buffers)}", o.shape, o.dtype)
+        materialize(self, self.strided(o, []), dst, [])
+        return dst
+
     def broadcast(self, o: Operand, shape: tuple[Dim, ...]) -> Operand:
         if len(o.shape) < len(shape):
             o = self.view(o, "reshape", (as_dim(1),) * (len(shape) - len(o.shape)) + o.shape)

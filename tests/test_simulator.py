@@ -420,3 +420,30 @@ def test_a_split_over_k_is_read_once_every_split_has_arrived():
     with pytest.raises(SimulationError, match="read unwritten elements"):
         for seed in range(10):
             k.simulate(Interleaving(sms=8, seed=seed, adversarial=True), **args, **dims)
+
+
+def test_rope_frequencies_seen_with_a_stride_are_copied_for_the_bodies():
+    """The CUDA bodies that rotate read the frequencies through a bare pointer: a recovered RoPE whose
+    frequencies are every other element of a constant (a view with stride 2) gets them copied adjacent
+    (a review found the stride-2 view passed as is), and the result is the reference's."""
+    from megaegg import ops as O
+    from megaegg.ir.layout import layout_of
+
+    D, K = 16, 8
+    g = me.Graph("rope_strided_inv")
+    x = g.input("x", [1, 2, D], me.bf16)
+    p = g.input("p", [1, 1], me.i32)
+    base = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float) / D))
+    inv = O.reshape(O.slice(g.constant("inv2", torch.stack([base, torch.zeros(K)], 1)), 1, 0, 1), [K])
+    a = O.concat([O.mul(O.cast(p, me.f32), inv)] * 2, -1)
+    c, s = (O.reshape(O.cast(f(a), me.bf16), [1, 1, D]) for f in (O.cos, O.sin))
+    rot = O.concat([O.neg(O.slice(x, 2, D // 2, D)), O.slice(x, 2, 0, D // 2)], -1)
+    g.output("y", O.add(O.mul(x, c), O.mul(rot, s)))
+    k = me.compile(g, {}, backend="sim")
+    prog = k.queue.program
+    (rope,) = [op for op in prog.ops if op.kind == "rope"]
+    o = rope.inputs[rope.params["roles"].index("inv_freq")]
+    assert str(layout_of(prog.buffers[o.buffer].shape, o.views)) == "(8):(1)+0"
+    torch.manual_seed(4)
+    ins = {"x": torch.randn(1, 2, D).to(torch.bfloat16), "p": torch.tensor([[29]], dtype=torch.int32)}
+    assert torch.equal(k(**ins)["y"], me.run_reference(g, ins, {}, {})["y"])

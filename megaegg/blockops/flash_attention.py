@@ -221,7 +221,8 @@ class RaggedFlashRopeTerm(Term):
                   "eps": args["eps"], **pass_splits(n, x, node_slots(b.graph, n)),
                   **({"paged": True} if pages else {}), **hf_param(args["hf"])}
         inputs = [x, kc, vc, b.flat(pos), b.flat(slot), *pages,
-                  *(b.flat(b.operand(rope[k])) if k in ("pos_ids", "inv_freq") else b.operand(rope[k]) for k in roles)]
+                  *(b.adjacent(b.operand(rope[k])) if k == "inv_freq" else b.flat(b.operand(rope[k])) if k == "pos_ids"
+                    else b.operand(rope[k]) for k in roles)]
         refs = {args["x"], *n.inputs[1:], *(v for v in rope.values() if v != NONE)}
         b.emit("ragged_flash", b.absorbed(value, refs), inputs, b.output(value), params)
 

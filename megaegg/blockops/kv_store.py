@@ -178,7 +178,8 @@ class KvStoreRopeTerm(Term):
                     "pos_ids": args["pos"], "g": args["g"]}
         present = tuple(k for k, v in operands.items() if v not in (NONE, None))
         inputs = [rope_input(b, args["x"], new) if k == "new" else
-                  b.flat(b.operand(operands[k])) if k in ("pos", "slot", "pos_ids", "inv_freq") else b.operand(operands[k])
+                  b.adjacent(b.operand(operands[k])) if k == "inv_freq" else
+                  b.flat(b.operand(operands[k])) if k in ("pos", "slot", "pos_ids") else b.operand(operands[k])
                   for k in present]
         params = {"roles": present, "eps": args["eps"], **hf_param(args["hf"])}
         b.emit("kv_store", b.absorbed(value, {operands[k] for k in present}), inputs, b.operand(value), params)

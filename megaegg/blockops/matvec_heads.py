@@ -90,7 +90,8 @@ class MatVecHeadsTerm(Term):
         operands = {"x": args["x"], "w": args["w"], "g": args["g"],
                     "inv_freq": b.graph.nodes[rope].inputs[1] if rope != NONE else NONE}
         present = tuple(k for k, v in operands.items() if v != NONE)
-        inputs = [b.rows(b.operand(operands[r])) if r == "x" else b.operand(operands[r]) for r in present]
+        inputs = [b.rows(b.operand(operands[r])) if r == "x" else b.adjacent(b.operand(operands[r])) if r == "inv_freq"
+                  else b.operand(operands[r]) for r in present]
         heads = b.graph.nodes[append].shape[0] if append != NONE else b.graph.nodes[value].shape[0]
         head_dim = inputs[present.index("w")].shape[0].value // heads.value
         pos = b.graph.nodes[rope].attrs["pos"] if rope != NONE else as_dim(0)

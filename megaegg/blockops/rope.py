@@ -99,7 +99,8 @@ class RopeRowsTerm(Term):
         r = b.graph.nodes[args["rope"]]
         operands = {"x": args["x"], "inv_freq": r.inputs[1], "g": args["g"]}
         present = tuple(k for k, v in operands.items() if v != NONE)
-        inputs = [b.rows(b.operand(operands[k])) if k == "x" else b.operand(operands[k]) for k in present]
+        inputs = [b.rows(b.operand(operands[k])) if k == "x" else b.adjacent(b.operand(operands[k])) if k == "inv_freq"
+                  else b.operand(operands[k]) for k in present]
         out = b.cache_row(args["append"]) if args["append"] != NONE else b.rows(b.output(r.id))
         params = {"rows_per": args["rows_per"], "pos": r.attrs["pos"], "group": 1, "roles": present, "eps": args["eps"],
                   **hf_param(hf_rounding(r))}
@@ -144,7 +145,8 @@ class RopeIdsTerm(Term):
         r = b.graph.nodes[args["rope"]]
         operands = {"x": args["x"], "inv_freq": args["inv"], "pos_ids": args["pos"], "g": args["g"]}
         present = tuple(k for k, v in operands.items() if v != NONE)
-        inputs = [b.rows(b.operand(operands[k])) if k == "x" else b.flat(b.operand(operands[k])) if k in ("pos_ids", "inv_freq")
+        inputs = [b.rows(b.operand(operands[k])) if k == "x" else b.adjacent(b.operand(operands[k])) if k == "inv_freq"
+                  else b.flat(b.operand(operands[k])) if k == "pos_ids"
                   else b.operand(operands[k]) for k in present]
         group = math.prod(d.value for d in r.shape[1:-1]) if len(r.shape) > 2 else 1
         out = b.cache_row(args["append"]) if args["append"] != NONE else b.rows(b.output(r.id))
