@@ -63,11 +63,7 @@ class Trace:
         sms = np.unique(self.sm)
         wall = done.max() - claim.min()
         busy = (done - claim).sum()
-        pops = 0.0
-        for s in sms:  # gaps on each SM between finishing one instance and claiming the next
-            idx = np.where(self.sm == s)[0]
-            order = idx[np.argsort(claim[idx])]
-            pops += np.clip(claim[order[1:]] - done[order[:-1]], 0, None).sum()
+        pops = float(np.nansum(np.clip(self._claim_gaps(claim, done), 0, None)))
         per_op = []
         for k, e in enumerate(self.queue.entries):
             m = self.entry == k
@@ -82,16 +78,21 @@ class Trace:
             "ops": per_op,
         }
 
+    def _claim_gaps(self, claim, done) -> np.ndarray:
+        """Each instance's gap on its SM from the previous instance's finish to its claim (NaN: the SM's first)."""
+        gap = np.full(len(claim), np.nan)
+        for s in np.unique(self.sm):
+            idx = np.where(self.sm == s)[0]
+            order = idx[np.argsort(claim[idx])]
+            gap[order[1:]] = claim[order[1:]] - done[order[:-1]]
+        return gap
+
     def stages(self) -> list[OpStages]:
         """Per op signature (kind, instances) in queue order of first appearance: the stages of a hand-off
         (docs/perf-notes.md #97)."""
         t = self.times_us()
         claim, waited, done = t[:, 0], t[:, 1], t[:, 2]
-        gap = np.full(len(t), np.nan)
-        for s in np.unique(self.sm):
-            idx = np.where(self.sm == s)[0]
-            order = idx[np.argsort(claim[idx])]
-            gap[order[1:]] = claim[order[1:]] - done[order[:-1]]
+        gap = self._claim_gaps(claim, done)
         rows: dict[tuple, dict[str, list]] = {}
         prev_done = None
         for k in range(len(self.queue.entries)):

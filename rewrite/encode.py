@@ -11,6 +11,7 @@ from typing import Callable
 
 from egglog import EGraph, union
 
+from ..blockops.rope import hf_rounding
 from ..dims import as_dim
 from ..dtypes import f32
 from ..graph import LEAF_OPS, Graph, Node
@@ -44,8 +45,7 @@ ENCODERS: dict[str, Callable[[Graph, Node], dict | None]] = {
     "neg": lambda g, n: dict(a=n.inputs[0]),
     "silu": lambda g, n: dict(a=n.inputs[0]),
     "rope": lambda g, n: dict(x=n.inputs[0], node=n.id) if n.attrs["pos"] is not None else (
-        "rope_at_ids", dict(x=n.inputs[0], inv=n.inputs[1], pos=n.inputs[2], hf=int(n.attrs.get("rounding") == "hf"),
-                            node=n.id)),
+        "rope_at_ids", dict(x=n.inputs[0], inv=n.inputs[1], pos=n.inputs[2], hf=int(hf_rounding(n)), node=n.id)),
     "kv_append": lambda g, n: dict(cache=n.inputs[0], new=n.inputs[1]),
     "kv_store": lambda g, n: dict(new=n.inputs[1], node=n.id),
     "ragged_attention": lambda g, n: dict(q=n.inputs[0], node=n.id),

@@ -24,7 +24,9 @@ def test_stages_of_a_two_op_chain():
         (1, 0, 0, 1200, 1500, 2500), (1, 1, 1, 1200, 1400, 2300),
     ]
     rec = np.array([[e << 40 | s << 32 | i, base + c, base + p, base + d] for e, s, i, c, p, d in rows], dtype=np.uint64)
-    (chain,) = Trace(chain_queue(), rec).stages()  # (one signature: both entries are 2-instance elementwise ops)
+    trace = Trace(chain_queue(), rec)
+    assert trace.summary()["pop_pct"] == pytest.approx(100 * (0.2 + 0.3) / (2.5 * 2))  # (the same gaps, summed)
+    (chain,) = trace.stages()  # (one signature: both entries are 2-instance elementwise ops)
     assert (chain.kind, chain.entries, chain.instances) == ("elementwise", 2, 2)
     assert chain.claim_gap == pytest.approx(0.25)  # the second's: SM 0 1.0 -> 1.2 us, SM 1 0.9 -> 1.2
     assert chain.claim_to_pass == pytest.approx(0.125)  # entry medians 0 and 0.25 (0.3, 0.2)
