@@ -24,7 +24,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from .artifact import Artifact, artifact_key, load_cached, store_cached
-from .dims import evaluate_shape, fmt_shape
+from .dims import as_dim, evaluate_shape, fmt_shape
 from .graph import IN_PLACE_OPS, Graph, GraphError, fmt_bytes
 from .rewrite import CostModel  # (the stage's passes are imported by build_artifact, on first use)
 from .ir.program import Operand, swap_last
@@ -448,7 +448,21 @@ class Kernel:
         unknown = sorted(set(kwargs) - set(dims) - set(inputs) - set(self.program.unused_leaves))
         if unknown:
             raise GraphError(f"unknown argument(s) {unknown}; inputs: {sorted(inputs)}, runtime dims: {list(symbols)}")
-        for s in symbols:
+        dims = self._checked_dims(dims)
+        tensors = {}
+        for name, b in inputs.items():
+            if name not in kwargs:
+                raise GraphError(f"missing input {name!r}")
+            tensors[b.id] = self._checked_input(name, kwargs[name], dims)
+        if self._alias is not None:  # (the tensors as the kernel sees them: a copied input aliases nothing)
+            self._alias.check(self._state_labels, [tensors[i] for i in self._state_ids],
+                              [(self._labels[i], t) for i, t in tensors.items() if i not in self._written],
+                              tuple(dims.values()) if self._state_symbolic else ())
+        return tensors, dims
+
+    def _checked_dims(self, dims: Mapping[str, int]) -> dict[str, int]:
+        """Every runtime dim given, in range, the ops' bounds kept: the dims with the derived ones."""
+        for s in self.program.user_symbols:
             v = dims.get(s)
             if v is None:
                 raise GraphError(f"missing value for runtime dim {s!r}")
@@ -462,30 +476,26 @@ class Kernel:
             if not lo <= v <= hi:
                 raise GraphError(f"{c.what} {v} outside [{lo}, {hi}] ({c.value} with "
                                  f"{', '.join(f'{k}={x}' for k, x in dims.items())})")
-        tensors = {}
-        for name, b in inputs.items():
-            if name not in kwargs:
-                raise GraphError(f"missing input {name!r}")
-            t = kwargs[name]
-            shape = evaluate_shape(b.shape, dims)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != b.dtype.torch:
-                got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise GraphError(f"input {name!r}: expected {b.dtype}{list(shape)}, got {got}")
-            _check_has_data(f"input {name!r}", t)
-            if t.device.type != self.device.type:
-                if b.kind == "state":
-                    raise GraphError(f"input {name!r} is updated in place and must live on {self.device}, not {t.device}")
-                t = t.to(self.device)
-            if not t.is_contiguous():
-                if b.kind == "state":
-                    raise GraphError(f"input {name!r} is updated in place and must be contiguous")
-                t = t.contiguous()
-            tensors[b.id] = t
-        if self._alias is not None:  # (the tensors as the kernel sees them: a copied input aliases nothing)
-            self._alias.check(self._state_labels, [tensors[i] for i in self._state_ids],
-                              [(self._labels[i], t) for i, t in tensors.items() if i not in self._written],
-                              tuple(dims.values()) if self._state_symbolic else ())
-        return tensors, dims
+        return dims
+
+    def _checked_input(self, name: str, t, dims: Mapping[str, int]) -> torch.Tensor:
+        """Input ``name`` as the kernel reads it: its shape and dtype checked, on the device, contiguous (a
+        read-only input copied where it is not; an input updated in place must be)."""
+        b = self._inputs[name]
+        shape = evaluate_shape(b.shape, dims)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != b.dtype.torch:
+            got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise GraphError(f"input {name!r}: expected {b.dtype}{list(shape)}, got {got}")
+        _check_has_data(f"input {name!r}", t)
+        if t.device.type != self.device.type:
+            if b.kind == "state":
+                raise GraphError(f"input {name!r} is updated in place and must live on {self.device}, not {t.device}")
+            t = t.to(self.device)
+        if not t.is_contiguous():
+            if b.kind == "state":
+                raise GraphError(f"input {name!r} is updated in place and must be contiguous")
+            t = t.contiguous()
+        return t
 
     # --- running ----------------------------------------------------------------------
     def __call__(self, *, check: bool = True, **kwargs) -> dict[str, torch.Tensor]:
@@ -613,7 +623,10 @@ class Launcher:
 
     It launches on the tensors it was given every time (an input on another device, or not contiguous,
     is copied once, when the launcher is made): update them in place between launches (``copy_``; the
-    kernel itself updates its caches), never rebind or free them; the runtime dims are fixed too.
+    kernel itself updates its caches), never free them. ``launcher(**changes)`` launches with some
+    read-only inputs and runtime dims changed, checking only those (a decode loop's token and position;
+    the inputs updated in place stay the launcher's; where an input's shape holds a runtime dim, a change of
+    dims checks the whole call again).
 
     >>> import torch, megaegg as me
     >>> g = me.Graph(); x = g.input("x", [1, 64], me.f32)
@@ -629,15 +642,50 @@ class Launcher:
     """
 
     def __init__(self, kernel: Kernel, tensors: dict[int, torch.Tensor], dims: dict[str, int]) -> None:
-        self.kernel, self.dims = kernel, dims
-        self._tensors, self._last = tensors, None
-        if kernel.backend == "cuda":  # (bound once: a launch is one call into the runtime)
-            self._launch = functools.partial(kernel._runner.launch, [dims[s] for s in kernel.program.symbols], tensors)
+        self.kernel, self._last = kernel, None
+        self._bind(tensors, dims)
+        # the call in full (checked again where a change of dims could change an input's shape)
+        self._symbolic = kernel._state_symbolic or any(not as_dim(d).is_const for b in kernel._inputs.values()
+                                                       for d in b.shape)
+
+    def _bind(self, tensors: dict[int, torch.Tensor], dims: dict[str, int]) -> None:
+        self._tensors, self.dims = tensors, dims
+        if self.kernel.backend == "cuda":  # (bound once: a launch is one call into the runtime)
+            self._launch = functools.partial(self.kernel._runner.launch, [dims[s] for s in self.kernel.program.symbols],
+                                             tensors)
         else:
             self._launch = self._simulate
 
-    def __call__(self) -> None:
+    def __call__(self, **changes) -> None:
+        if changes:
+            self._change(changes)
         self._launch()
+
+    def _change(self, changes: dict) -> None:
+        """Rebind the read-only inputs and runtime dims in ``changes``, each checked as a call checks it."""
+        k = self.kernel
+        symbols = k.program.user_symbols
+        new_dims = {s: v for s, v in changes.items() if s in symbols}
+        names = {b.id: name for name, b in k._inputs.items()}
+        if new_dims and self._symbolic:  # (shapes may follow the dims: the whole call again)
+            given = {names[i]: t for i, t in self._tensors.items()}
+            tensors, dims = k._split_args({**given, **{s: self.dims[s] for s in symbols}, **changes})
+            return self._bind(tensors, dims)
+        dims = k._checked_dims({**{s: self.dims[s] for s in symbols}, **new_dims}) if new_dims else self.dims
+        tensors = dict(self._tensors)
+        for name, t in changes.items():
+            if name in new_dims:
+                continue
+            b = k._inputs.get(name)
+            if b is None:
+                raise GraphError(f"unknown argument {name!r}; inputs: {sorted(k._inputs)}, runtime dims: {list(symbols)}")
+            if b.kind == "state":
+                raise GraphError(f"input {name!r} is updated in place: a launcher keeps the one it was made with")
+            t = tensors[b.id] = k._checked_input(name, t, dims)
+            hit = k._alias.written.find(*_span(t)) if k._alias is not None and t.numel() else None
+            if hit is not None:
+                raise _alias_error(k._labels[b.id], False, hit, True)
+        self._bind(tensors, dims)
 
     def _simulate(self) -> None:
         self._last = self.kernel._run_sim(self._tensors, self.dims)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .graph import GraphError
-from .models.batch import Batcher, Request, Sampling, kernel_batch_step, reference_batch_step
+from .models.batch import Batcher, Request, Sampling, kernel_batch_step, reference_batch_step, single_sequence_decode
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
@@ -529,10 +529,11 @@ def _sse(obj) -> str:
 def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots: int, max_tokens: int,
                  max_queue: int, page_len: int | None = None, pages: int | None = None) -> Engine:
     """The step graph of ``cfg`` (sampling on the device) with ``weights_for(spec)``, compiled (``backend``
-    "cuda" or "sim"; "reference": the reference executor), behind a batcher and its engine thread. With
-    ``page_len``, paged caches: a pool of ``pages`` pages (default: as many rows as ``slots`` caches)."""
+    "cuda" or "sim"; "reference": the reference executor), behind a batcher and its engine thread; a launch of
+    one decoding row runs the batch-1 decode graph (with sampling) on its slot. With ``page_len``, paged
+    caches: a pool of ``pages`` pages (default: as many rows as ``slots`` caches), every launch the step graph's."""
     import megaegg as me
-    from .models import build_step_graph
+    from .models import build_decode_graph, build_step_graph
     from .models.pages import PagePool
 
     if pages is not None and page_len is None:
@@ -549,6 +550,11 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
         kernel = me.compile(graph, weights, backend=backend, max_dims={"n": max_tokens, "r": slots, "ctx": max_len},
                             dims_hint={"n": slots, "r": slots, "ctx": min(512, max_len)})
         step = kernel_batch_step(kernel, caches)
+        if not page_len:  # a lone decoding sequence: the batch-1 decode graph's fused kernel, on its slot
+            decode_graph, _ = build_decode_graph(cfg, max_len=max_len, logits=False, sampling=True)
+            decode = me.compile(decode_graph, weights, backend=backend, max_dims={"pos": max_len - 1},
+                                dims_hint={"pos": min(512, max_len - 1)})
+            step = single_sequence_decode(step, decode, caches)
     pool = PagePool(pages, page_len, per_seq) if page_len else None
     batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab,
                       prefix_cache=pool is None, pages=pool)

@@ -417,3 +417,36 @@ def test_a_mixed_steps_flash_tile_spreads_its_passes_over_instances():
                               **{n: c.clone() for n, c in caches.items()}, **dims)
         err = ((out["logits"].float() - ref["logits"].float()).norm() / ref["logits"].float().norm()).item()
         assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("decode_sampling", [True, False])
+def test_a_lone_sequence_decodes_through_the_batch_1_graph_with_the_same_tokens(tiny, decode_sampling):
+    """single_sequence_decode: once one sequence is left decoding, its launches run the batch-1 decode graph on
+    its slot (a decode graph with sampling takes sampled rows too; a greedy one leaves them to the step graph),
+    and every sequence's tokens, greedy and sampled, are those of the step graph alone."""
+    from megaegg.models import build_decode_graph
+    from megaegg.models.batch import single_sequence_decode
+
+    cfg, graph, spec, weights = tiny
+    step_kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 24, "r": 3, "ctx": 24})
+    decode_graph, _ = build_decode_graph(cfg, max_len=24, logits=False, sampling=decode_sampling)
+    decode = me.compile(decode_graph, weights, backend="sim", max_dims={"pos": 23})
+    requests = lambda: [Request([3, 17, 5], 7), Request([9, 2], 4, sampling=Sampling(temperature=0.9, seed=11)),  # noqa: E731
+                        Request([12, 40, 41, 42], 9, sampling=Sampling(temperature=1.3, top_k=9, seed=2))]
+    outs, lone_rows = {}, []
+
+    def seen(run):  # the launches of one output row that the decode graph may take
+        def wrapped(rows):
+            if len(rows.host_pos) == rows.out.numel() == 1 and (decode_sampling or rows.greedy):
+                lone_rows.append(rows.greedy)
+            return run(rows)
+        return wrapped
+
+    for lone in (False, True):
+        caches = spec.new_caches()
+        step = kernel_batch_step(step_kernel, caches)
+        batch = Batcher(seen(single_sequence_decode(step, decode, caches)) if lone else step, slots=3, max_len=24)
+        outs[lone] = [[g.tokens for g in batch.run(requests()[:k])] for k in (1, 2, 3)]
+    assert outs[True] == outs[False]
+    assert all(len(t) == n for runs in outs[True] for t, n in zip(runs, (7, 4, 9)))
+    assert decode.launches == len(lone_rows) >= 6 and (not all(lone_rows)) == decode_sampling

@@ -39,6 +39,7 @@ import torch
 
 from ..graph import Graph, GraphError
 from ..reference import run_reference
+from .decoder import SAMPLING_INPUTS
 from .generate import Generation, StepInfo, check_token_ids, token_ids
 from .pages import PagePool, SequencePages
 
@@ -113,7 +114,7 @@ class StepRows:
         if not sampling and not self.greedy:  # (its inputs would be dropped: greedy tokens, silently)
             raise GraphError("a request samples (temperature > 0) but the step graph has no sampling inputs: "
                              "build it with build_step_graph(..., sampling=True)")
-        names = ["token", "pos", "slot", "out"] + (["temperature", "top_k", "top_p", "seed", "counter"] if sampling else [])
+        names = ["token", "pos", "slot", "out"] + ([name for name, _ in SAMPLING_INPUTS] if sampling else [])
         return {n: getattr(self, n) for n in names} | ({"pages": self.pages} if self.pages is not None else {})
 
 
@@ -383,18 +384,20 @@ class Batcher:
             req.on_token(tok)
 
     def _rows(self, rows: list[tuple[_Running, int, int]], outs: list[tuple[_Running, int]]) -> StepRows:
-        def i32(v):
-            return torch.tensor(v, dtype=torch.int32, device=self.device)
-
-        def f32(v):
-            return torch.tensor(v, dtype=torch.float32, device=self.device)
-
+        """The launch's rows on the device: one copy of every value (a copy a field cost ~10 us each on an
+        H200's host, a tenth of a small model's step), the fields views of it."""
         s = [r.request.sampling for r, _ in outs]
+        ints = [t for _, t, _ in rows] + [p for _, _, p in rows] + [r.slot for r, _, _ in rows] + [i for _, i in outs] \
+            + [x.top_k for x in s] + [x.seed for x in s] + [len(r.generation.tokens) for r, _ in outs]
+        floats = [x.temperature for x in s] + [x.top_p for x in s]
+        packed = torch.cat([torch.tensor(ints, dtype=torch.int32),
+                            torch.tensor(floats, dtype=torch.float32).view(torch.int32)]).to(self.device)
+        n, r = len(rows), len(outs)
+        cut = iter(packed.split([n, n, n, r, r, r, r, r, r]))
+        token, pos, slot, out, top_k, seed, counter, temperature, top_p = cut
         return StepRows(
-            token=i32([t for _, t, _ in rows]), pos=i32([p for _, _, p in rows]), slot=i32([r.slot for r, _, _ in rows]),
-            out=i32([i for _, i in outs]), temperature=f32([x.temperature for x in s]), top_k=i32([x.top_k for x in s]),
-            top_p=f32([x.top_p for x in s]), seed=i32([x.seed for x in s]),
-            counter=i32([len(r.generation.tokens) for r, _ in outs]),
+            token=token, pos=pos, slot=slot, out=out, temperature=temperature.view(torch.float32), top_k=top_k,
+            top_p=top_p.view(torch.float32), seed=seed, counter=counter,
             host_pos=tuple(p for _, _, p in rows), host_slot=tuple(r.slot for r, _, _ in rows),
             greedy=all(x.greedy for x in s), pages=self._table())
 
@@ -463,16 +466,28 @@ def kernel_batch_step(kernel, caches: Mapping[str, torch.Tensor], *, check: bool
 
 
 def single_sequence_decode(step: BatchStepFn, decode_kernel, caches: Mapping[str, torch.Tensor]) -> BatchStepFn:
-    """``step``, except that a launch of one decoding row runs ``decode_kernel`` (a greedy batch-1 decode
-    graph, :func:`~megaegg.models.build_decode_graph`: its fused kernel is faster) on that row's cache slot."""
+    """``step``, except that a launch of one decoding row runs ``decode_kernel`` (a batch-1 decode graph,
+    :func:`~megaegg.models.build_decode_graph`: its fused kernel is faster) on that row's cache slot. A
+    decode graph built with ``sampling`` takes every row; a greedy one only rows that are greedy. A slot's
+    launches go through one launcher (its caches checked once; the token, position and sampling each time)."""
+    sampling = "temperature" in {b.name for b in decode_kernel.program.buffers}
+    knobs = [name for name, _ in SAMPLING_INPUTS] if sampling else []
+    launchers = {}
 
     def run(rows: StepRows) -> torch.Tensor:
         if rows.pages is not None:
             raise GraphError("single_sequence_decode takes caches of slots; a paged cache's rows are in pages")
-        if len(rows.host_pos) != 1 or rows.out.numel() != 1:
+        if len(rows.host_pos) != 1 or rows.out.numel() != 1 or not (sampling or rows.greedy):
             return step(rows)
-        slot = rows.host_slot[0]
-        views = {name: c[slot] for name, c in caches.items()}  # [kv_heads, max_len, head_dim], in place
-        return decode_kernel(token=rows.token, pos=rows.host_pos[0], **views)["next_token"]
+        slot, pos = rows.host_slot[0], rows.host_pos[0]
+        inputs = {"token": rows.token, **{k: getattr(rows, k) for k in knobs}}
+        launch = launchers.get(slot)
+        if launch is None:
+            views = {name: c[slot] for name, c in caches.items()}  # [kv_heads, max_len, head_dim], in place
+            launch = launchers[slot] = decode_kernel.launcher(pos=pos, **inputs, **views)
+        launch(pos=pos, **inputs)
+        out = launch.outputs()["next_token"]
+        launch.check()
+        return out
 
     return run

@@ -88,11 +88,14 @@ class ModelSpec:
         return {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in self.caches.items()}
 
 
-def build_decode_graph(cfg: ModelConfig, *, max_len: int, logits: bool = True, tp: int = 1) -> tuple[Graph, ModelSpec]:
+def build_decode_graph(cfg: ModelConfig, *, max_len: int, logits: bool = True, tp: int = 1,
+                       sampling: bool = False) -> tuple[Graph, ModelSpec]:
     """The graph of one decode step: ``token`` i32[1] at ``pos`` -> ``logits`` [1, vocab], ``next_token`` i32[1].
 
     ``logits=False`` outputs only ``next_token``: the compiler may then fuse the LM head
-    with the argmax partials and never store the logits.
+    with the argmax partials and never store the logits. ``sampling``: ``next_token`` is drawn on the
+    device (:func:`megaegg.ops.sample`) with the inputs ``temperature``, ``top_k``, ``top_p``, ``seed``
+    and ``counter`` of one row each (temperature 0: the argmax), as :func:`build_step_graph`'s are.
 
     ``tp > 1``: one rank's graph of a tensor-parallel group of ``tp`` GPUs (every rank runs the same
     graph on its own shards, :func:`shard_weights`; run it with ``megaegg.parallel.ParallelKernel``):
@@ -121,7 +124,10 @@ def build_decode_graph(cfg: ModelConfig, *, max_len: int, logits: bool = True, t
     scores = lm_head(cfg, x, embed, tp=tp)  # [1, vocab]
     if logits:
         g.output("logits", scores)
-    g.output("next_token", argmax(scores))  # i32[1]
+    if sampling:
+        g.output("next_token", sample(scores, *(g.input(name, [1], dt) for name, dt in SAMPLING_INPUTS)))
+    else:
+        g.output("next_token", argmax(scores))  # i32[1]
     return g, _spec(g, cfg, max_len, slots=0, tp=tp)
 
 
