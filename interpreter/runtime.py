@@ -135,9 +135,16 @@ class CudaRunner:
         self.parity ^= 1
         self.stats.launches += 1
 
-    def check(self) -> None:
-        """Synchronize and raise MegakernelError if the last launches recorded an error."""
-        rec = self.control.cpu().tolist()
+    def control_copy(self) -> torch.Tensor:
+        """The control block (the launches' error record) copied into pinned host memory, queued on the current
+        stream without waiting: pass it to ``check`` once the stream has passed the copy."""
+        host = torch.empty(self.control.shape, dtype=self.control.dtype, pin_memory=True)
+        return host.copy_(self.control, non_blocking=True)
+
+    def check(self, recorded: torch.Tensor | None = None) -> None:
+        """Synchronize and raise MegakernelError if the last launches recorded an error (``recorded``: a
+        ``control_copy`` the stream has passed, read instead, with no wait)."""
+        rec = (self.control.cpu() if recorded is None else recorded).tolist()
         if rec[3] == 0:
             return
         self.counters.zero_()

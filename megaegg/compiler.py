@@ -694,6 +694,22 @@ class Launcher:
         """Wait for the launches and raise the error they recorded, if any (:meth:`Kernel.check`)."""
         self.kernel.check()
 
+    def result(self, name: str) -> "LaunchResult":
+        """Output ``name`` of the last launch without waiting for it: on the cuda backend its copy to host memory
+        and the kernel's error record are queued on the stream, so the next launch can be queued before
+        :meth:`LaunchResult.get` waits for this one."""
+        k = self.kernel
+        if name not in k.program.outputs:
+            raise GraphError(f"unknown output {name!r}; outputs: {sorted(k.program.outputs)}")
+        if k.backend == "sim":
+            return LaunchResult(self.outputs()[name])
+        out = k._read_cuda(k.program.outputs[name], self.dims, self._tensors)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out, non_blocking=True)
+        recorded = k._runner.control_copy()
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchResult(out, host, recorded, done, k._runner)
+
     def outputs(self) -> dict[str, torch.Tensor]:
         """The outputs by name as the last launch wrote them (copies; on the cuda backend, queued on the
         current stream after it)."""
@@ -703,6 +719,23 @@ class Launcher:
                 raise GraphError("launcher.outputs(): nothing was launched yet")
             return dict(self._last)
         return {name: k._read_cuda(o, self.dims, self._tensors) for name, o in k.program.outputs.items()}
+
+
+class LaunchResult:
+    """An output of a launch (:meth:`Launcher.result`): ``device`` as the kernel wrote it (a later launch can read
+    it without a round trip through the host), ``get()`` its host copy once the launch is done, raising the
+    launch's error first (a ``MegakernelError``, as :meth:`Kernel.check` raises it)."""
+
+    def __init__(self, device: torch.Tensor, host: torch.Tensor | None = None, recorded: torch.Tensor | None = None,
+                 done=None, runner=None) -> None:
+        self.device, self._host, self._recorded, self._done, self._runner = device, host, recorded, done, runner
+
+    def get(self) -> torch.Tensor:
+        if self._done is None:  # (the simulator: done when launched)
+            return self.device
+        self._done.synchronize()
+        self._runner.check(self._recorded)
+        return self._host
 
 
 def resolve_backend(backend: str | None) -> str:

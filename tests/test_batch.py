@@ -419,11 +419,12 @@ def test_a_mixed_steps_flash_tile_spreads_its_passes_over_instances():
         assert err < 1e-2, err
 
 
-@pytest.mark.parametrize("decode_sampling", [True, False])
-def test_a_lone_sequence_decodes_through_the_batch_1_graph_with_the_same_tokens(tiny, decode_sampling):
+@pytest.mark.parametrize("decode_sampling, run_ahead", [(True, True), (False, True), (True, False)])
+def test_a_lone_sequence_decodes_through_the_batch_1_graph_with_the_same_tokens(tiny, decode_sampling, run_ahead):
     """single_sequence_decode: once one sequence is left decoding, its launches run the batch-1 decode graph on
     its slot (a decode graph with sampling takes sampled rows too; a greedy one leaves them to the step graph),
-    and every sequence's tokens, greedy and sampled, are those of the step graph alone."""
+    and every sequence's tokens, greedy and sampled, are those of the step graph alone; run ahead, each lone
+    launch is queued one token early and taken, but for the last of each run (dropped)."""
     from megaegg.models import build_decode_graph
     from megaegg.models.batch import single_sequence_decode
 
@@ -445,8 +446,41 @@ def test_a_lone_sequence_decodes_through_the_batch_1_graph_with_the_same_tokens(
     for lone in (False, True):
         caches = spec.new_caches()
         step = kernel_batch_step(step_kernel, caches)
-        batch = Batcher(seen(single_sequence_decode(step, decode, caches)) if lone else step, slots=3, max_len=24)
+        lone_step = single_sequence_decode(step, decode, caches, run_ahead=run_ahead)
+        batch = Batcher(seen(lone_step) if lone else step, slots=3, max_len=24)
         outs[lone] = [[g.tokens for g in batch.run(requests()[:k])] for k in (1, 2, 3)]
     assert outs[True] == outs[False]
     assert all(len(t) == n for runs in outs[True] for t, n in zip(runs, (7, 4, 9)))
-    assert decode.launches == len(lone_rows) >= 6 and (not all(lone_rows)) == decode_sampling
+    assert len(lone_rows) >= 6 and (not all(lone_rows)) == decode_sampling
+    # (run ahead: a run ending on a lone launch queued one more, dropped)
+    assert len(lone_rows) + (1 if run_ahead else 0) <= decode.launches <= len(lone_rows) + (3 if run_ahead else 0)
+
+
+def test_a_request_joining_a_lone_sequence_drops_the_launch_run_ahead(tiny):
+    """A lone sequence decodes run ahead; a request submitted after its third launch makes the next launch a
+    batch of two (the launch queued ahead is dropped, its cache row written again): both get the tokens of the
+    step graph alone, and the lone launches resume run ahead once the newcomer ends."""
+    from megaegg.models import build_decode_graph
+    from megaegg.models.batch import single_sequence_decode
+
+    cfg, graph, spec, weights = tiny
+    step_kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 24, "r": 3, "ctx": 24})
+    decode = me.compile(build_decode_graph(cfg, max_len=24, logits=False, sampling=True)[0], weights, backend="sim",
+                        max_dims={"pos": 23})
+    first, joiner = Request([3, 17, 5], 12, sampling=Sampling(temperature=0.7, seed=4)), Request([9, 2, 8], 3)
+    outs = {}
+    for lone in (False, True):
+        caches = spec.new_caches()
+        step = kernel_batch_step(step_kernel, caches)
+        batch = Batcher(single_sequence_decode(step, decode, caches) if lone else step, slots=3, max_len=24)
+        batch.submit(first)
+        infos = []
+        while batch.busy():
+            infos.append(batch.step())
+            if len(infos) == 3:
+                batch.submit(joiner)
+        outs[lone] = [i.tokens for i in infos], [i.rows for i in infos]
+    assert outs[True] == outs[False]
+    rows = outs[True][1]
+    assert rows[:3] == [3, 1, 1] and rows[3] == 1 + 3 and 1 in rows[5:]  # lone, joined (prompt prefill), lone again
+    assert decode.launches == rows.count(1) + 2  # every lone launch, and the two run ahead and dropped (join, end)

@@ -100,8 +100,10 @@ class StepRows:
     top_p: torch.Tensor  # f32[r]
     seed: torch.Tensor  # i32[r]
     counter: torch.Tensor  # i32[r]: the sequence's tokens drawn so far (each draw of a seed differs)
-    host_pos: tuple[int, ...] = ()  # pos and slot as host ints (no device round trip to read them)
+    host_pos: tuple[int, ...] = ()  # pos, slot and token as host ints (no device round trip to read them)
     host_slot: tuple[int, ...] = ()
+    host_token: tuple[int, ...] = ()
+    host_sampling: tuple[tuple, ...] = ()  # (temperature, top_k, top_p, seed, counter) of each output row
     greedy: bool = True  # every output row's sampling is greedy (a step graph without sampling inputs can run it)
     pages: torch.Tensor | None = None  # i32[slots, pages a sequence]: a paged cache's page table
 
@@ -399,6 +401,8 @@ class Batcher:
             token=token, pos=pos, slot=slot, out=out, temperature=temperature.view(torch.float32), top_k=top_k,
             top_p=top_p.view(torch.float32), seed=seed, counter=counter,
             host_pos=tuple(p for _, _, p in rows), host_slot=tuple(r.slot for r, _, _ in rows),
+            host_token=tuple(t for _, t, _ in rows),
+            host_sampling=tuple((x.temperature, x.top_k, x.top_p, x.seed, len(r.generation.tokens)) for x, (r, _) in zip(s, outs)),
             greedy=all(x.greedy for x in s), pages=self._table())
 
     def _table(self) -> torch.Tensor | None:
@@ -465,29 +469,65 @@ def kernel_batch_step(kernel, caches: Mapping[str, torch.Tensor], *, check: bool
     return step
 
 
-def single_sequence_decode(step: BatchStepFn, decode_kernel, caches: Mapping[str, torch.Tensor]) -> BatchStepFn:
+def single_sequence_decode(step: BatchStepFn, decode_kernel, caches: Mapping[str, torch.Tensor], *,
+                           run_ahead: bool = True) -> BatchStepFn:
     """``step``, except that a launch of one decoding row runs ``decode_kernel`` (a batch-1 decode graph,
     :func:`~megaegg.models.build_decode_graph`: its fused kernel is faster) on that row's cache slot. A
-    decode graph built with ``sampling`` takes every row; a greedy one only rows that are greedy. A slot's
-    launches go through one launcher (its caches checked once; the token, position and sampling each time)."""
-    sampling = "temperature" in {b.name for b in decode_kernel.program.buffers}
-    knobs = [name for name, _ in SAMPLING_INPUTS] if sampling else []
-    launchers = {}
+    decode graph built with ``sampling`` takes every row; a greedy one only rows that are greedy.
 
-    def run(rows: StepRows) -> torch.Tensor:
+    ``run_ahead``: each such launch queues the sequence's next one behind it (its token the one this launch
+    writes on the device, its counter one more) before waiting for its token, so the host's work between
+    tokens (the batcher, the server) overlaps that launch instead of adding to it. The next call takes it
+    if its row is that one (same slot, position, token and sampling); otherwise it is dropped: it wrote the
+    slot's next cache row for the token that row holds, which a later launch of the row writes again."""
+    return _LoneDecode(step, decode_kernel, caches, run_ahead)
+
+
+class _LoneDecode:
+    """:func:`single_sequence_decode`'s step function: a launcher a slot, and the launch queued ahead."""
+
+    def __init__(self, step: BatchStepFn, kernel, caches: Mapping[str, torch.Tensor], run_ahead: bool) -> None:
+        self.step, self.kernel, self.caches, self.run_ahead = step, kernel, caches, run_ahead
+        sampling = "temperature" in {b.name for b in kernel.program.buffers}
+        self.knobs = [name for name, _ in SAMPLING_INPUTS] if sampling else []
+        self.launchers = {}
+        self.ahead = None  # (the row it runs: slot, pos, token, sampling; its LaunchResult)
+        self.last_pos = kernel.queue.max_dims["pos"]
+
+    def __call__(self, rows: StepRows) -> torch.Tensor:
         if rows.pages is not None:
             raise GraphError("single_sequence_decode takes caches of slots; a paged cache's rows are in pages")
-        if len(rows.host_pos) != 1 or rows.out.numel() != 1 or not (sampling or rows.greedy):
-            return step(rows)
-        slot, pos = rows.host_slot[0], rows.host_pos[0]
-        inputs = {"token": rows.token, **{k: getattr(rows, k) for k in knobs}}
-        launch = launchers.get(slot)
-        if launch is None:
-            views = {name: c[slot] for name, c in caches.items()}  # [kv_heads, max_len, head_dim], in place
-            launch = launchers[slot] = decode_kernel.launcher(pos=pos, **inputs, **views)
-        launch(pos=pos, **inputs)
-        out = launch.outputs()["next_token"]
-        launch.check()
-        return out
+        ahead, self.ahead = self.ahead, None
+        if len(rows.host_pos) != 1 or rows.out.numel() != 1 or not (self.knobs or rows.greedy):
+            return self.step(rows)
+        slot, pos, sampling = rows.host_slot[0], rows.host_pos[0], rows.host_sampling[0]
+        knobs = {k: getattr(rows, k) for k in self.knobs}
+        if ahead is not None and ahead[0] == (slot, pos, rows.host_token[0], sampling):
+            result = ahead[1]
+        else:
+            result = self._launch(slot, pos, {"token": rows.token, **knobs})
+        nxt = None
+        if self.run_ahead and pos < self.last_pos:
+            if "counter" in knobs:
+                knobs["counter"] = knobs["counter"] + 1
+            nxt = self._launch(slot, pos + 1, {"token": result.device, **knobs})
+        try:
+            tokens = result.get()
+        except Exception:
+            if nxt is not None:  # (its own error, if any, is not this launch's: waited for and dropped)
+                try:
+                    nxt.get()
+                except Exception:
+                    pass
+            raise
+        if nxt is not None:
+            self.ahead = ((slot, pos + 1, int(tokens[0]), (*sampling[:4], sampling[4] + 1)), nxt)
+        return tokens
 
-    return run
+    def _launch(self, slot: int, pos: int, inputs: dict):
+        launch = self.launchers.get(slot)
+        if launch is None:
+            views = {name: c[slot] for name, c in self.caches.items()}  # [kv_heads, max_len, head_dim], in place
+            launch = self.launchers[slot] = self.kernel.launcher(pos=pos, **inputs, **views)
+        launch(pos=pos, **inputs)
+        return launch.result("next_token")

@@ -5,7 +5,7 @@
 Builds the serving engine's kernels as ``megaegg.serve.build_engine`` does (the step graph with sampling, the
 batch-1 decode graph with sampling), then decodes one request (a 256-token prompt, 128 tokens, greedy and
 sampled) through the batcher alone (no HTTP), three ways interleaved: the step graph for every launch, the
-decode graph through ``single_sequence_decode``, and the decode graph's bare launch (CUDA events, the floor).
+decode graph through ``single_sequence_decode`` (without and with its run ahead), and the decode graph's bare launch (CUDA events, the floor).
 Prints the median decode-launch seconds of each (the batcher's ``step_seconds``: host work, launch, sync),
 so host overhead = batcher - bare.
 """
@@ -38,7 +38,8 @@ dec_k = me.compile(dg, weights, backend=backend, max_dims={"pos": max_len - 1}, 
 print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
 caches = spec.new_caches(device=dev)
 step = kernel_batch_step(step_k, caches)
-ways = {"step graph": step, "decode graph": single_sequence_decode(step, dec_k, caches)}
+ways = {"step graph": step, "decode graph": single_sequence_decode(step, dec_k, caches, run_ahead=False),
+        "decode ahead": single_sequence_decode(step, dec_k, caches)}
 rng = torch.Generator().manual_seed(0)
 ids = torch.randint(0, cfg.vocab, (prompt,), generator=rng).tolist()
 results = {(w, s): [] for w in ways for s in ("greedy", "sampled")}
@@ -69,4 +70,5 @@ print(f"{preset}, slots {slots}: lone decode launch, median of rounds' medians (
 for (w, s), v in results.items():
     print(f"  {w:14s} {s:8s} {1e3 * statistics.median(v):.3f}  (rounds {', '.join(f'{1e3 * x:.3f}' for x in v)})")
 print(f"  decode graph bare launch (events, pos 512) {bare:.3f}")
-print("  greedy tokens equal (step vs decode graph):", tokens[("step graph", "greedy")] == tokens[("decode graph", "greedy")])
+print("  greedy tokens equal (decode graph vs run ahead):", tokens[("decode graph", "greedy")] == tokens[("decode ahead", "greedy")],
+      "sampled:", tokens[("decode graph", "sampled")] == tokens[("decode ahead", "sampled")])
