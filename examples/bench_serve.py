@@ -11,7 +11,8 @@ ids of lengths drawn from ``--prompt-len LO,HI``; every request asks for ``--out
 (random weights have no EOS, so each must get exactly that many: anything else counts as lost or
 corrupted). Reported: output tokens/s, time to first token and inter-token latency percentiles, and,
 on a GPU, the plain torch.compile batched decode step's tokens/s at the same batch in the same run
-(``PlainBatch``, reduce-overhead), as examples/bench_batch.py measures it.
+(``PlainBatch``, reduce-overhead), as examples/bench_batch.py measures it (``--skip-peer``: not), and with
+one client the step of the batch-1 decode graph a lone sequence runs (its launch alone, CUDA events).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--pages", type=positive_int, default=None, help="pages in the pool, with --page-len (default: as "
                    "many rows as the caches of slots)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-peer", action="store_true", help="do not time the torch.compile batched step")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--dry-run", action="store_true", help="CPU smoke test: tiny in f32 on the simulator")
     a = p.parse_args(argv)
@@ -149,6 +151,23 @@ def torch_compile_tokens_per_s(cfg, weights, batch: int, max_len: int) -> float 
     return batch / (timed(call, 20, 5, True) / 1e3)
 
 
+def decode_step_ms(engine, max_len: int) -> float | None:
+    """The engine's batch-1 decode graph (what a lone sequence runs) at position 512: ms a launch (CUDA events)."""
+    kernel = engine.decode_kernel
+    if kernel is None or kernel.backend != "cuda":
+        return None
+    one = lambda dt, v: torch.tensor([v], dtype=dt, device="cuda")  # noqa: E731
+    caches = {n: c[0] for n, c in engine.caches.items()}
+    launch = kernel.launcher(token=one(torch.int32, 1234), pos=min(512, max_len - 1), temperature=one(torch.float32, 0.0),
+                             top_k=one(torch.int32, 0), top_p=one(torch.float32, 1.0), seed=one(torch.int32, 0),
+                             counter=one(torch.int32, 0), **caches)
+    from bench_batch import timed
+
+    ms = timed(launch, 20, 5, True)
+    launch.check()
+    return ms
+
+
 def main(argv=None) -> dict:
     import dataclasses
 
@@ -193,17 +212,18 @@ def main(argv=None) -> dict:
         server.should_exit = True
         thread.join(timeout=30)
         engine.close()
+    lone_ms = decode_step_ms(engine, max_len) if a.concurrency == 1 else None
     ok = [r for r in results if r["error"] is None and len(r["stamps"]) == a.output_len]
     ttft = [r["stamps"][0] - r["start"] for r in ok]
     itl = [b - c for r in ok for c, b in zip(r["stamps"], r["stamps"][1:])]
     out_tokens = sum(len(r["stamps"]) for r in ok)
-    peer = torch_compile_tokens_per_s(cfg, holder["w"], a.concurrency, max_len) if cuda else None
+    peer = torch_compile_tokens_per_s(cfg, holder["w"], a.concurrency, max_len) if cuda and not a.skip_peer else None
     report = {"preset": a.preset + (" (dry run)" if a.dry_run else ""), "backend": backend, "requests": a.requests,
               "completed": len(ok), "lost_or_corrupted": a.requests - len(ok),
               "errors": sorted({r["error"] for r in results if r["error"]})[:5], "wall_s": wall,
               "output_tokens_per_s": out_tokens / wall, "torch_compile_tokens_per_s": peer,
               "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
-              "itl_s": {f"p{q}": percentile(itl, q) for q in (50, 90, 99)},
+              "itl_s": {f"p{q}": percentile(itl, q) for q in (50, 90, 99)}, "decode_graph_step_ms": lone_ms,
               "mode": f"open loop, {a.rate}/s" if a.rate else f"closed loop, concurrency {a.concurrency}",
               "prompt_len": list(a.prompt_len), "output_len": a.output_len}
     fmt = lambda d: " / ".join("-" if v is None else f"{1e3 * v:.1f}" for v in d.values())  # noqa: E731
@@ -214,6 +234,9 @@ def main(argv=None) -> dict:
     print("|---|---|---|---|---|---|")
     print(f"| {report['output_tokens_per_s']:.0f} | {'-' if peer is None else f'{peer:.0f}'} | {fmt(report['ttft_s'])} | "
           f"{fmt(report['itl_s'])} | {len(ok)} | {report['lost_or_corrupted']} |")
+    if lone_ms is not None and itl:
+        print(f"one client: ITL p50 {1e3 * report['itl_s']['p50']:.3f} ms against the batch-1 decode graph's step "
+              f"{lone_ms:.3f} ms ({1e3 * report['itl_s']['p50'] / lone_ms:.3f}x)")
     if report["errors"]:
         print("errors:", "; ".join(report["errors"]))
     if a.json:

@@ -87,8 +87,10 @@ class Engine:
     Only the engine thread touches the batcher: submissions and cancellations wait in small lists (the
     HTTP side never blocks on a launch) and are applied between launches."""
 
-    def __init__(self, batcher: Batcher, *, max_queue: int = 256, vocab: int) -> None:
+    def __init__(self, batcher: Batcher, *, max_queue: int = 256, vocab: int, decode_kernel=None, caches=None) -> None:
         self.batcher, self.max_queue, self.vocab = batcher, max_queue, vocab
+        # the batch-1 decode graph's kernel a lone sequence runs (if any), and the caches of slots it runs on
+        self.decode_kernel, self.caches = decode_kernel, caches
         self.streams: dict[int, Stream] = {}  # (engine thread)
         self.inbox: list[tuple[Request, Stream]] = []
         self.cancels: list[Stream] = []
@@ -544,6 +546,7 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
                                    pages=pages if page_len else None)
     weights = weights_for(spec)
     caches = spec.new_caches(device=device)
+    decode = None
     if backend == "reference":
         step = reference_batch_step(graph, weights, caches)
     else:
@@ -558,7 +561,7 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
     pool = PagePool(pages, page_len, per_seq) if page_len else None
     batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab,
                       prefix_cache=pool is None, pages=pool)
-    return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab)
+    return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab, decode_kernel=decode, caches=caches)
 
 
 def main(argv=None) -> int:

@@ -387,13 +387,13 @@ class Batcher:
 
     def _rows(self, rows: list[tuple[_Running, int, int]], outs: list[tuple[_Running, int]]) -> StepRows:
         """The launch's rows on the device: one copy of every value (a copy a field cost ~10 us each on an
-        H200's host, a tenth of a small model's step), the fields views of it."""
+        H200's host), the fields views of it."""
         s = [r.request.sampling for r, _ in outs]
         ints = [t for _, t, _ in rows] + [p for _, _, p in rows] + [r.slot for r, _, _ in rows] + [i for _, i in outs] \
             + [x.top_k for x in s] + [x.seed for x in s] + [len(r.generation.tokens) for r, _ in outs]
         floats = [x.temperature for x in s] + [x.top_p for x in s]
-        packed = torch.cat([torch.tensor(ints, dtype=torch.int32),
-                            torch.tensor(floats, dtype=torch.float32).view(torch.int32)]).to(self.device)
+        packed = self._to_device(torch.cat([torch.tensor(ints, dtype=torch.int32),
+                                            torch.tensor(floats, dtype=torch.float32).view(torch.int32)]))
         n, r = len(rows), len(outs)
         cut = iter(packed.split([n, n, n, r, r, r, r, r, r]))
         token, pos, slot, out, top_k, seed, counter, temperature, top_p = cut
@@ -412,7 +412,15 @@ class Batcher:
         table = [[-1] * self.pages.per_seq for _ in range(self.slots)]
         for run in self.running:
             table[run.slot] = self.pages.table_row(run.pages)
-        return torch.tensor(table, dtype=torch.int32, device=self.device)
+        return self._to_device(torch.tensor(table, dtype=torch.int32))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the device, its copy queued on the stream (from pinned memory) without waiting: a copy
+        from pageable memory waits for the stream, so a launch queued ahead (single_sequence_decode) would
+        finish before the host could queue the next one."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def run(self, requests: Sequence[Request] = (), *,
             on_step: Callable[[StepInfo], bool | None] | None = None) -> list[Generation]:
