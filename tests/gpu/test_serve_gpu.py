@@ -1,0 +1,61 @@
+"""GPU: a lone sequence's launches through the batch-1 decode graph, run one token ahead (serving's one-client
+path, megaegg.models.batch.single_sequence_decode), and a launch's result read without waiting
+(Launcher.result): tokens as without running ahead, errors raised by the launch they belong to."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import megaegg as me
+from megaegg.interpreter import MegakernelError
+from megaegg.models import ModelConfig, build_decode_graph, build_step_graph, random_weights
+from megaegg.models.batch import Batcher, Request, Sampling, kernel_batch_step, single_sequence_decode
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32)
+    graph, spec = build_step_graph(cfg, max_len=64, slots=3, sampling=True)
+    w = random_weights(spec, seed=6, device="cuda")
+    step = me.compile(graph, w, backend="cuda", max_dims={"n": 64, "r": 3, "ctx": 64})
+    decode = me.compile(build_decode_graph(cfg, max_len=64, logits=False, sampling=True)[0], w, backend="cuda",
+                        max_dims={"pos": 63})
+    return spec, step, decode
+
+
+def test_a_lone_sequence_run_ahead_gets_the_tokens_it_gets_without(kernels):
+    spec, step_kernel, decode = kernels
+    requests = lambda: [Request([3, 17, 5, 60], 20), Request([9, 2], 6, sampling=Sampling(temperature=0.9, seed=11)),  # noqa: E731
+                        Request([12, 40], 30, sampling=Sampling(temperature=1.1, top_k=40, top_p=0.9, seed=2))]
+    outs, launches = {}, {}
+    for ahead in (False, True):
+        caches = spec.new_caches("cuda")
+        before = decode.launches
+        step = single_sequence_decode(kernel_batch_step(step_kernel, caches), decode, caches, run_ahead=ahead)
+        batch = Batcher(step, slots=3, max_len=64, device="cuda")
+        outs[ahead] = [[g.tokens for g in batch.run(requests()[:k])] for k in (1, 3)]
+        launches[ahead] = decode.launches - before
+    assert outs[True] == outs[False]
+    assert launches[False] >= 19 + 10 and launches[True] == launches[False] + 2  # (each run's last one ran ahead)
+
+
+def test_a_result_read_later_raises_its_own_launchs_error(kernels):
+    """A NaN temperature: the launch's result raises MEGA_ERR_NAN_SETTING's error when read, although the next
+    launch was queued before it was read; the one after runs as usual."""
+    spec, _, decode = kernels
+    one = lambda dt, v: torch.tensor([v], dtype=dt, device="cuda")  # noqa: E731
+    caches = {n: c[0] for n, c in spec.new_caches("cuda").items()}
+    knobs = dict(top_k=one(torch.int32, 0), top_p=one(torch.float32, 1.0), seed=one(torch.int32, 1), counter=one(torch.int32, 0))
+    launch = decode.launcher(token=one(torch.int32, 5), pos=0, temperature=one(torch.float32, 0.0), **knobs, **caches)
+    launch(temperature=one(torch.float32, float("nan")))
+    bad = launch.result("next_token")
+    launch(pos=1, token=bad.device, temperature=one(torch.float32, 0.0))  # (queued before the error is read)
+    with pytest.raises(MegakernelError, match="NaN temperature in row 0"):
+        bad.get()
+    torch.cuda.synchronize()
+    launch.kernel.check()  # (what the launch queued behind the error recorded: not this test's subject)
+    launch(pos=1, token=one(torch.int32, 7))
+    assert 0 <= int(launch.result("next_token").get()[0]) < spec.config.vocab
