@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -282,13 +283,14 @@ def test_a_preempted_sequence_does_not_count_toward_the_queue_limit():
         tok, pos = rows.token.tolist(), rows.host_pos
         return torch.tensor([(tok[i] * 31 + pos[i] * 7 + 3) % 97 for i in rows.out.tolist()], dtype=torch.int32)
 
-    class Sink(Stream):
-        def __init__(self):
-            super().__init__(loop=None, queue=None)
-            self.items = []
+    class Now:  # (an event loop that runs a callback at once)
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
 
-        def put(self, item):
-            self.items.append(item)
+    class Sink(Stream):  # (a stream whose queue is a list)
+        def __init__(self):
+            self.items = []
+            super().__init__(loop=Now(), queue=SimpleNamespace(put_nowait=self.items.append))
 
     prompts = [[1, 2, 3], [9, 10, 11]]
     reqs = [Request(p, 10) for p in prompts] + [Request([5], 2)]
@@ -438,3 +440,36 @@ def test_a_paged_server_gives_each_client_its_greedy_text_and_shares_prefix_page
     want = client(served).completions.create(model="tiny-llama", prompt=system + " " + PROMPTS[0], max_tokens=4,
                                              temperature=0)
     assert r.choices[0].text == want.choices[0].text
+
+
+def test_a_launchs_tokens_reach_the_event_loop_in_one_wake_up():
+    """The engine alone (a step function with no model): three sequences' tokens of a launch are handed to
+    their event loop in one call, in order, before the ends of the streams they finish."""
+    from megaegg.models.batch import Batcher, Sampling
+    from megaegg.serve import Engine, Stream
+
+    def step(rows):
+        return torch.tensor([(t * 7 + 1) % 10 for t in rows.token[rows.out].tolist()], dtype=torch.int32)
+
+    class Loop:  # (runs a callback at once, counting the wake-ups)
+        calls = 0
+
+        def call_soon_threadsafe(self, fn, *args):
+            self.calls += 1
+            fn(*args)
+
+    loop, items = Loop(), [[], [], []]
+    batcher = Batcher(step, slots=3, max_len=16)
+    engine = Engine(batcher, max_queue=8, vocab=10)
+    try:
+        with engine.cond:  # (all three in the engine's inbox before its next launch)
+            for out, prompt in zip(items, ([1, 2], [3], [4, 5, 6])):
+                engine.submit(prompt, 3, Sampling(), [], Stream(loop, SimpleNamespace(put_nowait=out.append)))
+        deadline = time.time() + 30
+        while any(out[-1:] != [None] for out in items):
+            assert time.time() < deadline, "the requests did not finish"
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    assert [out[:-1] for out in items] == [[5, 6, 3], [2, 5, 6], [3, 2, 5]]
+    assert batcher.launches == 3 and loop.calls == 3 + 3  # a wake-up a launch, and one a stream's end
