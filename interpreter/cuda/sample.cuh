@@ -54,10 +54,45 @@ __device__ __forceinline__ unsigned draw_bits(int seed, int counter) {  // sampl
     return (unsigned)((x ^ (x >> 31)) >> 40);
 }
 
-__device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v, unsigned long long* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+constexpr int kBatch = 8;  // row elements each thread loads before using them (loads in flight per pass)
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+    unsigned m;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+    return m;
+}
+
+// f(i, ok, v) for every thread at i = tid, tid + MEGA_THREADS, ... in increasing order (ok: i < V, v the
+// logit there, 0 past V); the same number of calls in every thread, so f may use warp collectives.
+// Loads are issued kBatch at a time (the row is in L2: latency-bound otherwise).
+template <class T, class F>
+__device__ __forceinline__ void for_row(const T* row, long long s1, long long V, F f) {
+    for (long long b0 = 0; b0 < V; b0 += (long long)kBatch * MEGA_THREADS) {
+        float v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const long long i = b0 + (long long)u * MEGA_THREADS + threadIdx.x;
+            v[u] = i < V ? ld_f32(row + i * s1) : 0.0f;
+        }
+#pragma unroll 1
+        for (int u = 0; u < kBatch; ++u) {  // (one copy of f: v[0] in turn, the rest moved down)
+            const long long i = b0 + (long long)u * MEGA_THREADS + threadIdx.x;
+            f(i, i < V, v[0]);
+#pragma unroll
+            for (int e = 0; e + 1 < kBatch; ++e) v[e] = v[e + 1];
+        }
+    }
+}
+
+__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(MEGA_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v, unsigned long long* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum_u64(v);
     mega_sync();
     if (lane == 0) red[warp] = v;
     mega_sync();
@@ -67,37 +102,120 @@ __device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v
     return t;
 }
 
+// The exclusive prefix of v over the block's threads (thread order) and the block's total. `red`: MEGA_WARPS.
+__device__ __forceinline__ unsigned long long block_excl_u64(unsigned long long v, unsigned long long* red,
+                                                             unsigned long long& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned long long incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long x = __shfl_up_sync(MEGA_FULL_MASK, incl, o);
+        if (lane >= o) incl += x;
+    }
+    mega_sync();  // (red's last readers are done)
+    if (lane == 31) red[warp] = incl;
+    mega_sync();
+    unsigned long long base = 0;
+    total = 0;
+#pragma unroll
+    for (int w = 0; w < MEGA_WARPS; ++w) {
+        if (w < warp) base += red[w];
+        total += red[w];
+    }
+    return base + incl - v;
+}
+
 // Radix selection over the 32-bit keys of the row's elements that pass `in`, from the top digit
 // down: the largest key t such that the elements with key >= t add up to at least `need`, where
-// an element adds `amount(i)` (1 for top-k counts, its weight for top-p). `hist`: 256 u64.
-template <class Key, class In, class Amount>
-__device__ unsigned radix_threshold(long long V, unsigned long long need, Key key, In in, Amount amount,
-                                    unsigned long long* hist, unsigned* shared_prefix) {
+// an element adds `amount(key)` (Unit: 1, for top-k counts; else its weight <= 2^32, for top-p).
+// No atomics and no contention however the keys concentrate (a row's logits fall in a few top
+// digits): each warp has its own 256 bins, and in each step the warp's lanes with the same digit
+// (match.any) add up their amounts first (a popcount; or, for 2+ lanes, a whole-warp redux of the
+// amounts' 16-bit halves) so that one lane updates the bin. The sums are exact integers, the same
+// in any order. `hist`: MEGA_WARPS * 256 u64; `words`: 4 (16 bytes, 8-aligned).
+template <bool Unit, class T, class In, class Amount>
+__device__ unsigned radix_threshold(const T* row, long long s1, long long V, unsigned long long need, In in, Amount amount,
+                                    unsigned long long* hist, unsigned* words) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    unsigned long long* const mine = hist + warp * 256;
+    const unsigned below = lanemask_lt();
     unsigned prefix = 0, mask = 0;
     unsigned long long above = 0;  // what the elements with a larger prefix add up to
+#pragma unroll 1  // (4 levels of the same code)
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += MEGA_THREADS) hist[b] = 0;
+#pragma unroll 1
+        for (int b = tid; b < MEGA_WARPS * 256; b += MEGA_THREADS) hist[b] = 0;
         mega_sync();
-        for (long long i = threadIdx.x; i < V; i += MEGA_THREADS) {
-            const unsigned k = key(i);
-            if ((k & mask) == prefix && in(i, k)) atomicAdd(&hist[(k >> shift) & 255u], amount(i, k));
-        }
-        mega_sync();
-        if (threadIdx.x == 0) {
-            unsigned digit = 0;
-            for (int b = 255; b >= 0; --b) {
-                if (above + hist[b] >= need) { digit = (unsigned)b; break; }
-                above += hist[b];
+        for_row(row, s1, V, [&](long long, bool ok, float v) {
+            const unsigned kk = order_key(v == 0.0f ? 0.0f : v);
+            bool act = ok && (kk & mask) == prefix && in(kk);
+            unsigned long long a = 0;
+            if (act) a = Unit ? 1ull : amount(kk);
+            act = act && a != 0;  // (weight 0 adds nothing)
+            const unsigned am = __ballot_sync(MEGA_FULL_MASK, act);
+            if (am == 0) return;  // (the whole warp)
+            const unsigned bin = (kk >> shift) & 255u;
+            unsigned peers = 0;  // the active lanes with this lane's bin
+            if (act) peers = __match_any_sync(am, bin);
+            if (Unit) {
+                if (act && (peers & below) == 0) mine[bin] += (unsigned long long)__popc(peers);  // (distinct bins)
+            } else {
+                if (act && peers == 1u << lane) mine[bin] += a;  // alone in its bin
+                // the bins of 2+ lanes, one at a time: their amounts (<= 2^32) summed by the whole warp in
+                // 16-bit halves, whose sums fit in 32 bits; the bin's lowest lane adds the sum
+                unsigned todo = __ballot_sync(MEGA_FULL_MASK, act && (peers & below) == 0 && (peers & (peers - 1)) != 0);
+                while (todo) {
+                    const int l = __ffs(todo) - 1;
+                    todo &= todo - 1;
+                    const bool in_g = (__shfl_sync(MEGA_FULL_MASK, peers, l) >> lane) & 1u;
+                    const unsigned lo = __reduce_add_sync(MEGA_FULL_MASK, in_g ? (unsigned)a & 0xFFFFu : 0u);
+                    const unsigned hi = __reduce_add_sync(MEGA_FULL_MASK, in_g ? (unsigned)(a >> 16) : 0u);
+                    if (lane == l) mine[bin] += ((unsigned long long)hi << 16) + lo;
+                }
             }
-            prefix |= digit << shift;
-            shared_prefix[0] = prefix;
-            reinterpret_cast<unsigned long long*>(shared_prefix)[1] = above;
+            __syncwarp();  // (this warp's next update of a bin sees this one)
+        });
+        mega_sync();
+#pragma unroll 1
+        for (int b = tid; b < 256; b += MEGA_THREADS) {  // the bins' totals over the warps, into warp 0's
+            unsigned long long c = hist[b];
+#pragma unroll
+            for (int w = 1; w < MEGA_WARPS; ++w) c += hist[w * 256 + b];
+            hist[b] = c;
         }
         mega_sync();
-        prefix = shared_prefix[0];
-        above = reinterpret_cast<unsigned long long*>(shared_prefix)[1];
+        if (warp == 0) {  // the digit: the largest b with above + (bins >= b) >= need; lane l has bins 8l .. 8l + 7
+            unsigned long long c[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) c[j] = hist[lane * 8 + j];
+#pragma unroll
+            for (int j = 6; j >= 0; --j) c[j] += c[j + 1];  // c[j]: this lane's bins >= 8 lane + j
+            unsigned long long hi = c[0];                   // -> the bins above this lane's
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned long long x = __shfl_down_sync(MEGA_FULL_MASK, hi, o);
+                if (lane + o < 32) hi += x;
+            }
+            hi -= c[0];
+            int j0 = -1;
+            unsigned long long next = 0;  // this lane's bins above the digit (all of them when not here)
+#pragma unroll
+            for (int j = 7; j >= 0; --j) {
+                if (j0 >= 0) continue;
+                if (above + hi + c[j] >= need) j0 = j;
+                else next = c[j];
+            }
+            const unsigned found = __ballot_sync(MEGA_FULL_MASK, j0 >= 0);
+            const int winner = found ? 31 - __clz(found) : 0;
+            if (lane == winner) {  // none found (not met): digit 0, everything above
+                words[0] = prefix | (unsigned)(j0 >= 0 ? lane * 8 + j0 : 0) << shift;
+                reinterpret_cast<unsigned long long*>(words)[1] = above + hi + next;
+            }
+        }
+        mega_sync();
+        prefix = words[0];
+        above = reinterpret_cast<unsigned long long*>(words)[1];
         mask |= 255u << shift;
-        mega_sync();  // (thread 0 rewrites the shared words next level)
     }
     return prefix;
 }
@@ -111,11 +229,13 @@ __device__ __noinline__ void sample_row(char* smem, Mat<const T> logits, long lo
     in_global(logits, temperature, top_k, top_p, seed, counter, out);
     using namespace sample_impl;
     char* sm = shared_ptr(smem);
-    unsigned long long* hist = reinterpret_cast<unsigned long long*>(sm);          // 256
-    unsigned long long* red = hist + 256;                                          // MEGA_WARPS
+    unsigned long long* hist = reinterpret_cast<unsigned long long*>(sm);          // MEGA_WARPS * 256
+    unsigned long long* red = hist + MEGA_WARPS * 256;                             // MEGA_WARPS
     unsigned* words = reinterpret_cast<unsigned*>(red + MEGA_WARPS);               // 4
     float* fred = reinterpret_cast<float*>(words + 4);                             // 2 * MEGA_WARPS
+    static_assert((MEGA_WARPS * 257 + 2) * 8 + 2 * MEGA_WARPS * 4 <= MEGA_SMEM, "sample_row: shared memory");
     const T* row = logits.p + c0 * logits.s0;
+    const long long s1 = logits.s1;
     const float temp = temperature.p[c0 * temperature.s0], p = top_p.p[c0 * top_p.s0];
     const int k = top_k.p[c0 * top_k.s0];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -132,11 +252,11 @@ __device__ __noinline__ void sample_row(char* smem, Mat<const T> logits, long lo
     float best = MEGA_NEG_INF;
     long long at = V;
     bool nan = false;
-    for (long long i = tid; i < V; i += MEGA_THREADS) {
-        const float v = ld_f32(row + i * logits.s1);
+    for_row(row, s1, V, [&](long long i, bool ok, float v) {
+        if (!ok) return;
         nan |= v != v;
         if (v > best) best = v, at = i;
-    }
+    });
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float b2 = __shfl_xor_sync(MEGA_FULL_MASK, best, o);
@@ -175,58 +295,84 @@ __device__ __noinline__ void sample_row(char* smem, Mat<const T> logits, long lo
     };
     // top-k and top-p select by the logits' order (the scores' too): keys of the logits, -0 as +0
     auto lkey = [](float v) { return order_key(v == 0.0f ? 0.0f : v); };
-    auto key = [&](long long i) { return lkey(ld_f32(row + i * logits.s1)); };
-    auto all = [&](long long, unsigned) { return true; };
     // top-k: the k-th largest logit (ties kept)
     unsigned kth = 0;
     if (k > 0 && k < V)
-        kth = radix_threshold(V, (unsigned long long)k, key, all, [](long long, unsigned) { return 1ull; }, hist, words);
-    auto kept_k = [&](long long, unsigned kk) { return kk >= kth; };
+        kth = radix_threshold<true>(row, s1, V, (unsigned long long)k, [](unsigned) { return true; },
+                                    [](unsigned) { return 1ull; }, hist, words);
     // top-p: the largest logit whose kept weight at or above it reaches max(1, floor(p * kept weight))
     unsigned t = kth;
     if (p < 1.0f) {
         unsigned long long own = 0;
-        for (long long i = tid; i < V; i += MEGA_THREADS) {
-            const float v = ld_f32(row + i * logits.s1);
-            if (lkey(v) >= kth) own += weight(score(v));
-        }
+        for_row(row, s1, V, [&](long long, bool ok, float v) {
+            if (ok && lkey(v) >= kth) own += weight(score(v));
+        });
         const unsigned long long total = block_sum_u64(own, red);  // >= 2^32: the maxima are kept
         const double prod = (double)p * (double)total;
         const unsigned long long need = prod >= 1.0 ? (unsigned long long)prod : 1ull;
-        const unsigned tp = radix_threshold(V, need, key, kept_k,
-                                            [&](long long, unsigned kk) { return weight(score(key_value(kk))); }, hist, words);
+        const unsigned tp = radix_threshold<false>(row, s1, V, need, [&](unsigned kk) { return kk >= kth; },
+                                                   [&](unsigned kk) { return weight(score(key_value(kk))); }, hist, words);
         t = tp > kth ? tp : kth;
     }
     // the draw: the first index (vocabulary order) where the running kept weight exceeds
-    // floor(total * u / 2^24); thread t walks its own contiguous chunk. total <= V * 2^32 < 2^63
-    auto kept_weight = [&](long long i) {
-        const float v = ld_f32(row + i * logits.s1);
-        return lkey(v) >= t ? weight(score(v)) : 0ull;
-    };
-    const long long chunk = (V + MEGA_THREADS - 1) / MEGA_THREADS, lo = tid * chunk, hi = min_i64(V, lo + chunk);
-    unsigned long long own = 0;
-    for (long long i = lo; i < hi; ++i) own += kept_weight(i);
-    // exclusive scan of the chunks' weights over the block
-    unsigned long long incl = own;
+    // target = floor(total * u / 2^24); total <= V * 2^32 < 2^63. The row in tiles of `len` consecutive
+    // tokens (at most MEGA_WARPS * 256 tiles, their sums in `hist`), one warp a tile (coalesced); a scan
+    // of the tiles' sums finds the tile holding the target, a scan inside it the token.
+    auto kept_weight = [&](float v) { return lkey(v) >= t ? weight(score(v)) : 0ull; };
+    constexpr long long kMaxTiles = MEGA_WARPS * 256;
+    const long long per = (V + (long long)MEGA_THREADS * kMaxTiles - 1) / ((long long)MEGA_THREADS * kMaxTiles);
+    const long long len = per * MEGA_THREADS, tiles = (V + len - 1) / len;  // thread j of a tile: per tokens
+    for (long long tile = warp; tile < tiles; tile += MEGA_WARPS) {
+        const long long lo = tile * len, hi = min_i64(V, lo + len);
+        unsigned long long own = 0;
+        for (long long j0 = lo; j0 < hi; j0 += 32 * kBatch) {
+            float v[kBatch];
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned long long v = __shfl_up_sync(MEGA_FULL_MASK, incl, o);
-        if (lane >= o) incl += v;
+            for (int u = 0; u < kBatch; ++u) {
+                const long long i = j0 + 32 * u + lane;
+                v[u] = i < hi ? ld_f32(row + i * s1) : 0.0f;
+            }
+#pragma unroll 1
+            for (int u = 0; u < kBatch; ++u) {  // (for_row's rotation)
+                if (j0 + 32 * u + lane < hi) own += kept_weight(v[0]);
+#pragma unroll
+                for (int e = 0; e + 1 < kBatch; ++e) v[e] = v[e + 1];
+            }
+        }
+        own = warp_sum_u64(own);
+        if (lane == 0) hist[tile] = own;
     }
-    if (lane == 31) red[warp] = incl;
     mega_sync();
-    unsigned long long base = 0, total = 0;
-    for (int w = 0; w < MEGA_WARPS; ++w) {
-        if (w < warp) base += red[w];
-        total += red[w];
-    }
-    const unsigned long long excl = base + incl - own;
     const unsigned long long u = draw_bits(seed.p[c0 * seed.s0], counter.p[c0 * counter.s0]);
-    const unsigned long long target = (total >> 24) * u + (((total & 0xFFFFFFull) * u) >> 24);  // < total
-    if (excl <= target && target < excl + own) {  // exactly one thread: the weights are exact, total > 0
+    unsigned long long* const pick = reinterpret_cast<unsigned long long*>(words);  // the tile, the weight before it
+    unsigned long long target;
+    {  // thread j: tiles j q .. j q + q - 1
+        const long long q = (tiles + MEGA_THREADS - 1) / MEGA_THREADS, lo = tid * q, hi = min_i64(tiles, lo + q);
+        unsigned long long own = 0, total;
+        for (long long j = lo; j < hi; ++j) own += hist[j];
+        const unsigned long long excl = block_excl_u64(own, red, total);
+        target = (total >> 24) * u + (((total & 0xFFFFFFull) * u) >> 24);  // < total
+        if (excl <= target && target < excl + own) {  // exactly one thread: the weights are exact, total > 0
+            unsigned long long acc = excl;
+            for (long long j = lo; j < hi; ++j) {
+                if (target < acc + hist[j]) {
+                    pick[0] = (unsigned long long)j, pick[1] = acc;
+                    break;
+                }
+                acc += hist[j];
+            }
+        }
+        mega_sync();
+    }
+    const long long lo = min_i64(V, (long long)pick[0] * len + tid * per), hi = min_i64(V, lo + per);
+    const unsigned long long before = pick[1];
+    unsigned long long own = 0, total;
+    for (long long i = lo; i < hi; ++i) own += kept_weight(ld_f32(row + i * s1));
+    const unsigned long long excl = before + block_excl_u64(own, red, total);
+    if (excl <= target && target < excl + own) {  // exactly one thread, as above
         unsigned long long acc = excl;
         for (long long i = lo; i < hi; ++i) {
-            acc += kept_weight(i);
+            acc += kept_weight(ld_f32(row + i * s1));
             if (acc > target) {
                 *dst = (int)i;
                 break;

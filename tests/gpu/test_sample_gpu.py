@@ -69,6 +69,24 @@ def test_finite_rows_match_the_definition_exactly(v, dtype):
     on_gpu(logits, list(t), list(k), list(p), list(range(n)), 9, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_llama_vocab_at_the_serving_settings(dtype):
+    """V = 128256 at temperature 0.8, top_p 0.95, top_k 0 / 50 (and 0.9 / 20): rows shaped like a language
+    model's (a bulk in a few binades, so the radix passes' top digits concentrate, and a tail of likely
+    tokens), some of them rounded (ties across the threshold)."""
+    v, n = 128256, 48
+    rows = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(1000 + i)
+        l = torch.randn(v, generator=g) * (1.0 + i % 4)
+        hot = torch.randint(0, v, (64,), generator=g)
+        l[hot] += torch.rand(64, generator=g) * (8.0 + 3.0 * (i % 5))
+        rows.append(l.round() if i % 6 == 5 else l)
+    settings = [(0.8, 0, 0.95), (0.8, 50, 0.95), (0.8, 0, 0.9), (0.8, 20, 0.9)]
+    t, k, p = zip(*[settings[i % len(settings)] for i in range(n)])
+    on_gpu(torch.stack(rows), list(t), list(k), list(p), list(range(n)), 11, dtype)
+
+
 @pytest.mark.parametrize("v", [1, 37, 5003])
 def test_the_limits(v):
     l = rand_logits(v, seed=1)
