@@ -648,8 +648,11 @@ class Launcher:
         self._symbolic = kernel._state_symbolic or any(not as_dim(d).is_const for b in kernel._inputs.values()
                                                        for d in b.shape)
 
-    def _bind(self, tensors: dict[int, torch.Tensor], dims: dict[str, int]) -> None:
+    def _bind(self, tensors: dict[int, torch.Tensor], dims: dict[str, int], *, state: bool = True) -> None:
         self._tensors, self.dims = tensors, dims
+        if state:  # (what its launches update in place, which a changed input may not overlap)
+            k = self.kernel
+            self._updated = Spans((k._labels[i], tensors[i]) for i in k._state_ids)
         if self.kernel.backend == "cuda":  # (bound once: a launch is one call into the runtime)
             self._launch = functools.partial(self.kernel._runner.launch, [dims[s] for s in self.kernel.program.symbols],
                                              tensors)
@@ -682,10 +685,10 @@ class Launcher:
             if b.kind == "state":
                 raise GraphError(f"input {name!r} is updated in place: a launcher keeps the one it was made with")
             t = tensors[b.id] = k._checked_input(name, t, dims)
-            hit = k._alias.written.find(*_span(t)) if k._alias is not None and t.numel() else None
+            hit = self._updated.find(*_span(t)) if t.numel() else None
             if hit is not None:
                 raise _alias_error(k._labels[b.id], False, hit, True)
-        self._bind(tensors, dims)
+        self._bind(tensors, dims, state=False)
 
     def _simulate(self) -> None:
         self._last = self.kernel._run_sim(self._tensors, self.dims)

@@ -66,3 +66,16 @@ def test_where_an_inputs_shape_holds_a_dim_a_change_of_dims_checks_the_whole_cal
     assert torch.allclose(launch.outputs()["y"], torch.nn.functional.silu(x5 @ w.T), atol=1e-5)
     with pytest.raises(me.GraphError, match=r"input 'x': expected f32\[3, 8\]"):
         launch(n=3)
+
+
+def test_a_change_is_checked_against_the_launchers_own_caches(decode):
+    """Two launchers of one kernel on two slots' caches: a token aliasing the first launcher's cache is refused
+    by it even after the second launcher was made (the kernel's last checked call)."""
+    kernel, spec = decode
+    first = {n: torch.randn(c.shape) for n, c in spec.new_caches().items()}
+    second = {n: torch.randn(c.shape) for n, c in spec.new_caches().items()}
+    token = torch.tensor([3], dtype=torch.int32)
+    launch = kernel.launcher(token=token, pos=4, **first)
+    kernel.launcher(token=token, pos=4, **second)
+    with pytest.raises(me.GraphError, match="shares memory with input 'v_cache.1'"):
+        launch(token=first["v_cache.1"].view(torch.int32).reshape(-1)[5:6])

@@ -395,8 +395,7 @@ class Batcher:
         packed = self._to_device(torch.cat([torch.tensor(ints, dtype=torch.int32),
                                             torch.tensor(floats, dtype=torch.float32).view(torch.int32)]))
         n, r = len(rows), len(outs)
-        cut = iter(packed.split([n, n, n, r, r, r, r, r, r]))
-        token, pos, slot, out, top_k, seed, counter, temperature, top_p = cut
+        token, pos, slot, out, top_k, seed, counter, temperature, top_p = packed.split([n, n, n, r, r, r, r, r, r])
         return StepRows(
             token=token, pos=pos, slot=slot, out=out, temperature=temperature.view(torch.float32), top_k=top_k,
             top_p=top_p.view(torch.float32), seed=seed, counter=counter,
