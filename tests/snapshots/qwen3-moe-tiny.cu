@@ -310,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       } break;
       case 7: {  // matvec: op8 (1 entries)
         unsigned rem = (unsigned)local;
-        const long long c1 = rem % (unsigned)(4LL); rem /= (unsigned)(4LL);
+        const long long c1 = rem % (unsigned)(32LL); rem /= (unsigned)(32LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 2048));
@@ -318,12 +318,12 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         __nv_bfloat16* const in2 = ((__nv_bfloat16*)(args.arena + 0));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 19456));
         if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[11] + c1 * 32768LL, (min_i64(256LL - c1 * 64, 64LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[11] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[13 + (0LL)]; wl.expected[0] = (unsigned)((((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
         wl.ctr[1] = &ctr[0 + (0LL)]; wl.expected[1] = (unsigned)(1LL);
-        matvec<__nv_bfloat16, 1, 256, 64, false, false, true, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{(in0 + c0 * 1 * 256LL), 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{}, /*eps*/ 0.0f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{}, /*r*/ Mat<const __nv_bfloat16>{(in2 + c0 * 1 * 256LL), 256LL, 1LL}, /*xa*/ Mat<const float>{}, /*ra*/ Mat<const float>{}, /*out*/ Mat<__nv_bfloat16>{(out + c0 * 1 * 256LL), 256LL, 1LL}, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{(in0 + c0 * 1 * 256LL), 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{}, /*eps*/ 0.0f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{}, /*r*/ Mat<const __nv_bfloat16>{(in2 + c0 * 1 * 256LL), 256LL, 1LL}, /*xa*/ Mat<const float>{}, /*ra*/ Mat<const float>{}, /*out*/ Mat<__nv_bfloat16>{(out + c0 * 1 * 256LL), 256LL, 1LL}, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
@@ -347,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
           mega_prefetch_l2((const char*)args.ptr[14] + c1 * 4096LL, (min_i64(512LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 1;
-        wl.ctr[0] = &ctr[14 + (0LL)]; wl.expected[0] = (unsigned)(4LL);
+        wl.ctr[0] = &ctr[14 + (0LL)]; wl.expected[0] = (unsigned)(32LL);
         glu_down<__nv_bfloat16, 256, 256, 8, true>(/*smem*/ smem, /*x*/ Vec<const __nv_bfloat16>{in0, 1LL}, /*g*/ Vec<const __nv_bfloat16>{in1, 1LL}, /*eps*/ 1e-06f, /*w*/ Mat<const __nv_bfloat16>{in2, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{in3, 256LL, 1LL}, /*wd*/ Mat<const __nv_bfloat16>{in4, 256LL, 1LL}, /*acc*/ out, /*F*/ 512LL, /*n_tile*/ c1, /*wl*/ wl, /*scale*/ 1.0f);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
@@ -405,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       } break;
       case 11: {  // matvec: op17 (1 entries)
         unsigned rem = (unsigned)local;
-        const long long c1 = rem % (unsigned)(4LL); rem /= (unsigned)(4LL);
+        const long long c1 = rem % (unsigned)(32LL); rem /= (unsigned)(32LL);
         const long long c0 = rem;
         const long long D__i0 = c0; (void)D__i0; const long long D__i1 = c1; (void)D__i1;
         __nv_bfloat16* const in0 = ((__nv_bfloat16*)(args.arena + 21504));
@@ -414,12 +414,12 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         float* const in3 = ((float*)(ctr + 96));
         __nv_bfloat16* const out = ((__nv_bfloat16*)(args.arena + 38912));
         if (threadIdx.x == 0) {
-          mega_prefetch_l2((const char*)args.ptr[24] + c1 * 32768LL, (min_i64(256LL - c1 * 64, 64LL)) * 512LL);
+          mega_prefetch_l2((const char*)args.ptr[24] + c1 * 4096LL, (min_i64(256LL - c1 * 8, 8LL)) * 512LL);
         }
         MegaWaits wl; wl.n = 2;
         wl.ctr[0] = &ctr[28 + (0LL)]; wl.expected[0] = (unsigned)((((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL));
         wl.ctr[1] = &ctr[15 + (0LL)]; wl.expected[1] = (unsigned)(64LL);
-        matvec<__nv_bfloat16, 1, 256, 64, false, false, true, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{(in0 + c0 * 1 * 256LL), 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{}, /*eps*/ 0.0f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{}, /*r*/ Mat<const __nv_bfloat16>{(in2 + c0 * 1 * 256LL), 256LL, 1LL}, /*xa*/ Mat<const float>{}, /*ra*/ Mat<const float>{(in3 + c0 * 1 * 256LL), 256LL, 1LL}, /*out*/ Mat<__nv_bfloat16>{(out + c0 * 1 * 256LL), 256LL, 1LL}, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
+        matvec<__nv_bfloat16, 1, 256, 8, false, false, true, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{(in0 + c0 * 1 * 256LL), 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{}, /*eps*/ 0.0f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*w2*/ Mat<const __nv_bfloat16>{}, /*r*/ Mat<const __nv_bfloat16>{(in2 + c0 * 1 * 256LL), 256LL, 1LL}, /*xa*/ Mat<const float>{}, /*ra*/ Mat<const float>{(in3 + c0 * 1 * 256LL), 256LL, 1LL}, /*out*/ Mat<__nv_bfloat16>{(out + c0 * 1 * 256LL), 256LL, 1LL}, /*N*/ 256LL, /*n_tile*/ c1, /*mvalid*/ min_i64(1LL, (1LL) - c0 * 1), /*wl*/ wl);
         if (mega_abort_block) break;
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
