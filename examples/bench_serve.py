@@ -191,9 +191,11 @@ def main(argv=None) -> dict:
     cfg = ModelConfig.preset(a.preset)
     if a.dry_run:
         cfg = dataclasses.replace(cfg, dtype=me.f32)
-    max_len = min(cfg.max_positions, a.max_len or a.prompt_len[1] + a.output_len)
-    if max_len < a.prompt_len[1] + a.output_len:
-        raise SystemExit(f"error: --max-len {max_len} holds no prompt of {a.prompt_len[1]} tokens and {a.output_len} more")
+    need = a.prompt_len[1] + a.output_len - 1  # (the last token is not fed back)
+    max_len = a.max_len or min(cfg.max_positions, need)
+    if not need <= max_len <= cfg.max_positions:
+        raise SystemExit(f"error: --max-len {max_len} must hold a prompt of {a.prompt_len[1]} tokens and {a.output_len} "
+                         f"more ({need} rows) and be at most the model's {cfg.max_positions} positions")
     holder = {}
 
     def weights_for(spec):

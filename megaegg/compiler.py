@@ -513,7 +513,8 @@ class Kernel:
 
     def launcher(self, **kwargs) -> "Launcher":
         """The call ``kernel(**kwargs)`` checked once (inputs, dims, bounds, aliasing): a :class:`Launcher`
-        that launches it again and again without any check, for benchmarks and tight loops."""
+        that launches it again and again without any check (or with some read-only inputs and runtime dims
+        changed, checking those only), for benchmarks and tight loops."""
         self._one_rank()
         tensors, dims = self._split_args(kwargs)
         return Launcher(self, tensors, dims)
@@ -669,6 +670,10 @@ class Launcher:
         k = self.kernel
         symbols = k.program.user_symbols
         new_dims = {s: v for s, v in changes.items() if s in symbols}
+        changes = {n: v for n, v in changes.items() if n not in k.program.unused_leaves}  # (as a call ignores them)
+        for name in changes:
+            if name in k._inputs and k._inputs[name].kind == "state":
+                raise GraphError(f"input {name!r} is updated in place: a launcher keeps the one it was made with")
         names = {b.id: name for name, b in k._inputs.items()}
         if new_dims and self._symbolic:  # (shapes may follow the dims: the whole call again)
             given = {names[i]: t for i, t in self._tensors.items()}
@@ -682,8 +687,6 @@ class Launcher:
             b = k._inputs.get(name)
             if b is None:
                 raise GraphError(f"unknown argument {name!r}; inputs: {sorted(k._inputs)}, runtime dims: {list(symbols)}")
-            if b.kind == "state":
-                raise GraphError(f"input {name!r} is updated in place: a launcher keeps the one it was made with")
             t = tensors[b.id] = k._checked_input(name, t, dims)
             hit = self._updated.find(*_span(t)) if t.numel() else None
             if hit is not None:
@@ -710,7 +713,7 @@ class Launcher:
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out, non_blocking=True)
         recorded = k._runner.control_copy()
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(k.device))  # (the stream the launch and the copies went to)
         return LaunchResult(out, host, recorded, done, k._runner)
 
     def outputs(self) -> dict[str, torch.Tensor]:

@@ -150,7 +150,10 @@ class Engine:
             by_loop.setdefault(s.loop, []).append((s, tok))
         self.outbox = []
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # (its event loop is closed: nobody is listening, and the engine goes on)
+                pass
 
     def _intake(self) -> None:
         """Apply the submissions and cancellations that arrived (under the lock)."""
@@ -548,11 +551,14 @@ def _sse(obj) -> str:
 
 # --- building it from a model ---------------------------------------------------------------------------
 def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots: int, max_tokens: int,
-                 max_queue: int, page_len: int | None = None, pages: int | None = None) -> Engine:
+                 max_queue: int, page_len: int | None = None, pages: int | None = None,
+                 decode_graph: bool = True) -> Engine:
     """The step graph of ``cfg`` (sampling on the device) with ``weights_for(spec)``, compiled (``backend``
     "cuda" or "sim"; "reference": the reference executor), behind a batcher and its engine thread; a launch of
-    one decoding row runs the batch-1 decode graph (with sampling) on its slot. With ``page_len``, paged
-    caches: a pool of ``pages`` pages (default: as many rows as ``slots`` caches), every launch the step graph's."""
+    one decoding row runs the batch-1 decode graph (with sampling) on its slot (``decode_graph``; its fused MLP
+    holds a transposed copy of each down projection: llama-3.2-1b 0.5 GB, an 8B model 3.8 GB). With
+    ``page_len``, paged caches: a pool of ``pages`` pages (default: as many rows as ``slots`` caches), every
+    launch the step graph's."""
     import megaegg as me
     from .models import build_decode_graph, build_step_graph
     from .models.pages import PagePool
@@ -572,9 +578,9 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
         kernel = me.compile(graph, weights, backend=backend, max_dims={"n": max_tokens, "r": slots, "ctx": max_len},
                             dims_hint={"n": slots, "r": slots, "ctx": min(512, max_len)})
         step = kernel_batch_step(kernel, caches)
-        if not page_len:  # a lone decoding sequence: the batch-1 decode graph's fused kernel, on its slot
-            decode_graph, _ = build_decode_graph(cfg, max_len=max_len, logits=False, sampling=True)
-            decode = me.compile(decode_graph, weights, backend=backend, max_dims={"pos": max_len - 1},
+        if decode_graph and not page_len:  # a lone decoding sequence: the batch-1 decode graph's fused kernel, on its slot
+            lone, _ = build_decode_graph(cfg, max_len=max_len, logits=False, sampling=True)
+            decode = me.compile(lone, weights, backend=backend, max_dims={"pos": max_len - 1},
                                 dims_hint={"pos": min(512, max_len - 1)})
             step = single_sequence_decode(step, decode, caches)
     pool = PagePool(pages, page_len, per_seq) if page_len else None
@@ -608,6 +614,9 @@ def main(argv=None) -> int:
                     help="a paged KV cache of pages of this many rows (default: a cache of --max-len rows a slot)")
     ap.add_argument("--pages", type=positive_int, default=None,
                     help="pages in the pool, with --page-len (default: --slots x --max-len rows' worth)")
+    ap.add_argument("--no-decode-graph", action="store_true",
+                    help="a lone sequence decodes with the step graph too (saves the batch-1 decode graph's memory: "
+                         "its fused MLP keeps a transposed copy of every down projection)")
     a = ap.parse_args(argv)
     if a.pages and not a.page_len:
         ap.error("--pages goes with --page-len (a paged KV cache)")
@@ -634,7 +643,8 @@ def main(argv=None) -> int:
     if a.page_len and a.pages and a.pages * a.page_len < max_len:
         ap.error(f"--pages {a.pages} of --page-len {a.page_len} rows hold fewer than one sequence's --max-len {max_len}")
     engine = build_engine(cfg, weights_for, backend=backend, device=device, max_len=max_len, slots=a.slots,
-                          max_tokens=tokens, max_queue=a.max_queue, page_len=a.page_len, pages=a.pages)
+                          max_tokens=tokens, max_queue=a.max_queue, page_len=a.page_len, pages=a.pages,
+                          decode_graph=not a.no_decode_graph)
     import uvicorn
 
     app = create_app(engine, model=name, tokenizer=tokenizer, max_len=max_len, eos=eos)

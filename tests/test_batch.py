@@ -484,3 +484,26 @@ def test_a_request_joining_a_lone_sequence_drops_the_launch_run_ahead(tiny):
     rows = outs[True][1]
     assert rows[:3] == [3, 1, 1] and rows[3] == 1 + 3 and 1 in rows[5:]  # lone, joined (prompt prefill), lone again
     assert decode.launches == rows.count(1) + 2  # every lone launch, and the two run ahead and dropped (join, end)
+
+
+def test_a_launch_run_ahead_that_fails_is_not_the_requests_error(tiny):
+    """The token after the prompt has NaN embeddings: the launch run ahead on it fails (NaN logits), which is no
+    error of the request that ends at that token (it gets the token, as without running ahead); the next
+    request then runs as usual."""
+    from megaegg.models import build_decode_graph
+    from megaegg.models.batch import single_sequence_decode
+
+    cfg, graph, spec, weights = tiny
+    step_kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 24, "r": 3, "ctx": 24})
+    after = Batcher(kernel_batch_step(step_kernel, spec.new_caches()), slots=3, max_len=24).run([Request([5], 1)])[0].tokens[0]
+    poisoned = dict(weights)
+    embed = poisoned["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    embed[after] = float("nan")
+    step_kernel = me.compile(graph, poisoned, backend="sim", max_dims={"n": 24, "r": 3, "ctx": 24})
+    decode = me.compile(build_decode_graph(cfg, max_len=24, logits=False, sampling=True)[0], poisoned, backend="sim",
+                        max_dims={"pos": 23})
+    caches = spec.new_caches()
+    batch = Batcher(single_sequence_decode(kernel_batch_step(step_kernel, caches), decode, caches), slots=3, max_len=24)
+    assert batch.run([Request([5], 1)])[0].tokens == [after]
+    other = 1 if after != 1 else 2
+    assert len(batch.run([Request([other, other], 3)])[0].tokens) == 3

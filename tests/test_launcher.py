@@ -45,6 +45,7 @@ def test_each_change_is_checked_and_a_refused_one_changes_nothing(decode):
            ({"token": torch.tensor([1, 2], dtype=torch.int32)}, "input 'token': expected i32[1]"),
            ({"tokens": torch.tensor([1], dtype=torch.int32)}, "unknown argument 'tokens'"),
            ({"k_cache.0": caches["k_cache.0"].clone()}, "input 'k_cache.0' is updated in place"),
+           ({"pos": 5, "v_cache.1": caches["v_cache.1"].clone()}, "input 'v_cache.1' is updated in place"),
            ({"token": caches["k_cache.0"].view(torch.int32).reshape(-1)[:1]}, "shares memory with input 'k_cache.0'")]
     for change, message in bad:
         with pytest.raises(me.GraphError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -499,6 +499,7 @@ class _LoneDecode:
         self.knobs = [name for name, _ in SAMPLING_INPUTS] if sampling else []
         self.launchers = {}
         self.ahead = None  # (the row it runs: slot, pos, token, sampling; its LaunchResult)
+        self.dropped = []  # launches run ahead and not taken: their errors are nobody's (settled before the next)
         self.last_pos = kernel.queue.max_dims["pos"]
 
     def __call__(self, rows: StepRows) -> torch.Tensor:
@@ -506,32 +507,48 @@ class _LoneDecode:
             raise GraphError("single_sequence_decode takes caches of slots; a paged cache's rows are in pages")
         ahead, self.ahead = self.ahead, None
         if len(rows.host_pos) != 1 or rows.out.numel() != 1 or not (self.knobs or rows.greedy):
+            self.dropped += [ahead[1]] if ahead else []
             return self.step(rows)
+        if not (rows.host_token and rows.host_sampling):
+            raise GraphError("single_sequence_decode needs the rows' host_token and host_sampling (as Batcher fills them)")
         slot, pos, sampling = rows.host_slot[0], rows.host_pos[0], rows.host_sampling[0]
         knobs = {k: getattr(rows, k) for k in self.knobs}
         if ahead is not None and ahead[0] == (slot, pos, rows.host_token[0], sampling):
             result = ahead[1]
         else:
+            self.dropped += [ahead[1]] if ahead else []
             result = self._launch(slot, pos, {"token": rows.token, **knobs})
         nxt = None
         if self.run_ahead and pos < self.last_pos:
             if "counter" in knobs:
                 knobs["counter"] = knobs["counter"] + 1
-            nxt = self._launch(slot, pos + 1, {"token": result.device, **knobs})
+            try:  # (a failure queuing it, or on the simulator running it, is not this launch's: it is not run ahead)
+                nxt = self._launch(slot, pos + 1, {"token": result.device, **knobs})
+            except Exception:
+                nxt = None
         try:
             tokens = result.get()
         except Exception:
-            if nxt is not None:  # (its own error, if any, is not this launch's: waited for and dropped)
-                try:
-                    nxt.get()
-                except Exception:
-                    pass
+            self.dropped += [nxt] if nxt is not None else []
+            self._settle()
             raise
         if nxt is not None:
             self.ahead = ((slot, pos + 1, int(tokens[0]), (*sampling[:4], sampling[4] + 1)), nxt)
         return tokens
 
+    def _settle(self) -> None:
+        """Wait for the launches dropped so far and clear what they recorded (a kernel's error record stays set
+        until read: the next launch would run nothing and report their error as its own)."""
+        for r in self.dropped:
+            try:
+                r.get()
+            except Exception:
+                pass
+        self.dropped = []
+
     def _launch(self, slot: int, pos: int, inputs: dict):
+        if self.dropped:
+            self._settle()
         launch = self.launchers.get(slot)
         if launch is None:
             views = {name: c[slot] for name, c in self.caches.items()}  # [kv_heads, max_len, head_dim], in place

@@ -396,7 +396,7 @@ class BatchEngine(Engine):
                                        dims_hint={"pos": min(512, max_len - 1)})
             progress(f"compiled the decode step: {len(decode_kernel.queue.entries)} queue entries "
                      f"({compile_summary(decode_kernel.artifact.timings)})", t)
-            step = single_sequence_decode(step, decode_kernel, self.caches)
+            step = single_sequence_decode(step, decode_kernel, self.caches, run_ahead=False)  # (ms_per_step: a launch)
         self.batcher = Batcher(step, slots=self.slots, max_len=max_len, max_tokens=tokens, device=device, vocab=cfg.vocab)
 
     @property
