@@ -674,9 +674,8 @@ class Launcher:
         for name in changes:
             if name in k._inputs and k._inputs[name].kind == "state":
                 raise GraphError(f"input {name!r} is updated in place: a launcher keeps the one it was made with")
-        names = {b.id: name for name, b in k._inputs.items()}
         if new_dims and self._symbolic:  # (shapes may follow the dims: the whole call again)
-            given = {names[i]: t for i, t in self._tensors.items()}
+            given = {name: self._tensors[b.id] for name, b in k._inputs.items()}
             tensors, dims = k._split_args({**given, **{s: self.dims[s] for s in symbols}, **changes})
             return self._bind(tensors, dims)
         dims = k._checked_dims({**{s: self.dims[s] for s in symbols}, **new_dims}) if new_dims else self.dims

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from .graph import GraphError
-from .models.batch import Batcher, Request, Sampling, kernel_batch_step, reference_batch_step, single_sequence_decode
+from .models.batch import (
+    Batcher, Request, Sampling, kernel_batch_step, lone_decode_kernel, reference_batch_step, single_sequence_decode,
+)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
@@ -560,7 +562,7 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
     ``page_len``, paged caches: a pool of ``pages`` pages (default: as many rows as ``slots`` caches), every
     launch the step graph's."""
     import megaegg as me
-    from .models import build_decode_graph, build_step_graph
+    from .models import build_step_graph
     from .models.pages import PagePool
 
     if pages is not None and page_len is None:
@@ -579,9 +581,7 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
                             dims_hint={"n": slots, "r": slots, "ctx": min(512, max_len)})
         step = kernel_batch_step(kernel, caches)
         if decode_graph and not page_len:  # a lone decoding sequence: the batch-1 decode graph's fused kernel, on its slot
-            lone, _ = build_decode_graph(cfg, max_len=max_len, logits=False, sampling=True)
-            decode = me.compile(lone, weights, backend=backend, max_dims={"pos": max_len - 1},
-                                dims_hint={"pos": min(512, max_len - 1)})
+            decode = lone_decode_kernel(cfg, weights, backend=backend, max_len=max_len, sampling=True)
             step = single_sequence_decode(step, decode, caches)
     pool = PagePool(pages, page_len, per_seq) if page_len else None
     batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab,

@@ -467,13 +467,28 @@ def reference_batch_step(graph: Graph, weights: Mapping[str, torch.Tensor], cach
 
 def kernel_batch_step(kernel, caches: Mapping[str, torch.Tensor], *, check: bool = True) -> BatchStepFn:
     """A batch step over a compiled step graph (one launch per step); ``caches`` updated in place."""
-    sampling = "temperature" in {b.name for b in kernel.program.buffers}
+    sampling = _samples(kernel)
 
     def step(rows: StepRows) -> torch.Tensor:
         out = kernel(**rows.inputs(sampling), **caches, **rows.dims(), check=check)
         return out["next_token"]
 
     return step
+
+
+def lone_decode_kernel(cfg, weights: Mapping[str, torch.Tensor], *, backend: str, max_len: int, sampling: bool):
+    """The batch-1 decode graph a lone sequence runs (:func:`single_sequence_decode`), tokens only (its LM head
+    and argmax fuse; ``sampling``: drawn on the device), compiled for every position below ``max_len``."""
+    import megaegg as me
+    from .decoder import build_decode_graph
+
+    graph, _ = build_decode_graph(cfg, max_len=max_len, logits=False, sampling=sampling)
+    return me.compile(graph, weights, backend=backend, max_dims={"pos": max_len - 1}, dims_hint={"pos": min(512, max_len - 1)})
+
+
+def _samples(kernel) -> bool:
+    """Whether a compiled step or decode graph draws its tokens (has the sampling inputs)."""
+    return "temperature" in {b.name for b in kernel.program.buffers}
 
 
 def single_sequence_decode(step: BatchStepFn, decode_kernel, caches: Mapping[str, torch.Tensor], *,
@@ -495,8 +510,7 @@ class _LoneDecode:
 
     def __init__(self, step: BatchStepFn, kernel, caches: Mapping[str, torch.Tensor], run_ahead: bool) -> None:
         self.step, self.kernel, self.caches, self.run_ahead = step, kernel, caches, run_ahead
-        sampling = "temperature" in {b.name for b in kernel.program.buffers}
-        self.knobs = [name for name, _ in SAMPLING_INPUTS] if sampling else []
+        self.knobs = [name for name, _ in SAMPLING_INPUTS] if _samples(kernel) else []
         self.launchers = {}
         self.ahead = None  # (the row it runs: slot, pos, token, sampling; its LaunchResult)
         self.dropped = []  # launches run ahead and not taken: their errors are nobody's (settled before the next)

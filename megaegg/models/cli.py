@@ -26,7 +26,7 @@ import torch
 
 from ..graph import GraphError
 from ..interpreter.simulator import SimulationError
-from .batch import Batcher, Request, Sampling, kernel_batch_step, single_sequence_decode
+from .batch import Batcher, Request, Sampling, kernel_batch_step, lone_decode_kernel, single_sequence_decode
 from .config import ModelConfig
 from .decoder import build_decode_graph, build_step_graph
 from .generate import Generation, Generator, StepInfo, check_token_ids, kernel_step
@@ -391,9 +391,7 @@ class BatchEngine(Engine):
         self.caches = spec.new_caches(device=device)
         step = kernel_batch_step(step_kernel, self.caches)
         if n_prompts == 1 and sampling.greedy:
-            decode_graph, _ = build_decode_graph(cfg, max_len=max_len, logits=False)  # tokens only: LM head + argmax fuse
-            decode_kernel = me.compile(decode_graph, weights, backend=backend, max_dims={"pos": max_len - 1},
-                                       dims_hint={"pos": min(512, max_len - 1)})
+            decode_kernel = lone_decode_kernel(cfg, weights, backend=backend, max_len=max_len, sampling=False)
             progress(f"compiled the decode step: {len(decode_kernel.queue.entries)} queue entries "
                      f"({compile_summary(decode_kernel.artifact.timings)})", t)
             step = single_sequence_decode(step, decode_kernel, self.caches, run_ahead=False)  # (ms_per_step: a launch)
