@@ -299,7 +299,7 @@ __device__ __forceinline__ void paced_first_step(uint4 (&wa)[P::RB][P::U], uint4
         unsigned dep = 0;  // reading the slot's registers waits for its loads to land
 #pragma unroll
         for (int u = 0; u < P::U; ++u) dep |= wa[RB0][u].x;
-        red[threadIdx.x % MEGA_WARPS] = __uint_as_float(dep);  // (scratch: the stage after the wait rewrites it)
+        if (lane == 0) red[warp] = __uint_as_float(dep);  // (scratch, one writer a word: the stage after the wait rewrites it)
         paced_first_step<P, T, GLU, RB0 + 1>(wa, wb, w, w2, row0, rr, N, warp, lane, wl, red);
     }
 }
