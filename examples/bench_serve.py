@@ -62,6 +62,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="a paged KV cache of pages of this many rows (default: a cache of max-len rows a sequence)")
     p.add_argument("--pages", type=positive_int, default=None, help="pages in the pool, with --page-len (default: as "
                    "many rows as the caches of slots)")
+    p.add_argument("--slots", type=positive_int, default=None,
+                   help="sequences the engine holds (default: the concurrency; with the same --slots and --max-len, runs "
+                   "share their compiled kernels through the cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-peer", action="store_true", help="do not time the torch.compile batched step")
     p.add_argument("--max-len", type=positive_int, default=None,
@@ -159,6 +162,23 @@ def torch_compile_tokens_per_s(cfg, weights, batch: int, max_len: int) -> float 
     return batch / (timed(call, 20, 5, True) / 1e3)
 
 
+def launch_breakdown(batcher, results: list[dict]) -> dict:
+    """Where the engine's time went: its launches (each one's wall time: host work, launch, the wait for its
+    tokens), the time between them (the batcher's and the server's host work, or idle waiting for requests), and how
+    long the clients took past the last launch (their parsing; the clocks agree: perf_counter is system-wide)."""
+    b = batcher
+    if not b.step_started:
+        return {"launches": 0}
+    span = b.step_started[-1] + b.step_seconds[-1] - b.step_started[0]
+    inside = sum(b.step_seconds)
+    mixed = [s for s, p in zip(b.step_seconds, b.prefill_rows) if p]
+    stamps = [t for r in results for t in r["stamps"]]
+    return {"launches": b.launches, "mixed_launches": len(mixed), "prefill_rows": sum(b.prefill_rows),
+            "span_s": span, "in_launches_s": inside, "in_mixed_launches_s": sum(mixed), "between_launches_s": span - inside,
+            "first_launch_after_s": b.step_started[0] - min(r["start"] for r in results),
+            "clients_after_last_launch_s": (max(stamps) if stamps else 0.0) - (b.step_started[-1] + b.step_seconds[-1])}
+
+
 def decode_step_ms(engine, max_len: int, temperature: float = 0.0, top_p: float = 1.0) -> float | None:
     """The engine's batch-1 decode graph (what a lone sequence runs) at position 512: ms a launch (CUDA events)."""
     kernel = engine.decode_kernel
@@ -202,9 +222,10 @@ def main(argv=None) -> dict:
         holder["w"] = random_weights(spec, seed=0, device=device)
         return holder["w"]
 
+    slots = a.slots or a.concurrency
     t0 = time.perf_counter()
-    engine = build_engine(cfg, weights_for, backend=backend, device=device, max_len=max_len, slots=a.concurrency,
-                          max_tokens=max(a.concurrency, a.max_step_tokens), max_queue=a.requests + 1,
+    engine = build_engine(cfg, weights_for, backend=backend, device=device, max_len=max_len, slots=slots,
+                          max_tokens=max(slots, a.max_step_tokens), max_queue=a.requests + 1,
                           page_len=a.page_len, pages=a.pages)
     print(f"  engine ready in {time.perf_counter() - t0:.1f} s ({backend})", file=sys.stderr, flush=True)
     port = free_port()
@@ -229,6 +250,7 @@ def main(argv=None) -> dict:
         server.should_exit = True
         thread.join(timeout=30)
         engine.close()
+    engine_report = launch_breakdown(engine.batcher, results)
     lone_ms = decode_step_ms(engine, max_len) if a.concurrency == 1 else None
     sampled_ms = decode_step_ms(engine, max_len, 0.8, 0.95) if a.concurrency == 1 else None
     ok = [r for r in results if r["error"] is None and len(r["stamps"]) == a.output_len]
@@ -244,7 +266,7 @@ def main(argv=None) -> dict:
               "itl_s": {f"p{q}": percentile(itl, q) for q in (50, 90, 99)}, "decode_graph_step_ms": lone_ms,
               "decode_graph_sampled_step_ms": sampled_ms,
               "mode": f"open loop, {a.rate}/s" if a.rate else f"closed loop, concurrency {a.concurrency}",
-              "prompt_len": list(a.prompt_len), "output_len": a.output_len}
+              "prompt_len": list(a.prompt_len), "output_len": a.output_len, "engine": engine_report}
     fmt = lambda d: " / ".join("-" if v is None else f"{1e3 * v:.1f}" for v in d.values())  # noqa: E731
     print(f"{report['preset']} ({backend}), {report['mode']}, {a.requests} requests, prompts {a.prompt_len[0]}-"
           f"{a.prompt_len[1]} tokens, {a.output_len} out")
@@ -257,6 +279,12 @@ def main(argv=None) -> dict:
         print(f"one client: ITL p50 {1e3 * report['itl_s']['p50']:.3f} ms against the batch-1 decode graph's step "
               f"{lone_ms:.3f} ms ({1e3 * report['itl_s']['p50'] / lone_ms:.3f}x; sampling at temperature 0.8, top_p "
               f"0.95: {sampled_ms:.3f} ms a step)")
+    e = engine_report
+    if e["launches"]:
+        print(f"engine: {e['launches']} launches ({e['mixed_launches']} with prompt rows, {e['prefill_rows']} prompt rows) "
+              f"over {e['span_s']:.2f} s: {e['in_launches_s']:.2f} s in launches ({e['in_mixed_launches_s']:.2f} s of it "
+              f"mixed), {e['between_launches_s']:.2f} s between them; first launch {e['first_launch_after_s']:.2f} s "
+              f"after the first request, last client stamp {e['clients_after_last_launch_s']:.3f} s after the last launch")
     if report["errors"]:
         print("errors:", "; ".join(report["errors"]))
     if a.json:

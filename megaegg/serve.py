@@ -145,8 +145,12 @@ class Engine:
         self.outbox.append((s, tok))
 
     def _flush(self) -> None:
-        """Hand a launch's tokens to the event loops in one wake-up each (a wake-up a token: one system call
-        and one loop iteration each, 64 a launch at 64 sequences)."""
+        """Hand a launch's tokens (and the ends of the streams it finished) to the event loops in one wake-up
+        each (a wake-up a token: one system call and one loop iteration each, 64 a launch at 64 sequences).
+        Called once the next launch is queued (``Batcher.step``'s ``launched``), or when none follows: the
+        event loop's work on them (tens of us a token) then runs while the device does, and it does not hold
+        the interpreter lock that the next launch's host work needs (every torch call lets it in: measured
+        on an H200, a 64-row decode launch went from ~3 to ~7 ms with the tokens handed over first)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for s, tok in self.outbox:
             by_loop.setdefault(s.loop, []).append((s, tok))
@@ -184,9 +188,12 @@ class Engine:
         while True:
             with self.cond:
                 self._intake()
+                if not self.batcher.busy():  # (no launch to hand the last one's tokens over behind)
+                    self._flush()
                 while not self.closed and not self.batcher.busy() and not self.inbox and not self.cancels:
                     self.cond.wait()
                 if self.closed:
+                    self._flush()
                     self._fail_all(RequestError("the server shut down before this request finished", status=503,
                                                 kind="server_error"))
                     return
@@ -194,7 +201,7 @@ class Engine:
                 if not self.batcher.busy():
                     continue
             try:  # (outside the lock: submissions and cancellations queue up meanwhile)
-                self.batcher.step()
+                self.batcher.step(launched=self._flush)
             except Exception as e:  # a failed launch: the requests it carried end with the error, the loop goes on
                 self._flush()
                 error = RequestError(f"the launch failed: {type(e).__name__}: {e}", status=500, kind="server_error")
@@ -207,11 +214,10 @@ class Engine:
                         self.batcher.cancel(run.index)
                     self.batcher.cached = [[] for _ in self.batcher.cached]  # (its rows may be half written)
                 continue
-            self._flush()
-            for run in self.batcher.done:  # finished: end their streams
+            for run in self.batcher.done:  # finished: their streams end behind their tokens (at the next flush)
                 s = self.streams.pop(run.index, None)
                 if s is not None:
-                    s.put(None)
+                    self.outbox.append((s, None))
             self.batcher.done = []
 
     def metrics(self) -> str:

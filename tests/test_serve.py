@@ -444,12 +444,22 @@ def test_a_paged_server_gives_each_client_its_greedy_text_and_shares_prefix_page
 
 def test_a_launchs_tokens_reach_the_event_loop_in_one_wake_up():
     """The engine alone (a step function with no model): three sequences' tokens of a launch are handed to
-    their event loop in one call, in order, before the ends of the streams they finish."""
-    from megaegg.models.batch import Batcher, Sampling
+    their event loop in one call, in order, before the ends of the streams they finish, and only once the
+    next launch is queued (the event loop's work on them runs while that launch does)."""
+    from megaegg.models.batch import Batcher, QueuedTokens, Sampling
     from megaegg.serve import Engine, Stream
 
+    seen = []  # (wake-ups when a launch is queued, wake-ups when its tokens are waited for)
+
     def step(rows):
-        return torch.tensor([(t * 7 + 1) % 10 for t in rows.token[rows.out].tolist()], dtype=torch.int32)
+        queued = loop.calls
+        tokens = torch.tensor([(t * 7 + 1) % 10 for t in rows.token[rows.out].tolist()], dtype=torch.int32)
+
+        def get():
+            seen.append((queued, loop.calls))
+            return tokens
+
+        return QueuedTokens(get)
 
     class Loop:  # (runs a callback at once, counting the wake-ups)
         calls = 0
@@ -472,4 +482,5 @@ def test_a_launchs_tokens_reach_the_event_loop_in_one_wake_up():
     finally:
         engine.close()
     assert [out[:-1] for out in items] == [[5, 6, 3], [2, 5, 6], [3, 2, 5]]
-    assert batcher.launches == 3 and loop.calls == 3 + 3  # a wake-up a launch, and one a stream's end
+    # a wake-up a launch, behind the next launch; the streams' ends with the last launch's tokens
+    assert batcher.launches == 3 and loop.calls == 3 and seen == [(0, 0), (0, 1), (1, 2)]

@@ -120,7 +120,16 @@ class StepRows:
         return {n: getattr(self, n) for n in names} | ({"pages": self.pages} if self.pages is not None else {})
 
 
-BatchStepFn = Callable[[StepRows], torch.Tensor]  # -> next tokens i32[r]
+class QueuedTokens:
+    """A launch queued on the device whose next tokens :meth:`get` waits for (checking the launch's errors):
+    what a step function may return instead of the tokens, so that the batcher's ``launched`` hook runs
+    while the launch does (:meth:`Batcher.step`)."""
+
+    def __init__(self, get: Callable[[], torch.Tensor]) -> None:
+        self.get = get
+
+
+BatchStepFn = Callable[[StepRows], "torch.Tensor | QueuedTokens"]  # -> next tokens i32[r]
 
 
 @dataclass
@@ -180,6 +189,7 @@ class Batcher:
         self.done: list[_Running] = []
         self.launches = 0
         self.step_seconds: list[float] = []  # wall time of each launch
+        self.step_started: list[float] = []  # when each launch began (time.perf_counter)
         self.prefill_rows: list[int] = []  # prompt tokens each launch fed (0: a pure decode step)
         self._count = 0
         # Prefix caching by slot: the tokens whose K and V rows a free slot still holds (a finished sequence's).
@@ -241,10 +251,13 @@ class Batcher:
                 return run.generation
         return None
 
-    def step(self) -> StepInfo:
+    def step(self, launched: Callable[[], None] | None = None) -> StepInfo:
         """One launch: admit waiting requests into free slots, then feed every running sequence
         (decoding ones first, one token each; prompts with what is left of the token budget).
-        Returns what it did."""
+        Returns what it did. ``launched`` is called once the launch is queued, before waiting for its
+        tokens (while it runs, when the step function returns :class:`QueuedTokens`): a server hands the
+        previous launch's tokens to its clients there, so that work overlaps this launch instead of
+        delaying the next one."""
         while self.waiting and self.free:
             run = self.waiting[0]
             if self.pages is not None:  # its prompt's pages and the headroom: a request waits (in order) until free
@@ -279,10 +292,15 @@ class Batcher:
                 outs.append((run, len(rows) - 1))
         t0 = time.perf_counter()
         tokens = self.step_fn(self._rows(rows, outs))
+        if launched is not None:
+            launched()
+        if isinstance(tokens, QueuedTokens):
+            tokens = tokens.get()
         new = [int(t) for t in tokens.reshape(-1).tolist()]  # (syncs with the device)
         seconds = time.perf_counter() - t0
         prefill_rows = sum(fed.get(r.index, 0) for r in prefilling)
         self.step_seconds.append(seconds)
+        self.step_started.append(t0)
         self.prefill_rows.append(prefill_rows)
         self.launches += 1
         for run in self.running:
@@ -466,12 +484,20 @@ def reference_batch_step(graph: Graph, weights: Mapping[str, torch.Tensor], cach
 
 
 def kernel_batch_step(kernel, caches: Mapping[str, torch.Tensor], *, check: bool = True) -> BatchStepFn:
-    """A batch step over a compiled step graph (one launch per step); ``caches`` updated in place."""
+    """A batch step over a compiled step graph (one launch per step); ``caches`` updated in place. It returns
+    the launch queued (:class:`QueuedTokens`: the batcher waits for its tokens, and with ``check`` for its
+    errors, after its ``launched`` hook)."""
     sampling = _samples(kernel)
 
-    def step(rows: StepRows) -> torch.Tensor:
-        out = kernel(**rows.inputs(sampling), **caches, **rows.dims(), check=check)
-        return out["next_token"]
+    def step(rows: StepRows) -> QueuedTokens:
+        tokens = kernel(**rows.inputs(sampling), **caches, **rows.dims(), check=False)["next_token"]
+
+        def get() -> torch.Tensor:
+            if check:
+                kernel.check()
+            return tokens
+
+        return QueuedTokens(get)
 
     return step
 
@@ -516,7 +542,7 @@ class _LoneDecode:
         self.dropped = []  # launches run ahead and not taken: their errors are nobody's (settled before the next)
         self.last_pos = kernel.queue.max_dims["pos"]
 
-    def __call__(self, rows: StepRows) -> torch.Tensor:
+    def __call__(self, rows: StepRows) -> torch.Tensor | QueuedTokens:
         if rows.pages is not None:
             raise GraphError("single_sequence_decode takes caches of slots; a paged cache's rows are in pages")
         ahead, self.ahead = self.ahead, None
@@ -540,15 +566,19 @@ class _LoneDecode:
                 nxt = self._launch(slot, pos + 1, {"token": result.device, **knobs})
             except Exception:
                 nxt = None
-        try:
-            tokens = result.get()
-        except Exception:
-            self.dropped += [nxt] if nxt is not None else []
-            self._settle()
-            raise
-        if nxt is not None:
-            self.ahead = ((slot, pos + 1, int(tokens[0]), (*sampling[:4], sampling[4] + 1)), nxt)
-        return tokens
+
+        def get() -> torch.Tensor:
+            try:
+                tokens = result.get()
+            except Exception:
+                self.dropped += [nxt] if nxt is not None else []
+                self._settle()
+                raise
+            if nxt is not None:
+                self.ahead = ((slot, pos + 1, int(tokens[0]), (*sampling[:4], sampling[4] + 1)), nxt)
+            return tokens
+
+        return QueuedTokens(get)
 
     def _settle(self) -> None:
         """Wait for the launches dropped so far and clear what they recorded (a kernel's error record stays set
