@@ -61,7 +61,6 @@ class Stream:
     index: int = -1
     submitted: float = field(default_factory=time.perf_counter)
     last: float | None = None
-    checked: float = field(default_factory=time.perf_counter)  # when the HTTP side last asked if the client is there
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -414,11 +413,14 @@ def create_app(engine: Engine, *, model: str, tokenizer=None, max_len: int, eos=
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
         gen = _Generation(p, tokenizer)
+        watch = asyncio.ensure_future(_watch(stream, request))
         if not p.stream:
             try:
                 while not gen.done:
-                    item = await _next(stream, request)
-                    gen.take(item)
+                    for item in await _items(stream):
+                        gen.take(_token(item))
+                        if gen.done:
+                            break
             except RequestError as e:
                 engine.cancel(stream)
                 return refuse(e)
@@ -426,6 +428,7 @@ def create_app(engine: Engine, *, model: str, tokenizer=None, max_len: int, eos=
                 engine.cancel(stream)
                 return JSONResponse({}, status_code=499)
             finally:
+                watch.cancel()
                 if gen.done:
                     engine.cancel(stream)  # (a stop string ended it early: free the slot)
             choice = {"index": 0, "finish_reason": gen.reason, "token_ids": gen.tokens}
@@ -442,21 +445,31 @@ def create_app(engine: Engine, *, model: str, tokenizer=None, max_len: int, eos=
                 if chat:
                     yield _sse(_chunk(rid, model, chat, {"role": "assistant", "content": ""}, None))
                 while not gen.done:
-                    try:
-                        item = await _next(stream, request)
-                    except RequestError as e:
-                        yield _sse(error_body(str(e), e.kind, e.param))
+                    # the tokens that came since the last chunk go in one (one a launch while the event loop
+                    # keeps up; more when it falls behind, which so costs it less a token)
+                    ids, error = [], None
+                    for item in await _items(stream):
+                        try:
+                            gen.take(_token(item))
+                        except RequestError as e:
+                            error = e
+                            break
+                        if item is not None and not gen.done_by_text:
+                            ids.append(item)
+                        if gen.done:
+                            break
+                    if ids or gen.done:
+                        text = gen.text(final=gen.done)
+                        delta = ""
+                        if text.startswith(sent):  # (else: held-back text was decoded otherwise; it comes at the end)
+                            delta, sent = text[len(sent):], text
+                        elif gen.done:
+                            delta, sent = text[len(sent):] if len(text) > len(sent) else "", text
+                        payload = {"content": delta} if chat else delta  # (the tokens' ids ride along)
+                        yield _sse(_chunk(rid, model, chat, payload, gen.reason if gen.done else None, ids))
+                    if error is not None:
+                        yield _sse(error_body(str(error), error.kind, error.param))
                         return
-                    gen.take(item)
-                    text = gen.text(final=gen.done)
-                    delta = ""
-                    if text.startswith(sent):  # (else: held-back text was decoded otherwise; it comes at the end)
-                        delta, sent = text[len(sent):], text
-                    elif gen.done:
-                        delta, sent = text[len(sent):] if len(text) > len(sent) else "", text
-                    payload = {"content": delta} if chat else delta  # (a chunk a token: its id rides along)
-                    yield _sse(_chunk(rid, model, chat, payload, gen.reason if gen.done else None,
-                                      [item] if item is not None and not gen.done_by_text else []))
                 if p.include_usage:
                     yield _sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": int(time.time()),
                                 "model": model, "choices": [], "usage": gen.usage()})
@@ -464,6 +477,7 @@ def create_app(engine: Engine, *, model: str, tokenizer=None, max_len: int, eos=
             except (_Disconnected, asyncio.CancelledError):
                 pass
             finally:
+                watch.cancel()
                 engine.cancel(stream)
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -484,22 +498,30 @@ class _Disconnected(Exception):
     pass
 
 
-async def _next(stream: Stream, request) -> int | None:
-    """The stream's next item (a token, or None at its end), checking the client every 0.5 s, whether or
-    not tokens arrive meanwhile (a decode step takes milliseconds)."""
+async def _watch(stream: Stream, request) -> None:
+    """(a task a request) Ends the stream with :class:`_Disconnected` once its client is gone, checked every
+    0.5 s whether or not tokens come (a request still queued sends nothing whose failure would tell)."""
     while True:
-        now = time.perf_counter()
-        if now - stream.checked >= 0.5:
-            stream.checked = now
-            if await request.is_disconnected():
-                raise _Disconnected()
-        try:
-            item = await asyncio.wait_for(stream.queue.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            continue
-        if isinstance(item, Exception):
-            raise item
-        return item
+        await asyncio.sleep(0.5)
+        if await request.is_disconnected():
+            stream.queue.put_nowait(_Disconnected())
+            return
+
+
+async def _items(stream: Stream) -> list:
+    """The stream's next items: the first awaited, then those queued behind it, up to its end (None) or an
+    error (a RequestError, or _Disconnected); :func:`_token` reads each."""
+    items = [await stream.queue.get()]
+    while isinstance(items[-1], int) and not stream.queue.empty():
+        items.append(stream.queue.get_nowait())
+    return items
+
+
+def _token(item) -> int | None:
+    """A stream item as a token (None: the end), raising it if it is an error."""
+    if isinstance(item, Exception):
+        raise item
+    return item
 
 
 class _Generation:
@@ -591,7 +613,7 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
             step = single_sequence_decode(step, decode, caches)
     pool = PagePool(pages, page_len, per_seq) if page_len else None
     batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab,
-                      prefix_cache=pool is None, pages=pool)
+                      prefix_cache=pool is None, pages=pool, run_ahead=pool is None and backend != "reference")
     return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab, decode_kernel=decode, caches=caches)
 
 

@@ -14,7 +14,7 @@ import megaegg as me
 from queue_edits import without_waits
 from megaegg.interpreter import Interleaving, SimulationError
 from megaegg.models import ModelConfig, build_step_graph, load_checkpoint, random_weights, read_config
-from megaegg.models.batch import Batcher, Request, Sampling, kernel_batch_step, reference_batch_step
+from megaegg.models.batch import Batcher, QueuedTokens, Request, Sampling, kernel_batch_step, reference_batch_step
 from megaegg.sampling import draw_bits, sample_row
 
 transformers = pytest.importorskip("transformers")
@@ -507,3 +507,96 @@ def test_a_launch_run_ahead_that_fails_is_not_the_requests_error(tiny):
     assert batch.run([Request([5], 1)])[0].tokens == [after]
     other = 1 if after != 1 else 2
     assert len(batch.run([Request([other, other], 3)])[0].tokens) == 3
+
+
+def _ahead_requests(stop: int | None = None) -> list[Request]:
+    system = [5, 9, 2, 7, 7, 1]
+    return [Request(system + [11, 12], 6, sampling=Sampling(temperature=0.9, top_k=9, seed=3)),
+            Request([9, 2, 44, 61, 7, 30, 8, 4, 4, 19], 5), Request([12], 7, stop_tokens=(stop,) if stop is not None else ()),
+            Request(system + [40], 4, sampling=Sampling(temperature=1.2, top_p=0.8, seed=8)), Request([21, 22], 3),
+            Request(system + [11, 12, 13], 5)]
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_run_ahead_gets_the_tokens_of_one_launch_at_a_time(tiny, interleave):
+    """Six requests through three slots, at most 6 rows a launch, with prefix caching, sampling, a stop token
+    that ends a sequence early and sequences joining as others end: queuing each launch before the previous
+    one's tokens are read (its decoding rows' tokens copied on the device) gives every request the tokens,
+    stop and finish of stepping one launch at a time; most launches were queued ahead."""
+    cfg, graph, spec, weights = tiny
+    kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 6, "r": 3, "ctx": 24})
+    if interleave:
+        kernel.interleaving = Interleaving(sms=4, seed=2, adversarial=True)
+    stop = Batcher(kernel_batch_step(kernel, spec.new_caches()), slots=3, max_len=24, max_tokens=6).run(_ahead_requests())[2].tokens[3]
+    carried = []
+
+    def counted(step):
+        def wrapped(rows):
+            carried.append(rows.host_token.count(-1))
+            return step(rows)
+        return wrapped
+
+    outs = {}
+    for ahead in (False, True):
+        b = Batcher(counted(kernel_batch_step(kernel, spec.new_caches())), slots=3, max_len=24, max_tokens=6,
+                    prefix_cache=True, run_ahead=ahead)
+        gens = b.run(_ahead_requests(stop))
+        outs[ahead] = [(g.tokens, g.stop_token, g.finished) for g in gens], b.prefix_hits
+    assert outs[True] == outs[False]
+    assert outs[True][0][2][1] == stop and len(outs[True][0][2][0]) < 7 and outs[True][1] > 0
+    ahead_launches = sum(1 for c in carried[-b.launches:] if c)
+    assert not any(carried[:-b.launches]) and ahead_launches >= b.launches // 2
+
+
+def test_a_sequence_cancelled_while_its_next_launch_is_queued_gets_no_more_tokens(tiny):
+    """With run ahead, a request cancelled between two steps still has a row in the launch queued ahead: its
+    token is not given to it (nor to on_token), its slot is free for the next request, and the others get the
+    tokens they get without it."""
+    cfg, graph, spec, weights = tiny
+    kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 24, "r": 3, "ctx": 24})
+    keep = [Request([3, 17, 5], 8), Request([9, 2], 6, sampling=Sampling(temperature=0.8, seed=1))]
+    alone = [g.tokens for g in Batcher(kernel_batch_step(kernel, spec.new_caches()), slots=3, max_len=24).run(keep)]
+    given = []
+    victim = Request([12, 40, 41], 9, on_token=given.append)
+    b = Batcher(kernel_batch_step(kernel, spec.new_caches()), slots=2, max_len=24, run_ahead=True)
+    first = b.submit(keep[0])
+    gone = b.submit(victim)
+    for _ in range(3):
+        b.step()
+    assert b._ahead is not None and len(given) == 3  # (a token a launch; the fourth launch queued)
+    cut = b.cancel(gone)
+    assert cut.tokens == given and not cut.finished
+    b.submit(keep[1])  # takes the freed slot
+    while b.busy():
+        b.step()
+    done = {r.index: r.generation.tokens for r in b.done}
+    assert done[first] == alone[0] and done[first + 2] == alone[1] and given == cut.tokens
+
+
+def test_a_failed_launch_with_one_queued_ahead_is_drained(tiny):
+    """The launch after the fourth fails when its tokens are read, with the next one queued behind it: the
+    step raises, drain keeps what every request got (the fed rows of both launches are not counted), and the
+    batcher runs again from there."""
+    cfg, graph, spec, weights = tiny
+    step = kernel_batch_step(me.compile(graph, weights, backend="sim", max_dims={"n": 24, "r": 3, "ctx": 24}),
+                             spec.new_caches())
+    reqs = [Request(PROMPTS[0], 6), Request(PROMPTS[2], 6)]
+    full = [o.tokens for o in Batcher(step, slots=2, max_len=24).run(reqs)]
+    calls = []
+
+    def failing_on_the_fifth(rows):
+        calls.append(1)
+        queued = step(rows)
+        if len(calls) != 5:
+            return queued
+
+        def get():
+            raise RuntimeError("the launch failed")
+        return QueuedTokens(get, queued.device)
+
+    b = Batcher(failing_on_the_fifth, slots=2, max_len=24, run_ahead=True)
+    with pytest.raises(RuntimeError, match="the launch failed"):
+        b.run(reqs)
+    outs = b.drain()
+    assert [o.tokens for o in outs] == [full[0][:4], full[1][:4]] and not b.busy()
+    assert [o.tokens for o in b.run(reqs)] == full

@@ -5,6 +5,7 @@ server stops at the end."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -484,3 +485,25 @@ def test_a_launchs_tokens_reach_the_event_loop_in_one_wake_up():
     assert [out[:-1] for out in items] == [[5, 6, 3], [2, 5, 6], [3, 2, 5]]
     # a wake-up a launch, behind the next launch; the streams' ends with the last launch's tokens
     assert batcher.launches == 3 and loop.calls == 3 and seen == [(0, 0), (0, 1), (1, 2)]
+
+
+def test_the_tokens_queued_behind_one_come_together_up_to_the_end_or_an_error():
+    """The HTTP side reads a stream's items a batch at a time: the first awaited, then those already queued, up
+    to the end (None) or an error, so a stream whose event loop fell behind sends one chunk for several tokens."""
+    from megaegg.serve import RequestError, _items, _token
+
+    async def batches(items):
+        queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        out = []
+        while not queue.empty():
+            out.append(await _items(SimpleNamespace(queue=queue)))
+        return out
+
+    error = RequestError("the launch failed", status=500)
+    assert asyncio.run(batches([5, 6, None, 7])) == [[5, 6, None], [7]]
+    assert asyncio.run(batches([5, error, 6])) == [[5, error], [6]]
+    assert _token(5) == 5 and _token(None) is None
+    with pytest.raises(RequestError, match="the launch failed"):
+        _token(error)

@@ -102,7 +102,7 @@ class StepRows:
     counter: torch.Tensor  # i32[r]: the sequence's tokens drawn so far (each draw of a seed differs)
     host_pos: tuple[int, ...] = ()  # pos, slot and token as host ints (no device round trip to read them)
     host_slot: tuple[int, ...] = ()
-    host_token: tuple[int, ...] = ()
+    host_token: tuple[int, ...] = ()  # (-1: a token the launch reads on the device, the previous launch's)
     host_sampling: tuple[tuple, ...] = ()  # (temperature, top_k, top_p, seed, counter) of each output row
     greedy: bool = True  # every output row's sampling is greedy (a step graph without sampling inputs can run it)
     pages: torch.Tensor | None = None  # i32[slots, pages a sequence]: a paged cache's page table
@@ -123,10 +123,29 @@ class StepRows:
 class QueuedTokens:
     """A launch queued on the device whose next tokens :meth:`get` waits for (checking the launch's errors):
     what a step function may return instead of the tokens, so that the batcher's ``launched`` hook runs
-    while the launch does (:meth:`Batcher.step`)."""
+    while the launch does (:meth:`Batcher.step`); ``device``: the tokens as the launch writes them (a launch
+    queued behind it reads them there: ``Batcher(run_ahead=True)``)."""
 
-    def __init__(self, get: Callable[[], torch.Tensor]) -> None:
-        self.get = get
+    def __init__(self, get: Callable[[], torch.Tensor], device: torch.Tensor | None = None) -> None:
+        self.get, self.device = get, device
+
+
+@dataclass
+class _Launch:
+    """A launch the batcher queued: the sequences it draws tokens for (and at which row), the rows it fed
+    each, and its tokens (``queued``: the step function's result)."""
+
+    outs: list[tuple["_Running", int]]
+    fed: dict[int, int]
+    rows: int
+    prefill_rows: int
+    queued: "torch.Tensor | QueuedTokens"
+    started: float
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """Its tokens on the device (or already computed), for a launch queued behind it; None if unknown."""
+        return self.queued.device if isinstance(self.queued, QueuedTokens) else self.queued
 
 
 BatchStepFn = Callable[[StepRows], "torch.Tensor | QueuedTokens"]  # -> next tokens i32[r]
@@ -169,10 +188,17 @@ class Batcher:
 
     ``max_tokens`` bounds the rows of one launch (the step graph's ``n``); ``vocab`` refuses
     out-of-range prompt ids up front; ``pages``: a paged cache's pool (prefix sharing as it says).
+
+    ``run_ahead`` (caches of slots): each launch queues the next one before its tokens are read, its
+    decoding rows' tokens copied on the device from this launch's, so the host's work for a launch (the
+    batcher's, the server's) overlaps the one before it. A sequence that this launch ends (a stop token) or
+    that is cancelled meanwhile has a row in the next launch that nothing reads: it wrote the slot's row
+    after the sequence's last, which no later sequence reads before writing it.
     """
 
     def __init__(self, step: BatchStepFn, *, slots: int, max_len: int, max_tokens: int | None = None,
-                 device="cpu", vocab: int | None = None, prefix_cache: bool = False, pages: PagePool | None = None) -> None:
+                 device="cpu", vocab: int | None = None, prefix_cache: bool = False, pages: PagePool | None = None,
+                 run_ahead: bool = False) -> None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise GraphError(f"slots must be an int >= 1, got {slots!r}")
         self.step_fn, self.slots, self.max_len = step, slots, max_len
@@ -188,8 +214,9 @@ class Batcher:
         self.free = list(range(slots))
         self.done: list[_Running] = []
         self.launches = 0
-        self.step_seconds: list[float] = []  # wall time of each launch
-        self.step_started: list[float] = []  # when each launch began (time.perf_counter)
+        self.step_seconds: list[float] = []  # wall time of each launch (run ahead: from the previous one's tokens)
+        self.step_started: list[float] = []  # when each launch began (time.perf_counter; run ahead: as above)
+        self._last_read = 0.0  # when the last launch's tokens were read
         self.prefill_rows: list[int] = []  # prompt tokens each launch fed (0: a pure decode step)
         self._count = 0
         # Prefix caching by slot: the tokens whose K and V rows a free slot still holds (a finished sequence's).
@@ -201,6 +228,8 @@ class Batcher:
         self.prefix_hits = 0  # prompt tokens not prefilled: their rows were in the slot (or in shared pages)
         self.pages = pages
         self.preemptions = 0  # sequences whose pages were taken back to let others grow
+        self.run_ahead = run_ahead
+        self._ahead: _Launch | None = None  # the launch queued ahead (run_ahead), taken by the next step
         self._admissions = 0
         if pages is not None and prefix_cache:
             raise GraphError("prefix_cache keeps a finished sequence's rows in its slot; a paged cache shares "
@@ -233,7 +262,7 @@ class Batcher:
         return run.index
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._ahead)
 
     def cancel(self, index: int) -> Generation | None:
         """Stop request ``index`` (its client went away): it leaves the queue or frees its slot before the
@@ -257,7 +286,54 @@ class Batcher:
         Returns what it did. ``launched`` is called once the launch is queued, before waiting for its
         tokens (while it runs, when the step function returns :class:`QueuedTokens`): a server hands the
         previous launch's tokens to its clients there, so that work overlaps this launch instead of
-        delaying the next one."""
+        delaying the next one. With ``run_ahead``, the launch may be the one the previous step queued, and
+        the next one is queued before this one's tokens are waited for."""
+        launch, self._ahead = self._ahead, None
+        if launch is None:
+            self._admit_waiting()
+            plan = self._plan()
+            while self.pages is not None and not self._grow(plan):
+                plan = self._plan()  # (a sequence was preempted: its rows and budget go to the others)
+            launch = self._launch([(run, take, None) for run, take in plan], None)
+        if self.run_ahead:
+            try:  # (failing to queue it, or on the simulator failing to run it, is not this launch's error:
+                self._ahead = self._launch_ahead(launch)  # the next step launches those rows again, as usual)
+            except Exception:
+                self._ahead = None
+        if launched is not None:
+            launched()
+        try:
+            tokens = launch.queued.get() if isinstance(launch.queued, QueuedTokens) else launch.queued
+            new = [int(t) for t in tokens.reshape(-1).tolist()]  # (syncs with the device)
+        except BaseException:
+            for failed in (launch, self._ahead):  # (their rows were not written: fed again if stepped again)
+                if failed is not None:
+                    for run in self.running:
+                        run.fed -= failed.fed.get(run.index, 0)
+            self._settle_ahead()
+            raise
+        # (a launch queued ahead counts from the previous launch's tokens: its seconds are the pace of tokens)
+        started = max(launch.started, self._last_read)
+        self._last_read = time.perf_counter()
+        seconds = self._last_read - started
+        self.step_seconds.append(seconds)
+        self.step_started.append(started)
+        self.prefill_rows.append(launch.prefill_rows)
+        self.launches += 1
+        if self.pages is not None:
+            for run in self.running:
+                if run.pages is not None:
+                    self.pages.written(run.pages, run.generation.prompt + run.generation.tokens, run.fed)
+        live = {id(run) for run in self.running}  # (a sequence cancelled, or ended by the launch before: not fed)
+        emitted = [(run, tok) for (run, _), tok in zip(launch.outs, new) if id(run) in live]
+        for run, tok in emitted:
+            self._emit(run, tok)
+        return StepInfo(step=self.launches, seconds=seconds, rows=launch.rows, prefill_rows=launch.prefill_rows,
+                        tokens=tuple((run.index, tok) for run, tok in emitted),
+                        running=len(self.running), waiting=len(self.waiting), finished=len(self.done))
+
+    def _admit_waiting(self) -> None:
+        """Waiting requests into free slots (a paged cache: while their pages and the headroom are free)."""
         while self.waiting and self.free:
             run = self.waiting[0]
             if self.pages is not None:  # its prompt's pages and the headroom: a request waits (in order) until free
@@ -277,41 +353,71 @@ class Batcher:
             self._admissions += 1
             run.admitted = self._admissions
             self.running.append(run)
-        plan = self._plan()
-        while self.pages is not None and not self._grow(plan):
-            plan = self._plan()  # (a sequence was preempted: its rows and budget go to the others)
-        decoding = [r for r in self.running if not r.prefilling]
-        prefilling = [r for r in self.running if r.prefilling]
-        rows: list[tuple[_Running, int, int]] = []  # (sequence, token, position)
-        fed: dict[int, int] = {}  # sequence index -> tokens fed this launch
+
+    def _launch(self, plan: list[tuple[_Running, list[int], int | None]], before: "_Launch | None") -> "_Launch":
+        """Queue a launch of ``plan`` (sequence, its tokens, or None: the one token ``before`` draws for it, at
+        that output row); the sequences' fed counts move past its rows at once."""
+        rows: list[tuple[_Running, int, int]] = []  # (sequence, token (-1: from before), position)
         outs: list[tuple[_Running, int]] = []  # (sequence, its row whose next token it gets)
-        for run, take in plan:
+        fed: dict[int, int] = {}  # sequence index -> tokens fed this launch
+        carried: list[tuple[int, int]] = []  # (row, before's output row): tokens read on the device
+        drawn: dict[int, int] = {}  # sequence index -> tokens it has drawn when this launch draws (counters)
+        prefill_rows = 0
+        for run, take, out in plan:
+            if out is not None:
+                carried.append((len(rows), out))
+                take = [-1]
             rows += [(run, t, run.fed + j) for j, t in enumerate(take)]
             fed[run.index] = len(take)
-            if run.fed + len(take) >= len(run.context):
+            drawn[run.index] = len(run.generation.tokens) + (out is not None)
+            if run.prefilling:
+                prefill_rows += len(take)
+            if run.fed + len(take) >= len(run.context) or out is not None:
                 outs.append((run, len(rows) - 1))
-        t0 = time.perf_counter()
-        tokens = self.step_fn(self._rows(rows, outs))
-        if launched is not None:
-            launched()
-        if isinstance(tokens, QueuedTokens):
-            tokens = tokens.get()
-        new = [int(t) for t in tokens.reshape(-1).tolist()]  # (syncs with the device)
-        seconds = time.perf_counter() - t0
-        prefill_rows = sum(fed.get(r.index, 0) for r in prefilling)
-        self.step_seconds.append(seconds)
-        self.step_started.append(t0)
-        self.prefill_rows.append(prefill_rows)
-        self.launches += 1
+        started = time.perf_counter()
+        step_rows = self._rows(rows, outs, drawn, carried, None if before is None else before.tokens)
+        queued = self.step_fn(step_rows)
+        for run, take, _ in plan:
+            run.fed += fed[run.index]
+        return _Launch(outs=outs, fed=fed, rows=len(rows), prefill_rows=prefill_rows, queued=queued, started=started)
+
+    def _launch_ahead(self, launch: "_Launch") -> "_Launch | None":
+        """The next launch queued behind ``launch`` before its tokens are known: every sequence it draws a
+        token for decodes that token (read on the device), unless it is the sequence's last; prompts go on
+        and waiting requests join as a step would feed them. None (stepped as usual) with a paged cache, when
+        the next launch would have fewer than two rows (a lone row is single_sequence_decode's), or when the
+        launch's tokens are not on the device."""
+        if self.pages is not None or launch.tokens is None:
+            return None
+        self._admit_waiting()
+        drawing = {id(run): i for i, (run, _) in enumerate(launch.outs)}
+        plan, budget = [], self.max_tokens
+        for run in self.running:  # decoding ones first (one row each: max_tokens >= slots)
+            if id(run) in drawing and len(run.generation.tokens) + 1 < run.request.max_new_tokens:
+                plan.append((run, None, drawing[id(run)]))
+                budget -= 1
         for run in self.running:
-            run.fed += fed.get(run.index, 0)
-            if run.pages is not None:
-                self.pages.written(run.pages, run.generation.prompt + run.generation.tokens, run.fed)
-        for (run, _), tok in zip(outs, new):
-            self._emit(run, tok)
-        return StepInfo(step=self.launches, seconds=seconds, rows=len(rows), prefill_rows=prefill_rows,
-                        tokens=tuple((run.index, tok) for (run, _), tok in zip(outs, new)),
-                        running=len(self.running), waiting=len(self.waiting), finished=len(self.done))
+            if id(run) in drawing:
+                continue
+            if not run.prefilling:  # (decoding without a token in flight: a step plans it from the host)
+                return None
+            if budget > 0:
+                take = run.pending[:budget]
+                plan.append((run, take, None))
+                budget -= len(take)
+        if sum(1 if out is not None else len(take) for _, take, out in plan) < 2:
+            return None
+        return self._launch(plan, launch)
+
+    def _settle_ahead(self) -> None:
+        """Wait for the launch queued ahead, if any, and forget it (a launch before it failed: nothing reads
+        its tokens; its error, if any, is read here, not by the next launch)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and isinstance(ahead.queued, QueuedTokens):
+            try:
+                ahead.queued.get()
+            except Exception:
+                pass
 
     def _plan(self) -> list[tuple[_Running, list[int]]]:
         """What each running sequence feeds this launch: decoding ones first, one token each (they always
@@ -403,23 +509,28 @@ class Batcher:
         if req.on_token is not None:  # last: the state is whole if it raises (a KeyboardInterrupt)
             req.on_token(tok)
 
-    def _rows(self, rows: list[tuple[_Running, int, int]], outs: list[tuple[_Running, int]]) -> StepRows:
+    def _rows(self, rows: list[tuple[_Running, int, int]], outs: list[tuple[_Running, int]], drawn: dict[int, int],
+              carried: list[tuple[int, int]] = (), before: torch.Tensor | None = None) -> StepRows:
         """The launch's rows on the device: one copy of every value (a copy a field cost ~10 us each on an
-        H200's host), the fields views of it."""
+        H200's host), the fields views of it; the ``carried`` rows' tokens then copied on the device from
+        ``before`` (the previous launch's tokens, at those output rows)."""
         s = [r.request.sampling for r, _ in outs]
         ints = [t for _, t, _ in rows] + [p for _, _, p in rows] + [r.slot for r, _, _ in rows] + [i for _, i in outs] \
-            + [x.top_k for x in s] + [x.seed for x in s] + [len(r.generation.tokens) for r, _ in outs]
+            + [x.top_k for x in s] + [x.seed for x in s] + [drawn[r.index] for r, _ in outs] \
+            + [i for i, _ in carried] + [o for _, o in carried]
         floats = [x.temperature for x in s] + [x.top_p for x in s]
         packed = self._to_device(torch.cat([torch.tensor(ints, dtype=torch.int32),
                                             torch.tensor(floats, dtype=torch.float32).view(torch.int32)]))
-        n, r = len(rows), len(outs)
-        token, pos, slot, out, top_k, seed, counter, temperature, top_p = packed.split([n, n, n, r, r, r, r, r, r])
+        n, r, c = len(rows), len(outs), len(carried)
+        token, pos, slot, out, top_k, seed, counter, at, src, temperature, top_p = packed.split([n, n, n, r, r, r, r, c, c, r, r])
+        if carried:
+            token.index_copy_(0, at.long(), before.reshape(-1).to(token.device).index_select(0, src.long()))
         return StepRows(
             token=token, pos=pos, slot=slot, out=out, temperature=temperature.view(torch.float32), top_k=top_k,
             top_p=top_p.view(torch.float32), seed=seed, counter=counter,
             host_pos=tuple(p for _, _, p in rows), host_slot=tuple(r.slot for r, _, _ in rows),
             host_token=tuple(t for _, t, _ in rows),
-            host_sampling=tuple((x.temperature, x.top_k, x.top_p, x.seed, len(r.generation.tokens)) for x, (r, _) in zip(s, outs)),
+            host_sampling=tuple((x.temperature, x.top_k, x.top_p, x.seed, drawn[r.index]) for x, (r, _) in zip(s, outs)),
             greedy=all(x.greedy for x in s), pages=self._table())
 
     def _table(self) -> torch.Tensor | None:
@@ -463,6 +574,7 @@ class Batcher:
         are free again. Nothing is given to ``on_token`` here.
         Call it after :meth:`run` or :meth:`step` raised (``KeyboardInterrupt``, a failed launch) to keep what was
         generated; a cut-short sequence's slot is reused from position 0, so the batcher can run again."""
+        self._settle_ahead()
         runs = sorted(self.done + self.running + list(self.waiting), key=lambda r: r.index)
         for run in self.running:  # (their pages: the rows a failed launch half wrote are in unindexed ones)
             if run.pages is not None:
@@ -497,7 +609,7 @@ def kernel_batch_step(kernel, caches: Mapping[str, torch.Tensor], *, check: bool
                 kernel.check()
             return tokens
 
-        return QueuedTokens(get)
+        return QueuedTokens(get, tokens)
 
     return step
 
@@ -578,7 +690,7 @@ class _LoneDecode:
                 self.ahead = ((slot, pos + 1, int(tokens[0]), (*sampling[:4], sampling[4] + 1)), nxt)
             return tokens
 
-        return QueuedTokens(get)
+        return QueuedTokens(get, result.device)
 
     def _settle(self) -> None:
         """Wait for the launches dropped so far and clear what they recorded (a kernel's error record stays set
