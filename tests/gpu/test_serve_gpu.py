@@ -59,3 +59,24 @@ def test_a_result_read_later_raises_its_own_launchs_error(kernels):
     launch.kernel.check()  # (what the launch queued behind the error recorded: not this test's subject)
     launch(pos=1, token=one(torch.int32, 7))
     assert 0 <= int(launch.result("next_token").get()[0]) < spec.config.vocab
+
+
+def test_batches_run_ahead_get_the_tokens_of_one_launch_at_a_time(kernels):
+    """The server's batcher with run ahead on the GPU: each launch queued before the previous one's tokens are
+    read, its decoding rows' tokens copied on the device; five requests (greedy and sampled, a stop token, one
+    joining as another ends) through three slots, with the lone path's decode graph: the tokens of stepping
+    one launch at a time."""
+    spec, step_kernel, decode = kernels
+    requests = lambda stop=(): [Request([3, 17, 5, 60], 12), Request([9, 2], 9, sampling=Sampling(temperature=0.9, seed=11)),  # noqa: E731
+                                Request([12, 40], 14, stop_tokens=stop), Request([7] * 20, 6),
+                                Request([5, 5, 8], 10, sampling=Sampling(temperature=1.1, top_k=40, top_p=0.9, seed=2))]
+    caches = spec.new_caches("cuda")
+    stop = (Batcher(kernel_batch_step(step_kernel, caches), slots=3, max_len=64, max_tokens=16, device="cuda")
+            .run(requests())[2].tokens[5],)
+    outs = {}
+    for ahead in (False, True):
+        caches = spec.new_caches("cuda")
+        step = single_sequence_decode(kernel_batch_step(step_kernel, caches), decode, caches)
+        batch = Batcher(step, slots=3, max_len=64, max_tokens=16, device="cuda", prefix_cache=True, run_ahead=ahead)
+        outs[ahead] = [(g.tokens, g.stop_token) for g in batch.run(requests(stop))]
+    assert outs[True] == outs[False] and outs[True][2][1] == stop[0]
