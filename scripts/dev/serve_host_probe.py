@@ -1,0 +1,111 @@
+"""Dev (CPU): the server's host side under load, with the GPU modeled: what the engine, the batcher and the
+HTTP event loop cost beside a device that runs each launch for a set time (docs/perf-notes.md #103, #104).
+
+    python3 scripts/dev/serve_host_probe.py [--step-ms 2.6] [--releases 6] [--run-ahead] [--http | --direct]
+                                            [--requests 128] [--prompt-len 16,64] [--output-len 512]
+
+The step function does no math: it lets go of the interpreter lock ``--releases`` times (as the torch calls
+of a real launch's host work do), then queues the launch on a modeled device that runs launches one after
+another, ``--step-ms`` each plus 8 us a prompt row, and returns it queued (``QueuedTokens``: its tokens
+random). ``--http`` (default): the real engine and FastAPI app on a local port, 64 streaming clients in a
+process of their own (``examples/bench_serve.py``'s); ``--direct``: the batcher alone. Prints output tokens/s
+against the modeled device's pace (GPU-bound: the launches' modeled seconds), and the batcher's seconds.
+On a 2-core machine the client process takes one core: compare variants within one machine.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from megaegg.models.batch import Batcher, QueuedTokens, Request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from bench_serve import free_port, percentile, run_clients  # noqa: E402
+
+
+class ModeledDevice:
+    """A step function over a device that runs its launches in order, each for a modeled time."""
+
+    def __init__(self, step_ms: float, releases: int) -> None:
+        self.step_s, self.releases = step_ms / 1e3, releases
+        self.busy_until, self.seconds = 0.0, 0.0
+
+    def __call__(self, rows) -> QueuedTokens:
+        n, r = len(rows.host_pos), len(rows.host_sampling)
+        for _ in range(self.releases):
+            time.sleep(0)  # (lets go of the interpreter lock, as a torch call does)
+        run = self.step_s + 8e-6 * max(0, n - r)
+        self.seconds += run
+        end = self.busy_until = max(time.perf_counter(), self.busy_until) + run
+        tokens = torch.randint(5, 1000, (r,), dtype=torch.int32)
+
+        def get() -> torch.Tensor:
+            time.sleep(max(0.0, end - time.perf_counter()))
+            return tokens
+
+        return QueuedTokens(get, tokens)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--step-ms", type=float, default=2.6, help="a launch's modeled time (default 2.6: llama-3.2-1b, 64 rows)")
+    p.add_argument("--releases", type=int, default=6, help="interpreter-lock releases in a launch's host work")
+    p.add_argument("--run-ahead", action="store_true", help="Batcher(run_ahead=True), as the server's")
+    p.add_argument("--direct", action="store_true", help="the batcher alone, no HTTP")
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--prompt-len", default="16,64")
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--concurrency", type=int, default=64)
+    a = p.parse_args()
+    lo, hi = (int(v) for v in a.prompt_len.split(","))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(32000) for _ in range(rng.randint(lo, hi))] for _ in range(a.requests)]
+    device = ModeledDevice(a.step_ms, a.releases)
+    batcher = Batcher(device, slots=a.concurrency, max_len=hi + a.output_len, max_tokens=2048, run_ahead=a.run_ahead)
+    if a.direct:
+        t0 = time.perf_counter()
+        tokens = sum(len(g.tokens) for g in batcher.run([Request(q, a.output_len) for q in prompts]))
+        wall, itl, ok = time.perf_counter() - t0, [], a.requests
+    else:
+        import uvicorn
+
+        from megaegg.serve import Engine, create_app
+
+        engine = Engine(batcher, max_queue=a.requests + 1, vocab=32000)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(create_app(engine, model="bench", max_len=hi + a.output_len),
+                                               host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        clients = multiprocessing.get_context("spawn").Pool(1)
+        clients.apply(time.sleep, (0,))
+        load = argparse.Namespace(concurrency=a.concurrency, rate=None, output_len=a.output_len, seed=0)
+        t0 = time.perf_counter()
+        try:
+            results = clients.apply(run_clients, (load, f"http://127.0.0.1:{port}/v1/completions", prompts))
+        finally:
+            wall = time.perf_counter() - t0
+            clients.terminate()
+            server.should_exit = True
+            thread.join(timeout=10)
+            engine.close()
+        done = [r for r in results if r["error"] is None and len(r["stamps"]) == a.output_len]
+        ok, tokens = len(done), sum(len(r["stamps"]) for r in done)
+        itl = [y - x for r in done for x, y in zip(r["stamps"], r["stamps"][1:])]
+    print(f"{'direct' if a.direct else 'http'}{' run ahead' if a.run_ahead else ''}: {ok}/{a.requests} complete, "
+          f"{tokens / wall:.0f} tok/s over {wall:.2f} s (GPU-bound {tokens / device.seconds:.0f}: {batcher.launches} "
+          f"launches, {device.seconds:.2f} s modeled), batcher {sum(batcher.step_seconds):.2f} s in launches"
+          + (f", ITL p50 {1e3 * percentile(itl, 50):.2f} ms" if itl else ""))
+
+
+if __name__ == "__main__":
+    main()
