@@ -164,7 +164,7 @@ def torch_compile_tokens_per_s(cfg, weights, batch: int, max_len: int) -> float 
 
 def launch_breakdown(batcher, results: list[dict]) -> dict:
     """Where the engine's time went: its launches (each one's wall time: host work, launch, the wait for its
-    tokens), the time between them (the batcher's and the server's host work, or idle waiting for requests), and how
+    tokens; run ahead, from the previous launch's tokens on: the pace of launches), the time between them (the batcher's and the server's host work, or idle waiting for requests), and how
     long the clients took past the last launch (their parsing; the clocks agree: perf_counter is system-wide)."""
     b = batcher
     if not b.step_started:

@@ -519,6 +519,19 @@ class Kernel:
         tensors, dims = self._split_args(kwargs)
         return Launcher(self, tensors, dims)
 
+    def result_of(self, output: torch.Tensor) -> "LaunchResult":
+        """``output``, one of the outputs of the launch just queued (a call with ``check=False``), as a
+        :class:`LaunchResult`: on the cuda backend its copy to host memory and the kernel's error record are
+        queued on the stream behind that launch, so launches queued after it do not delay
+        :meth:`LaunchResult.get` (a plain read of the output, or :meth:`check`, waits for them too)."""
+        if self.backend != "cuda":
+            return LaunchResult(output)
+        host = torch.empty(output.shape, dtype=output.dtype, pin_memory=True).copy_(output, non_blocking=True)
+        recorded = self._runner.control_copy()
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))  # (the stream the launch and the copies went to)
+        return LaunchResult(output, host, recorded, done, self._runner)
+
     def check(self) -> None:
         """Wait for this kernel's launches so far and raise the error they recorded, if any
         (``megaegg.interpreter.MegakernelError``: a barrier wait timed out, an index out of range, NaN
@@ -708,12 +721,7 @@ class Launcher:
             raise GraphError(f"unknown output {name!r}; outputs: {sorted(k.program.outputs)}")
         if k.backend == "sim":
             return LaunchResult(self.outputs()[name])
-        out = k._read_cuda(k.program.outputs[name], self.dims, self._tensors)
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out, non_blocking=True)
-        recorded = k._runner.control_copy()
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(k.device))  # (the stream the launch and the copies went to)
-        return LaunchResult(out, host, recorded, done, k._runner)
+        return k.result_of(k._read_cuda(k.program.outputs[name], self.dims, self._tensors))
 
     def outputs(self) -> dict[str, torch.Tensor]:
         """The outputs by name as the last launch wrote them (copies; on the cuda backend, queued on the
@@ -735,11 +743,13 @@ class LaunchResult:
                  done=None, runner=None) -> None:
         self.device, self._host, self._recorded, self._done, self._runner = device, host, recorded, done, runner
 
-    def get(self) -> torch.Tensor:
+    def get(self, check: bool = True) -> torch.Tensor:
+        """The host copy, once the launch is done (``check``: raising its error first)."""
         if self._done is None:  # (the simulator: done when launched)
             return self.device
         self._done.synchronize()
-        self._runner.check(self._recorded)
+        if check:
+            self._runner.check(self._recorded)
         return self._host
 
 

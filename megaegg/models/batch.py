@@ -598,18 +598,14 @@ def reference_batch_step(graph: Graph, weights: Mapping[str, torch.Tensor], cach
 def kernel_batch_step(kernel, caches: Mapping[str, torch.Tensor], *, check: bool = True) -> BatchStepFn:
     """A batch step over a compiled step graph (one launch per step); ``caches`` updated in place. It returns
     the launch queued (:class:`QueuedTokens`: the batcher waits for its tokens, and with ``check`` for its
-    errors, after its ``launched`` hook)."""
+    errors, after its ``launched`` hook; the tokens' host copy and the error record are queued behind the
+    launch, so a launch queued after it, run ahead, does not delay them)."""
     sampling = _samples(kernel)
 
     def step(rows: StepRows) -> QueuedTokens:
         tokens = kernel(**rows.inputs(sampling), **caches, **rows.dims(), check=False)["next_token"]
-
-        def get() -> torch.Tensor:
-            if check:
-                kernel.check()
-            return tokens
-
-        return QueuedTokens(get, tokens)
+        result = kernel.result_of(tokens)
+        return QueuedTokens(lambda: result.get(check), tokens)
 
     return step
 
