@@ -525,13 +525,24 @@ def _token(item) -> int | None:
 
 
 class _Generation:
-    """A request's tokens and text so far; where it ended and why."""
+    """A request's tokens and text so far; where it ended and why.
+
+    The text grows incrementally (a window of the tokens since the last whole character, decoded beside the
+    same window less its new tokens: a sentencepiece word's leading space or a multi-byte character comes
+    out right, as a whole decode would give it), so a chunk or a stop-string check costs the new tokens, not
+    the whole answer (a whole decode every chunk: quadratic in the answer's length). The final text is
+    one whole decode."""
 
     def __init__(self, p: Parsed, tokenizer) -> None:
         self.p, self.tokenizer = p, tokenizer
         self.tokens: list[int] = []
         self.done, self.reason, self.cut = False, None, None
         self.done_by_text = False  # a stop string ended it (its last token is not part of the answer)
+        self._ids: list[int] = []  # the tokens that are text (stop tokens are not)
+        self._text = ""  # the text of _ids[:_read] (whole characters)
+        self._prefix = self._read = 0  # _ids[_prefix:_read]: the window decoded before the new tokens
+        self._searched = 0  # stop strings were looked for in _text[:_searched]
+        self._hold = max((len(s) for s in p.stop_text), default=1) - 1
 
     def take(self, item: int | None) -> None:
         if item is None:  # the engine ended it: a stop token or max_tokens
@@ -539,26 +550,38 @@ class _Generation:
             self.reason = "stop" if self.tokens and self.tokens[-1] in self.p.stop_ids else "length"
             return
         self.tokens.append(item)
-        if self.p.stop_text:
-            text = self._decode()
-            at = min((i for i in (text.find(s) for s in self.p.stop_text) if i >= 0), default=-1)
+        if item not in self.p.stop_ids:
+            self._ids.append(item)
+        if self.p.stop_text and self.tokenizer is not None:
+            self._advance()
+            text, start = self._text, max(0, self._searched - self._hold)
+            at = min((i for i in (text.find(s, start) for s in self.p.stop_text) if i >= 0), default=-1)
+            self._searched = len(text)
             if at >= 0:
                 self.done, self.reason, self.cut, self.done_by_text = True, "stop", at, True
 
-    def _decode(self) -> str:
-        ids = [t for t in self.tokens if t not in self.p.stop_ids]
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+    def _advance(self) -> None:
+        """Decode the tokens past ``_read`` into ``_text`` (not while they end inside a character)."""
+        if self._read == len(self._ids):
+            return
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        head = decode(self._ids[self._prefix:self._read])
+        window = decode(self._ids[self._prefix:])
+        if len(window) > len(head) and not window.endswith("\ufffd"):
+            self._text += window[len(head):]
+            self._prefix, self._read = self._read, len(self._ids)
 
     def text(self, final: bool = True) -> str:
-        text = self._decode()
-        if self.cut is not None:
-            return text[:self.cut]
-        if not final:
-            text = text.rstrip("\ufffd")  # (a character whose bytes have not all come yet)
-            if self.p.stop_text:  # hold back what may begin a stop string
-                hold = max(len(s) for s in self.p.stop_text) - 1
-                text = text[:max(0, len(text) - hold)]
-        return text
+        """The answer's text: ``final``, the whole decode (cut at a stop string); else the text of the whole
+        characters so far less what may begin a stop string."""
+        if self.tokenizer is None:
+            return ""
+        if final:
+            text = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+            return text if self.cut is None else text[:self.cut]
+        self._advance()
+        text = self._text if self.cut is None else self._text[:self.cut]
+        return text[:max(0, len(text) - self._hold)] if self.p.stop_text else text
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.p.prompt), "completion_tokens": len(self.tokens),

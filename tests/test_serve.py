@@ -507,3 +507,53 @@ def test_the_tokens_queued_behind_one_come_together_up_to_the_end_or_an_error():
     assert _token(5) == 5 and _token(None) is None
     with pytest.raises(RequestError, match="the launch failed"):
         _token(error)
+
+
+def _byte_bpe_tokenizer():
+    """A byte-level BPE tokenizer (as llama-3's and qwen3's) trained on text with multi-byte characters, so
+    single tokens end inside a character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    text = ["héllo wörld ünïcode ✓ 日本語のテキスト emoji 🎉🎉 and plain words", "the quick brown fox — jumps"] * 20
+    t.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=t)
+
+
+def test_streamed_text_grows_incrementally_to_the_whole_decode():
+    """A streamed answer's pieces (text after each token, then the final text) add up to one whole decode of
+    its tokens, never hold half a character, and a stop string cuts where a whole decode finds it first:
+    checked against whole decodes on random token sequences of a byte-level BPE tokenizer."""
+    import random
+
+    from megaegg.models.batch import Sampling
+    from megaegg.serve import Parsed, _Generation
+
+    tok = _byte_bpe_tokenizer()
+    rng = random.Random(7)
+    stops = [2, 5]
+    for trial in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
+        stop_text = [rng.choice(["🎉", "ö", "the", "xyz", "本語"])] if trial % 2 else []
+        p = Parsed([1], len(ids), Sampling(), stops, stop_text, True, False)
+        gen, sent = _Generation(p, tok), ""
+        for k, t in enumerate(ids):
+            gen.take(t)
+            piece = gen.text(final=False)
+            whole = tok.decode([i for i in ids[:k + 1] if i not in stops], skip_special_tokens=True)
+            assert piece.startswith(sent) and whole.startswith(piece), (ids[:k + 1], sent, piece, whole)
+            sent = piece
+            if gen.done:
+                break
+        gen.take(None)
+        final = gen.text(final=True)
+        taken = [i for i in gen.tokens if i not in stops]
+        whole = tok.decode(taken, skip_special_tokens=True)
+        firsts = [whole.find(s) for s in stop_text if whole.find(s) >= 0]
+        assert final == (whole[:min(firsts)] if firsts else whole), (ids, stop_text)
+        if firsts:  # it stopped at the first token whose text holds a stop string
+            before = tok.decode(taken[:-1], skip_special_tokens=True)
+            assert not any(s in before for s in stop_text), (ids, stop_text)
+        assert final.startswith(sent)

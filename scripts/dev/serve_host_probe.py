@@ -30,6 +30,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from bench_serve import free_port, percentile, run_clients  # noqa: E402
 
 
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of each of this process's threads, by name (Linux /proc)."""
+    import os
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[names.get(int(tid), tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 class ModeledDevice:
     """A step function over a device that runs its launches in order, each for a modeled time."""
 
@@ -63,6 +77,8 @@ def main() -> None:
     p.add_argument("--prompt-len", default="16,64")
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--loop", default="auto", help="uvicorn's event loop: auto (uvloop when installed) or asyncio")
+    p.add_argument("--h11", action="store_true", help="uvicorn's pure-Python HTTP (else httptools when installed)")
     a = p.parse_args()
     lo, hi = (int(v) for v in a.prompt_len.split(","))
     rng = random.Random(0)
@@ -81,7 +97,8 @@ def main() -> None:
         engine = Engine(batcher, max_queue=a.requests + 1, vocab=32000)
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(create_app(engine, model="bench", max_len=hi + a.output_len),
-                                               host="127.0.0.1", port=port, log_level="warning"))
+                                               host="127.0.0.1", port=port, log_level="warning",
+                                               loop=a.loop, http="h11" if a.h11 else "auto"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         while not server.started:
@@ -89,11 +106,11 @@ def main() -> None:
         clients = multiprocessing.get_context("spawn").Pool(1)
         clients.apply(time.sleep, (0,))
         load = argparse.Namespace(concurrency=a.concurrency, rate=None, output_len=a.output_len, seed=0)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), thread_cpu_s()
         try:
             results = clients.apply(run_clients, (load, f"http://127.0.0.1:{port}/v1/completions", prompts))
         finally:
-            wall = time.perf_counter() - t0
+            wall, cpu1 = time.perf_counter() - t0, thread_cpu_s()
             clients.terminate()
             server.should_exit = True
             thread.join(timeout=10)
@@ -101,6 +118,9 @@ def main() -> None:
         done = [r for r in results if r["error"] is None and len(r["stamps"]) == a.output_len]
         ok, tokens = len(done), sum(len(r["stamps"]) for r in done)
         itl = [y - x for r in done for x, y in zip(r["stamps"], r["stamps"][1:])]
+        cpu = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1 if k in (thread.name, "megaegg-engine")}
+        print("CPU us a token: " + ", ".join(f"{'event loop' if k == thread.name else 'engine'} {1e6 * v / tokens:.1f}"
+                                            for k, v in cpu.items()))
     print(f"{'direct' if a.direct else 'http'}{' run ahead' if a.run_ahead else ''}: {ok}/{a.requests} complete, "
           f"{tokens / wall:.0f} tok/s over {wall:.2f} s (GPU-bound {tokens / device.seconds:.0f}: {batcher.launches} "
           f"launches, {device.seconds:.2f} s modeled), batcher {sum(batcher.step_seconds):.2f} s in launches"
