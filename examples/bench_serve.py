@@ -4,7 +4,8 @@
     python examples/bench_serve.py --preset qwen3-8b --requests 256 --rate 8          (open loop: 8 requests/s)
     python examples/bench_serve.py --dry-run                                          (CPU smoke test: tiny, sim)
 
-The server (random weights, `--slots` = the concurrency) runs in this process on a free local port;
+The server (random weights, `--slots` = the concurrency) runs in this process on a free local port, its
+engine in a process of its own, as `python -m megaegg serve` runs them;
 the clients stream completions over HTTP: closed loop (``--concurrency`` requests in flight, a new one
 as one ends) or open loop (``--rate`` arrivals a second, Poisson, seeded). Prompts are random token
 ids of lengths drawn from ``--prompt-len LO,HI``; every request asks for ``--output-len`` tokens
@@ -26,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -162,6 +164,13 @@ def torch_compile_tokens_per_s(cfg, weights, batch: int, max_len: int) -> float 
     return batch / (timed(call, 20, 5, True) / 1e3)
 
 
+def launch_record(engine) -> SimpleNamespace:
+    """(engine process) The batcher's record of its launches."""
+    b = engine.batcher
+    return SimpleNamespace(launches=b.launches, step_started=b.step_started, step_seconds=b.step_seconds,
+                           prefill_rows=b.prefill_rows)
+
+
 def launch_breakdown(batcher, results: list[dict]) -> dict:
     """Where the engine's time went: its launches (each one's wall time: host work, launch, the wait for its
     tokens; run ahead, from the previous launch's tokens on: the pace of launches), the time between them (the batcher's and the server's host work, or idle waiting for requests), and how
@@ -202,8 +211,9 @@ def main(argv=None) -> dict:
     import uvicorn
 
     import megaegg as me
-    from megaegg.models import ModelConfig, random_weights
-    from megaegg.serve import build_engine, create_app
+    from megaegg.engine_process import EngineProcess, EngineSpec
+    from megaegg.models import ModelConfig
+    from megaegg.serve import create_app
 
     a = parse(argv)
     cuda = torch.cuda.is_available() and not a.dry_run
@@ -216,17 +226,11 @@ def main(argv=None) -> dict:
     if not need <= max_len <= cfg.max_positions:
         raise SystemExit(f"error: --max-len {max_len} must hold a prompt of {a.prompt_len[1]} tokens and {a.output_len} "
                          f"more ({need} rows) and be at most the model's {cfg.max_positions} positions")
-    holder = {}
-
-    def weights_for(spec):
-        holder["w"] = random_weights(spec, seed=0, device=device)
-        return holder["w"]
-
     slots = a.slots or a.concurrency
     t0 = time.perf_counter()
-    engine = build_engine(cfg, weights_for, backend=backend, device=device, max_len=max_len, slots=slots,
-                          max_tokens=max(slots, a.max_step_tokens), max_queue=a.requests + 1,
-                          page_len=a.page_len, pages=a.pages)
+    # the engine in a process of its own, as `python -m megaegg serve` runs it
+    engine = EngineProcess(EngineSpec(cfg, backend, device, max_len, slots, max(slots, a.max_step_tokens), seed=0,
+                                      page_len=a.page_len, pages=a.pages), max_queue=a.requests + 1)
     print(f"  engine ready in {time.perf_counter() - t0:.1f} s ({backend})", file=sys.stderr, flush=True)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, model="bench", max_len=max_len), host="127.0.0.1",
@@ -238,7 +242,7 @@ def main(argv=None) -> dict:
     rng = random.Random(a.seed)
     prompts = [[rng.randrange(cfg.vocab) for _ in range(rng.randint(*a.prompt_len))] for _ in range(a.requests)]
     # the clients in a process of their own, as real ones are: in this one they would take the interpreter
-    # lock from the server's event loop and engine thread (64 streams' parsing: milliseconds a step)
+    # lock from the server's event loop (64 streams' parsing: milliseconds a step)
     clients = multiprocessing.get_context("spawn").Pool(1)
     clients.apply(time.sleep, (0,))  # (started before the clock)
     t0 = time.perf_counter()
@@ -249,15 +253,23 @@ def main(argv=None) -> dict:
         wall = time.perf_counter() - t0
         server.should_exit = True
         thread.join(timeout=30)
+    try:
+        record = engine.call(launch_record)
+        lone_ms = engine.call(decode_step_ms, max_len) if a.concurrency == 1 else None
+        sampled_ms = engine.call(decode_step_ms, max_len, 0.8, 0.95) if a.concurrency == 1 else None
+    finally:
         engine.close()
-    engine_report = launch_breakdown(engine.batcher, results)
-    lone_ms = decode_step_ms(engine, max_len) if a.concurrency == 1 else None
-    sampled_ms = decode_step_ms(engine, max_len, 0.8, 0.95) if a.concurrency == 1 else None
+    engine_report = launch_breakdown(record, results)
     ok = [r for r in results if r["error"] is None and len(r["stamps"]) == a.output_len]
     ttft = [r["stamps"][0] - r["start"] for r in ok]
     itl = [b - c for r in ok for c, b in zip(r["stamps"], r["stamps"][1:])]
     out_tokens = sum(len(r["stamps"]) for r in ok)
-    peer = torch_compile_tokens_per_s(cfg, holder["w"], a.concurrency, max_len) if cuda and not a.skip_peer else None
+    peer = None
+    if cuda and not a.skip_peer:  # (the same random weights, in this process: the engine's has exited)
+        from megaegg.models import build_step_graph, random_weights
+
+        spec = build_step_graph(cfg, max_len=max_len, slots=slots, sampling=True)[1]
+        peer = torch_compile_tokens_per_s(cfg, random_weights(spec, seed=0, device=device), a.concurrency, max_len)
     report = {"preset": a.preset + (" (dry run)" if a.dry_run else ""), "backend": backend, "requests": a.requests,
               "completed": len(ok), "lost_or_corrupted": a.requests - len(ok),
               "errors": sorted({r["error"] for r in results if r["error"]})[:5], "wall_s": wall,

@@ -6,7 +6,8 @@
 Endpoints: ``/v1/completions`` and ``/v1/chat/completions`` (whole or streamed as server-sent events;
 ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` as strings or token ids,
 ``usage``; prompts as text or token ids), ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text).
-One engine thread owns the :class:`~megaegg.models.batch.Batcher`: requests join and leave the running
+One engine thread owns the :class:`~megaegg.models.batch.Batcher` (the server runs it in a process of its own,
+``megaegg.engine_process``, so the HTTP side's Python does not wait for its lock): requests join and leave the running
 batch between launches, a prompt prefills in chunks of the step's token budget beside the decoding
 sequences, and a client that disconnects frees its sequence before the next launch. A full queue
 (``--max-queue`` requests not started yet; preempted sequences waiting to resume do not count) answers
@@ -28,6 +29,7 @@ import secrets
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,19 +146,26 @@ class Engine:
         self.outbox.append((s, tok))
 
     def _flush(self) -> None:
-        """Hand a launch's tokens (and the ends of the streams it finished) to the event loops in one wake-up
-        each (a wake-up a token: one system call and one loop iteration each, 64 a launch at 64 sequences).
+        """Hand a launch's tokens (and the ends of the streams it finished) over in one :meth:`deliver` call.
         Called once the next launch is queued (``Batcher.step``'s ``launched``), or when none follows: the
         event loop's work on them (tens of us a token) then runs while the device does, and it does not hold
         the interpreter lock that the next launch's host work needs (every torch call lets it in: measured
         on an H200, a 64-row decode launch went from ~3 to ~7 ms with the tokens handed over first)."""
+        items, self.outbox = self.outbox, []
+        if items:
+            self.deliver(items)
+
+    @staticmethod
+    def deliver(items: list[tuple[Stream, Any]]) -> None:
+        """A launch's stream items to their event loops, one wake-up a loop (a wake-up a token: one system
+        call and one loop iteration each, 64 a launch at 64 sequences). The engine process's streams
+        replace it (``megaegg.engine_process``)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for s, tok in self.outbox:
-            by_loop.setdefault(s.loop, []).append((s, tok))
-        self.outbox = []
-        for loop, items in by_loop.items():
+        for s, item in items:
+            by_loop.setdefault(s.loop, []).append((s, item))
+        for loop, mine in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(_deliver, mine)
             except RuntimeError:  # (its event loop is closed: nobody is listening, and the engine goes on)
                 pass
 
@@ -368,8 +377,9 @@ def error_body(message: str, kind: str, param: str | None, code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def create_app(engine: Engine, *, model: str, tokenizer=None, max_len: int, eos=()):
-    """The ASGI app (FastAPI) over ``engine``, serving ``model`` (a sequence also stops at ``eos``)."""
+def create_app(engine, *, model: str, tokenizer=None, max_len: int, eos=()):
+    """The ASGI app (FastAPI) over ``engine`` (an :class:`Engine`, or the ``python -m megaegg serve``'s
+    :class:`~megaegg.engine_process.EngineProcess`: the same surface), serving ``model`` (a sequence also stops at ``eos``)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -385,11 +395,20 @@ def create_app(engine: Engine, *, model: str, tokenizer=None, max_len: int, eos=
 
     @app.get("/health")
     async def health():
+        dead = getattr(engine, "dead", None)  # (an EngineProcess whose process ended)
+        if dead:
+            return JSONResponse({"status": "engine down", "detail": dead}, status_code=503)
         return {"status": "ok" if not engine.closed else "shutting down"}
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine.metrics(), media_type="text/plain; version=0.0.4")
+        text = engine.metrics()
+        if isinstance(text, Future):  # (an EngineProcess: its process answers)
+            try:
+                text = await asyncio.wrap_future(text)
+            except RuntimeError as e:
+                return JSONResponse(error_body(str(e), "server_error", None), status_code=503)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -644,7 +663,7 @@ def main(argv=None) -> int:
     """``python -m megaegg serve``: parse the flags, build the engine, run uvicorn until SIGTERM / Ctrl-C."""
     from pathlib import Path
 
-    from .models import PRESETS, ModelConfig, eos_token_ids, load_checkpoint, random_weights, read_config
+    from .models import PRESETS, ModelConfig, eos_token_ids, read_config
     from .models.cli import OneLineParser, positive_int
 
     ap = OneLineParser(prog="python -m megaegg serve", description=__doc__.split("\n")[0])
@@ -684,18 +703,18 @@ def main(argv=None) -> int:
             ap.error(f"--model {a.model}: no such directory")
         cfg, name, eos = read_config(a.model), Path(a.model).name, eos_token_ids(a.model)
         tokenizer = load_tokenizer(a.model)
-        weights_for = lambda spec: load_checkpoint(a.model, spec, device=device)  # noqa: E731
     else:
         name = a.preset or "tiny"
         cfg, eos, tokenizer = ModelConfig.preset(name), (), None
-        weights_for = lambda spec: random_weights(spec, seed=0, device=device)  # noqa: E731
     max_len = min(a.max_len or 2048, cfg.max_positions)
     tokens = max(a.slots, min(a.max_step_tokens or 512, a.slots * max_len))
     if a.page_len and a.pages and a.pages * a.page_len < max_len:
         ap.error(f"--pages {a.pages} of --page-len {a.page_len} rows hold fewer than one sequence's --max-len {max_len}")
-    engine = build_engine(cfg, weights_for, backend=backend, device=device, max_len=max_len, slots=a.slots,
-                          max_tokens=tokens, max_queue=a.max_queue, page_len=a.page_len, pages=a.pages,
-                          decode_graph=not a.no_decode_graph)
+    from .engine_process import EngineProcess, EngineSpec
+
+    spec = EngineSpec(cfg, backend, device, max_len, a.slots, tokens, checkpoint=a.model, page_len=a.page_len,
+                      pages=a.pages, decode_graph=not a.no_decode_graph)
+    engine = EngineProcess(spec, max_queue=a.max_queue)
     import uvicorn
 
     app = create_app(engine, model=name, tokenizer=tokenizer, max_len=max_len, eos=eos)

@@ -557,3 +557,134 @@ def test_streamed_text_grows_incrementally_to_the_whole_decode():
             before = tok.decode(taken[:-1], skip_special_tokens=True)
             assert not any(s in before for s in stop_text), (ids, stop_text)
         assert final.startswith(sent)
+
+
+# --- the engine in a process of its own (megaegg/engine_process.py: what `python -m megaegg serve` runs) ---
+
+@pytest.fixture(scope="module")
+def served_process(served):
+    """The tiny checkpoint of ``served`` behind an EngineProcess (the simulator in a process of its own)."""
+    import uvicorn
+
+    from megaegg.engine_process import EngineProcess, EngineSpec
+    from megaegg.models import read_config
+    from megaegg.serve import create_app
+
+    path = served["path"]
+    engine = EngineProcess(EngineSpec(read_config(path), "sim", "cpu", 48, 4, 48, checkpoint=str(path)), max_queue=64)
+    app = create_app(engine, model="tiny-llama", tokenizer=served["tok"], max_len=48)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "the server did not start in 30 s"
+        time.sleep(0.05)
+    try:
+        yield {"url": f"http://127.0.0.1:{port}", "tok": served["tok"], "engine": engine}
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.close()
+    assert not engine.process.is_alive()
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_the_engine_process_gives_concurrent_streams_their_greedy_text(served_process, greedy):
+    """16 streaming clients and one whole completion with a stop string, the engine in its own process: each
+    gets transformers' greedy text; the engine's metrics come through /metrics."""
+    def one(p):
+        chunks = client(served_process).completions.create(model="tiny-llama", prompt=p, max_tokens=4, temperature=0,
+                                                           stream=True)
+        return "".join(ch.choices[0].text for ch in chunks)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(one, PROMPTS))
+    assert got == [greedy[p] for p in PROMPTS]
+    first, second = greedy[PROMPTS[0]].split()[:2]
+    r = client(served_process).completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                                  stop=[" " + second])
+    assert r.choices[0].text == first and r.choices[0].finish_reason == "stop"
+    assert _metric(served_process["url"], "megaegg_requests_total") >= len(PROMPTS) + 1
+    assert _metric(served_process["url"], "megaegg_generated_tokens_total") >= 4 * len(PROMPTS)
+
+
+def test_a_client_that_goes_away_frees_its_sequence_in_the_engine_process(served_process, greedy):
+    url = served_process["url"]
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", url + "/v1/completions", json={"model": "tiny-llama", "prompt": PROMPTS[4],
+                                                              "max_tokens": 40, "temperature": 0, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data:"):
+                    break  # one chunk, then hang up
+    r = client(served_process).completions.create(model="tiny-llama", prompt=PROMPTS[5], max_tokens=4, temperature=0)
+    assert r.choices[0].text == greedy[PROMPTS[5]]
+    deadline = time.time() + 30  # the abandoned sequence's slot comes back
+    while _metric(url, "megaegg_running"):
+        assert time.time() < deadline, "the abandoned request still runs"
+        time.sleep(0.1)
+
+
+def _reference_engine_spec(**kw):
+    import dataclasses
+
+    import megaegg as me
+    from megaegg.engine_process import EngineSpec
+    from megaegg.models import ModelConfig
+
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.f32)
+    return EngineSpec(cfg, "reference", "cpu", 256, 1, 256, **kw)
+
+
+def test_the_engine_process_refuses_past_its_queue_and_ends_streams_when_it_dies():
+    """One slot, --max-queue 1: a request runs, a second waits, a third is refused (429) at once. Then the
+    engine process is killed: both streams end with a 503 naming it, /health answers 503, a new request too."""
+    from fastapi.testclient import TestClient
+
+    from megaegg.engine_process import EngineProcess
+    from megaegg.models.batch import Sampling
+    from megaegg.serve import RequestError, Stream, create_app
+
+    engine = EngineProcess(_reference_engine_spec(), max_queue=1)
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            running, waiting = (Stream(loop, asyncio.Queue()) for _ in range(2))
+            engine.submit([1, 2, 3], 250, Sampling(), [], running)
+            assert isinstance(await asyncio.wait_for(running.queue.get(), 60), int)  # (it runs)
+            engine.submit([4, 5], 4, Sampling(), [], waiting)
+            with pytest.raises(RequestError) as refused:
+                engine.submit([6], 4, Sampling(), [], Stream(loop, asyncio.Queue()))
+            assert refused.value.status == 429
+            engine.process.kill()
+            ends = []
+            for s in (running, waiting):
+                while isinstance(item := await asyncio.wait_for(s.queue.get(), 60), int):
+                    pass
+                ends.append(item)
+            return ends
+
+        for end in asyncio.run(run()):
+            assert isinstance(end, RequestError) and end.status == 503 and "engine process exited" in str(end)
+        assert engine.dead and engine.closed
+        with TestClient(create_app(engine, model="tiny", max_len=256)) as http:
+            assert http.get("/health").status_code == 503
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+            assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
+    finally:
+        engine.close()
+
+
+def test_an_engine_process_that_cannot_build_says_why():
+    from megaegg.engine_process import EngineProcess
+    from megaegg.graph import GraphError
+
+    with pytest.raises(GraphError, match="no-such-checkpoint"):
+        EngineProcess(_reference_engine_spec(checkpoint="/tmp/no-such-checkpoint"))

@@ -15,6 +15,7 @@ On a 2-core machine the client process takes one core: compare variants within o
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import random
 import sys
@@ -67,6 +68,22 @@ class ModeledDevice:
         return QueuedTokens(get, tokens)
 
 
+def modeled_engine(step_ms: float, releases: int, slots: int, max_len: int, run_ahead: bool, max_queue: int):
+    """The server's engine over a modeled device (a module function: it builds the engine process's)."""
+    from megaegg.serve import Engine
+
+    batcher = Batcher(ModeledDevice(step_ms, releases), slots=slots, max_len=max_len, max_tokens=2048,
+                      run_ahead=run_ahead)
+    return Engine(batcher, max_queue=max_queue, vocab=32000)
+
+
+def engine_report(engine) -> dict:
+    """(engine process) The modeled device's seconds, the launches, the engine thread's CPU seconds."""
+    b = engine.batcher
+    return {"modeled": b.step_fn.seconds, "launches": b.launches, "in_launches": sum(b.step_seconds),
+            "engine_cpu": thread_cpu_s().get("megaegg-engine", 0.0)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--step-ms", type=float, default=2.6, help="a launch's modeled time (default 2.6: llama-3.2-1b, 64 rows)")
@@ -79,22 +96,27 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--loop", default="auto", help="uvicorn's event loop: auto (uvloop when installed) or asyncio")
     p.add_argument("--h11", action="store_true", help="uvicorn's pure-Python HTTP (else httptools when installed)")
+    p.add_argument("--in-process", action="store_true", help="the engine thread in the server's process (else its own)")
     a = p.parse_args()
     lo, hi = (int(v) for v in a.prompt_len.split(","))
     rng = random.Random(0)
     prompts = [[rng.randrange(32000) for _ in range(rng.randint(lo, hi))] for _ in range(a.requests)]
-    device = ModeledDevice(a.step_ms, a.releases)
-    batcher = Batcher(device, slots=a.concurrency, max_len=hi + a.output_len, max_tokens=2048, run_ahead=a.run_ahead)
+    build = functools.partial(modeled_engine, a.step_ms, a.releases, a.concurrency, hi + a.output_len, a.run_ahead,
+                              a.requests + 1)
     if a.direct:
+        engine = build()
         t0 = time.perf_counter()
-        tokens = sum(len(g.tokens) for g in batcher.run([Request(q, a.output_len) for q in prompts]))
-        wall, itl, ok = time.perf_counter() - t0, [], a.requests
+        engine.close()
+        tokens = sum(len(g.tokens) for g in engine.batcher.run([Request(q, a.output_len) for q in prompts]))
+        wall, itl, ok, cpu = time.perf_counter() - t0, [], a.requests, {}
+        report = engine_report(engine)
     else:
         import uvicorn
 
-        from megaegg.serve import Engine, create_app
+        from megaegg.engine_process import EngineProcess
+        from megaegg.serve import create_app
 
-        engine = Engine(batcher, max_queue=a.requests + 1, vocab=32000)
+        engine = build() if a.in_process else EngineProcess(build, max_queue=a.requests + 1)
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(create_app(engine, model="bench", max_len=hi + a.output_len),
                                                host="127.0.0.1", port=port, log_level="warning",
@@ -106,11 +128,13 @@ def main() -> None:
         clients = multiprocessing.get_context("spawn").Pool(1)
         clients.apply(time.sleep, (0,))
         load = argparse.Namespace(concurrency=a.concurrency, rate=None, output_len=a.output_len, seed=0)
+        report0 = engine_report(engine) if a.in_process else engine.call(engine_report)
         t0, cpu0 = time.perf_counter(), thread_cpu_s()
         try:
             results = clients.apply(run_clients, (load, f"http://127.0.0.1:{port}/v1/completions", prompts))
         finally:
             wall, cpu1 = time.perf_counter() - t0, thread_cpu_s()
+            report = engine_report(engine) if a.in_process else engine.call(engine_report)
             clients.terminate()
             server.should_exit = True
             thread.join(timeout=10)
@@ -118,13 +142,14 @@ def main() -> None:
         done = [r for r in results if r["error"] is None and len(r["stamps"]) == a.output_len]
         ok, tokens = len(done), sum(len(r["stamps"]) for r in done)
         itl = [y - x for r in done for x, y in zip(r["stamps"], r["stamps"][1:])]
-        cpu = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1 if k in (thread.name, "megaegg-engine")}
-        print("CPU us a token: " + ", ".join(f"{'event loop' if k == thread.name else 'engine'} {1e6 * v / tokens:.1f}"
-                                            for k, v in cpu.items()))
-    print(f"{'direct' if a.direct else 'http'}{' run ahead' if a.run_ahead else ''}: {ok}/{a.requests} complete, "
-          f"{tokens / wall:.0f} tok/s over {wall:.2f} s (GPU-bound {tokens / device.seconds:.0f}: {batcher.launches} "
-          f"launches, {device.seconds:.2f} s modeled), batcher {sum(batcher.step_seconds):.2f} s in launches"
-          + (f", ITL p50 {1e3 * percentile(itl, 50):.2f} ms" if itl else ""))
+        cpu = {"event loop": cpu1[thread.name] - cpu0.get(thread.name, 0.0),
+               "engine": report["engine_cpu"] - report0["engine_cpu"]}
+        print("CPU us a token: " + ", ".join(f"{k} {1e6 * v / tokens:.1f}" for k, v in cpu.items()))
+    modeled = report["modeled"]
+    print(f"{'direct' if a.direct else 'http'}{' run ahead' if a.run_ahead else ''}"
+          f"{' in process' if a.in_process else ''}: {ok}/{a.requests} complete, {tokens / wall:.0f} tok/s over "
+          f"{wall:.2f} s (GPU-bound {tokens / modeled:.0f}: {report['launches']} launches, {modeled:.2f} s modeled), "
+          f"batcher {report['in_launches']:.2f} s in launches" + (f", ITL p50 {1e3 * percentile(itl, 50):.2f} ms" if itl else ""))
 
 
 if __name__ == "__main__":
