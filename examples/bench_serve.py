@@ -68,6 +68,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="sequences the engine holds (default: the concurrency; with the same --slots and --max-len, runs "
                    "share their compiled kernels through the cache)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-procs", type=positive_int, default=None,
+                   help="processes the clients run in, the load split evenly (default 4; 1 dry-run)")
     p.add_argument("--skip-peer", action="store_true", help="do not time the torch.compile batched step")
     p.add_argument("--max-len", type=positive_int, default=None,
                    help="rows a sequence's cache holds (default: the longest prompt and output)")
@@ -76,7 +78,7 @@ def parse(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     dry = a.dry_run
     defaults = {"preset": ("llama-3.2-1b", "tiny"), "requests": (256, 6), "prompt_len": ((128, 2048), (2, 6)),
-                "output_len": (128, 3), "concurrency": (64, 3)}
+                "output_len": (128, 3), "concurrency": (64, 3), "client_procs": (4, 1)}
     for name, (normal, small) in defaults.items():
         if getattr(a, name) is None:
             setattr(a, name, small if dry else normal)
@@ -140,6 +142,19 @@ async def drive(a, url: str, prompts: list[list[int]]) -> list[dict]:
 def run_clients(a, url: str, prompts: list[list[int]]) -> list[dict]:
     """The workload's requests from a process of their own (``drive``); their records, times on its clock."""
     return asyncio.run(drive(a, url, prompts))
+
+
+def client_shares(a, prompts: list[list[int]]) -> list[tuple[argparse.Namespace, list[list[int]]]]:
+    """The workload split over ``--client-procs`` processes: every k-th prompt, a k-th of the concurrency (or
+    of the arrival rate: Poisson arrivals at rate / k in k processes are Poisson at the rate)."""
+    k = max(1, min(a.client_procs, a.concurrency, len(prompts)))
+    shares = []
+    for i in range(k):
+        sub = argparse.Namespace(**vars(a))
+        sub.concurrency = a.concurrency // k + (i < a.concurrency % k)
+        sub.rate, sub.seed = (a.rate / k if a.rate else None), a.seed + i
+        shares.append((sub, prompts[i::k]))
+    return shares
 
 
 def torch_compile_tokens_per_s(cfg, weights, batch: int, max_len: int) -> float | None:
@@ -241,13 +256,16 @@ def main(argv=None) -> dict:
         time.sleep(0.05)
     rng = random.Random(a.seed)
     prompts = [[rng.randrange(cfg.vocab) for _ in range(rng.randint(*a.prompt_len))] for _ in range(a.requests)]
-    # the clients in a process of their own, as real ones are: in this one they would take the interpreter
-    # lock from the server's event loop (64 streams' parsing: milliseconds a step)
-    clients = multiprocessing.get_context("spawn").Pool(1)
-    clients.apply(time.sleep, (0,))  # (started before the clock)
+    # the clients in processes of their own, as real ones are: in this one they would take the interpreter
+    # lock from the server's event loop, and in one process 64 streams' parsing (pure-Python HTTP and JSON,
+    # tens of us a chunk) falls behind the server's pace
+    shares = client_shares(a, prompts)
+    clients = multiprocessing.get_context("spawn").Pool(len(shares))
+    clients.map(time.sleep, [0] * len(shares))  # (started before the clock)
     t0 = time.perf_counter()
     try:
-        results = clients.apply(run_clients, (a, f"http://127.0.0.1:{port}/v1/completions", prompts))
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        results = [r for rs in clients.starmap(run_clients, [(sub, url, ps) for sub, ps in shares]) for r in rs]
     finally:
         clients.terminate()
         wall = time.perf_counter() - t0
@@ -277,7 +295,8 @@ def main(argv=None) -> dict:
               "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
               "itl_s": {f"p{q}": percentile(itl, q) for q in (50, 90, 99)}, "decode_graph_step_ms": lone_ms,
               "decode_graph_sampled_step_ms": sampled_ms,
-              "mode": f"open loop, {a.rate}/s" if a.rate else f"closed loop, concurrency {a.concurrency}",
+              "mode": (f"open loop, {a.rate}/s" if a.rate else f"closed loop, concurrency {a.concurrency}")
+              + f", clients in {len(shares)} processes",
               "prompt_len": list(a.prompt_len), "output_len": a.output_len, "engine": engine_report}
     fmt = lambda d: " / ".join("-" if v is None else f"{1e3 * v:.1f}" for v in d.values())  # noqa: E731
     print(f"{report['preset']} ({backend}), {report['mode']}, {a.requests} requests, prompts {a.prompt_len[0]}-"
