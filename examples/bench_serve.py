@@ -147,7 +147,7 @@ def run_clients(a, url: str, prompts: list[list[int]]) -> list[dict]:
 def client_shares(a, prompts: list[list[int]]) -> list[tuple[argparse.Namespace, list[list[int]]]]:
     """The workload split over ``--client-procs`` processes: every k-th prompt, a k-th of the concurrency (or
     of the arrival rate: Poisson arrivals at rate / k in k processes are Poisson at the rate)."""
-    k = max(1, min(a.client_procs, a.concurrency, len(prompts)))
+    k = max(1, min(a.client_procs, len(prompts), a.concurrency if a.rate is None else len(prompts)))
     shares = []
     for i in range(k):
         sub = argparse.Namespace(**vars(a))
@@ -261,7 +261,7 @@ def main(argv=None) -> dict:
     # tens of us a chunk) falls behind the server's pace
     shares = client_shares(a, prompts)
     clients = multiprocessing.get_context("spawn").Pool(len(shares))
-    clients.map(time.sleep, [0] * len(shares))  # (started before the clock)
+    clients.map(time.sleep, [0.2] * len(shares), chunksize=1)  # (every worker started before the clock)
     t0 = time.perf_counter()
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"

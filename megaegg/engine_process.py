@@ -10,17 +10,22 @@ event loop, when it falls behind, sends the tokens that queued up in one chunk (
 
 The wire, one pipe both ways (``multiprocessing`` pickles; messages are tuples):
   to the engine:   ("submit", rid, prompt, max_tokens, sampling, stop_ids) | ("cancel", rid)
-                   | ("call", req, fn, args) | ("close",)
-  from the engine: ("ready", info) | ("failed", message) | ("reply", req, ok, value)
+                   | ("call", req, pickled (fn, args)) | ("close",)
+  from the engine: ("ready", info) | ("failed", message) | ("reply", req, ok, pickled result or exception)
                    | ("items", [(rid, token | None | error tuple)], waiting, received)
 A launch's tokens are one "items" message (sent when the next launch is queued, as the in-process
 engine hands them to its event loops); ``waiting`` and ``received`` let the HTTP side count the
-requests not started yet for its queue limit without asking.
+requests not started yet for its queue limit without asking. A call's function and answer cross as bytes
+pickled and unpickled where a failure is the caller's, never the pipe's. Neither side's reader waits for
+a lock that is held while sending, so a full pipe always drains.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import multiprocessing
+import pickle
 import signal
 import threading
 import time
@@ -30,6 +35,8 @@ from typing import Any, Callable
 
 from .graph import GraphError
 from .serve import Engine, RequestError, Stream, build_engine
+
+log = logging.getLogger("megaegg.serve")
 
 
 @dataclass(frozen=True)
@@ -77,29 +84,42 @@ class EngineProcess:
         self.process = ctx.Process(target=_run, args=(build, theirs), name="megaegg-engine", daemon=True)
         self.process.start()
         theirs.close()
-        while not self._conn.poll(0.2):
-            if not self.process.is_alive():
-                raise GraphError(f"the engine process exited (code {self.process.exitcode}) before it was built")
+        self._closing = False
+        # (the process ignores SIGINT and SIGTERM, so that a signal to the whole group lets this side finish its
+        # streams: at exit it is killed here, before multiprocessing's own exit handler would terminate it and
+        # wait forever)
+        atexit.register(self._kill)
         try:
-            msg = self._conn.recv()
-        except EOFError:
-            self.process.join(10)
-            raise GraphError(f"the engine process exited (code {self.process.exitcode}) before it was built") from None
+            msg = self._built()
+        except BaseException:  # (a failure, or Ctrl-C while it compiles: it goes too)
+            self._kill()
+            raise
         if msg[0] == "failed":
-            self.process.join(10)
+            self._kill()
             raise GraphError(msg[1])
         self.vocab: int = msg[1]["vocab"]
         self.max_queue = max_queue
         self.streams: dict[int, Stream] = {}  # rid -> its stream, until its end arrives
         self.closed = False
         self.dead: str | None = None  # why the process ended unasked
-        self._lock = threading.Lock()  # (the pipe's sending end and the counts below)
+        self._lock = threading.Lock()  # (the state below; never held while sending or waiting)
+        self._send_lock = threading.Lock()  # (the pipe's sending end)
         self._next = 0  # the next request id (rid)
         self._sent = self._received = self._waiting = 0  # submits sent; as of the last report: received, waiting
         self._replies: dict[int, Future] = {}
-        self._closing = False
         self._reader = threading.Thread(target=self._read, name="megaegg-engine-reader", daemon=True)
         self._reader.start()
+
+    def _built(self):
+        """The process's first message ("ready" or "failed"), waiting while it builds."""
+        while not self._conn.poll(0.2):
+            if not self.process.is_alive():
+                raise GraphError(f"the engine process exited (code {self.process.exitcode}) before it was built")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self.process.join(10)
+            raise GraphError(f"the engine process exited (code {self.process.exitcode}) before it was built") from None
 
     # (the HTTP side's threads)
     def submit(self, prompt: list[int], max_tokens: int, sampling, stop_ids: list[int], stream: Stream) -> None:
@@ -111,36 +131,51 @@ class EngineProcess:
                                    kind="rate_limit_error")
             rid, self._next = self._next, self._next + 1
             stream.index = rid
-            self.streams[rid] = stream
+            self.streams[rid] = stream  # (before it is sent: its first token may come back at once)
             self._sent += 1
-            self._send(("submit", rid, prompt, max_tokens, sampling, stop_ids))
+        if not self._send(("submit", rid, prompt, max_tokens, sampling, stop_ids)):
+            with self._lock:
+                self.streams.pop(rid, None)
+                self._sent -= 1
+            raise RequestError(self.dead or "the engine process is gone", status=503, kind="server_error")
 
     def cancel(self, stream: Stream) -> None:
+        """Free the request's sequence; its stream gets nothing more."""
         with self._lock:
-            if stream.index in self.streams and not self.closed:
-                self._send(("cancel", stream.index))
+            known = self.streams.pop(stream.index, None) is not None and not self.closed
+        if known:
+            self._send(("cancel", stream.index))
 
     def metrics(self) -> Future:
         """The engine's Prometheus text (a Future: the engine process answers)."""
         return self._ask(_metrics)
 
     def call(self, fn: Callable[..., Any], *args, timeout: float | None = 600.0) -> Any:
-        """``fn(engine, *args)`` run in the engine process (``fn`` and its result cross by pickle: a module's
-        function), its result or its exception."""
+        """``fn(engine, *args)`` run in the engine process (``fn``, its arguments and its result cross by
+        pickle: a module's function), its result or its exception."""
         return self._ask(fn, *args).result(timeout)
 
     def close(self) -> None:
-        """Stop the engine after the launch in flight: every request not finished ends with an error."""
+        """Stop the engine after the launch in flight: every request not finished ends with an error. Gives
+        up on an engine that does not stop within ~2 minutes: its process is killed."""
         with self._lock:
             self.closed = self._closing = True
-            self._send(("close",))
+        sender = threading.Thread(target=self._send, args=(("close",),), daemon=True)  # (a send can block)
+        sender.start()
+        sender.join(timeout=10)
         self._reader.join(timeout=90)
-        self.process.join(timeout=10)
+        self._kill()
+        self._reader.join(timeout=10)
+
+    def _kill(self) -> None:
+        """(close, a failed start, exit) Wait for the process a little if it was asked to close, else kill it."""
+        self.process.join(timeout=10 if self._closing else 0)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=10)
 
     def _ask(self, fn, *args) -> Future:
+        blob = pickle.dumps((fn, args))  # (here: a function that cannot cross fails its caller, not the engine)
         fut: Future = Future()
         with self._lock:
             if self.closed:
@@ -148,46 +183,67 @@ class EngineProcess:
                 return fut
             req, self._next = self._next, self._next + 1
             self._replies[req] = fut
-            self._send(("call", req, fn, args))
+        if not self._send(("call", req, blob)):
+            with self._lock:
+                self._replies.pop(req, None)
+            fut.set_exception(RuntimeError(self.dead or "the engine process is gone"))
         return fut
 
-    def _send(self, msg) -> None:  # (under the lock)
-        try:
-            self._conn.send(msg)
-        except (OSError, ValueError):  # (the process is gone: the reader ends the streams)
-            pass
-
-    # (the reader thread)
-    def _read(self) -> None:
-        while True:
+    def _send(self, msg) -> bool:
+        with self._send_lock:
             try:
-                msg = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            if msg[0] == "items":
-                _, items, waiting, received = msg
-                with self._lock:
-                    self._waiting, self._received = waiting, received
-                    mine = [(s, item) for s, item in ((self._stream(rid, item), _item(item)) for rid, item in items)
-                            if s is not None]
-                Engine.deliver(mine)
-            elif msg[0] == "reply":
-                _, req, ok, value = msg
+                self._conn.send(msg)
+                return True
+            except (OSError, ValueError):  # (the process is gone: the reader ends the streams)
+                return False
+
+    # (the reader thread: never waits for anything but the pipe, so the engine's sends always drain)
+    def _read(self) -> None:
+        try:
+            while True:
+                try:
+                    msg = self._conn.recv()
+                except (EOFError, OSError):
+                    break
+                try:
+                    self._take(msg)
+                except Exception:  # (one message's failure must not stop every stream's tokens)
+                    log.exception("the engine process's message %r", msg[0])
+        finally:
+            self.process.join(timeout=10)
+            with self._lock:
+                if not self._closing:
+                    self.dead = f"the engine process exited (code {self.process.exitcode})"
+                self.closed = True
+                error = RequestError(self.dead or "the server shut down before this request finished", status=503,
+                                     kind="server_error")
+                ended, self.streams = list(self.streams.values()), {}
+                replies, self._replies = list(self._replies.values()), {}
+            Engine.deliver([(s, error) for s in ended])
+            for fut in replies:
+                if not fut.done():
+                    fut.set_exception(RuntimeError(error.args[0]))
+
+    def _take(self, msg) -> None:
+        if msg[0] == "items":
+            _, items, waiting, received = msg
+            with self._lock:
+                self._waiting, self._received = waiting, received
+                mine = [(s, item) for s, item in ((self._stream(rid, item), _item(item)) for rid, item in items)
+                        if s is not None]
+            Engine.deliver(mine)
+        elif msg[0] == "reply":
+            _, req, ok, blob = msg
+            with self._lock:
                 fut = self._replies.pop(req, None)
-                if fut is not None:
-                    fut.set_result(value) if ok else fut.set_exception(value)
-        self.process.join(timeout=10)
-        with self._lock:
-            if not self._closing:
-                self.dead = f"the engine process exited (code {self.process.exitcode})"
-            self.closed = True
-            error = RequestError(self.dead or "the server shut down before this request finished", status=503,
-                                 kind="server_error")
-            ended, self.streams = list(self.streams.values()), {}
-            replies, self._replies = list(self._replies.values()), {}
-        Engine.deliver([(s, error) for s in ended])
-        for fut in replies:
-            fut.set_exception(RuntimeError(error.args[0]))
+            if fut is None or fut.done():  # (a caller that stopped waiting cancelled it)
+                return
+            try:
+                value = pickle.loads(blob)
+            except Exception as e:  # noqa: BLE001
+                fut.set_exception(RuntimeError(f"the engine's answer does not unpickle here: {type(e).__name__}: {e}"))
+                return
+            fut.set_result(value) if ok else fut.set_exception(value)
 
     def _stream(self, rid: int, item) -> Stream | None:  # (under the lock)
         return self.streams.pop(rid, None) if item is None or isinstance(item, tuple) else self.streams.get(rid)
@@ -232,28 +288,34 @@ class _RemoteStream:
 def _run(build: Callable[[], Engine], conn) -> None:
     """The engine process: build the engine, then apply the HTTP side's messages until "close" or until
     the pipe closes (the HTTP side exited)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the whole group: the HTTP side shuts us down)
+    # (Ctrl-C or a SIGTERM to the whole group reaches us too: the HTTP side finishes its streams, then stops us)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = build()
     except BaseException as e:  # noqa: BLE001 (whatever it was, its message goes back)
         conn.send(("failed", str(e) if isinstance(e, GraphError) else f"{type(e).__name__}: {e}"))
         return
-    lock = threading.Lock()
+    lock = threading.Lock()  # (the pipe's sending end: the engine thread and this one send)
     streams: dict[int, _RemoteStream] = {}
-    received = 0
+    received = 0  # (submits taken; read by the engine thread)
+
+    def post(msg) -> None:
+        with lock:
+            try:
+                conn.send(msg)
+            except (OSError, ValueError):  # (the HTTP side is gone: the loop below ends at the closed pipe)
+                pass
 
     def send(items: list) -> None:
-        with lock:
-            wire = []
-            for s, item in items:
-                if item is None or isinstance(item, Exception):
-                    streams.pop(s.rid, None)
-                wire.append((s.rid, _wire(item)))
-            waiting = engine.batcher.queued + len(engine.inbox)
-            try:
-                conn.send(("items", wire, waiting, received))
-            except (OSError, ValueError):
-                pass
+        wire = []
+        for s, item in items:
+            if item is None or isinstance(item, Exception):
+                streams.pop(s.rid, None)
+            wire.append((s.rid, _wire(item)))
+        # (sent after every launch, tokens or not, and before the engine waits idle: the HTTP side's count
+        # of requests not started stays current)
+        post(("items", wire, engine.batcher.queued + len(engine.inbox), received))
 
     engine.deliver = send
     conn.send(("ready", {"vocab": engine.vocab}))
@@ -266,26 +328,31 @@ def _run(build: Callable[[], Engine], conn) -> None:
             if msg[0] == "submit":
                 _, rid, prompt, max_tokens, sampling, stop_ids = msg
                 stream = streams[rid] = _RemoteStream(rid, send, submitted=time.perf_counter())
-                with lock:
-                    received += 1
+                received += 1
                 try:
                     engine.submit(prompt, max_tokens, sampling, stop_ids, stream)
                 except RequestError as e:
                     stream.put(e)
             elif msg[0] == "cancel":
-                stream = streams.get(msg[1])
+                stream = streams.pop(msg[1], None)
                 if stream is not None:
                     engine.cancel(stream)
             elif msg[0] == "call":
-                _, req, fn, args = msg
-                try:
-                    reply = ("reply", req, True, fn(engine, *args))
-                except Exception as e:  # noqa: BLE001 (the caller's exception)
-                    reply = ("reply", req, False, e)
-                with lock:
-                    conn.send(reply)
+                post(("reply", msg[1], *_answer(engine, msg[2])))
             elif msg[0] == "close":
                 break
     finally:
         engine.close()
         conn.close()
+
+
+def _answer(engine: Engine, blob: bytes) -> tuple[bool, bytes]:
+    """(engine process) A call's (ok, pickled result or exception); whatever fails, an answer."""
+    try:
+        fn, args = pickle.loads(blob)
+        return True, pickle.dumps(fn(engine, *args))
+    except Exception as e:  # noqa: BLE001 (the caller's exception)
+        try:
+            return False, pickle.dumps(e)
+        except Exception:  # noqa: BLE001
+            return False, pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))

@@ -152,8 +152,7 @@ class Engine:
         the interpreter lock that the next launch's host work needs (every torch call lets it in: measured
         on an H200, a 64-row decode launch went from ~3 to ~7 ms with the tokens handed over first)."""
         items, self.outbox = self.outbox, []
-        if items:
-            self.deliver(items)
+        self.deliver(items)  # (an empty hand-over too: the engine process reports its queue with it)
 
     @staticmethod
     def deliver(items: list[tuple[Stream, Any]]) -> None:
@@ -550,7 +549,7 @@ class _Generation:
     same window less its new tokens: a sentencepiece word's leading space or a multi-byte character comes
     out right, as a whole decode would give it), so a chunk or a stop-string check costs the new tokens, not
     the whole answer (a whole decode every chunk: quadratic in the answer's length). The final text is
-    one whole decode."""
+    one whole decode. Decodes skip special tokens and do not clean up spaces before punctuation."""
 
     def __init__(self, p: Parsed, tokenizer) -> None:
         self.p, self.tokenizer = p, tokenizer
@@ -580,15 +579,20 @@ class _Generation:
                 self.done, self.reason, self.cut, self.done_by_text = True, "stop", at, True
 
     def _advance(self) -> None:
-        """Decode the tokens past ``_read`` into ``_text`` (not while they end inside a character)."""
+        """Decode the tokens past ``_read`` into ``_text`` (not while they end inside a character, or in a
+        U+FFFD of bytes that are no character: the final text has those)."""
         if self._read == len(self._ids):
             return
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        head = decode(self._ids[self._prefix:self._read])
-        window = decode(self._ids[self._prefix:])
+        head = self._decode(self._ids[self._prefix:self._read])
+        window = self._decode(self._ids[self._prefix:])
         if len(window) > len(head) and not window.endswith("\ufffd"):
             self._text += window[len(head):]
             self._prefix, self._read = self._read, len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        # (no clean-up of spaces before punctuation: it depends on what precedes a window, so a streamed
+        # text would not be the final text's prefix; vLLM's text is the same)
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def text(self, final: bool = True) -> str:
         """The answer's text: ``final``, the whole decode (cut at a stop string); else the text of the whole
@@ -596,7 +600,7 @@ class _Generation:
         if self.tokenizer is None:
             return ""
         if final:
-            text = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+            text = self._decode(self._ids)
             return text if self.cut is None else text[:self.cut]
         self._advance()
         text = self._text if self.cut is None else self._text[:self.cut]

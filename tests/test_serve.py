@@ -517,32 +517,36 @@ def _byte_bpe_tokenizer():
 
     t = Tokenizer(models.BPE())
     t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    text = ["héllo wörld ünïcode ✓ 日本語のテキスト emoji 🎉🎉 and plain words", "the quick brown fox — jumps"] * 20
+    text = ["héllo wörld ünïcode ✓ 日本語のテキスト emoji 🎉🎉 and plain words", "the quick brown fox — jumps",
+            "Hi . x , y ! z ? don ' t"] * 20
     t.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=t)
+    # (clean-up of spaces before punctuation on, as llama-3's config has it: the server's text does without)
+    return PreTrainedTokenizerFast(tokenizer_object=t, clean_up_tokenization_spaces=True)
 
 
 def test_streamed_text_grows_incrementally_to_the_whole_decode():
     """A streamed answer's pieces (text after each token, then the final text) add up to one whole decode of
     its tokens, never hold half a character, and a stop string cuts where a whole decode finds it first:
-    checked against whole decodes on random token sequences of a byte-level BPE tokenizer."""
+    checked against whole decodes (no clean-up of spaces) on random token sequences of a byte-level BPE
+    tokenizer."""
     import random
 
     from megaegg.models.batch import Sampling
     from megaegg.serve import Parsed, _Generation
 
     tok = _byte_bpe_tokenizer()
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
     rng = random.Random(7)
     stops = [2, 5]
     for trial in range(300):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
-        stop_text = [rng.choice(["🎉", "ö", "the", "xyz", "本語"])] if trial % 2 else []
+        stop_text = [rng.choice(["🎉", "ö", "the", "xyz", "本語", ". x", "t"])] if trial % 2 else []
         p = Parsed([1], len(ids), Sampling(), stops, stop_text, True, False)
         gen, sent = _Generation(p, tok), ""
         for k, t in enumerate(ids):
             gen.take(t)
             piece = gen.text(final=False)
-            whole = tok.decode([i for i in ids[:k + 1] if i not in stops], skip_special_tokens=True)
+            whole = decode([i for i in ids[:k + 1] if i not in stops])
             assert piece.startswith(sent) and whole.startswith(piece), (ids[:k + 1], sent, piece, whole)
             sent = piece
             if gen.done:
@@ -550,11 +554,11 @@ def test_streamed_text_grows_incrementally_to_the_whole_decode():
         gen.take(None)
         final = gen.text(final=True)
         taken = [i for i in gen.tokens if i not in stops]
-        whole = tok.decode(taken, skip_special_tokens=True)
+        whole = decode(taken)
         firsts = [whole.find(s) for s in stop_text if whole.find(s) >= 0]
         assert final == (whole[:min(firsts)] if firsts else whole), (ids, stop_text)
         if firsts:  # it stopped at the first token whose text holds a stop string
-            before = tok.decode(taken[:-1], skip_special_tokens=True)
+            before = decode(taken[:-1])
             assert not any(s in before for s in stop_text), (ids, stop_text)
         assert final.startswith(sent)
 
@@ -630,6 +634,22 @@ def test_a_client_that_goes_away_frees_its_sequence_in_the_engine_process(served
     while _metric(url, "megaegg_running"):
         assert time.time() < deadline, "the abandoned request still runs"
         time.sleep(0.1)
+    assert served_process["engine"].streams == {}  # (nor does its stream stay behind)
+
+
+def test_a_call_that_cannot_cross_fails_its_caller_not_the_engine(served_process):
+    """EngineProcess.call: a function that does not pickle fails here, a result that does not pickle fails
+    in the engine process and comes back as the caller's error; the engine goes on."""
+    import operator
+
+    engine = served_process["engine"]
+    with pytest.raises(Exception):
+        engine.call(lambda e: e.vocab)
+    with pytest.raises(Exception, match="(?i)pickle"):
+        engine.call(getattr, "cond")  # (a threading.Condition)
+    assert engine.call(operator.attrgetter("vocab")) == engine.vocab
+    r = client(served_process).completions.create(model="tiny-llama", prompt=PROMPTS[1], max_tokens=2, temperature=0)
+    assert len(r.choices[0].token_ids) == 2 and not engine.closed
 
 
 def _reference_engine_spec(**kw):
