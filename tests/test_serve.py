@@ -373,9 +373,11 @@ def test_a_shared_prompt_prefix_is_prefilled_once_per_slot(served, greedy):
 
 
 def test_sigterm_lets_a_started_stream_end_cleanly(tmp_path):
-    """`python -m megaegg serve` in its own process: SIGTERM while a response streams; the stream still
-    ends with [DONE] or an error event (never cut mid-way), and the process exits by itself, without a
+    """`python -m megaegg serve` in a process group of its own (its engine's process in it too): SIGTERM to
+    the whole group while a response streams, as a service manager sends it; the stream still ends with all
+    its tokens and [DONE] (the engine process ignores it and finishes), both processes exit, without a
     traceback."""
+    import os
     import signal
     import subprocess
     import sys
@@ -385,7 +387,7 @@ def test_sigterm_lets_a_started_stream_end_cleanly(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "megaegg", "serve", "--random-weights", "--backend", "reference",
                              "--port", str(port), "--max-len", "64", "--slots", "2"], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 120
         while True:
@@ -403,11 +405,21 @@ def test_sigterm_lets_a_started_stream_end_cleanly(tmp_path):
                 if line.startswith("data:"):
                     lines.append(line)
                     if len(lines) == 2:
-                        proc.send_signal(signal.SIGTERM)
-        assert lines[-1] == "data: [DONE]" or '"error"' in lines[-1], lines[-3:]
+                        os.killpg(proc.pid, signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        tokens = [t for line in lines[:-1] for t in json.loads(line[5:])["choices"][0]["token_ids"]]
+        assert len(tokens) == 40
         # (uvicorn shuts down gracefully, then re-raises the signal: the exit status says SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         assert "Traceback" not in proc.stdout.read()
+        deadline = time.time() + 30  # (the engine's process went too: nothing is left in the group)
+        while True:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.time() < deadline, "the engine process outlived the server"
+            time.sleep(0.2)
     finally:
         if proc.poll() is None:
             proc.kill()
