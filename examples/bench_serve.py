@@ -6,7 +6,7 @@
 
 The server (random weights, `--slots` = the concurrency) runs in this process on a free local port, its
 engine in a process of its own, as `python -m megaegg serve` runs them;
-the clients stream completions over HTTP: closed loop (``--concurrency`` requests in flight, a new one
+the clients (in ``--client-procs`` processes) stream completions over HTTP: closed loop (``--concurrency`` requests in flight, a new one
 as one ends) or open loop (``--rate`` arrivals a second, Poisson, seeded). Prompts are random token
 ids of lengths drawn from ``--prompt-len LO,HI``; every request asks for ``--output-len`` tokens
 (random weights have no EOS, so each must get exactly that many: anything else counts as lost or

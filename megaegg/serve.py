@@ -659,7 +659,7 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
             step = single_sequence_decode(step, decode, caches)
     pool = PagePool(pages, page_len, per_seq) if page_len else None
     batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab,
-                      prefix_cache=pool is None, pages=pool, run_ahead=pool is None and backend != "reference")
+                      prefix_cache=pool is None, pages=pool, run_ahead=backend != "reference")
     return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab, decode_kernel=decode, caches=caches)
 
 

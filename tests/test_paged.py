@@ -415,3 +415,107 @@ def test_a_page_keyed_on_a_twin_that_was_taken_meanwhile_is_not_shared():
     pool.release(s2)
     _, shared = pool.admit([20, 21, 22, 23, 30, 31, 32, 33, 9, 10, 11, 12, 99], 13)
     assert shared == 8
+
+
+def _paged_ahead_requests(stop: int | None = None):
+    from megaegg.models.batch import Request, Sampling
+
+    base = [3, 17, 5, 9, 11, 4, 6, 8]
+    prompts = [base + [1], [40, 41], base + [2, 7], base[:4] + [9], base + [1], [50] * 9, base[:6], [60, 61, 62]]
+    return [Request(p, 4 + i % 3, sampling=Sampling(temperature=0.9, top_k=9, seed=i) if i % 2 else Sampling(),
+                    stop_tokens=(stop,) if stop is not None and i == 2 else ()) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_run_ahead_on_a_paged_cache_gives_the_tokens_of_one_launch_at_a_time(interleave):
+    """Eight requests through three slots and a pool of 7 pages of 4 rows (too few for three sequences: they
+    are preempted), prompts sharing prefixes, sampling, a stop token that ends one early: queuing each launch
+    before the previous one's tokens are read gives every request the tokens, stop and finish of the slot
+    caches stepped one launch at a time; most launches were queued ahead, and every page comes back."""
+    from megaegg.models.batch import Batcher, kernel_batch_step
+    from megaegg.models.pages import PagePool
+
+    cfg = ModelConfig.preset("tiny")
+    plain, spec = build_step_graph(cfg, max_len=32, slots=3, sampling=True)
+    graph, pspec = build_step_graph(cfg, max_len=32, slots=3, page_len=4, pages=7, sampling=True)
+    weights = random_weights(spec, seed=12)
+    dims = {"n": 8, "r": 3, "ctx": 32}
+    k_plain, k_paged = (me.compile(g, weights, backend="sim", max_dims=dims) for g in (plain, graph))
+    if interleave:
+        k_paged.interleaving = Interleaving(sms=4, seed=2, adversarial=True)
+    stop = Batcher(kernel_batch_step(k_plain, spec.new_caches()), slots=3, max_len=32,
+                   max_tokens=8).run(_paged_ahead_requests())[2].tokens[2]
+    want = [(g.tokens, g.stop_token, g.finished) for g in Batcher(kernel_batch_step(k_plain, spec.new_caches()), slots=3,
+                                                                   max_len=32, max_tokens=8).run(_paged_ahead_requests(stop))]
+    carried = []
+
+    def counted(step):
+        def wrapped(rows):
+            carried.append(rows.host_token.count(-1))
+            return step(rows)
+        return wrapped
+
+    pool = PagePool(7, 4, 8)
+    b = Batcher(counted(kernel_batch_step(k_paged, pspec.new_caches())), slots=3, max_len=32, max_tokens=8, pages=pool,
+                run_ahead=True)
+    got = [(g.tokens, g.stop_token, g.finished) for g in b.run(_paged_ahead_requests(stop))]
+    assert got == want
+    assert want[2][1] == stop and len(want[2][0]) == 3
+    assert b.preemptions >= 1 and b.prefix_hits >= 8 and pool.available() == pool.count
+    assert sum(1 for c in carried if c) >= b.launches // 3
+
+
+def test_a_paged_sequence_cancelled_while_its_next_launch_is_queued_frees_its_pages_for_the_next():
+    """Run ahead on a paged cache: a request cancelled between two steps still has rows in the launch queued
+    ahead (they write its pages, back in the pool); a request that then takes those pages, and the one that
+    runs on, get the tokens they get without it."""
+    from megaegg.models.batch import Batcher, Request, kernel_batch_step
+    from megaegg.models.pages import PagePool
+
+    _, (_, spec, k_plain), (_, pspec, k_paged), _ = paged_batcher_case(pool=6, max_tokens=8)
+    keep = [Request([3, 17, 5, 9, 11], 8), Request([9, 2, 44, 61, 7, 30, 8], 6)]
+    alone = [g.tokens for g in Batcher(kernel_batch_step(k_plain, spec.new_caches()), slots=2, max_len=32,
+                                       max_tokens=8).run(keep)]
+    given = []
+    victim = Request([12, 40, 41, 42, 43, 44, 45], 9, on_token=given.append)
+    pool = PagePool(6, 4, 8, prefix_cache=False)
+    b = Batcher(kernel_batch_step(k_paged, pspec.new_caches()), slots=2, max_len=32, max_tokens=8, pages=pool,
+                run_ahead=True)
+    first = b.submit(keep[0])
+    gone = b.submit(victim)
+    while len(given) < 2:
+        b.step()
+    assert b._ahead is not None
+    held = list(next(r for r in b.running if r.index == gone).pages.pages)
+    cut = b.cancel(gone)
+    assert cut.tokens == given and not cut.finished
+    b.submit(keep[1])  # (it needs pages the victim held: 6 pages, the first request holds 3 at most)
+    while b.busy():
+        b.step()
+    done = {r.index: r.generation.tokens for r in b.done}
+    assert done[first] == alone[0] and done[first + 2] == alone[1] and given == cut.tokens
+    assert held and pool.available() == pool.count
+
+
+def test_run_ahead_indexes_a_page_only_once_its_rows_came_back_so_the_next_turn_shares_it():
+    """A conversation's next turn (the prompt, the answer's first tokens, a new one) reads the pages the
+    answer wrote, with launches queued ahead as with none: a page whose last row is in a launch queued ahead
+    is indexed when that launch's tokens come back, with its tokens (indexed earlier, its key would hold the
+    tokens known then, and no prompt would match it)."""
+    from megaegg.models.batch import Batcher, Request, kernel_batch_step
+    from megaegg.models.pages import PagePool
+
+    _, (_, spec, k_plain), (_, pspec, k_paged), _ = paged_batcher_case(pool=24, max_tokens=8)
+    first = [Request([3, 17, 5], 9), Request([40, 41, 42, 43, 44], 9)]
+    answer = Batcher(kernel_batch_step(k_plain, spec.new_caches()), slots=2, max_len=32, max_tokens=8).run(first)[0].tokens
+    turn = [Request([3, 17, 5] + answer[:6] + [7], 4), Request([60, 61], 4)]
+    want = [g.tokens for g in Batcher(kernel_batch_step(k_plain, spec.new_caches()), slots=2, max_len=32,
+                                      max_tokens=8).run(turn)]
+    for ahead in (False, True):
+        pool = PagePool(24, 4, 8)
+        b = Batcher(kernel_batch_step(k_paged, pspec.new_caches()), slots=2, max_len=32, max_tokens=8, pages=pool,
+                    run_ahead=ahead)
+        assert b.run(first)[0].tokens == answer
+        hits = b.prefix_hits
+        assert [g.tokens for g in b.run(turn)] == want
+        assert b.prefix_hits - hits == 8, ahead  # (two whole pages: the prompt and the answer's first 5 tokens)

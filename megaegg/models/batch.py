@@ -189,11 +189,14 @@ class Batcher:
     ``max_tokens`` bounds the rows of one launch (the step graph's ``n``); ``vocab`` refuses
     out-of-range prompt ids up front; ``pages``: a paged cache's pool (prefix sharing as it says).
 
-    ``run_ahead`` (caches of slots): each launch queues the next one before its tokens are read, its
-    decoding rows' tokens copied on the device from this launch's, so the host's work for a launch (the
-    batcher's, the server's) overlaps the one before it. A sequence that this launch ends (a stop token) or
-    that is cancelled meanwhile has a row in the next launch that nothing reads: it wrote the slot's row
-    after the sequence's last, which no later sequence reads before writing it.
+    ``run_ahead``: each launch queues the next one before its tokens are read, its decoding rows' tokens
+    copied on the device from this launch's, so the host's work for a launch (the batcher's, the server's)
+    overlaps the one before it. A sequence that this launch ends (a stop token) or that is cancelled
+    meanwhile has rows in the next launch that nothing reads: they write the slot's rows after the
+    sequence's last, which no later sequence reads before writing them. With a paged cache they write pages
+    the sequence held past its whole, indexed ones: back in the pool, such a page is written by its next
+    holder only in a launch queued after them, and read only after that (no other sequence shares a page
+    that is not whole); pages are indexed for sharing only with the rows of launches whose tokens came back.
     """
 
     def __init__(self, step: BatchStepFn, *, slots: int, max_len: int, max_tokens: int | None = None,
@@ -320,10 +323,12 @@ class Batcher:
         self.step_started.append(started)
         self.prefill_rows.append(launch.prefill_rows)
         self.launches += 1
-        if self.pages is not None:
+        if self.pages is not None:  # (the rows through this launch: not those of the launch queued behind it)
+            behind = self._ahead.fed if self._ahead is not None else {}
             for run in self.running:
                 if run.pages is not None:
-                    self.pages.written(run.pages, run.generation.prompt + run.generation.tokens, run.fed)
+                    self.pages.written(run.pages, run.generation.prompt + run.generation.tokens,
+                                       run.fed - behind.get(run.index, 0))
         live = {id(run) for run in self.running}  # (a sequence cancelled, or ended by the launch before: not fed)
         emitted = [(run, tok) for (run, _), tok in zip(launch.outs, new) if id(run) in live]
         for run, tok in emitted:
@@ -385,9 +390,10 @@ class Batcher:
         """The next launch queued behind ``launch`` before its tokens are known: every sequence it draws a
         token for decodes that token (read on the device), unless it is the sequence's last; prompts go on
         and waiting requests join as a step would feed them. None (stepped as usual) with a paged cache, when
-        the next launch would have fewer than two rows (a lone row is single_sequence_decode's), or when the
-        launch's tokens are not on the device."""
-        if self.pages is not None or launch.tokens is None:
+        the next launch would have fewer than two rows (a lone row is single_sequence_decode's), when the
+        launch's tokens are not on the device, or when a paged cache has too few pages for its rows (the next
+        step then preempts, with nothing in flight)."""
+        if launch.tokens is None:
             return None
         self._admit_waiting()
         drawing = {id(run): i for i, (run, _) in enumerate(launch.outs)}
@@ -407,6 +413,9 @@ class Batcher:
                 budget -= len(take)
         if sum(1 if out is not None else len(take) for _, take, out in plan) < 2:
             return None
+        if self.pages is not None and not all(self.pages.grow(run.pages, run.fed + (1 if out is not None else len(take)))
+                                              for run, take, out in plan):
+            return None  # (pages grown for some: their rows come next step)
         return self._launch(plan, launch)
 
     def _settle_ahead(self) -> None:
