@@ -462,7 +462,7 @@ def test_run_ahead_on_a_paged_cache_gives_the_tokens_of_one_launch_at_a_time(int
     assert got == want
     assert want[2][1] == stop and len(want[2][0]) == 3
     assert b.preemptions >= 1 and b.prefix_hits >= 8 and pool.available() == pool.count
-    assert sum(1 for c in carried if c) >= b.launches // 3
+    assert sum(1 for c in carried if c) >= b.launches // 3 and b.ahead_failures == 0
 
 
 def test_a_paged_sequence_cancelled_while_its_next_launch_is_queued_frees_its_pages_for_the_next():
@@ -494,7 +494,7 @@ def test_a_paged_sequence_cancelled_while_its_next_launch_is_queued_frees_its_pa
         b.step()
     done = {r.index: r.generation.tokens for r in b.done}
     assert done[first] == alone[0] and done[first + 2] == alone[1] and given == cut.tokens
-    assert held and pool.available() == pool.count
+    assert held and pool.available() == pool.count and b.ahead_failures == 0
 
 
 def test_run_ahead_indexes_a_page_only_once_its_rows_came_back_so_the_next_turn_shares_it():
@@ -519,3 +519,4 @@ def test_run_ahead_indexes_a_page_only_once_its_rows_came_back_so_the_next_turn_
         hits = b.prefix_hits
         assert [g.tokens for g in b.run(turn)] == want
         assert b.prefix_hits - hits == 8, ahead  # (two whole pages: the prompt and the answer's first 5 tokens)
+        assert b.ahead_failures == 0

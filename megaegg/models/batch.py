@@ -233,6 +233,7 @@ class Batcher:
         self.preemptions = 0  # sequences whose pages were taken back to let others grow
         self.run_ahead = run_ahead
         self._ahead: _Launch | None = None  # the launch queued ahead (run_ahead), taken by the next step
+        self.ahead_failures = 0  # launches that failed to queue ahead (stepped again as usual)
         self._admissions = 0
         if pages is not None and prefix_cache:
             raise GraphError("prefix_cache keeps a finished sequence's rows in its slot; a paged cache shares "
@@ -303,6 +304,7 @@ class Batcher:
                 self._ahead = self._launch_ahead(launch)  # the next step launches those rows again, as usual)
             except Exception:
                 self._ahead = None
+                self.ahead_failures += 1
         if launched is not None:
             launched()
         try:
@@ -389,8 +391,8 @@ class Batcher:
     def _launch_ahead(self, launch: "_Launch") -> "_Launch | None":
         """The next launch queued behind ``launch`` before its tokens are known: every sequence it draws a
         token for decodes that token (read on the device), unless it is the sequence's last; prompts go on
-        and waiting requests join as a step would feed them. None (stepped as usual) with a paged cache, when
-        the next launch would have fewer than two rows (a lone row is single_sequence_decode's), when the
+        and waiting requests join as a step would feed them. None (stepped as usual) when the next launch
+        would have fewer than two rows (a lone row is single_sequence_decode's), when the
         launch's tokens are not on the device, or when a paged cache has too few pages for its rows (the next
         step then preempts, with nothing in flight)."""
         if launch.tokens is None:
