@@ -6,6 +6,7 @@ server stops at the end."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -35,10 +36,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def running(app):
+    """``app`` served by uvicorn on a free local port (in a thread): yields its URL, stops it after."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "the server did not start in 30 s"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 def serve_tiny(tmp_path_factory, **engine_kw):
     """A tiny llama checkpoint with a word tokenizer (and a chat template), served on the simulator: yields
     what the tests use, stops the server after."""
-    import uvicorn
     from transformers import AutoTokenizer
 
     from megaegg.models import load_checkpoint, read_config
@@ -51,19 +71,10 @@ def serve_tiny(tmp_path_factory, **engine_kw):
     engine = build_engine(cfg, lambda spec: load_checkpoint(path, spec), backend="sim", device="cpu", max_len=48,
                           slots=4, max_tokens=48, max_queue=64, **engine_kw)
     app = create_app(engine, model="tiny-llama", tokenizer=tok, max_len=48)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "the server did not start in 30 s"
-        time.sleep(0.05)
     try:
-        yield {"url": f"http://127.0.0.1:{port}", "path": path, "tok": tok, "engine": engine}
+        with running(app) as url:
+            yield {"url": url, "path": path, "tok": tok, "engine": engine}
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
         engine.close()
 
 
@@ -580,8 +591,6 @@ def test_streamed_text_grows_incrementally_to_the_whole_decode():
 @pytest.fixture(scope="module")
 def served_process(served):
     """The tiny checkpoint of ``served`` behind an EngineProcess (the simulator in a process of its own)."""
-    import uvicorn
-
     from megaegg.engine_process import EngineProcess, EngineSpec
     from megaegg.models import read_config
     from megaegg.serve import create_app
@@ -589,19 +598,10 @@ def served_process(served):
     path = served["path"]
     engine = EngineProcess(EngineSpec(read_config(path), "sim", "cpu", 48, 4, 48, checkpoint=str(path)), max_queue=64)
     app = create_app(engine, model="tiny-llama", tokenizer=served["tok"], max_len=48)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "the server did not start in 30 s"
-        time.sleep(0.05)
     try:
-        yield {"url": f"http://127.0.0.1:{port}", "tok": served["tok"], "engine": engine}
+        with running(app) as url:
+            yield {"url": url, "tok": served["tok"], "engine": engine}
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
         engine.close()
     assert not engine.process.is_alive()
 
