@@ -600,3 +600,32 @@ def test_a_failed_launch_with_one_queued_ahead_is_drained(tiny):
     outs = b.drain()
     assert [o.tokens for o in outs] == [full[0][:4], full[1][:4]] and not b.busy()
     assert [o.tokens for o in b.run(reqs)] == full
+
+
+
+def test_a_launched_hook_that_raises_fails_its_launch_as_a_device_error_would(tiny):
+    """Batcher.step(launched=...) whose hook raises (a server's hand-over failing) with a launch queued ahead:
+    the step raises, nothing of that launch is emitted, both launches' rows are not counted, and the
+    requests then run again from there to the tokens of an undisturbed run."""
+    cfg, graph, spec, weights = tiny
+    step = kernel_batch_step(me.compile(graph, weights, backend="sim", max_dims={"n": 24, "r": 3, "ctx": 24}),
+                             spec.new_caches())
+    reqs = [Request(PROMPTS[0], 6), Request(PROMPTS[2], 6)]
+    full = [o.tokens for o in Batcher(step, slots=2, max_len=24).run(reqs)]
+    b = Batcher(step, slots=2, max_len=24, run_ahead=True)
+    idx = [b.submit(r) for r in reqs]
+    for _ in range(3):
+        b.step()
+    assert b._ahead is not None
+    fed = {r.index: r.fed for r in b.running}
+
+    def hand_over():
+        raise OSError("the pipe broke")
+
+    with pytest.raises(OSError, match="the pipe broke"):
+        b.step(launched=hand_over)
+    assert b._ahead is None and {r.index: r.fed for r in b.running} == {i: fed[i] - 1 for i in fed}
+    assert [len(r.generation.tokens) for r in b.running] == [3, 3]
+    while b.busy():
+        b.step()
+    assert [next(r for r in b.done if r.index == i).generation.tokens for i in idx] == full

@@ -305,9 +305,9 @@ class Batcher:
             except Exception:
                 self._ahead = None
                 self.ahead_failures += 1
-        if launched is not None:
-            launched()
-        try:
+        try:  # (a hook that raises fails the launch as a device error would: nothing of it is read)
+            if launched is not None:
+                launched()
             tokens = launch.queued.get() if isinstance(launch.queued, QueuedTokens) else launch.queued
             new = [int(t) for t in tokens.reshape(-1).tolist()]  # (syncs with the device)
         except BaseException:
