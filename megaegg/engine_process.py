@@ -9,7 +9,7 @@ the GPU waited for Python. In two processes each has a lock: the engine keeps th
 event loop, when it falls behind, sends the tokens that queued up in one chunk (``serve._items``).
 
 The wire, one pipe both ways (``multiprocessing`` pickles; messages are tuples):
-  to the engine:   ("submit", rid, prompt, max_tokens, sampling, stop_ids) | ("cancel", rid)
+  to the engine:   ("submit", rid, prompt, max_tokens, sampling, stop_ids, submitted) | ("cancel", rid)
                    | ("call", req, pickled (fn, args)) | ("close",)
   from the engine: ("ready", info) | ("failed", message) | ("reply", req, ok, pickled result or exception)
                    | ("items", [(rid, token | None | error tuple)], waiting, received)
@@ -28,7 +28,6 @@ import multiprocessing
 import pickle
 import signal
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -133,7 +132,9 @@ class EngineProcess:
             stream.index = rid
             self.streams[rid] = stream  # (before it is sent: its first token may come back at once)
             self._sent += 1
-        if not self._send(("submit", rid, prompt, max_tokens, sampling, stop_ids)):
+        # (``submitted``: when the HTTP side took it, on a clock both processes share, so the engine's
+        # time-to-first-token histogram counts the way over)
+        if not self._send(("submit", rid, prompt, max_tokens, sampling, stop_ids, stream.submitted)):
             with self._lock:
                 self.streams.pop(rid, None)
                 self._sent -= 1
@@ -326,8 +327,8 @@ def _run(build: Callable[[], Engine], conn) -> None:
             except (EOFError, OSError):
                 break
             if msg[0] == "submit":
-                _, rid, prompt, max_tokens, sampling, stop_ids = msg
-                stream = streams[rid] = _RemoteStream(rid, send, submitted=time.perf_counter())
+                _, rid, prompt, max_tokens, sampling, stop_ids, submitted = msg
+                stream = streams[rid] = _RemoteStream(rid, send, submitted=submitted)
                 received += 1
                 try:
                     engine.submit(prompt, max_tokens, sampling, stop_ids, stream)
