@@ -147,7 +147,7 @@ def run_clients(a, url: str, prompts: list[list[int]]) -> list[dict]:
 def client_shares(a, prompts: list[list[int]]) -> list[tuple[argparse.Namespace, list[list[int]]]]:
     """The workload split over ``--client-procs`` processes: every k-th prompt, a k-th of the concurrency (or
     of the arrival rate: Poisson arrivals at rate / k in k processes are Poisson at the rate)."""
-    k = max(1, min(a.client_procs, len(prompts), a.concurrency if a.rate is None else len(prompts)))
+    k = max(1, min(a.client_procs, len(prompts), a.concurrency if a.rate is None else a.client_procs))
     shares = []
     for i in range(k):
         sub = argparse.Namespace(**vars(a))
@@ -186,11 +186,11 @@ def launch_record(engine) -> SimpleNamespace:
                            prefill_rows=b.prefill_rows)
 
 
-def launch_breakdown(batcher, results: list[dict]) -> dict:
+def launch_breakdown(record, results: list[dict]) -> dict:
     """Where the engine's time went: its launches (each one's wall time: host work, launch, the wait for its
     tokens; run ahead, from the previous launch's tokens on: the pace of launches), the time between them (the batcher's and the server's host work, or idle waiting for requests), and how
     long the clients took past the last launch (their parsing; the clocks agree: perf_counter is system-wide)."""
-    b = batcher
+    b = record  # (launch_record's)
     if not b.step_started:
         return {"launches": 0}
     span = b.step_started[-1] + b.step_seconds[-1] - b.step_started[0]

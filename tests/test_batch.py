@@ -12,6 +12,7 @@ from tiny_checkpoints import save_tiny
 
 import megaegg as me
 from queue_edits import without_waits
+from step_spies import counting_carried
 from megaegg.interpreter import Interleaving, SimulationError
 from megaegg.models import ModelConfig, build_step_graph, load_checkpoint, random_weights, read_config
 from megaegg.models.batch import Batcher, QueuedTokens, Request, Sampling, kernel_batch_step, reference_batch_step
@@ -530,15 +531,9 @@ def test_run_ahead_gets_the_tokens_of_one_launch_at_a_time(tiny, interleave):
     stop = Batcher(kernel_batch_step(kernel, spec.new_caches()), slots=3, max_len=24, max_tokens=6).run(_ahead_requests())[2].tokens[3]
     carried = []
 
-    def counted(step):
-        def wrapped(rows):
-            carried.append(rows.host_token.count(-1))
-            return step(rows)
-        return wrapped
-
     outs = {}
     for ahead in (False, True):
-        b = Batcher(counted(kernel_batch_step(kernel, spec.new_caches())), slots=3, max_len=24, max_tokens=6,
+        b = Batcher(counting_carried(kernel_batch_step(kernel, spec.new_caches()), carried), slots=3, max_len=24, max_tokens=6,
                     prefix_cache=True, run_ahead=ahead)
         gens = b.run(_ahead_requests(stop))
         outs[ahead] = [(g.tokens, g.stop_token, g.finished) for g in gens], b.prefix_hits

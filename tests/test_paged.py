@@ -11,6 +11,7 @@ import torch
 
 import megaegg as me
 from queue_edits import without_waits
+from step_spies import counting_carried
 from megaegg.interpreter import Interleaving, SimulationError
 from megaegg.models import ModelConfig, build_step_graph, random_weights
 
@@ -449,14 +450,8 @@ def test_run_ahead_on_a_paged_cache_gives_the_tokens_of_one_launch_at_a_time(int
                                                                    max_len=32, max_tokens=8).run(_paged_ahead_requests(stop))]
     carried = []
 
-    def counted(step):
-        def wrapped(rows):
-            carried.append(rows.host_token.count(-1))
-            return step(rows)
-        return wrapped
-
     pool = PagePool(7, 4, 8)
-    b = Batcher(counted(kernel_batch_step(k_paged, pspec.new_caches())), slots=3, max_len=32, max_tokens=8, pages=pool,
+    b = Batcher(counting_carried(kernel_batch_step(k_paged, pspec.new_caches()), carried), slots=3, max_len=32, max_tokens=8, pages=pool,
                 run_ahead=True)
     got = [(g.tokens, g.stop_token, g.finished) for g in b.run(_paged_ahead_requests(stop))]
     assert got == want

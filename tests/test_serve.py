@@ -105,6 +105,13 @@ def greedy(served):
     return out
 
 
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
 def client(served) -> "openai.OpenAI":
     return openai.OpenAI(base_url=served["url"] + "/v1", api_key="none", timeout=120, max_retries=0)
 
@@ -160,18 +167,23 @@ def test_stop_string_and_stop_token(served, greedy):
     assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop"
 
 
-def test_a_client_that_goes_away_leaves_the_others_intact(served, greedy):
-    url = served["url"] + "/v1/completions"
+@pytest.mark.parametrize("fixture", ["served", "served_process"])
+def test_a_client_that_goes_away_leaves_the_others_intact(fixture, request, greedy):
+    """A streaming client hangs up after its first chunk: another request gets its greedy text, the abandoned
+    sequence's slot comes back and its stream leaves the engine's table (the engine in this process, and in a
+    process of its own)."""
+    served = request.getfixturevalue(fixture)
+    url = served["url"]
     with httpx.Client(timeout=60) as h:
-        with h.stream("POST", url, json={"model": "tiny-llama", "prompt": PROMPTS[4], "max_tokens": 40,
-                                         "temperature": 0, "stream": True}) as resp:
+        with h.stream("POST", url + "/v1/completions", json={"model": "tiny-llama", "prompt": PROMPTS[4],
+                                                              "max_tokens": 40, "temperature": 0, "stream": True}) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data:"):
                     break  # one chunk, then hang up
     r = client(served).completions.create(model="tiny-llama", prompt=PROMPTS[5], max_tokens=4, temperature=0)
     assert r.choices[0].text == greedy[PROMPTS[5]]
-    deadline = time.time() + 30  # the abandoned sequence's slot comes back
-    while served["engine"].batcher.running:
+    deadline = time.time() + 30
+    while _metric(url, "megaegg_running") or served["engine"].streams:
         assert time.time() < deadline, "the abandoned request still runs"
         time.sleep(0.1)
 
@@ -606,13 +618,6 @@ def served_process(served):
     assert not engine.process.is_alive()
 
 
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no {name} in /metrics")
-
-
 def test_the_engine_process_gives_concurrent_streams_their_greedy_text(served_process, greedy):
     """16 streaming clients and one whole completion with a stop string, the engine in its own process: each
     gets transformers' greedy text; the engine's metrics come through /metrics."""
@@ -630,23 +635,6 @@ def test_the_engine_process_gives_concurrent_streams_their_greedy_text(served_pr
     assert r.choices[0].text == first and r.choices[0].finish_reason == "stop"
     assert _metric(served_process["url"], "megaegg_requests_total") >= len(PROMPTS) + 1
     assert _metric(served_process["url"], "megaegg_generated_tokens_total") >= 4 * len(PROMPTS)
-
-
-def test_a_client_that_goes_away_frees_its_sequence_in_the_engine_process(served_process, greedy):
-    url = served_process["url"]
-    with httpx.Client(timeout=60) as h:
-        with h.stream("POST", url + "/v1/completions", json={"model": "tiny-llama", "prompt": PROMPTS[4],
-                                                              "max_tokens": 40, "temperature": 0, "stream": True}) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data:"):
-                    break  # one chunk, then hang up
-    r = client(served_process).completions.create(model="tiny-llama", prompt=PROMPTS[5], max_tokens=4, temperature=0)
-    assert r.choices[0].text == greedy[PROMPTS[5]]
-    deadline = time.time() + 30  # the abandoned sequence's slot comes back
-    while _metric(url, "megaegg_running"):
-        assert time.time() < deadline, "the abandoned request still runs"
-        time.sleep(0.1)
-    assert served_process["engine"].streams == {}  # (nor does its stream stay behind)
 
 
 def test_a_call_that_cannot_cross_fails_its_caller_not_the_engine(served_process):
