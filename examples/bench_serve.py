@@ -115,14 +115,16 @@ async def one_request(client, url: str, prompt: list[int], n: int) -> dict:
                     stamps += [now] * len(chunk["choices"][0].get("token_ids", ()))
     except Exception as e:  # (a lost response: counted, the run goes on)
         error = f"{type(e).__name__}: {e}"
-    return {"start": t0, "stamps": stamps, "error": error, "prompt": len(prompt)}
+    return {"start": t0, "end": time.perf_counter(), "stamps": stamps, "error": error, "prompt": len(prompt)}
 
 
-async def drive(a, url: str, prompts: list[list[int]]) -> list[dict]:
+async def drive(a, url: str, prompts: list[list[int]], start_at: float | None = None) -> list[dict]:
     import httpx
 
     limits = httpx.Limits(max_connections=max(a.concurrency, 64) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        if start_at is not None:  # (every client process starts its load at the same moment)
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         if a.rate is None:  # closed loop
             sem = asyncio.Semaphore(a.concurrency)
 
@@ -139,9 +141,23 @@ async def drive(a, url: str, prompts: list[list[int]]) -> list[dict]:
         return await asyncio.gather(*tasks)
 
 
-def run_clients(a, url: str, prompts: list[list[int]]) -> list[dict]:
-    """The workload's requests from a process of their own (``drive``); their records, times on its clock."""
-    return asyncio.run(drive(a, url, prompts))
+def run_clients(a, url: str, prompts: list[list[int]], start_at: float | None = None) -> list[dict]:
+    """The workload's requests from a process of their own (``drive``), sent from ``start_at`` on (a
+    ``time.perf_counter`` time: its clock is system-wide); their records."""
+    return asyncio.run(drive(a, url, prompts, start_at))
+
+
+def ready_client(url: str, ready) -> None:
+    """(a client process's start, before the clock) One streamed request of its own, so that what a process's
+    first request costs (imports, the app's first route call) is not the workload's; then wait at ``ready``
+    (a barrier) until every client process and the bench are there."""
+    import httpx
+
+    body = {"model": "bench", "prompt": [1, 2], "max_tokens": 2, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=600.0) as client, client.stream("POST", url, json=body) as resp:
+        for _ in resp.iter_lines():
+            pass
+    ready.wait()
 
 
 def client_shares(a, prompts: list[list[int]]) -> list[tuple[argparse.Namespace, list[list[int]]]]:
@@ -179,28 +195,42 @@ def torch_compile_tokens_per_s(cfg, weights, batch: int, max_len: int) -> float 
     return batch / (timed(call, 20, 5, True) / 1e3)
 
 
-def launch_record(engine) -> SimpleNamespace:
-    """(engine process) The batcher's record of its launches."""
+def launch_record(engine, since: int = 0) -> SimpleNamespace:
+    """(engine process) The batcher's record of its launches from the ``since``-th on."""
     b = engine.batcher
-    return SimpleNamespace(launches=b.launches, step_started=b.step_started, step_seconds=b.step_seconds,
-                           prefill_rows=b.prefill_rows)
+    return SimpleNamespace(launches=b.launches - since, step_started=b.step_started[since:],
+                           step_seconds=b.step_seconds[since:], prefill_rows=b.prefill_rows[since:],
+                           launch_rows=b.launch_rows[since:])
 
 
-def launch_breakdown(record, results: list[dict]) -> dict:
+def launch_count(engine) -> int:
+    """(engine process) Launches so far."""
+    return engine.batcher.launches
+
+
+def launch_breakdown(record, results: list[dict], slots: int, start_at: float) -> dict:
     """Where the engine's time went: its launches (each one's wall time: host work, launch, the wait for its
-    tokens; run ahead, from the previous launch's tokens on: the pace of launches), the time between them (the batcher's and the server's host work, or idle waiting for requests), and how
-    long the clients took past the last launch (their parsing; the clocks agree: perf_counter is system-wide)."""
+    tokens; run ahead, from the previous launch's tokens on: the pace of launches), the time between them
+    (the batcher's and the server's host work, or idle waiting for requests), how full the pure decode
+    launches were (``slots`` rows: full), and how long the clients took past the last launch (their parsing;
+    the clocks agree: perf_counter is system-wide); the first launches and the mixed ones one by one (ms from
+    ``start_at``, ms, rows, prompt rows)."""
     b = record  # (launch_record's)
     if not b.step_started:
         return {"launches": 0}
     span = b.step_started[-1] + b.step_seconds[-1] - b.step_started[0]
     inside = sum(b.step_seconds)
     mixed = [s for s, p in zip(b.step_seconds, b.prefill_rows) if p]
+    decode_rows = [r for r, p in zip(b.launch_rows, b.prefill_rows) if not p]
     stamps = [t for r in results for t in r["stamps"]]
     return {"launches": b.launches, "mixed_launches": len(mixed), "prefill_rows": sum(b.prefill_rows),
+            "part_full_decode_launches": sum(r < slots for r in decode_rows),
+            "decode_rows_mean": sum(decode_rows) / len(decode_rows) if decode_rows else None,
             "span_s": span, "in_launches_s": inside, "in_mixed_launches_s": sum(mixed), "between_launches_s": span - inside,
             "first_launch_after_s": b.step_started[0] - min(r["start"] for r in results),
-            "clients_after_last_launch_s": (max(stamps) if stamps else 0.0) - (b.step_started[-1] + b.step_seconds[-1])}
+            "clients_after_last_launch_s": (max(stamps) if stamps else 0.0) - (b.step_started[-1] + b.step_seconds[-1]),
+            "launch_log": [(round(1e3 * (t - start_at), 2), round(1e3 * d, 3), r, p) for i, (t, d, r, p) in
+                           enumerate(zip(b.step_started, b.step_seconds, b.launch_rows, b.prefill_rows)) if i < 12 or p][:60]}
 
 
 def decode_step_ms(engine, max_len: int, temperature: float = 0.0, top_p: float = 1.0) -> float | None:
@@ -260,24 +290,29 @@ def main(argv=None) -> dict:
     # lock from the server's event loop, and in one process 64 streams' parsing (pure-Python HTTP and JSON,
     # tens of us a chunk) falls behind the server's pace
     shares = client_shares(a, prompts)
-    clients = multiprocessing.get_context("spawn").Pool(len(shares))
-    clients.map(time.sleep, [0.2] * len(shares), chunksize=1)  # (every worker started before the clock)
-    t0 = time.perf_counter()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    spawn = multiprocessing.get_context("spawn")
+    ready = spawn.Barrier(len(shares) + 1)
+    clients = spawn.Pool(len(shares), initializer=ready_client, initargs=(url, ready))
+    ready.wait(timeout=300)  # (every client process started and warm before the clock)
+    before = engine.call(launch_count)
+    start_at = time.perf_counter() + 0.25  # (the workers' start: after every one has its share)
     try:
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        results = [r for rs in clients.starmap(run_clients, [(sub, url, ps) for sub, ps in shares]) for r in rs]
+        results = [r for rs in clients.starmap(run_clients, [(sub, url, ps, start_at) for sub, ps in shares]) for r in rs]
     finally:
         clients.terminate()
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - start_at
         server.should_exit = True
         thread.join(timeout=30)
+    if results:  # (the clock stops with the last response, not with the worker processes' hand-back)
+        wall = max(r["end"] for r in results) - start_at
     try:
-        record = engine.call(launch_record)
+        record = engine.call(launch_record, before)
         lone_ms = engine.call(decode_step_ms, max_len) if a.concurrency == 1 else None
         sampled_ms = engine.call(decode_step_ms, max_len, 0.8, 0.95) if a.concurrency == 1 else None
     finally:
         engine.close()
-    engine_report = launch_breakdown(record, results)
+    engine_report = launch_breakdown(record, results, slots, start_at)
     ok = [r for r in results if r["error"] is None and len(r["stamps"]) == a.output_len]
     ttft = [r["stamps"][0] - r["start"] for r in ok]
     itl = [b - c for r in ok for c, b in zip(r["stamps"], r["stamps"][1:])]
@@ -312,10 +347,17 @@ def main(argv=None) -> dict:
               f"0.95: {sampled_ms:.3f} ms a step)")
     e = engine_report
     if e["launches"]:
-        print(f"engine: {e['launches']} launches ({e['mixed_launches']} with prompt rows, {e['prefill_rows']} prompt rows) "
+        mean_rows = "-" if e["decode_rows_mean"] is None else f"{e['decode_rows_mean']:.1f}"
+        print(f"engine: {e['launches']} launches ({e['mixed_launches']} with prompt rows, {e['prefill_rows']} prompt rows; "
+              f"{e['part_full_decode_launches']} decode launches of fewer than {slots} rows, "
+              f"{mean_rows} rows on average) "
               f"over {e['span_s']:.2f} s: {e['in_launches_s']:.2f} s in launches ({e['in_mixed_launches_s']:.2f} s of it "
               f"mixed), {e['between_launches_s']:.2f} s between them; first launch {e['first_launch_after_s']:.2f} s "
               f"after the first request, last client stamp {e['clients_after_last_launch_s']:.3f} s after the last launch")
+        starts = sorted(r["start"] - start_at for r in results)
+        first = min(len(starts), a.concurrency)
+        print(f"the first {first} requests sent {1e3 * starts[0]:.1f}-{1e3 * starts[first - 1]:.1f} ms after the start; launches (ms from the start, ms, rows, prompt rows), the "
+              f"first 12 and those with prompt rows: {e['launch_log']}")
     if report["errors"]:
         print("errors:", "; ".join(report["errors"]))
     if a.json:

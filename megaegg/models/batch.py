@@ -221,6 +221,7 @@ class Batcher:
         self.step_started: list[float] = []  # when each launch began (time.perf_counter; run ahead: as above)
         self._last_read = 0.0  # when the last launch's tokens were read
         self.prefill_rows: list[int] = []  # prompt tokens each launch fed (0: a pure decode step)
+        self.launch_rows: list[int] = []  # rows each launch fed (decoding tokens and prompt tokens)
         self._count = 0
         # Prefix caching by slot: the tokens whose K and V rows a free slot still holds (a finished sequence's).
         # A request admitted to the free slot sharing the longest prefix with its prompt starts past it.
@@ -324,6 +325,7 @@ class Batcher:
         self.step_seconds.append(seconds)
         self.step_started.append(started)
         self.prefill_rows.append(launch.prefill_rows)
+        self.launch_rows.append(launch.rows)
         self.launches += 1
         if self.pages is not None:  # (the rows through this launch: not those of the launch queued behind it)
             behind = self._ahead.fed if self._ahead is not None else {}

@@ -81,7 +81,8 @@ def engine_report(engine) -> dict:
     """(engine process) The modeled device's seconds, the launches, the engine thread's CPU seconds."""
     b = engine.batcher
     return {"modeled": b.step_fn.seconds, "launches": b.launches, "in_launches": sum(b.step_seconds),
-            "engine_cpu": thread_cpu_s().get("megaegg-engine", 0.0)}
+            "engine_cpu": thread_cpu_s().get("megaegg-engine", 0.0),
+            "part_full": sum(r < b.slots for r, p in zip(b.launch_rows, b.prefill_rows) if not p)}
 
 
 def main() -> None:
@@ -148,7 +149,8 @@ def main() -> None:
     modeled = report["modeled"]
     print(f"{'direct' if a.direct else 'http'}{' run ahead' if a.run_ahead else ''}"
           f"{' in process' if a.in_process else ''}: {ok}/{a.requests} complete, {tokens / wall:.0f} tok/s over "
-          f"{wall:.2f} s (GPU-bound {tokens / modeled:.0f}: {report['launches']} launches, {modeled:.2f} s modeled), "
+          f"{wall:.2f} s (GPU-bound {tokens / modeled:.0f}: {report['launches']} launches, {report['part_full']} of them "
+          f"part-full decode launches, {modeled:.2f} s modeled), "
           f"batcher {report['in_launches']:.2f} s in launches" + (f", ITL p50 {1e3 * percentile(itl, 50):.2f} ms" if itl else ""))
 
 

@@ -51,11 +51,18 @@ def compile_step(preset: str):
 
 
 def step_inputs(cfg, case: str) -> dict:
-    """The kernel's inputs and dims for ``b<N>`` (a batch of N decoding at position CTX, slots 0..N-1) or
-    ``p<T>`` (a T-token prompt in slot 0)."""
+    """The kernel's inputs and dims for ``b<N>`` (a batch of N decoding at position CTX, slots 0..N-1),
+    ``p<T>`` (a T-token prompt in slot 0) or ``m<N>+<T>`` (a mixed step: N decoding as ``b<N>``, then a
+    T-token prompt in slot N)."""
     def i32(v):
         return torch.tensor(v, dtype=torch.int32, device="cuda")
 
+    if case[0] == "m":
+        b, t = (int(v) for v in case[1:].split("+"))
+        dec, pre = step_inputs(cfg, f"b{b}"), step_inputs(cfg, f"p{t}")
+        return {"token": torch.cat([dec["token"], pre["token"]]), "pos": torch.cat([dec["pos"], pre["pos"]]),
+                "slot": i32(list(range(b)) + [b] * t), "out": i32(list(range(b)) + [b + t - 1]),
+                "n": b + t, "r": b + 1, "ctx": CTX + 1}
     n = int(case[1:])
     if case[0] == "b":
         return {"token": i32([(1234 + 17 * i) % cfg.vocab for i in range(n)]), "pos": i32([CTX] * n),

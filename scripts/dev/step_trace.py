@@ -6,7 +6,8 @@ order: instances, when the first was claimed, when the last passed its wait and 
     python3 scripts/dev/step_trace.py PRESET CASES
     e.g. step_trace.py llama-3.2-1b b16,b64,p2048
 
-A case is ``b<N>`` (a batch of N decoding at position 512) or ``p<T>`` (a T-token prompt). A deferred
+A case is ``b<N>`` (a batch of N decoding at position 512), ``p<T>`` (a T-token prompt) or ``m<N>+<T>`` (the
+two in one launch: a mixed step). A deferred
 kind (the gemm tile) does its wait inside its body, after the trace's wait stamp: its wait column is 0.
 With $OUT set, each trace is saved there as Chrome JSON (Perfetto).
 """
