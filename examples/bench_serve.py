@@ -153,10 +153,11 @@ def ready_client(url: str, ready) -> None:
     (a barrier) until every client process and the bench are there."""
     import httpx
 
-    body = {"model": "bench", "prompt": [1, 2], "max_tokens": 2, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=600.0) as client, client.stream("POST", url, json=body) as resp:
-        for _ in resp.iter_lines():
-            pass
+    async def one() -> None:  # (the clients' own path: an async client, its first connection and imports)
+        async with httpx.AsyncClient(timeout=600.0) as client:
+            await one_request(client, url, [1, 2], 2)
+
+    asyncio.run(one())
     ready.wait()
 
 

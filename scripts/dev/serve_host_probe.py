@@ -7,10 +7,11 @@ HTTP event loop cost beside a device that runs each launch for a set time (docs/
 The step function does no math: it lets go of the interpreter lock ``--releases`` times (as the torch calls
 of a real launch's host work do), then queues the launch on a modeled device that runs launches one after
 another, ``--step-ms`` each plus 8 us a prompt row, and returns it queued (``QueuedTokens``: its tokens
-random). ``--http`` (default): the real engine and FastAPI app on a local port, 64 streaming clients in a
-process of their own (``examples/bench_serve.py``'s); ``--direct``: the batcher alone. Prints output tokens/s
-against the modeled device's pace (GPU-bound: the launches' modeled seconds), and the batcher's seconds.
-On a 2-core machine the client process takes one core: compare variants within one machine.
+random). ``--http`` (default): the real engine and FastAPI app on a local port, 64 streaming clients in
+``--client-procs`` processes (``examples/bench_serve.py``'s: warm, started together); ``--direct``: the batcher
+alone. Prints output tokens/s against the modeled device's pace (GPU-bound: the launches' modeled seconds), the
+batcher's seconds, and (HTTP) when the requests went out and the first and mixed launches one by one.
+On a 2-core machine the client processes take a core: compare variants within one machine.
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ import torch
 from megaegg.models.batch import Batcher, QueuedTokens, Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from bench_serve import free_port, percentile, run_clients  # noqa: E402
+from bench_serve import (  # noqa: E402
+    client_shares, free_port, launch_breakdown, launch_record, percentile, ready_client, run_clients,
+)
 
 
 def thread_cpu_s() -> dict[str, float]:
@@ -98,6 +101,7 @@ def main() -> None:
     p.add_argument("--loop", default="auto", help="uvicorn's event loop: auto (uvloop when installed) or asyncio")
     p.add_argument("--h11", action="store_true", help="uvicorn's pure-Python HTTP (else httptools when installed)")
     p.add_argument("--in-process", action="store_true", help="the engine thread in the server's process (else its own)")
+    p.add_argument("--client-procs", type=int, default=1, help="processes the clients run in (bench_serve's default: 4)")
     a = p.parse_args()
     lo, hi = (int(v) for v in a.prompt_len.split(","))
     rng = random.Random(0)
@@ -126,16 +130,23 @@ def main() -> None:
         thread.start()
         while not server.started:
             time.sleep(0.05)
-        clients = multiprocessing.get_context("spawn").Pool(1)
-        clients.apply(time.sleep, (0,))
-        load = argparse.Namespace(concurrency=a.concurrency, rate=None, output_len=a.output_len, seed=0)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        load = argparse.Namespace(concurrency=a.concurrency, rate=None, output_len=a.output_len, seed=0,
+                                  client_procs=a.client_procs)
+        shares = client_shares(load, prompts)
+        spawn = multiprocessing.get_context("spawn")
+        ready = spawn.Barrier(len(shares) + 1)
+        clients = spawn.Pool(len(shares), initializer=ready_client, initargs=(url, ready))
+        ready.wait(timeout=300)
         report0 = engine_report(engine) if a.in_process else engine.call(engine_report)
-        t0, cpu0 = time.perf_counter(), thread_cpu_s()
+        t0, cpu0 = time.perf_counter() + 0.25, thread_cpu_s()
         try:
-            results = clients.apply(run_clients, (load, f"http://127.0.0.1:{port}/v1/completions", prompts))
+            results = [r for rs in clients.starmap(run_clients, [(sub, url, ps, t0) for sub, ps in shares]) for r in rs]
         finally:
             wall, cpu1 = time.perf_counter() - t0, thread_cpu_s()
             report = engine_report(engine) if a.in_process else engine.call(engine_report)
+            n0 = report0["launches"]
+            record = launch_record(engine, n0) if a.in_process else engine.call(launch_record, n0)
             clients.terminate()
             server.should_exit = True
             thread.join(timeout=10)
@@ -146,6 +157,9 @@ def main() -> None:
         cpu = {"event loop": cpu1[thread.name] - cpu0.get(thread.name, 0.0),
                "engine": report["engine_cpu"] - report0["engine_cpu"]}
         print("CPU us a token: " + ", ".join(f"{k} {1e6 * v / tokens:.1f}" for k, v in cpu.items()))
+        starts = sorted(r["start"] - t0 for r in results)
+        print(f"requests sent {1e3 * starts[0]:.1f}-{1e3 * starts[min(len(starts), a.concurrency) - 1]:.1f} ms after "
+              f"the start; launches: {launch_breakdown(record, results, a.concurrency, t0)['launch_log']}")
     modeled = report["modeled"]
     print(f"{'direct' if a.direct else 'http'}{' run ahead' if a.run_ahead else ''}"
           f"{' in process' if a.in_process else ''}: {ok}/{a.requests} complete, {tokens / wall:.0f} tok/s over "
