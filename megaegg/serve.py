@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from .graph import GraphError
-from .models.pages import PagePool
 from .models.batch import (
     Batcher, Request, Sampling, kernel_batch_step, lone_decode_kernel, reference_batch_step, single_sequence_decode,
 )
@@ -627,38 +626,18 @@ def _sse(obj) -> str:
 
 
 # --- building it from a model ---------------------------------------------------------------------------
-def warm_launches(step, regime, *, slots: int, max_len: int, max_tokens: int, vocab: int, device,
-                  pool: PagePool | None = None) -> list[int]:
-    """Launch ``step`` once in each row band of its kernel (``regime``: the step graph's row regime, or None),
-    and once with one decoding row (a lone sequence's launch), before a server takes requests: a kernel
-    image's first launch costs tens of ms more than the next (H200, llama-3.2-1b: a 626-row launch 60.6 ms,
-    then a 666-row one 9.3 ms; docs/perf-notes.md #107), which the first requests of that size would wait
-    for. The launches go through a batcher of their own, their prompts (arbitrary ids) in caches nobody
-    holds: slot caches or, with ``pool`` (the server's page pool: its size and page length), pages, which
-    a later sequence writes before it reads them. Returns the rows of each launch."""
-    tops = {2} | ({regime.most_rows(band, max_tokens) for band in range(regime.bands)} if regime else set())
-    room = max_len - 1  # (the rows of a prompt that draws one token)
-    warm = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device,
-                   pages=None if pool is None else PagePool(pool.count, pool.page_len, pool.per_seq, prefix_cache=False))
-    for n in sorted(tops):
-        n = min(n, slots * room)
-        sizes = [room] * (n // room) + ([n % room] if n % room else [])
-        draws = 2 if n == 2 and max_len >= 3 else 1  # (a 2-row prompt's second token: one decoding row)
-        warm.run([Request([(7 + 7919 * (i + j)) % vocab for j in range(k)], draws) for i, k in enumerate(sizes)])
-    return warm.launch_rows
-
-
 def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots: int, max_tokens: int,
                  max_queue: int, page_len: int | None = None, pages: int | None = None,
-                 decode_graph: bool = True, warm: bool | None = None) -> Engine:
+                 decode_graph: bool = True) -> Engine:
     """The step graph of ``cfg`` (sampling on the device) with ``weights_for(spec)``, compiled (``backend``
     "cuda" or "sim"; "reference": the reference executor), behind a batcher and its engine thread; a launch of
     one decoding row runs the batch-1 decode graph (with sampling) on its slot (``decode_graph``; its fused MLP
     holds a transposed copy of each down projection: llama-3.2-1b 0.5 GB, an 8B model 3.8 GB). With
     ``page_len``, paged caches: a pool of ``pages`` pages (default: as many rows as ``slots`` caches), every
-    launch the step graph's. ``warm`` (default: on the cuda backend): :func:`warm_launches` first."""
+    launch the step graph's."""
     import megaegg as me
     from .models import build_step_graph
+    from .models.pages import PagePool
 
     if pages is not None and page_len is None:
         raise GraphError("build_engine: pages goes with page_len (a paged KV cache)")
@@ -679,9 +658,6 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
             decode = lone_decode_kernel(cfg, weights, backend=backend, max_len=max_len, sampling=True)
             step = single_sequence_decode(step, decode, caches)
     pool = PagePool(pages, page_len, per_seq) if page_len else None
-    if warm if warm is not None else backend == "cuda":
-        warm_launches(step, kernel.program.regime if backend != "reference" else None, slots=slots, max_len=max_len,
-                      max_tokens=max_tokens, vocab=cfg.vocab, device=device, pool=pool)
     batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab,
                       prefix_cache=pool is None, pages=pool, run_ahead=backend != "reference")
     return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab, decode_kernel=decode, caches=caches)
