@@ -39,6 +39,7 @@ from .graph import GraphError
 from .models.batch import (
     Batcher, Request, Sampling, kernel_batch_step, lone_decode_kernel, reference_batch_step, single_sequence_decode,
 )
+from .models.pages import PagePool
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
@@ -626,6 +627,28 @@ def _sse(obj) -> str:
 
 
 # --- building it from a model ---------------------------------------------------------------------------
+def warm_up(step, *, slots: int, max_len: int, max_tokens: int, vocab: int, device, pool=None,
+            run_ahead: bool = True) -> list[int]:
+    """Run a server's launch paths once before it takes requests, so that what a process's first use of
+    each costs (on a GPU: loading torch's kernels for the host-side row work) is not paid by the first
+    requests: a lone sequence decoding (the batch-1 decode graph, run ahead) and two decoding at once (a
+    launch queued ahead, its rows' tokens copied on the device from the launch before). The first 64-client
+    burst's second launch took 60-91 ms for ~5 ms of GPU work on an H200 (docs/perf-notes.md #107). The
+    launches go through a batcher of their own over ``step``: their rows land in slot caches, or with
+    ``pool`` (the server's page pool: its size and page length) pages, that no sequence holds, and a later
+    sequence writes them before it reads them. Returns each launch's rows."""
+    if max_len < 4:  # (two prompt tokens and three drawn)
+        return []
+    pages = None if pool is None else PagePool(pool.count, pool.page_len, pool.per_seq, prefix_cache=False)
+    warm = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, pages=pages,
+                   run_ahead=run_ahead)
+    prompt = lambda i: [(1 + 2 * i) % vocab, (2 + 2 * i) % vocab]  # noqa: E731
+    warm.run([Request(prompt(0), 3)])
+    if slots >= 2 and (pool is None or pool.count >= 2):
+        warm.run([Request(prompt(1), 3), Request(prompt(2), 3)])
+    return warm.launch_rows
+
+
 def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots: int, max_tokens: int,
                  max_queue: int, page_len: int | None = None, pages: int | None = None,
                  decode_graph: bool = True) -> Engine:
@@ -634,10 +657,9 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
     one decoding row runs the batch-1 decode graph (with sampling) on its slot (``decode_graph``; its fused MLP
     holds a transposed copy of each down projection: llama-3.2-1b 0.5 GB, an 8B model 3.8 GB). With
     ``page_len``, paged caches: a pool of ``pages`` pages (default: as many rows as ``slots`` caches), every
-    launch the step graph's."""
+    launch the step graph's. On the cuda backend its launch paths are run once first (:func:`warm_up`)."""
     import megaegg as me
     from .models import build_step_graph
-    from .models.pages import PagePool
 
     if pages is not None and page_len is None:
         raise GraphError("build_engine: pages goes with page_len (a paged KV cache)")
@@ -658,6 +680,8 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
             decode = lone_decode_kernel(cfg, weights, backend=backend, max_len=max_len, sampling=True)
             step = single_sequence_decode(step, decode, caches)
     pool = PagePool(pages, page_len, per_seq) if page_len else None
+    if backend == "cuda":
+        warm_up(step, slots=slots, max_len=max_len, max_tokens=max_tokens, vocab=cfg.vocab, device=device, pool=pool)
     batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab,
                       prefix_cache=pool is None, pages=pool, run_ahead=backend != "reference")
     return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab, decode_kernel=decode, caches=caches)

@@ -198,6 +198,31 @@ def test_a_paged_batcher_gives_the_slot_batchers_tokens_and_shares_prefixes():
     assert pool.available() == pool.count  # every page back (cached or free)
 
 
+def test_the_servers_warm_up_runs_its_launch_paths_and_leaves_nothing_behind():
+    """`megaegg.serve.warm_up`: a lone sequence decoding, then two decoding at once with launches queued
+    ahead whose rows' tokens are copied on the device; its rows land in caches nobody holds, so the requests
+    after it get the tokens of fresh caches, with slots and with pages (whose pool it does not touch)."""
+    from megaegg.models.batch import Batcher, Request, kernel_batch_step
+    from megaegg.models.pages import PagePool
+    from megaegg.serve import warm_up
+
+    _, (_, spec, k_plain), (_, pspec, k_paged), _ = paged_batcher_case()
+    reqs = [Request(p, 5) for p in PROMPTS]
+    for kernel, sp, pages in ((k_plain, spec, None), (k_paged, pspec, 24)):
+        def tokens(caches, pool):
+            b = Batcher(kernel_batch_step(kernel, caches), slots=2, max_len=32, max_tokens=6, pages=pool)
+            return [g.tokens for g in b.run(reqs)]
+
+        pool = PagePool(pages, 4, 8) if pages else None
+        warmed, carried = sp.new_caches(), []
+        rows = warm_up(counting_carried(kernel_batch_step(kernel, warmed), carried), slots=2, max_len=32, max_tokens=6,
+                       vocab=64, device="cpu", pool=pool)
+        assert rows == [2, 1, 1, 4, 2, 2] and carried == [0, 0, 0, 0, 2, 2], (rows, carried)
+        assert any(c.abs().sum() > 0 for c in warmed.values())  # (it wrote rows)
+        assert pool is None or (pool.available() == pool.count and not pool.index)
+        assert tokens(warmed, pool) == tokens(sp.new_caches(), PagePool(pages, 4, 8) if pages else None)
+
+
 def test_a_growing_sequence_preempts_the_youngest_and_the_tokens_stay_the_same():
     """A pool of 4 pages of 4 rows: two requests of 12 rows (3 pages) both start on their prompts' page (the
     headroom, a page each for their first decode rows, is there); as they grow the pool runs out, the one
