@@ -369,6 +369,11 @@ def test_bench_serve_dry_run_loses_nothing(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert (report["completed"], report["lost_or_corrupted"]) == (4, 0) and report["output_tokens_per_s"] > 0
+    # the engine's launches after the clients' warm-up requests only: the workload's prompt rows, and each
+    # launch in the log no sooner than the start (the clients start together, warm)
+    e = report["engine"]
+    assert e["prefill_rows"] == sum(n for _, _, _, n in e["launch_log"]) and e["prefill_rows"] >= 4 * 2
+    assert all(t >= 0 and rows >= n for t, _, rows, n in e["launch_log"])
 
 
 def test_a_shared_prompt_prefix_is_prefilled_once_per_slot(served, greedy):
