@@ -376,6 +376,63 @@ def test_bench_serve_dry_run_loses_nothing(tmp_path):
     assert all(t >= 0 and rows >= n for t, _, rows, n in e["launch_log"])
 
 
+def test_a_qwen3_moe_checkpoint_is_served_one_sequence_at_a_time(tmp_path):
+    """Qwen3-MoE (its routed experts take one row a step): the server runs the batch-1 decode graph, one
+    sequence at a time, its prompt one token a launch. Three concurrent streaming clients each get
+    transformers' greedy text; a sampled request with a seed gives the same tokens twice; a prompt sharing
+    the last one's prefix reuses its rows; a paged cache is refused with a message naming it."""
+    import transformers
+
+    from megaegg.graph import GraphError
+    from megaegg.models import load_checkpoint, read_config
+    from megaegg.serve import build_engine, create_app
+
+    path = save_tiny(tmp_path / "moe", "qwen3_moe", seed=4, tokenizer=True)
+    cfg = read_config(path)
+    assert cfg.moe is not None
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    prompts = ["w1 w2 w3", "w9 w8", "w40 w41 w42 w43"]
+    want = {}
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        want[p] = tok.decode(out[0, ids.shape[1]:])
+    build = dict(backend="sim", device="cpu", max_len=32, slots=4, max_tokens=32, max_queue=16)
+    with pytest.raises(GraphError, match="page_len"):
+        build_engine(cfg, lambda spec: load_checkpoint(path, spec), page_len=4, **build)
+    engine = build_engine(cfg, lambda spec: load_checkpoint(path, spec), **build)
+    try:
+        with running(create_app(engine, model="tiny-moe", tokenizer=tok, max_len=32)) as url:
+            c = openai.OpenAI(base_url=url + "/v1", api_key="-", timeout=120)
+
+            def stream(p):
+                chunks = c.completions.create(model="tiny-moe", prompt=p, max_tokens=4, temperature=0, stream=True)
+                return "".join(ch.choices[0].text for ch in chunks)
+
+            with ThreadPoolExecutor(3) as pool:
+                got = dict(zip(prompts, pool.map(stream, prompts)))
+            assert got == want
+            sampled = [c.completions.create(model="tiny-moe", prompt=prompts[0], max_tokens=4, temperature=0.9,
+                                            seed=7).choices[0].token_ids for _ in range(2)]
+            assert sampled[0] == sampled[1] and len(sampled[0]) == 4
+
+            def hits():
+                text = httpx.get(url + "/metrics", timeout=30).text
+                return float(next(ln.split()[1] for ln in text.splitlines()
+                                  if ln.startswith("megaegg_prefix_cache_hit_tokens_total")))
+
+            before = hits()
+            shared = prompts[0] + " w5 w6"
+            whole = c.completions.create(model="tiny-moe", prompt=shared, max_tokens=3, temperature=0)
+            ids = tok(shared, return_tensors="pt").input_ids
+            ref = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+            assert whole.choices[0].token_ids == ref
+            assert hits() - before >= 3  # (the last request's prompt was this one's first words)
+    finally:
+        engine.close()
+
+
 def test_a_shared_prompt_prefix_is_prefilled_once_per_slot(served, greedy):
     """Two requests one after the other with the same system prefix: the second prefills only its own
     tokens (the metric counts the reused ones), and its text is transformers' greedy text still."""

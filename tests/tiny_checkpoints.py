@@ -12,6 +12,9 @@ SMALL = dict(  # a 2-layer GQA model that compiles and steps on the simulator in
 )
 
 
+SMALL_MOE = dict(moe_intermediate_size=48, num_experts=5, num_experts_per_tok=2, norm_topk_prob=True)  # (qwen3_moe)
+
+
 def save_tiny(path: Path, arch: str = "llama", *, seed: int = 0, tokenizer: bool = False, max_shard_size="1GB",
               **config) -> Path:
     """A random ``arch`` checkpoint (f32) in ``path``; ``config`` overrides SMALL. With ``tokenizer``, a
@@ -20,8 +23,9 @@ def save_tiny(path: Path, arch: str = "llama", *, seed: int = 0, tokenizer: bool
 
     torch.manual_seed(seed)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    model = cls[1](cls[0](**{**SMALL, **config}))
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[arch]
+    model = cls[1](cls[0](**{**SMALL, **(SMALL_MOE if arch == "qwen3_moe" else {}), **config}))
     with torch.no_grad():  # spread-out logits: greedy tokens vary and do not tie
         for p in model.parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.15 * torch.randn_like(p))

@@ -638,6 +638,46 @@ def _samples(kernel) -> bool:
     return "temperature" in {b.name for b in kernel.program.buffers}
 
 
+def one_row_decode(decode_kernel, caches: Mapping[str, torch.Tensor]) -> BatchStepFn:
+    """A batch step of one row a launch over a batch-1 decode graph (``decode_kernel``:
+    :func:`lone_decode_kernel`'s), on slot 0 of ``caches`` (the decode graph's caches with a slot axis of one,
+    ``[1, ...]``): for a model whose step graph cannot be built (Qwen3-MoE: its routed experts take one row a
+    step so far), a ``Batcher(slots=1, max_tokens=1)`` over it runs one sequence at a time, its prompt one
+    token a launch. :func:`single_sequence_decode` over it runs the decoding rows one token ahead."""
+    return _OneRow(decode_kernel, caches)
+
+
+class _OneRow:
+    """:func:`one_row_decode`'s step function: one launcher (slot 0), and greedy settings for prompt rows."""
+
+    def __init__(self, kernel, caches: Mapping[str, torch.Tensor]) -> None:
+        self.kernel, self.caches, self.launch = kernel, caches, None
+        self.samples = _samples(kernel)
+        self.greedy: dict[str, torch.Tensor] | None = None  # (a prompt row draws nothing: any settings do)
+
+    def __call__(self, rows: StepRows) -> QueuedTokens:
+        if len(rows.host_pos) != 1 or rows.host_slot[0] != 0 or rows.pages is not None:
+            raise GraphError(f"one_row_decode runs one row a launch on slot 0 of caches of slots, got "
+                             f"{len(rows.host_pos)} rows (Batcher(slots=1, max_tokens=1))")
+        knobs = {}
+        if self.samples and rows.out.numel():
+            knobs = {name: getattr(rows, name) for name, _ in SAMPLING_INPUTS}
+        elif self.samples:
+            if self.greedy is None:
+                self.greedy = {name: torch.zeros(1, dtype=dt.torch, device=rows.token.device)
+                               for name, dt in SAMPLING_INPUTS}
+            knobs = self.greedy
+        pos = rows.host_pos[0]
+        if self.launch is None:
+            views = {name: c[0] for name, c in self.caches.items()}
+            self.launch = self.kernel.launcher(pos=pos, token=rows.token, **knobs, **views)
+        self.launch(pos=pos, token=rows.token, **knobs)
+        result = self.launch.result("next_token")
+        if rows.out.numel():
+            return QueuedTokens(result.get, result.device)
+        return QueuedTokens(lambda: result.get()[:0], result.device[:0])
+
+
 def single_sequence_decode(step: BatchStepFn, decode_kernel, caches: Mapping[str, torch.Tensor], *,
                            run_ahead: bool = True) -> BatchStepFn:
     """``step``, except that a launch of one decoding row runs ``decode_kernel`` (a batch-1 decode graph,
