@@ -80,3 +80,30 @@ def test_batches_run_ahead_get_the_tokens_of_one_launch_at_a_time(kernels):
         batch = Batcher(step, slots=3, max_len=64, max_tokens=16, device="cuda", prefix_cache=True, run_ahead=ahead)
         outs[ahead] = [(g.tokens, g.stop_token) for g in batch.run(requests(stop))]
     assert outs[True] == outs[False] and outs[True][2][1] == stop[0]
+
+
+def test_a_moe_model_one_sequence_at_a_time_gets_the_reference_tokens():
+    """Qwen3-MoE in the server's engine (megaegg.serve: one sequence at a time over the batch-1 decode graph,
+    its prompt one token a launch, decoding run one token ahead): greedy tokens equal the reference
+    executor's; a seeded draw repeats."""
+    from megaegg.models import Generator, reference_step
+    from megaegg.models.batch import one_row_decode
+
+    cfg = dataclasses.replace(ModelConfig.preset("qwen3-moe-tiny"), dtype=me.f32)
+    graph, spec = build_decode_graph(cfg, max_len=48, logits=False, sampling=True)
+    w = random_weights(spec, seed=3, device="cuda")
+    decode = me.compile(graph, w, backend="cuda", max_dims={"pos": 47})
+    caches = {n: c.unsqueeze(0) for n, c in spec.new_caches("cuda").items()}
+    batch = Batcher(single_sequence_decode(one_row_decode(decode, caches), decode, caches), slots=1, max_len=48,
+                    max_tokens=1, device="cuda", prefix_cache=True)
+    prompts = [[3, 17, 5, 60], [9, 2], [3, 17, 5, 60, 8]]
+    got = [g.tokens for g in batch.run([Request(p, 8) for p in prompts])]
+    ref_graph, ref_spec = build_decode_graph(cfg, max_len=48)
+    want = []
+    for p in prompts:
+        gen = Generator(reference_step(ref_graph, {k: v.cpu() for k, v in w.items()}, ref_spec.new_caches()), max_len=48)
+        want.append(gen.generate(p, max_new_tokens=8).tokens)
+    assert got == want
+    drawn = [[g.tokens for g in batch.run([Request([4, 4, 4], 6, sampling=Sampling(temperature=0.9, seed=5))])]
+             for _ in range(2)]
+    assert drawn[0] == drawn[1]
