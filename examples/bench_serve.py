@@ -272,7 +272,7 @@ def main(argv=None) -> dict:
     if not need <= max_len <= cfg.max_positions:
         raise SystemExit(f"error: --max-len {max_len} must hold a prompt of {a.prompt_len[1]} tokens and {a.output_len} "
                          f"more ({need} rows) and be at most the model's {cfg.max_positions} positions")
-    slots = a.slots or a.concurrency
+    slots = 1 if cfg.moe is not None else a.slots or a.concurrency  # (Qwen3-MoE: one sequence at a time)
     t0 = time.perf_counter()
     # the engine in a process of its own, as `python -m megaegg serve` runs it
     engine = EngineProcess(EngineSpec(cfg, backend, device, max_len, slots, max(slots, a.max_step_tokens), seed=0,
@@ -319,7 +319,8 @@ def main(argv=None) -> dict:
     itl = [b - c for r in ok for c, b in zip(r["stamps"], r["stamps"][1:])]
     out_tokens = sum(len(r["stamps"]) for r in ok)
     peer = None
-    if cuda and not a.skip_peer:  # (the same random weights, in this process: the engine's has exited)
+    # (the same random weights, in this process: the engine's has exited; no batched step of routed experts)
+    if cuda and not a.skip_peer and cfg.moe is None:
         from megaegg.models import build_step_graph, random_weights
 
         spec = build_step_graph(cfg, max_len=max_len, slots=slots, sampling=True)[1]
