@@ -658,7 +658,9 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
     one decoding row runs the batch-1 decode graph (with sampling) on its slot (``decode_graph``; its fused MLP
     holds a transposed copy of each down projection: llama-3.2-1b 0.5 GB, an 8B model 3.8 GB). With
     ``page_len``, paged caches: a pool of ``pages`` pages (default: as many rows as ``slots`` caches), every
-    launch the step graph's. On the cuda backend its launch paths are run once first (:func:`warm_up`)."""
+    launch the step graph's. On the cuda backend its launch paths are run once first (:func:`warm_up`). A
+    Qwen3-MoE model (no step graph yet) runs one sequence at a time (``_one_sequence_engine``: ``slots``,
+    ``max_tokens`` and ``decode_graph`` do not apply)."""
     import megaegg as me
     from .models import build_step_graph
 
@@ -712,6 +714,8 @@ def _one_sequence_engine(cfg, weights_for, *, backend: str, device, max_len: int
                         dims_hint={"pos": min(512, max_len - 1)})
     caches = {name: c.unsqueeze(0) for name, c in spec.new_caches(device=device).items()}  # (one slot)
     step = single_sequence_decode(one_row_decode(decode, caches), decode, caches)
+    if backend == "cuda":
+        warm_up(step, slots=1, max_len=max_len, max_tokens=1, vocab=cfg.vocab, device=device)
     batcher = Batcher(step, slots=1, max_len=max_len, max_tokens=1, device=device, vocab=cfg.vocab, prefix_cache=True)
     return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab, decode_kernel=decode, caches=caches)
 
@@ -769,7 +773,7 @@ def main(argv=None) -> int:
             ap.error(f"--page-len: a paged KV cache needs the step graph, and {cfg.arch}'s routed experts take one "
                      "row a step so far: serve it without --page-len")
         print(f"note: {cfg.arch}: one sequence at a time, its prompt one token a launch (the routed experts take one "
-              "row a step so far); --slots and --max-step-tokens do not apply", file=sys.stderr)
+              "row a step so far); --slots, --max-step-tokens and --no-decode-graph do not apply", file=sys.stderr)
     tokens = max(a.slots, min(a.max_step_tokens or 512, a.slots * max_len))
     if a.page_len and a.pages and a.pages * a.page_len < max_len:
         ap.error(f"--pages {a.pages} of --page-len {a.page_len} rows hold fewer than one sequence's --max-len {max_len}")
