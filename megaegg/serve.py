@@ -628,8 +628,7 @@ def _sse(obj) -> str:
 
 
 # --- building it from a model ---------------------------------------------------------------------------
-def warm_up(step, *, slots: int, max_len: int, max_tokens: int, vocab: int, device, pool=None,
-            run_ahead: bool = True) -> list[int]:
+def warm_up(step, *, slots: int, max_len: int, max_tokens: int, vocab: int, device, pool=None) -> list[int]:
     """Run a server's launch paths once before it takes requests, so that what a process's first use of
     each costs (on a GPU: loading torch's kernels for the host-side row work) is not paid by the first
     requests: a lone sequence decoding (the batch-1 decode graph, run ahead) and two decoding at once (a
@@ -642,7 +641,7 @@ def warm_up(step, *, slots: int, max_len: int, max_tokens: int, vocab: int, devi
         return []
     pages = None if pool is None else PagePool(pool.count, pool.page_len, pool.per_seq, prefix_cache=False)
     warm = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, pages=pages,
-                   run_ahead=run_ahead)
+                   run_ahead=True)
     prompt = lambda i: [(1 + 2 * i) % vocab, (2 + 2 * i) % vocab]  # noqa: E731
     warm.run([Request(prompt(0), 3)])
     if slots >= 2 and (pool is None or pool.count >= 2):
@@ -701,7 +700,6 @@ def _one_sequence_engine(cfg, weights_for, *, backend: str, device, max_len: int
     prefix (one slot)."""
     import megaegg as me
     from .models import build_decode_graph
-    from .models.batch import one_row_decode
 
     if page_len is not None:
         raise GraphError(f"a paged KV cache (page_len) needs the step graph, and {cfg.arch}'s routed experts take one "
@@ -713,7 +711,7 @@ def _one_sequence_engine(cfg, weights_for, *, backend: str, device, max_len: int
     decode = me.compile(graph, weights_for(spec), backend=backend, max_dims={"pos": max_len - 1},
                         dims_hint={"pos": min(512, max_len - 1)})
     caches = {name: c.unsqueeze(0) for name, c in spec.new_caches(device=device).items()}  # (one slot)
-    step = single_sequence_decode(one_row_decode(decode, caches), decode, caches)
+    step = single_sequence_decode(None, decode, caches)
     if backend == "cuda":
         warm_up(step, slots=1, max_len=max_len, max_tokens=1, vocab=cfg.vocab, device=device)
     batcher = Batcher(step, slots=1, max_len=max_len, max_tokens=1, device=device, vocab=cfg.vocab, prefix_cache=True)
@@ -768,10 +766,7 @@ def main(argv=None) -> int:
         name = a.preset or "tiny"
         cfg, eos, tokenizer = ModelConfig.preset(name), (), None
     max_len = min(a.max_len or 2048, cfg.max_positions)
-    if cfg.moe is not None:  # (build_engine: _one_sequence_engine)
-        if a.page_len:
-            ap.error(f"--page-len: a paged KV cache needs the step graph, and {cfg.arch}'s routed experts take one "
-                     "row a step so far: serve it without --page-len")
+    if cfg.moe is not None:  # (build_engine: _one_sequence_engine, which refuses --page-len)
         print(f"note: {cfg.arch}: one sequence at a time, its prompt one token a launch (the routed experts take one "
               "row a step so far); --slots, --max-step-tokens and --no-decode-graph do not apply", file=sys.stderr)
     tokens = max(a.slots, min(a.max_step_tokens or 512, a.slots * max_len))

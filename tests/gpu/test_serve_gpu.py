@@ -87,14 +87,13 @@ def test_a_moe_model_one_sequence_at_a_time_gets_the_reference_tokens():
     its prompt one token a launch, decoding run one token ahead): greedy tokens equal the reference
     executor's; a seeded draw repeats."""
     from megaegg.models import Generator, reference_step
-    from megaegg.models.batch import one_row_decode
 
     cfg = dataclasses.replace(ModelConfig.preset("qwen3-moe-tiny"), dtype=me.f32)
     graph, spec = build_decode_graph(cfg, max_len=48, logits=False, sampling=True)
     w = random_weights(spec, seed=3, device="cuda")
     decode = me.compile(graph, w, backend="cuda", max_dims={"pos": 47})
     caches = {n: c.unsqueeze(0) for n, c in spec.new_caches("cuda").items()}
-    batch = Batcher(single_sequence_decode(one_row_decode(decode, caches), decode, caches), slots=1, max_len=48,
+    batch = Batcher(single_sequence_decode(None, decode, caches), slots=1, max_len=48,
                     max_tokens=1, device="cuda", prefix_cache=True)
     prompts = [[3, 17, 5, 60], [9, 2], [3, 17, 5, 60, 8]]
     got = [g.tokens for g in batch.run([Request(p, 8) for p in prompts])]
