@@ -373,7 +373,7 @@ def test_bench_serve_dry_run_loses_nothing(tmp_path):
     # launch in the log no sooner than the start (the clients start together, warm)
     e = report["engine"]
     assert e["prefill_rows"] == sum(n for _, _, _, n in e["launch_log"]) and e["prefill_rows"] >= 4 * 2
-    assert all(t >= 0 and rows >= n for t, _, rows, n in e["launch_log"])
+    assert all(t >= 0 for t, _, _, _ in e["launch_log"])
 
 
 def test_a_qwen3_moe_checkpoint_is_served_one_sequence_at_a_time(tmp_path):
