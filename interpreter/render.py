@@ -213,6 +213,7 @@ def case_body(q: WorkQueue, e: QueueEntry, tmaps: dict[tuple[int, int], int] | N
         peer = q.memory.peer
         lines.append("        mega_sync();")
         lines.append("        if (threadIdx.x == 0) {")
+        lines.append("          MEGA_TRACE_SIGNAL();")
         # (system scope when other GPUs read what this instance wrote: its stores went over NVLink)
         # (no fence before the red.release: it orders the block's stores through the barrier, perf-notes #60)
         if any(s.peer for s in e.signals):  # (MEGA_PEER_FENCE=0: the red.release.sys alone orders the stores)

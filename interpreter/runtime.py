@@ -19,6 +19,7 @@ from ..sampling import NaNError
 from . import tensor_maps
 from .kernel_args import args_type
 from .render import image_defines, launch_shape
+from .trace import TRACE_WORDS
 
 CONTROL_WORDS = 8
 ERR_TIMEOUT, ERR_INDEX, ERR_LAYOUT = 1, 2, 3
@@ -79,7 +80,7 @@ class CudaRunner:
         self.control = torch.zeros(CONTROL_WORDS, dtype=torch.int64, device=device)
         self.parity = 0
         self.bound = bound  # weights and constants, kept alive here
-        self.trace = torch.zeros(4 * max(1, trace_instances), dtype=torch.int64, device=device) if trace_instances else None
+        self.trace = torch.zeros(TRACE_WORDS * max(1, trace_instances), dtype=torch.int64, device=device) if trace_instances else None
         self.table = torch.tensor(table, dtype=torch.int64, device=device)
         # the kernel's by-value argument struct (kernel_args.py), zeroed; launch() rewrites its fields in place
         self.args = a = args_type(len(queue.program.symbols), len(mem.pointer_slot))()

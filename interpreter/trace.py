@@ -1,8 +1,10 @@
-"""The per-SM timeline of one launch: each instance's claim, barrier-wait end and finish.
+"""The per-SM timeline of one launch: each instance's claim, barrier-wait end and finish, and the
+stamps between them that split a hand-off into its stages.
 
 Built from a kernel compiled with ``MEGA_TRACE`` (``Kernel.trace``). ``summary()``
 gives busy %, time waiting on barriers and time between instances (queue pops) per
-op; ``chrome_json()`` opens in Perfetto (one track per SM).
+op; ``stages()`` the anatomy of each op's hand-off; ``chrome_json()`` opens in Perfetto
+(one track per SM).
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..lowering.queue import WorkQueue
+
+# u64 words a traced instance writes (runtime.cuh: MEGA_TRACE_WORDS): entry << 40 | sm << 32 | instance;
+# claimed, waits passed, done (globaltimer ns); the SM's cycle counter at each of CLOCKS (0: none); a spare
+TRACE_WORDS = 12
+CLOCKS = ("issued", "claimed", "poll", "waited", "mark", "signal", "done")
 
 
 @dataclass(frozen=True)
@@ -38,12 +45,19 @@ class OpStages:
     run: float  # an instance's waits passed -> done
     run_max: float  # the entry's slowest instance
     step: float  # the previous entry's last instance done -> this entry's last done
+    # the hand-off's stages (NaN where no instance has the stamps)
+    claim_atomic: float = float("nan")  # claim issued -> claimed (the atomic's round trip, the entry search, a barrier)
+    dispatch: float = float("nan")  # claimed -> first poll (table read, wait list, pre-wait loads issued)
+    poll: float = float("nan")  # first poll -> waits passed (waiting on producers, then the block barrier)
+    signal_to_pass: float = float("nan")  # the previous entry's last signal -> this entry's first wait passed
+    mark: float = float("nan")  # waits passed -> the body's mark (a matvec: x staged, its norm; a split: its part done)
+    signal_to_done: float = float("nan")  # signal issued -> the instance's end (the trace record's own cost)
 
 
 @dataclass
 class Trace:
     queue: WorkQueue
-    records: np.ndarray  # [instances, 4] uint64: (entry<<40 | sm<<32 | local, claim, waited, done)
+    records: np.ndarray  # [instances, TRACE_WORDS] uint64 (entry<<40 | sm<<32 | local, claim, waited, done, ...)
 
     @property
     def entry(self):
@@ -53,9 +67,33 @@ class Trace:
     def sm(self):
         return ((self.records[:, 0] >> 32) & 0xFF).astype(np.int64)
 
+    def _base(self) -> float:
+        return float(self.records[:, 1:4].min())
+
     def times_us(self):
-        t = self.records[:, 1:].astype(np.float64)
-        return (t - t.min()) / 1e3
+        """[instances, 3]: claimed, waits passed, done, us from the launch's first claim (the global clock)."""
+        return (self.records[:, 1:4].astype(np.float64) - self._base()) / 1e3
+
+    def clocks(self) -> dict[str, np.ndarray]:
+        """Each of CLOCKS: the SM's cycle counter (float; NaN: no such stamp, or a record without them)."""
+        raw = self.records[:, 4:4 + len(CLOCKS)]
+        if raw.shape[1] < len(CLOCKS):
+            return {k: np.full(len(self.records), np.nan) for k in CLOCKS}
+        c = np.where(raw > 0, raw.astype(np.float64), np.nan)
+        return dict(zip(CLOCKS, c.T))
+
+    def cycles_per_us(self) -> float:
+        """The SMs' clock rate, from every instance's claimed -> done span on both clocks."""
+        c, t = self.clocks(), self.times_us()
+        cyc, us = c["done"] - c["claimed"], t[:, 2] - t[:, 0]
+        ok = ~np.isnan(cyc)
+        return float(cyc[ok].sum() / us[ok].sum()) if ok.any() and us[ok].sum() > 0 else float("nan")
+
+    def stamps_us(self) -> dict[str, np.ndarray]:
+        """Each of CLOCKS on times_us' clock: the instance's claim there plus its cycles since, at cycles_per_us."""
+        c, claimed = self.clocks(), self.times_us()[:, 0]
+        rate = self.cycles_per_us()
+        return {k: claimed + (v - c["claimed"]) / rate for k, v in c.items()}
 
     def summary(self) -> dict:
         t = self.times_us()
@@ -89,32 +127,50 @@ class Trace:
 
     def stages(self) -> list[OpStages]:
         """Per op signature (kind, instances) in queue order of first appearance: the stages of a hand-off
-        (docs/perf-notes.md #97)."""
-        t = self.times_us()
+        (docs/perf-notes.md #97, #108). Within an instance they are the SM's cycles (stamps_us); across SMs
+        (hand-off, sig->pass) the global clock, which moves in 256 ns steps on an H200."""
+        t, st = self.times_us(), self.stamps_us()
         claim, waited, done = t[:, 0], t[:, 1], t[:, 2]
         gap = self._claim_gaps(claim, done)
+        if not np.isnan(st["claimed"]).all():  # (an SM's own cycles: finer than the global clock)
+            gap = self._claim_gaps(st["claimed"], st["done"])
+        spans = {"claim_atomic": ("issued", "claimed"), "dispatch": ("claimed", "poll"), "poll": ("poll", "waited"),
+                 "mark": ("waited", "mark"), "signal_to_done": ("signal", "done")}
         rows: dict[tuple, dict[str, list]] = {}
-        prev_done = None
+        prev_done = prev_signal = None
         for k in range(len(self.queue.entries)):
             m = self.entry == k
             if not m.any():
                 continue
             key = (self.queue.entries[k].op.kind, int(m.sum()))
-            d = rows.setdefault(key, {f: [] for f in ("gap", "wait", "handoff", "run", "run_max", "step")})
+            d = rows.setdefault(key, {f: [] for f in ("gap", "wait", "handoff", "run", "run_max", "step",
+                                                      "signal_to_pass", *spans)})
             d["gap"] += list(gap[m][~np.isnan(gap[m])])
             d["wait"].append(float(np.median(waited[m] - claim[m])))
-            d["run"].append(float(np.median(done[m] - waited[m])))
-            d["run_max"].append(float((done[m] - waited[m]).max()))
+            run = st["done"][m] - st["waited"][m]
+            run = run if not np.isnan(run).any() else done[m] - waited[m]
+            d["run"].append(float(np.median(run)))
+            d["run_max"].append(float(run.max()))
             if prev_done is not None:
                 d["handoff"].append(float(waited[m].min() - prev_done))
+                d["signal_to_pass"].append(float(waited[m].min() - prev_signal))
             d["step"].append(float(done[m].max() - (prev_done if prev_done is not None else claim.min())))
+            for name, (a, b) in spans.items():
+                span = (st[b][m] - st[a][m])[~np.isnan(st[b][m] - st[a][m])]
+                if len(span):
+                    d[name].append(float(np.median(span)))
             prev_done = float(done[m].max())
+            # (a body that signals by itself, or none: its instances' ends stand in for the signal)
+            sig = st["signal"][m]
+            prev_signal = float(np.nanmax(np.where(np.isnan(sig), done[m], sig)))
 
         def med(xs):
             return float(np.median(xs)) if len(xs) else float("nan")
 
+        extra = ("claim_atomic", "dispatch", "poll", "signal_to_pass", "mark", "signal_to_done")
         return [OpStages(kind, len(d["run"]), n, med(d["gap"]), med(d["wait"]), med(d["handoff"]), med(d["run"]),
-                         med(d["run_max"]), med(d["step"])) for (kind, n), d in rows.items()]
+                         med(d["run_max"]), med(d["step"]), *(med(d[f]) for f in extra))
+                for (kind, n), d in rows.items()]
 
     def by_kind(self) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = {}

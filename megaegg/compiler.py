@@ -588,6 +588,7 @@ class Kernel:
         import numpy as np
 
         from .interpreter import CudaRunner, Trace, compile_cubin
+        from .interpreter.trace import TRACE_WORDS
         from .lowering import upper_bound
 
         if self.backend != "cuda":
@@ -606,7 +607,7 @@ class Kernel:
         run.launch(dim_list, tensors)
         run.check()
         total = sum(max(0, e.launch.eval(dims)) for e in self.queue.entries)
-        raw = run.trace[: 4 * total].cpu().numpy().view(np.uint64).reshape(total, 4)
+        raw = run.trace[: TRACE_WORDS * total].cpu().numpy().view(np.uint64).reshape(total, TRACE_WORDS)
         return Trace(self.queue, raw)
 
     interleaving = None  # how the simulator interleaves the SMs; set a megaegg.interpreter.Interleaving to vary it

@@ -399,10 +399,17 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, Mat<const T> x, Vec<con
         uint4 wb0[GLU ? P::RB : 1][GLU ? P::U : 1], wb1[GLU ? P::RB : 1][GLU ? P::U : 1];
         float acc[P::RB][M], acc2[GLU ? P::RB : 1][M];
         load_step<P, T, GLU>(wa0, wb0, w, w2, row0, rr, N, 0, 0, warp, lane);
+        // The second buffer's loads: after the wait (issued before it, it measured slower: perf-notes #26), and
+        // in a one-row ungated tile of K >= 2048 after x is staged, so that x's loads do not queue behind them
+        // (a latency-bound op: llama-3.2-1b -1.5%); a gated tile, the bandwidth-bound MLP, keeps streaming (#108)
+        constexpr bool stage_first = M == 1 && !GLU && K >= 2048;
         if (!mega_wait_all(wl)) return false;
-        if (t_steps > 1)  // after the wait: issued before it, it measured slower (perf-notes #26)
+        if (!stage_first && t_steps > 1)
             load_step<P, T, GLU>(wa1, wb1, w, w2, row0, rr, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
         stage<T, XS, M, K, NORM, RES, SUMS>(xs, rt, red, x, g, eps, r, sums, row0, rows, N, mv);
+        MEGA_TRACE_MARK();
+        if (stage_first && t_steps > 1)
+            load_step<P, T, GLU>(wa1, wb1, w, w2, row0, rr, N, 1 / P::STEPS, 1 % P::STEPS, warp, lane);
 #pragma unroll 1
         for (int t = 0; t < t_steps; t += 2) {
             step<P, T, XS, M, K, GLU, RES>(wa0, wb0, acc, acc2, xs, rt, out, row0, rr, N, t, warp, lane, mv);
@@ -427,6 +434,7 @@ __device__ __forceinline__ bool run_vec_regs(char* smem, Mat<const T> x, Vec<con
             load_step<P, T, GLU>(wa, wb, w, w2, row0, rr, N, 0, 0, warp, lane);
         if (!mega_wait_all(wl)) return false;
         stage<T, XS, M, K, NORM, RES, SUMS>(xs, rt, red, x, g, eps, r, sums, row0, rows, N, mv);
+        MEGA_TRACE_MARK();
 
 #pragma unroll 1
         for (int gi = 0; gi < rr.ng; ++gi) {

@@ -56,6 +56,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
   __shared__ long long prefix[MEGA_IMAGE_ENTRIES + 1];  // (image-local entries: queue entry MEGA_ENTRY0 + e)
   __shared__ int entry_case[MEGA_IMAGE_ENTRIES + 1], entry_consts[MEGA_IMAGE_ENTRIES + 1];  // (+1: a queue may be empty)
   __shared__ long long claimed;
+  __shared__ int claimed_entry;
   /*@DEFERRED_SHARED@*/
 
   unsigned long long* control = args.control;
@@ -95,8 +96,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
   }
   __syncthreads();
   const long long total = prefix[MEGA_IMAGE_ENTRIES];
-  auto find_entry = [&](long long g) {  // image entry e holds instances [prefix[e], prefix[e+1])
-    int lo = 0, hi = MEGA_IMAGE_ENTRIES - 1;
+  auto find_entry = [&](long long g, int lo) {  // image entry e >= lo holds instances [prefix[e], prefix[e+1])
+    int hi = MEGA_IMAGE_ENTRIES - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
       if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
@@ -104,16 +105,27 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     return lo;
   };
 
+  if (threadIdx.x == 0) claimed_entry = 0;  // (the entry of this block's last claim: claims only grow)
   for (;;) {
     // Which instance runs, in the shared error record too (bodies report errors from any thread). It is
     // written before a barrier, so no thread still reads the previous instance's (racecheck).
+#ifdef MEGA_TRACE
+    long long c_issue = 0, c_signal = 0;
+#endif
     if (threadIdx.x == 0) {  // claim the next instance in queue order (or stop: another block failed)
+#ifdef MEGA_TRACE
+      c_issue = clock64();
+      mega_c_poll = mega_c_mark = 0;
+#endif
       // the claim and the abort check are both in flight, not one after the other (perf-notes #62; a
       // claim past an abort runs nothing, and the next launch starts from the other parity's counter)
       const long long c = (long long)atomicAdd(&control[parity], 1ULL);
       claimed = *(volatile unsigned long long*)&control[2] ? total : c;
-      if (claimed < total) {
-        const int e = find_entry(claimed);
+      if (claimed < total) {  // its entry: this block's last one or one a step or two on, mostly
+        int e = claimed_entry;
+        for (int k = 0; k < 4 && prefix[e + 1] <= claimed; ++k) ++e;
+        if (prefix[e + 1] <= claimed) e = find_entry(claimed, e + 1);
+        claimed_entry = e;
         mega_cur_entry = MEGA_ENTRY0 + e;  // (the queue's entry, for error records)
         mega_cur_instance = claimed - prefix[e];
       }
@@ -121,10 +133,12 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     __syncthreads();
     const long long g = claimed;
     if (g >= total) break;
-    const int entry = find_entry(g);
+    const int entry = claimed_entry;
     const long long local = g - prefix[entry];
 #ifdef MEGA_TRACE
     unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
+    const long long c_claim = clock64();
+    long long c_waited = 0;
 #endif
     const long long* E = args.table + MEGA_CONSTS_AT + entry_consts[entry];  // this entry's constants
     (void)E;
@@ -145,11 +159,14 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     if (threadIdx.x == 0) {
       unsigned smid;
       asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-      unsigned long long* rec = args.trace + 4 * g;
+      unsigned long long* rec = args.trace + MEGA_TRACE_WORDS * g;  // (interpreter/trace.py: Trace.records)
       rec[0] = ((unsigned long long)(MEGA_ENTRY0 + entry) << 40) | ((unsigned long long)smid << 32) | (unsigned long long)local;
       rec[1] = t_claim;
       rec[2] = t_waited ? t_waited : t_claim;
       rec[3] = mega_globaltimer();
+      const long long c[] = {c_issue, c_claim, mega_c_poll, c_waited ? c_waited : c_claim, mega_c_mark, c_signal, clock64()};
+      for (int i = 0; i < 7; ++i) rec[4 + i] = (unsigned long long)c[i];
+      rec[11] = 0;
     }
 #endif
     if (mega_abort_block) break;

@@ -14,13 +14,6 @@
 #define MEGA_ERR_NAN_SETTING 5  // NaN temperature (detail: 2 * row) or top_p (2 * row + 1) in sample
 #endif
 
-#ifdef MEGA_TRACE
-#define MEGA_TRACE_WAITED() (t_waited = mega_globaltimer())
-#define MEGA_TRACE_WAITS_PASSED() (t_waited = mega_t_waited)  // when mega_wait_all passed
-#else
-#define MEGA_TRACE_WAITED() ((void)0)
-#define MEGA_TRACE_WAITS_PASSED() ((void)0)
-#endif
 
 #ifndef MEGA_TIMEOUT_NS
 #define MEGA_TIMEOUT_NS 2000000000ULL  // 2 s: far beyond any legitimate wait
@@ -56,7 +49,6 @@ __device__ __forceinline__ void mega_red_release_sys(unsigned* p, unsigned v) {
 // Which entry and instance this block is running, for error records from bodies; whether
 // the block must stop; when a body's own waits passed (traces).
 __shared__ int mega_abort_block;
-__shared__ unsigned long long mega_t_waited;
 __shared__ int mega_cur_entry;
 __shared__ long long mega_cur_instance;
 __device__ unsigned long long* mega_control_ptr;
@@ -132,18 +124,20 @@ __device__ __forceinline__ void mega_prefetch_l2(const void* p, long long bytes)
 }
 
 __device__ bool mega_waits_met(const MegaWaits& w) {
+    MEGA_TRACE_POLL();
     const bool met = threadIdx.x >= w.n || mega_ld_counter(w.ctr[threadIdx.x], mega_wait_sys(w, threadIdx.x)) >= w.expected[threadIdx.x];
     return mega_sync_and(met);
 }
 
 __device__ bool mega_wait_all(const MegaWaits& w) {
     if (w.n == 0) return true;
+    MEGA_TRACE_POLL();
     if (threadIdx.x < w.n && !mega_wait(w.ctr[threadIdx.x], w.expected[threadIdx.x], mega_control_ptr, mega_cur_entry,
                                         mega_cur_instance, threadIdx.x, mega_wait_sys(w, threadIdx.x)))
         mega_abort_block = 1;
     mega_sync();
 #ifdef MEGA_TRACE
-    if (threadIdx.x == 0) mega_t_waited = mega_globaltimer();
+    if (threadIdx.x == 0) mega_t_waited = mega_globaltimer(), mega_c_waited = clock64();
 #endif
     return !mega_abort_block;
 }

@@ -41,6 +41,17 @@ CTX = int(os.environ.get("CTX", 512))
 ROUNDS = int(os.environ.get("ROUNDS", 7))
 
 
+def print_stages(tr) -> None:
+    """The hand-off's anatomy per op signature (interpreter/trace.py: OpStages), medians over entries, us."""
+    cols = [("claim gap", "claim_gap"), ("atomic", "claim_atomic"), ("dispatch", "dispatch"), ("poll", "poll"),
+            ("sig->pass", "signal_to_pass"), ("hand-off", "handoff"), ("mark", "mark"), ("run", "run"),
+            ("slowest", "run_max"), ("sig->end", "signal_to_done"), ("step", "step")]
+    print("  stages (us, medians over entries): " + ", ".join(c for c, _ in cols))
+    print(f"    {'op':<20} {'entries x inst':<14} " + " ".join(f"{c:>9}" for c, _ in cols))
+    for st in tr.stages():
+        print(f"    {st.kind:<20} {st.entries:>3} x {st.instances:<8} " + " ".join(f"{getattr(st, f):9.2f}" for _, f in cols))
+
+
 def layer_steps(trace) -> list[tuple[str, float, int]]:
     """(op signature, mean step us, entries) in queue order of first appearance."""
     t = trace.times_us()
@@ -149,11 +160,7 @@ def main() -> None:
               f"pops {s['pop_pct']:.1f}%, {s['instances']} instances")
         for kind, d in sorted(tr.by_kind().items(), key=lambda kv: -kv[1]["busy_us"]):
             print(f"  {kind:<20} inst {d['instances']:>6}  busy {d['busy_us']:>10.1f} us  wait {d['wait_us']:>10.1f} us")
-        print("  stages (us, medians over entries): op, entries x instances, claim gap, claim->pass, hand-off, "
-              "run, slowest run, step")
-        for st in tr.stages():
-            print(f"    {st.kind:<20} {st.entries:>3} x {st.instances:<5} {st.claim_gap:6.2f} {st.claim_to_pass:6.2f} "
-                  f"{st.handoff:6.2f} {st.run:6.2f} {st.run_max:6.2f} {st.step:6.2f}")
+        print_stages(tr)
         if os.environ.get("OUT"):
             np.savez(os.path.join(os.environ["OUT"], f"ab_{preset}_{name}.npz"), records=tr.records)
             with open(os.path.join(os.environ["OUT"], f"ab_{preset}_{name}.json"), "w") as f:

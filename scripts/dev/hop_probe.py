@@ -11,10 +11,13 @@ is `instances` tiles of 1024 elements, one tile an instance), beside an independ
 the chain hops). Each launch is timed with CUDA events (median of `--iters`); the per-hop cost is the
 least-squares slope of time over L, so the launch's fixed costs (start, the stream's own time where it
 is longer than the chain) fall into the intercept. From one traced launch of the longest chain
-(`kernel.trace`, globaltimer stamps): the median over hops of (a hop's first instance passing its wait)
-- (the previous hop's last instance done): signal + visibility + poll; and of an instance's run time
-(waited -> done). Printed: instances (as the rewrite chose them), stream MB, us a hop (slope), intercept,
-traced hand-off and run us.
+(`kernel.trace`, globaltimer stamps), the hand-off's stages, medians over hops (interpreter/trace.py:
+OpStages): hand-off (the previous hop's last instance done -> this hop's first past its wait), sig->pass
+(the previous hop's last signal issued -> that pass: the signal's trip to L2, the poll noticing it, the
+block barrier), atomic (the claim's round trip and entry search), dispatch (claimed -> first poll: table
+read, wait list), poll (first poll -> passed), run (passed -> done), sig->end (the signal issued -> the
+instance's end). Printed: instances (as the rewrite chose them), stream MB, us a hop (slope), intercept,
+and those stages in us.
 """
 
 from __future__ import annotations
@@ -80,19 +83,13 @@ def timed(kernel, ins, iters: int, cuda: bool) -> float:
     return statistics.median(ts)
 
 
-def traced_handoffs(kernel, ins) -> tuple[float, float]:
-    """Median us from a hop's producer's last instance done to its first instance past its wait, and median
-    instance run time, over the chain's hops (a traced launch)."""
-    tr = kernel.trace(**ins)
-    t = tr.times_us()
-    waited, done = t[:, 1], t[:, 2]
-    hops = [k for k, e in enumerate(tr.queue.entries) if e.op.kind == "elementwise" and (tr.entry == k).any()]
-    gaps, runs = [], []
-    for prev, cur in zip(hops, hops[1:]):
-        p, c = tr.entry == prev, tr.entry == cur
-        gaps.append(waited[c].min() - done[p].max())
-        runs.extend((done[c] - waited[c]).tolist())
-    return (float(np.median(gaps)) if gaps else float("nan"), float(np.median(runs)) if runs else float("nan"))
+def traced_stages(kernel, ins):
+    """The chain's hand-off stages from a traced launch (interpreter/trace.py: OpStages, medians over hops)."""
+    return next(st for st in kernel.trace(**ins).stages() if st.kind == "elementwise")
+
+
+STAGES = (("hand-off", "handoff"), ("sig->pass", "signal_to_pass"), ("atomic", "claim_atomic"),
+          ("dispatch", "dispatch"), ("poll", "poll"), ("run", "run"), ("sig->end", "signal_to_done"))
 
 
 def main() -> None:
@@ -107,7 +104,8 @@ def main() -> None:
     device = "cuda" if cuda else "cpu"
     lengths = [int(v) for v in a.lengths.split(",")]
     print(f"backend {a.backend}" + (f", {torch.cuda.get_device_name()}" if cuda else ""))
-    print(f"{'instances':>9} {'stream MB':>9} {'us/hop':>8} {'intercept ms':>12} {'traced hand-off us':>18} {'run us':>7}")
+    print(f"{'instances':>9} {'stream MB':>9} {'us/hop':>8} {'intercept ms':>12}  traced, us: "
+          + " ".join(f"{c:>9}" for c, _ in STAGES))
     for inst in (int(v) for v in a.instances.split(",")):
         for mb in (int(v) for v in a.stream_mb.split(",")):
             ms, chosen = [], None
@@ -117,8 +115,9 @@ def main() -> None:
                 chosen = [e.op.launch_count.eval({}) for e in kernel.queue.entries if e.op.kind == "elementwise"][0]
                 ms.append(timed(kernel, inputs(g, device), a.iters, cuda))
             slope, intercept = np.polyfit(lengths, ms, 1) if len(lengths) > 1 else (float("nan"), ms[0])
-            gap, run = traced_handoffs(kernel, inputs(g, device)) if cuda else (float("nan"), float("nan"))
-            print(f"{chosen:>9} {mb:>9} {slope * 1e3:>8.2f} {intercept:>12.3f} {gap:>18.2f} {run:>7.2f}")
+            st = traced_stages(kernel, inputs(g, device)) if cuda else None
+            traced = " ".join(f"{getattr(st, f) if st else float('nan'):9.2f}" for _, f in STAGES)
+            print(f"{chosen:>9} {mb:>9} {slope * 1e3:>8.2f} {intercept:>12.3f}              {traced}")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ struct MegaArgs {
   unsigned* counters;             // 2 * MEGA_COUNTERS
   unsigned long long* control;    // see runtime.cuh
   long long parity;               // which counter set this launch uses (0, 1)
-  unsigned long long* trace;      // MEGA_TRACE builds: 4 words per instance
+  unsigned long long* trace;      // MEGA_TRACE builds: MEGA_TRACE_WORDS words per instance
   const long long* table;         // render.py: EntryTable.words
   const char* tmaps;              // TMA tensor maps, 128 bytes each (tensor_maps.py)
   long long rank;                 // tensor parallel: this GPU's rank
@@ -89,6 +89,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
   __shared__ long long prefix[MEGA_IMAGE_ENTRIES + 1];  // (image-local entries: queue entry MEGA_ENTRY0 + e)
   __shared__ int entry_case[MEGA_IMAGE_ENTRIES + 1], entry_consts[MEGA_IMAGE_ENTRIES + 1];  // (+1: a queue may be empty)
   __shared__ long long claimed;
+  __shared__ int claimed_entry;
   
 
   unsigned long long* control = args.control;
@@ -128,8 +129,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
   }
   __syncthreads();
   const long long total = prefix[MEGA_IMAGE_ENTRIES];
-  auto find_entry = [&](long long g) {  // image entry e holds instances [prefix[e], prefix[e+1])
-    int lo = 0, hi = MEGA_IMAGE_ENTRIES - 1;
+  auto find_entry = [&](long long g, int lo) {  // image entry e >= lo holds instances [prefix[e], prefix[e+1])
+    int hi = MEGA_IMAGE_ENTRIES - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
       if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
@@ -137,16 +138,27 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     return lo;
   };
 
+  if (threadIdx.x == 0) claimed_entry = 0;  // (the entry of this block's last claim: claims only grow)
   for (;;) {
     // Which instance runs, in the shared error record too (bodies report errors from any thread). It is
     // written before a barrier, so no thread still reads the previous instance's (racecheck).
+#ifdef MEGA_TRACE
+    long long c_issue = 0, c_signal = 0;
+#endif
     if (threadIdx.x == 0) {  // claim the next instance in queue order (or stop: another block failed)
+#ifdef MEGA_TRACE
+      c_issue = clock64();
+      mega_c_poll = mega_c_mark = 0;
+#endif
       // the claim and the abort check are both in flight, not one after the other (perf-notes #62; a
       // claim past an abort runs nothing, and the next launch starts from the other parity's counter)
       const long long c = (long long)atomicAdd(&control[parity], 1ULL);
       claimed = *(volatile unsigned long long*)&control[2] ? total : c;
-      if (claimed < total) {
-        const int e = find_entry(claimed);
+      if (claimed < total) {  // its entry: this block's last one or one a step or two on, mostly
+        int e = claimed_entry;
+        for (int k = 0; k < 4 && prefix[e + 1] <= claimed; ++k) ++e;
+        if (prefix[e + 1] <= claimed) e = find_entry(claimed, e + 1);
+        claimed_entry = e;
         mega_cur_entry = MEGA_ENTRY0 + e;  // (the queue's entry, for error records)
         mega_cur_instance = claimed - prefix[e];
       }
@@ -154,10 +166,12 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     __syncthreads();
     const long long g = claimed;
     if (g >= total) break;
-    const int entry = find_entry(g);
+    const int entry = claimed_entry;
     const long long local = g - prefix[entry];
 #ifdef MEGA_TRACE
     unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
+    const long long c_claim = clock64();
+    long long c_waited = 0;
 #endif
     const long long* E = args.table + MEGA_CONSTS_AT + entry_consts[entry];  // this entry's constants
     (void)E;
@@ -179,6 +193,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         embedding_row<__nv_bfloat16, int>(/*table*/ Mat<const __nv_bfloat16>{in0, 256LL, 1LL}, /*ids*/ Vec<const int>{in1, 1LL}, /*V*/ (1024LL), /*D*/ 256LL, /*out*/ Mat<__nv_bfloat16>{out, 256LL, 1LL}, /*c0*/ c0);
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[0 + (0LL)], 1u);
         }
       } break;
@@ -202,6 +217,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
         }
       } break;
@@ -224,6 +240,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[7 + (0LL)], 1u);
         }
       } break;
@@ -242,6 +259,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         rope_rows<__nv_bfloat16, 64, false>(/*x*/ Mat<const __nv_bfloat16>{in0, 64LL, 1LL}, /*inv_freq*/ in1, /*pos_ids*/ Vec<const int>{}, /*pos*/ D_pos, /*group*/ 1LL, /*g*/ Vec<const __nv_bfloat16>{}, /*eps*/ 0.0f, /*out*/ Mat<__nv_bfloat16>{out, 64LL, 1LL}, /*rows*/ 4LL, /*rows_per*/ 1, /*c0*/ c0);
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[e3 + ((D__i0 / 2LL))], 1u);
         }
       } break;
@@ -260,6 +278,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         rope_rows<__nv_bfloat16, 64, false>(/*x*/ Mat<const __nv_bfloat16>{in0, 64LL, 1LL}, /*inv_freq*/ in1, /*pos_ids*/ Vec<const int>{}, /*pos*/ D_pos, /*group*/ 1LL, /*g*/ Vec<const __nv_bfloat16>{}, /*eps*/ 0.0f, /*out*/ Mat<__nv_bfloat16>{out, 65536LL, 1LL}, /*rows*/ 2LL, /*rows_per*/ 1, /*c0*/ c0);
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[e3 + (D__i0)], 1u);
         }
       } break;
@@ -277,6 +296,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         kv_append<__nv_bfloat16>(/*src*/ Mat<const __nv_bfloat16>{in0, 64LL, 1LL}, /*cache*/ Ten3<__nv_bfloat16>{out, 65536LL, 64LL, 1LL}, /*Hkv*/ 2LL, /*Smax*/ 1024LL, /*D*/ 64LL, /*pos*/ D_pos);
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[e3 + (0LL)], 1u);
         }
       } break;
@@ -301,6 +321,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         attn_partial_merge<__nv_bfloat16, 64, 2>(/*smem*/ smem, /*q*/ Mat<const __nv_bfloat16>{in0, 64LL, 1LL}, /*kc*/ Ten3<const __nv_bfloat16>{in1, 65536LL, 64LL, 1LL}, /*vc*/ Ten3<const __nv_bfloat16>{in2, 65536LL, 64LL, 1LL}, /*L*/ (D_pos + 1LL), /*chunk*/ 64LL, /*scale*/ 0.125f, /*part*/ Mat<float>{(float*)in3, 1056LL, 66LL}, /*arrive*/ (unsigned*)in4, /*out*/ Mat<__nv_bfloat16>{out, 64LL, 1LL}, /*c0*/ c0, /*c1*/ c1);
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[e9 + (0LL)], 1u);
         }
       } break;
@@ -324,6 +345,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[14 + (0LL)], 1u);
         }
       } break;
@@ -350,6 +372,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[e9 + (0LL)], 1u);
         }
       } break;
@@ -374,6 +397,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[e9 + ((D__i1 / 8LL))], 1u);
         }
       } break;
@@ -397,6 +421,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[22 + (0LL)], 1u);
         }
       } break;
@@ -421,6 +446,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         MEGA_TRACE_WAITS_PASSED();
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[29 + (0LL)], 1u);
         }
       } break;
@@ -439,6 +465,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         acc_residual<__nv_bfloat16>(/*r*/ Vec<const __nv_bfloat16>{in0, 1LL}, /*acc*/ in1, /*out*/ Vec<__nv_bfloat16>{out, 1LL}, /*n*/ 256LL, /*tile*/ 1024LL, /*c1*/ c1);
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[31 + (0LL)], 1u);
         }
       } break;
@@ -461,6 +488,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
         matvec_argmax<__nv_bfloat16, 256, 8, true>(/*smem*/ smem, /*x*/ Mat<const __nv_bfloat16>{in0, 256LL, 1LL}, /*g*/ Vec<const __nv_bfloat16>{in2, 1LL}, /*eps*/ 1e-05f, /*w*/ Mat<const __nv_bfloat16>{in1, 256LL, 1LL}, /*part*/ Vec<float>{out, 2LL}, /*N*/ 1024LL, /*n_tile*/ c1);
         mega_sync();
         if (threadIdx.x == 0) {
+          MEGA_TRACE_SIGNAL();
           mega_red_release(&ctr[32 + (0LL)], 1u);
         }
       } break;
@@ -485,11 +513,14 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
     if (threadIdx.x == 0) {
       unsigned smid;
       asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-      unsigned long long* rec = args.trace + 4 * g;
+      unsigned long long* rec = args.trace + MEGA_TRACE_WORDS * g;  // (interpreter/trace.py: Trace.records)
       rec[0] = ((unsigned long long)(MEGA_ENTRY0 + entry) << 40) | ((unsigned long long)smid << 32) | (unsigned long long)local;
       rec[1] = t_claim;
       rec[2] = t_waited ? t_waited : t_claim;
       rec[3] = mega_globaltimer();
+      const long long c[] = {c_issue, c_claim, mega_c_poll, c_waited ? c_waited : c_claim, mega_c_mark, c_signal, clock64()};
+      for (int i = 0; i < 7; ++i) rec[4 + i] = (unsigned long long)c[i];
+      rec[11] = 0;
     }
 #endif
     if (mega_abort_block) break;
