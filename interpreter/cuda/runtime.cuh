@@ -14,7 +14,6 @@
 #define MEGA_ERR_NAN_SETTING 5  // NaN temperature (detail: 2 * row) or top_p (2 * row + 1) in sample
 #endif
 
-
 #ifndef MEGA_TIMEOUT_NS
 #define MEGA_TIMEOUT_NS 2000000000ULL  // 2 s: far beyond any legitimate wait
 #endif
@@ -47,7 +46,7 @@ __device__ __forceinline__ void mega_red_release_sys(unsigned* p, unsigned v) {
 }
 
 // Which entry and instance this block is running, for error records from bodies; whether
-// the block must stop; when a body's own waits passed (traces).
+// the block must stop (a traced kernel's stamps: common.cuh).
 __shared__ int mega_abort_block;
 __shared__ int mega_cur_entry;
 __shared__ long long mega_cur_instance;

@@ -11,7 +11,7 @@ is `instances` tiles of 1024 elements, one tile an instance), beside an independ
 the chain hops). Each launch is timed with CUDA events (median of `--iters`); the per-hop cost is the
 least-squares slope of time over L, so the launch's fixed costs (start, the stream's own time where it
 is longer than the chain) fall into the intercept. From one traced launch of the longest chain
-(`kernel.trace`, globaltimer stamps), the hand-off's stages, medians over hops (interpreter/trace.py:
+(`kernel.trace`: global-clock and SM-cycle stamps), the hand-off's stages, medians over hops (interpreter/trace.py:
 OpStages): hand-off (the previous hop's last instance done -> this hop's first past its wait), sig->pass
 (the previous hop's last signal issued -> that pass: the signal's trip to L2, the poll noticing it, the
 block barrier), atomic (the claim's round trip and entry search), dispatch (claimed -> first poll: table
