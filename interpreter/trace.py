@@ -17,8 +17,8 @@ import numpy as np
 from ..lowering.queue import WorkQueue
 
 # u64 words a traced instance writes (runtime.cuh: MEGA_TRACE_WORDS): entry << 40 | sm << 32 | instance;
-# claimed, waits passed, done (globaltimer ns); the SM's cycle counter at each of CLOCKS (0: none); a spare
-TRACE_WORDS = 12
+# claimed, waits passed, done (globaltimer ns); the SM's cycle counter at each of CLOCKS (0: none)
+TRACE_WORDS = 11
 CLOCKS = ("issued", "claimed", "poll", "waited", "mark", "signal", "done")
 
 
@@ -131,9 +131,8 @@ class Trace:
         (hand-off, sig->pass) the global clock, which moves in 256 ns steps on an H200."""
         t, st = self.times_us(), self.stamps_us()
         claim, waited, done = t[:, 0], t[:, 1], t[:, 2]
-        gap = self._claim_gaps(claim, done)
-        if not np.isnan(st["claimed"]).all():  # (an SM's own cycles: finer than the global clock)
-            gap = self._claim_gaps(st["claimed"], st["done"])
+        cycles = not np.isnan(st["claimed"]).all()  # (an SM's own cycles: finer than the global clock)
+        gap = self._claim_gaps(st["claimed"], st["done"]) if cycles else self._claim_gaps(claim, done)
         spans = {"claim_atomic": ("issued", "claimed"), "dispatch": ("claimed", "poll"), "poll": ("poll", "waited"),
                  "mark": ("waited", "mark"), "signal_to_done": ("signal", "done")}
         rows: dict[tuple, dict[str, list]] = {}

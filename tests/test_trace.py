@@ -21,7 +21,7 @@ def record(entry, sm, instance, claim, passed, done, issued, poll, mark, signal,
     """A traced instance's words (ns; None: no stamp): the global clock's three, the SM's cycles for the rest."""
     base, c0 = 10**15, 10**6  # (globaltimer ns, the SM's cycle counter)
     clock = [0 if v is None else c0 + cycles_per_ns * v for v in (issued, claim, poll, passed, mark, signal, done)]
-    return [entry << 40 | sm << 32 | instance, base + claim, base + passed, base + done, *clock, 0]
+    return [entry << 40 | sm << 32 | instance, base + claim, base + passed, base + done, *clock]
 
 
 def test_stages_of_a_two_op_chain():

@@ -36,13 +36,16 @@ __device__ __forceinline__ bool mega_sync_and(bool p) {
 // H200); then the SM's cycle counter (clock64, for the stages within an instance) at the claim issued, claimed,
 // thread 0's first look at a counter, waits passed, the body's last mark (MEGA_TRACE_MARK: a matvec's x
 // staged, a split's part done before its arrival), its signals issued, done (0: not reached or not taken).
-#define MEGA_TRACE_WORDS 12
+#define MEGA_TRACE_WORDS 11
 #ifdef MEGA_TRACE
 #define MEGA_TRACE_WAITED() (t_waited = mega_globaltimer(), c_waited = clock64())
 #define MEGA_TRACE_WAITS_PASSED() (t_waited = mega_t_waited, c_waited = mega_c_waited)  // when mega_wait_all passed
 #define MEGA_TRACE_SIGNAL() (c_signal = clock64())
 #define MEGA_TRACE_POLL() (threadIdx.x == 0 && !mega_c_poll ? (void)(mega_c_poll = clock64()) : (void)0)
 #define MEGA_TRACE_MARK() (threadIdx.x == 0 ? (void)(mega_c_mark = clock64()) : (void)0)
+// (the stamps within an instance that thread 0 writes and records)
+__shared__ unsigned long long mega_t_waited;
+__shared__ long long mega_c_waited, mega_c_poll, mega_c_mark;  // (clock64)
 #else
 #define MEGA_TRACE_WAITED() ((void)0)
 #define MEGA_TRACE_WAITS_PASSED() ((void)0)
@@ -50,9 +53,6 @@ __device__ __forceinline__ bool mega_sync_and(bool p) {
 #define MEGA_TRACE_POLL() ((void)0)
 #define MEGA_TRACE_MARK() ((void)0)
 #endif
-// (a traced kernel's stamps within an instance, which thread 0 writes and records)
-__shared__ unsigned long long mega_t_waited;
-__shared__ long long mega_c_waited, mega_c_poll, mega_c_mark;  // (clock64)
 
 // An instance's barrier waits. The interpreter passes them to mega_wait_all, or hands them
 // to a body that waits itself (BlockKind.waits_in_body) after issuing the loads that need
