@@ -554,6 +554,9 @@ def torch_tp_worker(rank: int, tp: int, preset: str, context: int, iters: int, w
             measure("torch.compile CUDA graph", captured(lambda: step(token, pos)))
         if rank == 0:
             torch.save(rows, out)
+        # both ranks done before either tears its group down: a rank leaving while gloo still serves the other
+        # aborted in CI ("terminate called without an active exception", the dry run's worker exit code 1)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
