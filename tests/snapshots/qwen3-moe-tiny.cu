@@ -90,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
   __shared__ long long prefix[MEGA_IMAGE_ENTRIES + 1];  // (image-local entries: queue entry MEGA_ENTRY0 + e)
   __shared__ int entry_case[MEGA_IMAGE_ENTRIES + 1], entry_consts[MEGA_IMAGE_ENTRIES + 1];  // (+1: a queue may be empty)
   __shared__ long long claimed;
+  __shared__ int claimed_entry;  // the entry of this block's last claim (claims only grow), thread 0's, handed over
   
 
   unsigned long long* control = args.control;
@@ -103,6 +104,9 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
   if (threadIdx.x == 0) {
     mega_control_ptr = control;
     mega_abort_block = 0;
+    // (here, before the prologue's barrier: set in a branch of its own before the loop, ptxas made the loop's
+    // barrier a second entry point and warp 0 reached the claim's __syncthreads split: wrong outputs, perf-notes #108)
+    claimed_entry = 0;
   }
   {  // the first instance of every entry, from the table (render.py: LaunchPrefix), less the image's first
     const long long launch[MEGA_LAUNCHES] = {max_i64(0LL, (((((D_pos + 1LL)) + (64LL) - 1) / (64LL)) * 2LL))};
@@ -129,8 +133,8 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
   }
   __syncthreads();
   const long long total = prefix[MEGA_IMAGE_ENTRIES];
-  auto find_entry = [&](long long g) {  // image entry e holds instances [prefix[e], prefix[e+1])
-    int lo = 0, hi = MEGA_IMAGE_ENTRIES - 1;
+  auto find_entry = [&](long long g, int lo) {  // image entry e >= lo holds instances [prefix[e], prefix[e+1])
+    int hi = MEGA_IMAGE_ENTRIES - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
       if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
@@ -153,16 +157,20 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       // claim past an abort runs nothing, and the next launch starts from the other parity's counter)
       const long long c = (long long)atomicAdd(&control[parity], 1ULL);
       claimed = *(volatile unsigned long long*)&control[2] ? total : c;
-      if (claimed < total) {
-        const int e = find_entry(claimed);
+      if (claimed < total) {  // its entry: this block's last one or one a step or two on, mostly
+        int e = claimed_entry;
+        for (int k = 0; k < 4 && prefix[e + 1] <= claimed; ++k) ++e;
+        if (prefix[e + 1] <= claimed) e = find_entry(claimed, e + 1);
+        claimed_entry = e;
         mega_cur_entry = MEGA_ENTRY0 + e;  // (the queue's entry, for error records)
         mega_cur_instance = claimed - prefix[e];
       }
     }
+    __syncwarp();  // (warp 0 whole at the barrier, whatever layout ptxas picks)
     __syncthreads();
     const long long g = claimed;
     if (g >= total) break;
-    const int entry = find_entry(g);
+    const int entry = claimed_entry;
     const long long local = g - prefix[entry];
 #ifdef MEGA_TRACE
     unsigned long long t_claim = mega_globaltimer(), t_waited = 0;
