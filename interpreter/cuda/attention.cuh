@@ -16,7 +16,7 @@
 // Measured (H200, bf16, G=4, L=32768, persistent): D=128 1.7 TB/s at chunk 256, 2.0-2.1 at
 // chunk 1024; D=64 1.2 / 1.5. It is instruction-bound (ncu: 55% issue slots, 2 warps per
 // scheduler), not bandwidth-bound. The ragged op runs q.K and p.V on tensor cores instead where
-// MmaPath allows (partial_mma, below).
+// MmaPath allows (partial_mma, below), and attn_partial too where G >= 4.
 //
 // attn_merge<T, D>: instance c0 combines the ceil(L/chunk) splits of query heads
 // [c0*rows_per, min(c0*rows_per + rows_per, Hq)): out[h] = T(num / den), one warp a head.
@@ -596,6 +596,11 @@ __device__ __forceinline__ bool attn_vec_ok(Mat<const T> q, Ten3<const T> kc, Te
            ((vc.s1 * bytes) & 15) == 0;
 }
 
+// The tensor-core body (partial_mma) where it applies and G >= 4 query heads share a KV head: the CUDA-core
+// body's instructions grow with G and it is latency-bound (2 warps a scheduler). Traced at context 512, one
+// 128-row step of llama-3.2-1b's G = 4, D = 64 computed for 1.3 us, and a qwen3-30b-a3b split (G = 8, D = 128)
+// spent 6.6 us after its K and V had landed; on tensor cores llama-3.2-1b -4.1%, qwen3-8b -1.1%, qwen3-30b-a3b
+// -6.5%. At G = 2 (qwen3-0.6b) the MMAs' rows are 2 of 16 and it lost 2.5% (perf-notes #110).
 template <class T, int D, int G>
 __device__ __noinline__ void attn_partial(char* smem, Mat<const T> q, Ten3<const T> kc, Ten3<const T> vc, long long L,
                                           long long chunk, float scale, Mat<float> part, long long c0, long long c1) {
@@ -606,7 +611,9 @@ __device__ __noinline__ void attn_partial(char* smem, Mat<const T> q, Ten3<const
     const T* kh = kc.p + c0 * kc.s0;
     const T* vh = vc.p + c0 * vc.s0;
     if (attn_vec_ok(q, kc, vc, c0)) {
-        if constexpr (P::STAGES >= 2)
+        if constexpr (attn_impl::MmaPath<T, D, G>::ok && G >= 4)
+            attn_impl::partial_mma<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);
+        else if constexpr (P::STAGES >= 2)
             attn_impl::partial_async<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);
         else
             attn_impl::partial_regs<T, D, G>(sm, q.p, q.s0, kh, kc.s1, vh, vc.s1, p0, p1, scale, part.p, part.s0, part.s1, c0, c1);

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.gpu
 P = me.sym("pos")
 
 
-def _check(g, inputs, weights, dims, tol):
-    k = me.compile(g, weights, backend="cuda", max_dims={s: 64 for s in g.symbols()})
+def _check(g, inputs, weights, dims, tol, max_dim=64):
+    k = me.compile(g, weights, backend="cuda", max_dims={s: max_dim for s in g.symbols()})
     ins_ref = {n: t.clone() for n, t in inputs.items()}
     out = k(**inputs, **dims)
     ref = me.run_reference(g, ins_ref, weights, dims)
@@ -48,13 +48,17 @@ def test_embedding(dt, tol):
 
 
 @pytest.mark.parametrize("dt, tol", [(me.f32, 1e-4), (me.bf16, 2e-2)], ids=["f32", "bf16"])
-@pytest.mark.parametrize("hq, hkv, d, pos", [(4, 2, 64, 9), (8, 2, 128, 40), (4, 4, 64, 0)])
+@pytest.mark.parametrize("hq, hkv, d, pos", [(4, 2, 64, 9), (8, 2, 128, 40), (4, 4, 64, 0), (16, 2, 128, 200),
+                                            (8, 2, 64, 150)])
 def test_attention_kv_append(dt, tol, hq, hkv, d, pos):
+    """G = hq / hkv query heads a KV head: bf16 at G >= 4 runs the tensor-core body (attention.cuh: attn_partial),
+    several splits where pos >= 64."""
     g = me.Graph()
-    kc, vc = g.input("kc", [hkv, 64, d], dt), g.input("vc", [hkv, 64, d], dt)
+    n = 64 if pos < 64 else 256
+    kc, vc = g.input("kc", [hkv, n, d], dt), g.input("vc", [hkv, n, d], dt)
     kc2 = me.kv_append(kc, g.input("k", [hkv, d], dt), P)
     vc2 = me.kv_append(vc, g.input("v", [hkv, d], dt), P)
     g.output("y", me.attention(g.input("q", [hq, d], dt), kc2, vc2, P + 1))
-    ins = {"kc": _rand([hkv, 64, d], dt), "vc": _rand([hkv, 64, d], dt), "k": _rand([hkv, d], dt),
+    ins = {"kc": _rand([hkv, n, d], dt), "vc": _rand([hkv, n, d], dt), "k": _rand([hkv, d], dt),
            "v": _rand([hkv, d], dt), "q": _rand([hq, d], dt)}
-    _check(g, ins, {}, {"pos": pos}, tol)
+    _check(g, ins, {}, {"pos": pos}, tol, max_dim=n - 1)
