@@ -12,7 +12,7 @@ namespace moe_impl {
 
 // The expert and routing weight of `slot` among the top_k of softmax(logits[0, :E]), found by warp 0
 // alone (lane l owns the experts l, l + 32, ...: no block barrier until the result is shared, where the
-// block-wide version paid ~4 a round of the top_k). Uses smem[0, 4 * E); every thread gets the result. NaN
+// block-wide version paid ~4 a round of the top_k; perf-notes #95, #111). Uses smem[0, 4 * E); every thread gets the result. NaN
 // logits report MEGA_ERR_NAN (the op's row 0) and route to expert 0 with weight 0, nothing read out of range.
 template <class T, class TL>
 __device__ void route(char* smem, Vec<const TL> logits, int E, int top_k, bool normalize, long long slot, int& expert,
@@ -35,22 +35,26 @@ __device__ void route(char* smem, Vec<const TL> logits, int E, int top_k, bool n
         }
         s = warp_sum(s);
         for (int i = lane; i < E; i += 32) p[i] /= s;
+        // The j-th largest: each lane's best untaken expert (its experts ascend, so a strict > keeps the lower
+        // index of equal ones), then the warp's largest key and, among the lanes holding it, the lowest index,
+        // by two redux instructions: a round of 5 dependent shuffle pairs of (value, index) was ~3 us of warp 0's
+        // latency before the weights could be addressed. key: a probability's bits + 1 (non-negative floats
+        // order as their bits); 0 for a NaN or a taken expert, never chosen.
         float chosen = 0.0f, mine = 0.0f;
-        long long mine_i = 0;
-        for (int j = 0; j < top_k; ++j) {  // j-th largest: a warp argmax, then taken out by its owner lane
-            float bv = MEGA_NEG_INF;
-            long long bi = 0x7fffffffffffffffll;
-            for (int i = lane; i < E; i += 32)
-                if (argmax_impl::better(p[i], i, bv, bi)) bv = p[i], bi = i;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float v = __shfl_xor_sync(MEGA_FULL_MASK, bv, o);
-                const long long i = __shfl_xor_sync(MEGA_FULL_MASK, bi, o);
-                if (argmax_impl::better(v, i, bv, bi)) bv = v, bi = i;
+        int mine_i = E;
+        for (int j = 0; j < top_k; ++j) {
+            unsigned best = 0;
+            int bi = E;
+            for (int i = lane; i < E; i += 32) {
+                const unsigned key = p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
+                if (key > best) best = key, bi = i;
             }
+            const unsigned top = __reduce_max_sync(MEGA_FULL_MASK, best);
+            const int at = (int)__reduce_min_sync(MEGA_FULL_MASK, top > 0 && best == top ? (unsigned)bi : (unsigned)E);
+            const float bv = top > 0 ? __uint_as_float(top - 1u) : MEGA_NEG_INF;
             chosen += bv;
-            if (j == slot) mine = bv, mine_i = bi;
-            if (bi < E && (bi & 31) == lane) p[bi] = MEGA_NEG_INF;  // (lane-owned: the next round's reads are its own)
+            if (j == slot) mine = bv, mine_i = at;
+            if (at < E && (at & 31) == lane) p[at] = -1.0f;  // taken (lane-owned: the next round's reads are its own)
         }
         if (lane == 0) {
             const bool nan = mine_i >= E;  // (NaN logits: no probability compares; none chosen)
