@@ -1,6 +1,9 @@
 """Run the tiny model's megakernels a few steps (for compute-sanitizer memcheck / racecheck / initcheck):
-the batch-1 decode graph, and the step graph prefilling two prompts and decoding them with sampling
-(KV rows by slot, ragged attention, tensor-core projections of several rows, the sampler)."""
+the batch-1 decode graph (also with 4 query heads a KV head: the tensor-core decode attention, and the
+Qwen3-MoE tiny preset: routing inside the kernel), and the step graph prefilling two prompts and decoding
+them with sampling (KV rows by slot, ragged attention, tensor-core projections of several rows, the sampler)."""
+import dataclasses
+
 import torch
 
 import megaegg as me
@@ -8,13 +11,14 @@ from megaegg.models import ModelConfig, build_decode_graph, build_step_graph, ra
 from megaegg.models.batch import Batcher, Request, Sampling, kernel_batch_step
 
 cfg = ModelConfig.preset("tiny")
-graph, spec = build_decode_graph(cfg, max_len=32)
-kernel = me.compile(graph, random_weights(spec, device="cuda"), backend="cuda", max_dims={"pos": 31})
-caches = spec.new_caches("cuda")
-for pos in range(3):
-    out = kernel(token=torch.tensor([pos + 1], dtype=torch.int32, device="cuda"), pos=pos, **caches)
-torch.cuda.synchronize()
-print("tiny steps ok", out["next_token"].item())
+for name, c in (("tiny", cfg), ("tiny G4", dataclasses.replace(cfg, heads=8)), ("qwen3-moe-tiny", ModelConfig.preset("qwen3-moe-tiny"))):
+    graph, spec = build_decode_graph(c, max_len=96)
+    kernel = me.compile(graph, random_weights(spec, device="cuda"), backend="cuda", max_dims={"pos": 95})
+    caches = spec.new_caches("cuda")
+    for pos in (0, 1, 70):  # (70: two attention splits)
+        out = kernel(token=torch.tensor([pos + 1], dtype=torch.int32, device="cuda"), pos=pos, **caches)
+    torch.cuda.synchronize()
+    print(name, "steps ok", out["next_token"].item())
 
 graph, spec = build_step_graph(cfg, max_len=32, slots=2, sampling=True)
 kernel = me.compile(graph, random_weights(spec, device="cuda"), backend="cuda", max_dims={"n": 32, "r": 2, "ctx": 32})
