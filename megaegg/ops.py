@@ -261,8 +261,6 @@ def moe_mlp(
         raise ShapeError(f"{op}: router_logits {_desc(router_logits)} must be [..., {e}] with x's rows {_desc(x)}")
     if not all(d.is_const for w in (w_gate, w_up, w_down) for d in w.shape):
         raise ShapeError(f"{op}: expert weights must have static shapes, got {_desc(w_gate)}")
-    if not all(d.is_const for d in x.shape[:-1]) or math.prod(d.value for d in x.shape[:-1]) != 1:
-        raise ShapeError(f"{op}: x {_desc(x)} must be one row ([K] or [1, ..., 1, K]); routing several rows is not supported")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e.value:
         raise ShapeError(f"{op}: top_k must be an int in [1, {e.value}] (the number of experts), got {top_k!r}")
     return _new(op, (x, router_logits, w_gate, w_up, w_down), x.shape, x.dtype, name,

@@ -61,6 +61,9 @@ def gemm(x, w, *, w2=NONE, r=NONE, bm, bn, splits=1) -> Op:
     return Op.gemm(x=x, w=w, w2=w2, r=r, bm=bm, bn=bn, splits=splits)
 
 
+# A routed MLP's (rounded value, f32 sum) terms: one row (moe_glu_down) or many (moe_route + moe_experts)
+MOE_TERMS = ((Op.moe_rounded, Op.moe_sum), (Op.moe_rows_rounded, Op.moe_rows_sum))
+
 lowering = ruleset(name="lowering")
 fusion = ruleset(name="fusion")
 
@@ -86,9 +89,9 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, dt: String,
     yield rule(eq(node(i)).to(Op.ragged_attention(q=x, node=i))).then(*(  # (flash: chunk 64 only)
         union(node(i)).with_(make(node=i, chunk=c)) for make in (Op.ragged_split, Op.ragged_flash) for c in ATTENTION_CHUNKS
     ))
-    yield rule(eq(node(i)).to(Op.moe_mlp(x=x, logits=a, w=w, w2=b, wd=s, node=i))).then(*(
-        union(node(i)).with_(Op.moe_rounded(x=x, g=NONE, eps=0.0, logits=a, w=w, w2=b, wd=s, node=i, rows=r))
-        for r in MOE_ROWS
+    yield rule(eq(node(i)).to(Op.moe_mlp(x=x, logits=a, w=w, w2=b, wd=s, node=i))).then(*(  # (fits: one row or many)
+        union(node(i)).with_(make(x=x, g=NONE, eps=0.0, logits=a, w=w, w2=b, wd=s, node=i, rows=r))
+        for make, _ in MOE_TERMS for r in MOE_ROWS
     ))
     yield rule(eq(node(i)).to(Op.argmax(x=x, node=i))).then(
         *(union(node(i)).with_(Op.argmax_chunks(node=i, chunk=t)) for t in ARGMAX_CHUNKS)
@@ -205,20 +208,21 @@ def _fuse_all_reduce(x: i64, w: i64, w2: i64, g: i64, eps: f64, r: i64, a: i64, 
 
 @fusion.register
 def _fuse_moe(x: i64, h: i64, g: i64, eps: f64, r: i64, b: i64, lg: i64, w: i64, w2: i64, wd: i64, rows: i64, i: i64):
-    # RMSNorm prologue, as the dense MLP's: each instance normalises x itself.
-    yield rule(
-        eq(node(i)).to(Op.moe_rounded(x=h, g=NONE, eps=0.0, logits=lg, w=w, w2=w2, wd=wd, node=i, rows=rows)),
-        eq(node(h)).to(Op.rms_norm(x=x, g=g, eps=eps)),
-    ).then(union(node(i)).with_(Op.moe_rounded(x=x, g=g, eps=eps, logits=lg, w=w, w2=w2, wd=wd, node=i, rows=rows)))
-    # r + moe: its f32 sum is acc(b), rounded by the residual add (or folded into its readers, below).
-    for lhs in (Op.add(a=r, b=b, same_shape=1), Op.add(a=b, b=r, same_shape=1)):
+    for rounded, summed in MOE_TERMS:
+        # RMSNorm prologue, as the dense MLP's: each instance normalises x itself.
         yield rule(
-            eq(node(i)).to(lhs),
-            eq(node(b)).to(Op.moe_rounded(x=x, g=g, eps=eps, logits=lg, w=w, w2=w2, wd=wd, node=b, rows=rows)),
-        ).then(
-            union(acc(b)).with_(Op.moe_sum(x=x, g=g, eps=eps, logits=lg, w=w, w2=w2, wd=wd, node=b, rows=rows)),
-            union(node(i)).with_(Op.acc_residual(r=r, acc=b)),
-        )
+            eq(node(i)).to(rounded(x=h, g=NONE, eps=0.0, logits=lg, w=w, w2=w2, wd=wd, node=i, rows=rows)),
+            eq(node(h)).to(Op.rms_norm(x=x, g=g, eps=eps)),
+        ).then(union(node(i)).with_(rounded(x=x, g=g, eps=eps, logits=lg, w=w, w2=w2, wd=wd, node=i, rows=rows)))
+        # r + moe: its f32 sum is acc(b), rounded by the residual add (or folded into its readers, below).
+        for lhs in (Op.add(a=r, b=b, same_shape=1), Op.add(a=b, b=r, same_shape=1)):
+            yield rule(
+                eq(node(i)).to(lhs),
+                eq(node(b)).to(rounded(x=x, g=g, eps=eps, logits=lg, w=w, w2=w2, wd=wd, node=b, rows=rows)),
+            ).then(
+                union(acc(b)).with_(summed(x=x, g=g, eps=eps, logits=lg, w=w, w2=w2, wd=wd, node=b, rows=rows)),
+                union(node(i)).with_(Op.acc_residual(r=r, acc=b)),
+            )
 
 
 @fusion.register

@@ -9,7 +9,7 @@ instance adds into all of ``acc``: its consumer waits for all of them. ``acc`` l
 launch-zeroed counter bank (buffer kind ``accum``), so it starts at 0 every launch.
 
 ``acc_residual``: ``out = T(r + T(acc))``, the down projection's rounding and the residual
-add of the unfused ops.
+add of the unfused ops, instance ``(row, column tile)`` (many rows: a ``moe_experts`` sum).
 
 Why: the down projection reads the whole of ``h``, so unfused it waits for the last gated
 instance and then ramps up from an idle memory system; split this way the chip streams
@@ -75,20 +75,25 @@ class AccResidual(BlockKind):
     cuda_file = "glu_down.cuh"
 
     def build(self, inputs, output, params) -> Partition:
-        fp = (Tile(0, 1), Tile(1, params["tile"]))
-        return Partition(grid=(as_dim(1), ceildiv(output.shape[1], params["tile"])), reads=(fp, fp), writes=fp)
+        fp = (Tile(0, 1), Tile(1, params["tile"]))  # one row (instance (row, column tile))
+        return Partition(grid=(output.shape[0], ceildiv(output.shape[1], params["tile"])), reads=(fp, fp), writes=fp)
 
     def cpu(self, op, env, ins, out):
         r, acc = ins
-        t = op.params["tile"]
+        t, row = op.params["tile"], slice(env["_i0"], env["_i0"] + 1)
         s = slice(env["_i1"] * t, env["_i1"] * t + t)
-        out[:, s] = (r[:, s].float() + acc[:, s].to(out.dtype).float()).to(out.dtype)
+        out[row, s] = (r[row, s].float() + acc[row, s].to(out.dtype).float()).to(out.dtype)
 
     def cuda_call(self, op, ins, out) -> str:
         r, acc = ins
         n = op.output.shape[1].value
-        args = [("r", r.view(1)), ("acc", acc.ptr), ("out", out.view(1, const=False)), ("n", f"{n}LL"),
-                ("tile", f"{op.params['tile']}LL"), ("c1", "c1")]
+        one = op.grid[0] == as_dim(1)  # (a decode step's one row: no row offset)
+
+        def row(o) -> str:  # the operand advanced to the instance's row
+            return o.ptr if one else f"({o.ptr} + c0 * {o.strides[0]})"
+
+        args = [("r", r.view(1, ptr=row(r))), ("acc", row(acc)), ("out", out.view(1, ptr=row(out), const=False)),
+                ("n", f"{n}LL"), ("tile", f"{op.params['tile']}LL"), ("c1", "c1")]
         return c_call("acc_residual", [out.ctype], args)
 
 

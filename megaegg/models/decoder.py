@@ -196,9 +196,6 @@ def build_step_graph(cfg: ModelConfig, *, max_len: int, slots: int, sampling: bo
     for what, v in (("page_len", page_len), ("pages", pages)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise GraphError(f"build_step_graph: {what} must be an int >= 1, got {v!r}")
-    if cfg.moe is not None:
-        raise UnsupportedConfig(f"build_step_graph: the routed experts of a {cfg.arch} model take one row a step so "
-                                "far; use build_decode_graph (batch 1)")
     g = Graph(f"{cfg.arch}_step")
     n, r, ctx = sym("n"), sym("r"), sym("ctx")
     inv_freq = g.constant("rope_inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))

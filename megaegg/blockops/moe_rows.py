@@ -1,0 +1,197 @@
+"""Routed experts over a runtime number of rows (a batch, a prompt: ``moe_mlp`` in the step graph),
+grouped by expert so that each chosen expert's weights are read once a launch, not once a row.
+
+``moe_route``: instance ``t`` routes rows ``[t*rows_per, ...)`` from the router's logits
+(``reference.moe_routing``: softmax in f32, the ``top_k`` largest, ties to the lower expert, the
+optional renormalisation, rounded to the model's dtype) into the op's own buffer
+``route [n, 2, top_k]`` f32: ``route[r, 0, j]`` the weight of row ``r``'s ``j``-th expert,
+``route[r, 1, j]`` its id (exact in f32: at most MAX_ROUTED_EXPERTS). One buffer, not two, because a
+block op has one output. NaN logits are an error naming the row (MEGA_ERR_NAN in the CUDA body).
+
+``moe_experts``: instance ``(u, t)`` takes the ``u``-th smallest expert id that any row chose (``u``
+past the number of distinct ones: nothing to do), finds the rows routed to it in row order (at
+most one hit a row: a row's experts are distinct), and for them, ``M`` rows at a time, computes
+rows ``[t*rows, ...)`` of the expert's gated MLP (RMSNorm prologue when fused) and adds
+``p_r * h[tile] @ wd_t[e][tile, :]`` into row ``r`` of the f32 sum, as ``moe_glu_down`` does for
+one row. Its grid is ``min(E, n * top_k)`` by the MLP's row tiles: at most as many experts as the
+rows chose. It waits for the whole route (which experts, which rows is data) and the whole of x.
+
+Why grouped: a prompt of 512 rows routes ~4000 (row, expert) pairs to 128 experts; per pair the
+weights would be read ~32 times each. Here the rows after an expert's first ``M`` re-read its tile
+from L2. (A first version: CUDA cores, ``M`` rows a pass; vLLM's fused MoE runs tensor-core tiles.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..dims import as_dim, ceildiv, dmin
+from ..dtypes import as_dtype, f32
+from ..ir.footprint import Full, Tile
+from ..reference import expert_mlp, moe_routing
+from ..sampling import NaNError
+from .base import NONE, BlockKind, Partition, Term, c_call, dimc, fields, no_view, register, rms_normed, term
+from .elementwise import elementwise_params
+from .matvec import roles
+from .moe import MOE_FIELDS, expert_rows_fit
+
+ROUTE_ROWS = 8  # rows a routing instance: one a warp (moe_rows.cuh)
+MAX_ROUTED_EXPERTS = 2048  # a routing warp holds a row's E f32 probabilities in shared memory (8 warps: 64 KB)
+EXPERT_ROWS = 4  # x rows an expert instance stages and multiplies at a time (M: the batch matvec body's)
+NEEDS = (f"expert weights that are graph weights (not views) with 16-byte rows, at most {MAX_ROUTED_EXPERTS} experts")
+
+
+@register
+class MoeRoute(BlockKind):
+    name = "moe_route"
+    cuda_file = "moe_rows.cuh"
+
+    def build(self, inputs, output, params) -> Partition:
+        per = params["rows_per"]
+        return Partition(grid=(ceildiv(inputs[0].shape[0], per),), reads=((Tile(0, per), Full()),),
+                         writes=(Tile(0, per), Full(), Full()))
+
+    def cpu(self, op, env, ins, out):
+        per = op.params["rows_per"]
+        r0 = env["_i0"] * per
+        logits = ins[0][r0 : r0 + per]
+        bad = torch.isnan(logits.float()).any(-1).nonzero()
+        if bad.numel():
+            raise NaNError(f"NaN router logits in row {r0 + int(bad[0])} of {op.label}")
+        weight, ids = moe_routing(logits, op.params["top_k"], op.params["normalize"], as_dtype(op.params["dtype"]).torch)
+        out[r0 : r0 + per, 0] = weight.float()
+        out[r0 : r0 + per, 1] = ids.float()
+
+    def cuda_call(self, op, ins, out) -> str:
+        (logits,), p = ins, op.params
+        args = [("smem", "smem"), ("logits", logits.view()), ("E", str(op.inputs[0].shape[1].value)),
+                ("top_k", str(p["top_k"])), ("normalize", "true" if p["normalize"] else "false"),
+                ("route", out.view(const=False)), ("n", op.inputs[0].shape[0].to_c(dimc)), ("rows_per", str(p["rows_per"])),
+                ("c0", "c0")]
+        return c_call("moe_route", [as_dtype(p["dtype"]).c_type, logits.ctype], args)
+
+
+@register
+class MoeExperts(BlockKind):
+    name = "moe_experts"
+    cuda_file = "moe_rows.cuh"
+    accumulates = True  # every instance adds its rows' share into the sum
+
+    def build(self, inputs, output, params) -> Partition:
+        rows = params["rows"]
+        expert_tile = (Full(), Tile(1, rows), Full())  # [E, F, K]: any expert, this instance's rows
+        reads = tuple({"x": (Full(), Full()), "g": (Full(),), "route": (Full(), Full(), Full())}.get(role, expert_tile)
+                      for role in params["roles"])
+        experts, f = inputs[list(params["roles"]).index("w")].shape[:2]
+        used = dmin(experts, output.shape[0] * params["top_k"])  # distinct experts the rows chose, at most
+        return Partition(grid=(used, ceildiv(f, rows)), reads=reads, writes=(Full(), Full()))
+
+    def cpu(self, op, env, ins, out):
+        k, p = roles(op), op.params
+        dt = op.inputs[k["w"]].dtype.torch
+        route = ins[k["route"]]
+        ids = route[:, 1].long()
+        used = torch.unique(ids)  # sorted
+        if env["_i0"] >= used.numel():
+            return
+        e = int(used[env["_i0"]])
+        rows, slots = (ids == e).nonzero(as_tuple=True)  # row order, one slot a row
+        tile = slice(env["_i1"] * p["rows"], env["_i1"] * p["rows"] + p["rows"])
+        x = ins[k["x"]][rows].float()
+        if "g" in k:
+            x = rms_normed(x, ins[k["g"]], p["eps"], dt)
+        h = expert_mlp(x, ins[k["w"]][e][tile], ins[k["w2"]][e][tile], dt)
+        out.index_add_(0, rows, route[rows, 0, slots][:, None] * (h @ ins[k["wd"]][e][tile].float()))
+
+    def cuda_call(self, op, ins, out) -> str:
+        k, p = roles(op), op.params
+        x, route, w, w2, wd = (ins[k[r]] for r in ("x", "route", "w", "w2", "wd"))
+        g = ins[k["g"]].view() if "g" in k else no_view(1, x.ctype)
+        experts, f, kdim = (d.value for d in op.inputs[k["w"]].shape)
+        n = op.inputs[k["wd"]].shape[2].value
+        args = [("smem", "smem"), ("x", x.view()), ("g", g), ("eps", f"{float(p.get('eps', 0.0))!r}f"),
+                ("route", route.view()), ("n", op.inputs[k["x"]].shape[0].to_c(dimc)), ("E", str(experts)),
+                ("top_k", str(p["top_k"])), ("w", w.view()), ("w2", w2.view()), ("wd", wd.view()),
+                ("acc", out.view(const=False)), ("F", f"{f}LL"), ("used", "c0"), ("n_tile", "c1")]
+        norm = "true" if "g" in k else "false"
+        return c_call("moe_experts", [x.ctype, EXPERT_ROWS, kdim, n, p["rows"], norm], args)
+
+    def bytes_moved(self, op, env):
+        """The experts the rows likely chose (each of ``n * top_k`` picks a uniformly random expert: the expected
+        number of distinct ones), each read once; plus every hit's x row and sum row, per row tile."""
+        k, p = roles(op), op.params
+        experts, f, kdim = (d.value for d in op.inputs[k["w"]].shape)
+        n = op.inputs[k["wd"]].shape[2].value
+        item = op.inputs[k["w"]].dtype.itemsize
+        rows = op.inputs[k["x"]].shape[0].eval(env)
+        used = experts * (1 - (1 - p["top_k"] / experts) ** rows)
+        hits = rows * p["top_k"] * op.grid[1].eval(env)
+        return int(used * (2 * f * kdim + f * n) * item + hits * (kdim * item + n * 4))
+
+
+def _fits(graph, args) -> bool:
+    """Rows of x that are not one constant row (that is ``moe_glu_down``'s), expert weights read as rows of
+    16 bytes, and a routing warp's probabilities in shared memory."""
+    xs = graph.nodes[args["x"]].shape
+    if all(d.is_const for d in xs) and math.prod(d.value for d in xs[:-1]) == 1:
+        return False
+    if any(graph.nodes[args[r]].op != "weight" for r in ("w", "w2", "wd")):
+        return False
+    experts, _, kdim = (d.value for d in graph.nodes[args["w"]].shape)
+    return expert_rows_fit(kdim, graph.nodes[args["w"]].dtype) and experts <= MAX_ROUTED_EXPERTS
+
+
+def _emit(b, args, node: int):
+    """The routing op and the expert op adding into the f32 sum of node ``node``; returns that sum."""
+    n = b.graph.nodes[node]
+    top_k = n.attrs["top_k"]
+    logits = b.rows(b.operand(args["logits"]))
+    route = b.scratch(f"moe_route{node}", (logits.shape[0], 2, top_k), f32)
+    b.emit("moe_route", [node], [logits], route, {"rows_per": ROUTE_ROWS, "top_k": top_k, "normalize": n.attrs["normalize"],
+                                              "dtype": b.graph.nodes[args["w"]].dtype.name})
+    operands = {"x": args["x"], "g": args["g"]}
+    present = tuple(r for r, v in operands.items() if v != NONE)
+    inputs = [b.rows(b.operand(operands[r])) if r == "x" else b.operand(operands[r]) for r in present]
+    acc = b.sum(node)
+    reads = {v for v in (*operands.values(), args["logits"], args["w"], args["w2"], args["wd"]) if v != NONE}
+    params = {"rows": args["rows"], "roles": (*present, "route", "w", "w2", "wd"), "eps": args["eps"], "top_k": top_k}
+    weights = [b.operand(args["w"]), b.operand(args["w2"]), b.transposed_weight(args["wd"])]
+    b.emit("moe_experts", b.absorbed(node, reads), [*inputs, route, *weights], acc, params)
+    return acc
+
+
+@term
+class MoeRowsSumTerm(Term):
+    """The f32 sum of a ``moe_mlp`` over many rows (computes a Sum), rounded by its reader as ``moe_sum``'s."""
+
+    name = "moe_rows_sum"
+    fields = MOE_FIELDS
+    computes = "sum"
+    tile = "rows"
+    needs = NEEDS
+
+    def fits(self, graph, args):
+        return _fits(graph, args)
+
+    def lower(self, b, value, args):
+        _emit(b, args, value.node)
+
+
+@term
+class MoeRowsRoundedTerm(Term):
+    """A ``moe_mlp`` value over many rows on its own: the sum, then rounded to the node's dtype (a cast)."""
+
+    name = "moe_rows_rounded"
+    fields = MOE_FIELDS
+    tile = "rows"
+    needs = NEEDS
+
+    def fits(self, graph, args):
+        return _fits(graph, args)
+
+    def lower(self, b, value, args):
+        acc = _emit(b, args, value)
+        out = b.rows(b.output(value))
+        b.emit("elementwise", [value], [acc], out, elementwise_params("cast", out.shape, b.env_hint))
