@@ -264,6 +264,18 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
                                            Arg((128, 768, 2048), T)], Arg((1, 2048), f32),
          {"rows": 32, "roles": ("x", "g", "logits", "w", "w2", "wd"), "eps": 1e-6, "top_k": 8, "normalize": True}),
         ("acc_residual", "acc_residual", [Arg((1, 2048), T), Arg((1, 2048), f32)], Arg((1, 2048), T), {"tile": 1024}),
+        ("acc_residual_rows", "acc_residual", [Arg((40, 2048), T), Arg((40, 2048), f32)], Arg((40, 2048), T),
+         {"tile": 1024}),
+        # a batch's or a prompt's rows through qwen3-30b-a3b's experts (blockops/moe_rows.py), and qwen3-235b's width
+        ("moe_route_qwen3_30b", "moe_route", [Arg((40, 128), T)], Arg((40, 2, 8), f32),
+         {"rows_per": 8, "top_k": 8, "normalize": True, "dtype": T.name}),
+        ("moe_experts_qwen3_30b", "moe_experts", [Arg((40, 2048), T), Arg((2048,), T), Arg((40, 2, 8), f32),
+                                                  Arg((128, 768, 2048), T), Arg((128, 768, 2048), T),
+                                                  Arg((128, 768, 2048), T)], Arg((40, 2048), f32),
+         {"rows": 32, "roles": ("x", "g", "route", "w", "w2", "wd"), "eps": 1e-6, "top_k": 8}),
+        ("moe_experts_k4096", "moe_experts", [Arg((40, 4096), T), Arg((40, 2, 8), f32), Arg((128, 1536, 4096), T),
+                                              Arg((128, 1536, 4096), T), Arg((128, 1536, 4096), T)],
+         Arg((40, 4096), f32), {"rows": 64, "roles": ("x", "route", "w", "w2", "wd"), "eps": 0.0, "top_k": 8}),
         ("sum_norm_q", "matvec", [Arg((1, 2048), T), Arg((2048, 2048), T), Arg((2048,), T), Arg((1, 2048), f32)],
          Arg((1, 2048), T), {"rows": 24, "mrows": 1, "roles": ("x", "w", "g", "xa"), "eps": 1e-5}),
         ("sum_res_o", "matvec", [Arg((1, 2048), T), Arg((2048, 2048), T), Arg((1, 2048), T), Arg((1, 2048), f32)],
@@ -553,6 +565,17 @@ def _randint(lo, hi):
     return lambda v, gen: v.copy_(torch.randint(lo, hi, v.shape, generator=gen, dtype=v.dtype))
 
 
+def _routes(used: int):
+    """A route buffer [n, 2, top_k] (moe_rows.py): random weights, each row's experts distinct among the first ``used``."""
+    import torch
+
+    def fill(v, gen):
+        for r in range(v.shape[0]):
+            v[r, 0] = torch.rand(v.shape[2], generator=gen)
+            v[r, 1] = torch.randperm(used, generator=gen)[: v.shape[2]].float()
+    return fill
+
+
 def _attn_part(d):
     import torch
 
@@ -645,6 +668,20 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
                                             Arg((7, 40, 128), T), Arg((7, 40, 128), T)], Arg((1, 128), f32),
          {"rows": 16, "roles": ("x", "logits", "w", "w2", "wd"), "eps": 0.0, "top_k": 2, "normalize": False}, {}),
         ("acc_residual", "acc_residual", [Arg((1, 3000), T), Arg((1, 3000), f32)], Arg((1, 3000), T), {"tile": 1024}, {}),
+        ("acc_residual_rows", "acc_residual", [Arg((5, 3000), T), Arg((5, 3000), f32)], Arg((5, 3000), T), {"tile": 1024},
+         {}),
+        # 21 rows (a ragged last routing instance); the experts of rows that chose among 6 of 9, ~10 rows each
+        # (3 passes of 4), so instances 6-8 find no expert; 72 = 2 tiles of 32 + 8; N = 1024: 2 vectors a thread
+        ("moe_route", "moe_route", [Arg((21, 9), T)], Arg((21, 2, 3), f32),
+         {"rows_per": 8, "top_k": 3, "normalize": True, "dtype": T.name}, {}),
+        ("moe_route_f32_logits", "moe_route", [Arg((5, 7), f32, strides=(9, 1))], Arg((5, 2, 2), f32),
+         {"rows_per": 8, "top_k": 2, "normalize": False, "dtype": T.name}, {}),
+        ("moe_experts_norm", "moe_experts", [Arg((21, 256), T), Arg((256,), T), Arg((21, 2, 3), f32), Arg((9, 72, 256), T),
+                                             Arg((9, 72, 256), T), Arg((9, 72, 256), T)], Arg((21, 256), f32),
+         {"rows": 32, "roles": ("x", "g", "route", "w", "w2", "wd"), "eps": 1e-5, "top_k": 3}, {2: _routes(6)}),
+        ("moe_experts_wide_n", "moe_experts", [Arg((21, 128), T), Arg((21, 2, 3), f32), Arg((9, 40, 128), T),
+                                               Arg((9, 40, 128), T), Arg((9, 40, 1024), T)], Arg((21, 1024), f32),
+         {"rows": 16, "roles": ("x", "route", "w", "w2", "wd"), "eps": 0.0, "top_k": 3}, {1: _routes(6)}),
         # a runtime M's tiles of 64 x rows (matvec_wide.cuh), ragged in x rows and weight rows: two tiles
         # (64 + 36 rows) gated with the norm, one of 40 rows with the residual (24-row tiles: half a
         # group padded), K = 4096's norm (its staged body takes 8 rows), and 10 rows (the staged body)
