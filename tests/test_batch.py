@@ -192,11 +192,6 @@ def test_a_prompt_longer_than_a_launch_prefills_over_several(tiny):
     assert runs[0] == runs[1] and runs[0][1] == 2 + 2 + 1 + 1  # prefill 2 + decode 2, prefill 1 + decode 1
 
 
-def test_a_moe_model_has_no_step_graph_yet():
-    with pytest.raises(me.GraphError, match=r"build_step_graph: the routed experts of a qwen3_moe model take one row"):
-        build_step_graph(ModelConfig.preset("qwen3-moe-tiny"), max_len=16, slots=2)
-
-
 # --- progress and stopping early: on_step, drain, Generator.current -----------------------------------------
 def test_on_step_reports_each_launch_and_can_stop_keeping_the_tokens(tiny):
     cfg, graph, spec, weights = tiny

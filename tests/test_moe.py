@@ -8,13 +8,17 @@ import dataclasses
 import pytest
 import torch
 from op_cases import MOE_WEIGHTS, moe
+from queue_edits import without_waits
+from tiny_checkpoints import save_tiny
 
 import megaegg as me
-from megaegg.interpreter import Interleaving
+from megaegg.interpreter import Interleaving, SimulationError
 from megaegg.models import (
-    CheckpointError, Generator, ModelConfig, UnsupportedConfig, build_decode_graph, kernel_step, load_checkpoint,
-    read_config, reference_step,
+    CheckpointError, Generator, ModelConfig, UnsupportedConfig, build_decode_graph, build_step_graph, kernel_step,
+    load_checkpoint, random_weights, read_config, reference_step,
 )
+from megaegg.models.batch import Batcher, Request, kernel_batch_step
+from megaegg.models.pages import PagePool
 from megaegg.reference import moe_routing
 
 transformers = pytest.importorskip("transformers")
@@ -94,6 +98,98 @@ def test_only_the_chosen_experts_are_read():
         assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
+PROMPTS = [[3, 17, 5], [9, 2, 44, 61, 7, 30, 8], [12], [50, 1, 6, 6, 90], [21, 22]]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_step_graph_batches_a_moe_model_as_transformers_decodes_it(tmp_path, paged):
+    """Five prompts of 1 to 7 tokens through two slots (or a pool of pages), at most 6 token rows a launch, on
+    the simulator under an adversarial interleaving: decode batches, prompts prefilling over two launches and
+    mixed steps route their rows through the grouped experts (moe_route, moe_experts), and each sequence's
+    greedy tokens are transformers' for its prompt alone. Top-3 of 7, not renormalised; a dense layer first."""
+    path = save_tiny(tmp_path, "qwen3_moe", seed=4, num_hidden_layers=2, num_experts=7, num_experts_per_tok=3,
+                     norm_topk_prob=False, mlp_only_layers=[0])
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(path)
+    cfg = read_config(path)
+    pages = dict(page_len=4, pages=24) if paged else {}
+    graph, spec = build_step_graph(cfg, max_len=32, slots=2, **pages)
+    kernel = me.compile(graph, load_checkpoint(path, spec), backend="sim", max_dims={"n": 6, "r": 2, "ctx": 32})
+    kinds = [e.op.kind for e in kernel.queue.entries]
+    assert kinds.count("moe_route") == kinds.count("moe_experts") == 1 and "moe_glu_down" not in kinds
+    kernel.interleaving = Interleaving(sms=5, seed=2, adversarial=True)
+    batcher = Batcher(kernel_batch_step(kernel, spec.new_caches()), slots=2, max_len=32, max_tokens=6,
+                      pages=PagePool(24, 4, 8) if paged else None)
+    outs = batcher.run([Request(p, 5) for p in PROMPTS])
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.tokens == hf_greedy(model, prompt, 5), prompt
+    assert batcher.launches < sum(len(p) + 4 for p in PROMPTS) / 2  # far fewer launches than tokens
+
+
+@pytest.fixture(scope="module")
+def moe_step():
+    """qwen3-moe-tiny (top-3 of 7, renormalised) in f32 with random weights, 2 layers, its step graph compiled
+    for up to 12 rows on the simulator, and a mixed step: a 5-token prompt beside 6 decoding rows."""
+    cfg = dataclasses.replace(ModelConfig.preset("qwen3-moe-tiny"), dtype=me.f32, layers=2)
+    graph, spec = build_step_graph(cfg, max_len=16, slots=4)
+    weights = {n: t * 2 for n, t in random_weights(spec, seed=3).items()}  # (spread-out router logits)
+    kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 12, "r": 4, "ctx": 16})
+    gen = torch.Generator().manual_seed(6)
+    n = 11
+    ins = {"token": torch.randint(0, cfg.vocab, (n,), generator=gen, dtype=torch.int32),
+           "pos": torch.tensor([0, 1, 2, 3, 4, 9, 3, 7, 12, 5, 15], dtype=torch.int32),
+           "slot": torch.tensor([0, 0, 0, 0, 0, 1, 2, 3, 1, 2, 3], dtype=torch.int32),
+           "out": torch.tensor([4, 8, 9, 10], dtype=torch.int32)}
+    caches = {k: torch.randn(c.shape, generator=gen) for k, c in spec.new_caches().items()}
+    return graph, weights, kernel, ins, caches, {"n": n, "r": 4, "ctx": 16}
+
+
+def test_a_mixed_step_routes_rows_to_experts_on_adversarial_interleavings(moe_step):
+    """The grouped experts' rows (several a chosen expert: more than one pass of 4) on random and adversarial
+    schedules give the reference's logits; without its waits the expert op reads the route before it is
+    written."""
+    graph, weights, kernel, ins, caches, dims = moe_step
+    fresh = lambda: {k: c.clone() for k, c in caches.items()}  # noqa: E731
+    ref = me.run_reference(graph, {**ins, **fresh()}, weights, dims)["logits"]
+    x = [e for e in kernel.queue.entries if e.op.kind == "moe_experts"][0].op
+    route = kernel.queue.program.buffers[x.inputs[list(x.params["roles"]).index("route")].buffer].name
+    for seed in range(4):
+        got = kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=seed % 2 == 1), **ins, **fresh(), **dims)
+        assert ((got["logits"] - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    with without_waits(kernel, "moe_experts"), pytest.raises(
+            SimulationError, match=rf"moe_experts .* read unwritten elements of buffer '({route}|t\d+)'"):
+        for seed in range(6):
+            kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=True), **ins, **fresh(), **dims)
+
+
+def test_the_expert_op_takes_each_chosen_expert_once_and_skips_the_rest(moe_step):
+    """Instance (u, t) takes the u-th smallest expert any row chose: with 11 rows of top-3 among 7 experts every
+    expert is someone's, and the instances past min(7, 33) are none; one row uses 3 experts, so 3 instances."""
+    from megaegg.blockops import REGISTRY
+
+    _, _, kernel, *_ = moe_step
+    op = [e.op for e in kernel.queue.entries if e.op.kind == "moe_experts"][0]
+    assert [str(d) for d in op.grid] == ["min(n * 3, 7)", str(op.grid[1])]
+    route = torch.zeros(2, 2, 3)
+    route[:, 1] = torch.tensor([[4.0, 1.0, 6.0], [6.0, 2.0, 1.0]])
+    route[:, 0] = 0.5
+    k = {r: i for i, r in enumerate(op.params["roles"])}
+    gen = torch.Generator().manual_seed(0)
+    ins = [torch.randn([d.eval({"n": 2}) for d in o.shape], generator=gen) for o in op.inputs]
+    ins[k["route"]] = route
+    seen = []
+    for u in range(6):
+        out = torch.zeros(2, ins[k["x"]].shape[1])
+        REGISTRY["moe_experts"].cpu(op, {"n": 2, "_i0": u, "_i1": 0}, ins, out)
+        seen.append([r for r in range(2) if out[r].abs().sum() > 0])
+    assert seen == [[0, 1], [1], [0], [0, 1], [], []]  # experts 1, 2, 4, 6, then none
+
+
 def test_moe_mlp_checks_its_operands():
     g = me.Graph()
     x, logits = g.input("x", [1, 64], me.f32), g.input("l", [1, 5], me.f32)
@@ -105,6 +201,11 @@ def test_moe_mlp_checks_its_operands():
         me.moe_mlp(x, logits, wg, wu, g.weight("bad", [5, 32, 64], me.f32), top_k=2, normalize=True)
     with pytest.raises(me.ShapeError, match="router_logits .* must be \\[..., 5\\]"):
         me.moe_mlp(x, g.input("l4", [1, 4], me.f32), wg, wu, wd, top_k=2, normalize=True)
+    rows, logits = g.input("xn", [me.sym("n"), 64], me.f32), g.input("ln", [me.sym("n"), 5], me.f32)
+    with pytest.raises(me.ShapeError, match="top_k must be an int in \\[1, 5\\]"):  # (many rows: the same checks)
+        me.moe_mlp(rows, logits, wg, wu, wd, top_k=6, normalize=True)
+    with pytest.raises(me.ShapeError, match="router_logits .* must be \\[..., 5\\] with x's rows"):
+        me.moe_mlp(rows, g.input("l1", [3, 5], me.f32), wg, wu, wd, top_k=2, normalize=True)
 
 
 BASE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64,
