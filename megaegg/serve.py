@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import sys
 import threading
 import time
 import uuid
@@ -657,17 +656,12 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
     one decoding row runs the batch-1 decode graph (with sampling) on its slot (``decode_graph``; its fused MLP
     holds a transposed copy of each down projection: llama-3.2-1b 0.5 GB, an 8B model 3.8 GB). With
     ``page_len``, paged caches: a pool of ``pages`` pages (default: as many rows as ``slots`` caches), every
-    launch the step graph's. On the cuda backend its launch paths are run once first (:func:`warm_up`). A
-    Qwen3-MoE model (no step graph yet) runs one sequence at a time (``_one_sequence_engine``: ``slots``,
-    ``max_tokens`` and ``decode_graph`` do not apply)."""
+    launch the step graph's. On the cuda backend its launch paths are run once first (:func:`warm_up`)."""
     import megaegg as me
     from .models import build_step_graph
 
     if pages is not None and page_len is None:
         raise GraphError("build_engine: pages goes with page_len (a paged KV cache)")
-    if cfg.moe is not None:
-        return _one_sequence_engine(cfg, weights_for, backend=backend, device=device, max_len=max_len,
-                                    max_queue=max_queue, page_len=page_len)
     per_seq = -(-max_len // page_len) if page_len else 0
     pages = pages or slots * per_seq
     graph, spec = build_step_graph(cfg, max_len=max_len, slots=slots, sampling=True, page_len=page_len,
@@ -689,32 +683,6 @@ def build_engine(cfg, weights_for, *, backend: str, device, max_len: int, slots:
         warm_up(step, slots=slots, max_len=max_len, max_tokens=max_tokens, vocab=cfg.vocab, device=device, pool=pool)
     batcher = Batcher(step, slots=slots, max_len=max_len, max_tokens=max_tokens, device=device, vocab=cfg.vocab,
                       prefix_cache=pool is None, pages=pool, run_ahead=backend != "reference")
-    return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab, decode_kernel=decode, caches=caches)
-
-
-def _one_sequence_engine(cfg, weights_for, *, backend: str, device, max_len: int, max_queue: int,
-                         page_len: int | None) -> Engine:
-    """A model the step graph cannot batch yet (Qwen3-MoE: its routed experts take one row a step): the
-    batch-1 decode graph (sampling on the device) runs one sequence at a time, its prompt one token a
-    launch and its decoding one token ahead; a finished sequence's rows serve the next prompt's shared
-    prefix (one slot)."""
-    import megaegg as me
-    from .models import build_decode_graph
-
-    if page_len is not None:
-        raise GraphError(f"a paged KV cache (page_len) needs the step graph, and {cfg.arch}'s routed experts take one "
-                         "row a step so far: serve it without one")
-    if backend == "reference":
-        raise GraphError(f"the reference backend runs the step graph, and {cfg.arch}'s routed experts take one row a "
-                         "step so far: serve it on the cuda or sim backend")
-    graph, spec = build_decode_graph(cfg, max_len=max_len, logits=False, sampling=True)  # (its LM head and draw fuse)
-    decode = me.compile(graph, weights_for(spec), backend=backend, max_dims={"pos": max_len - 1},
-                        dims_hint={"pos": min(512, max_len - 1)})
-    caches = {name: c.unsqueeze(0) for name, c in spec.new_caches(device=device).items()}  # (one slot)
-    step = single_sequence_decode(None, decode, caches)
-    if backend == "cuda":
-        warm_up(step, slots=1, max_len=max_len, max_tokens=1, vocab=cfg.vocab, device=device)
-    batcher = Batcher(step, slots=1, max_len=max_len, max_tokens=1, device=device, vocab=cfg.vocab, prefix_cache=True)
     return Engine(batcher, max_queue=max_queue, vocab=cfg.vocab, decode_kernel=decode, caches=caches)
 
 
@@ -766,9 +734,6 @@ def main(argv=None) -> int:
         name = a.preset or "tiny"
         cfg, eos, tokenizer = ModelConfig.preset(name), (), None
     max_len = min(a.max_len or 2048, cfg.max_positions)
-    if cfg.moe is not None:  # (build_engine: _one_sequence_engine, which refuses --page-len)
-        print(f"note: {cfg.arch}: one sequence at a time, its prompt one token a launch (the routed experts take one "
-              "row a step so far); --slots, --max-step-tokens and --no-decode-graph do not apply", file=sys.stderr)
     tokens = max(a.slots, min(a.max_step_tokens or 512, a.slots * max_len))
     if a.page_len and a.pages and a.pages * a.page_len < max_len:
         ap.error(f"--pages {a.pages} of --page-len {a.page_len} rows hold fewer than one sequence's --max-len {max_len}")

@@ -376,14 +376,14 @@ def test_bench_serve_dry_run_loses_nothing(tmp_path):
     assert all(t >= 0 for t, _, _, _ in e["launch_log"])
 
 
-def test_a_qwen3_moe_checkpoint_is_served_one_sequence_at_a_time(tmp_path):
-    """Qwen3-MoE (its routed experts take one row a step): the server runs the batch-1 decode graph, one
-    sequence at a time, its prompt one token a launch. Three concurrent streaming clients each get
-    transformers' greedy text; a sampled request with a seed gives the same tokens twice; a prompt sharing
-    the last one's prefix reuses its rows; a paged cache is refused with a message naming it."""
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_qwen3_moe_checkpoint_is_served_in_batches(tmp_path, paged):
+    """Qwen3-MoE is batched as a dense model is (the step graph routes every row: moe_route, moe_experts): four
+    concurrent streaming clients each get transformers' greedy text, from launches that hold several sequences'
+    rows and prompts of several tokens; a sampled request with a seed gives the same tokens twice; with slot
+    caches a prompt sharing an earlier one's prefix reuses its rows (with a paged cache, its pages)."""
     import transformers
 
-    from megaegg.graph import GraphError
     from megaegg.models import load_checkpoint, read_config
     from megaegg.serve import build_engine, create_app
 
@@ -392,16 +392,15 @@ def test_a_qwen3_moe_checkpoint_is_served_one_sequence_at_a_time(tmp_path):
     assert cfg.moe is not None
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
-    prompts = ["w1 w2 w3", "w9 w8", "w40 w41 w42 w43"]
+    prompts = ["w1 w2 w3", "w9 w8", "w40 w41 w42 w43", "w7 w7 w60 w61 w62"]
     want = {}
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         want[p] = tok.decode(out[0, ids.shape[1]:])
-    build = dict(backend="sim", device="cpu", max_len=32, slots=4, max_tokens=32, max_queue=16)
-    with pytest.raises(GraphError, match="page_len"):
-        build_engine(cfg, lambda spec: load_checkpoint(path, spec), page_len=4, **build)
-    engine = build_engine(cfg, lambda spec: load_checkpoint(path, spec), **build)
+    pages = dict(page_len=4, pages=32) if paged else {}
+    engine = build_engine(cfg, lambda spec: load_checkpoint(path, spec), backend="sim", device="cpu", max_len=32,
+                          slots=4, max_tokens=32, max_queue=16, **pages)
     try:
         with running(create_app(engine, model="tiny-moe", tokenizer=tok, max_len=32)) as url:
             c = openai.OpenAI(base_url=url + "/v1", api_key="-", timeout=120)
@@ -410,12 +409,16 @@ def test_a_qwen3_moe_checkpoint_is_served_one_sequence_at_a_time(tmp_path):
                 chunks = c.completions.create(model="tiny-moe", prompt=p, max_tokens=4, temperature=0, stream=True)
                 return "".join(ch.choices[0].text for ch in chunks)
 
-            with ThreadPoolExecutor(3) as pool:
+            with ThreadPoolExecutor(len(prompts)) as pool:
                 got = dict(zip(prompts, pool.map(stream, prompts)))
             assert got == want
+            assert max(engine.batcher.launch_rows) > 1  # (prompts of several tokens, sequences together)
+            assert engine.batcher.launches < sum(len(tok(p).input_ids) + 3 for p in prompts)
             sampled = [c.completions.create(model="tiny-moe", prompt=prompts[0], max_tokens=4, temperature=0.9,
                                             seed=7).choices[0].token_ids for _ in range(2)]
             assert sampled[0] == sampled[1] and len(sampled[0]) == 4
+            if paged:
+                return
 
             def hits():
                 text = httpx.get(url + "/metrics", timeout=30).text

@@ -638,7 +638,7 @@ def _samples(kernel) -> bool:
     return "temperature" in {b.name for b in kernel.program.buffers}
 
 
-def single_sequence_decode(step: BatchStepFn | None, decode_kernel, caches: Mapping[str, torch.Tensor], *,
+def single_sequence_decode(step: BatchStepFn, decode_kernel, caches: Mapping[str, torch.Tensor], *,
                            run_ahead: bool = True) -> BatchStepFn:
     """``step``, except that a launch of one decoding row runs ``decode_kernel`` (a batch-1 decode graph,
     :func:`~megaegg.models.build_decode_graph`: its fused kernel is faster) on that row's cache slot. A
@@ -648,21 +648,16 @@ def single_sequence_decode(step: BatchStepFn | None, decode_kernel, caches: Mapp
     writes on the device, its counter one more) before waiting for its token, so the host's work between
     tokens (the batcher, the server) overlaps that launch instead of adding to it. The next call takes it
     if its row is that one (same slot, position, token and sampling); otherwise it is dropped: it wrote the
-    slot's next cache row for the token that row holds, which a later launch of the row writes again.
-
-    ``step`` None: every launch is one row, a prompt row too (``decode_kernel`` feeds it, its draw not read): a
-    ``Batcher(slots=1, max_tokens=1)`` over it runs one sequence at a time, for a model whose step graph
-    cannot be built (Qwen3-MoE: its routed experts take one row a step so far)."""
+    slot's next cache row for the token that row holds, which a later launch of the row writes again."""
     return _LoneDecode(step, decode_kernel, caches, run_ahead)
 
 
 class _LoneDecode:
     """:func:`single_sequence_decode`'s step function: a launcher a slot, and the launch queued ahead."""
 
-    def __init__(self, step: BatchStepFn | None, kernel, caches: Mapping[str, torch.Tensor], run_ahead: bool) -> None:
+    def __init__(self, step: BatchStepFn, kernel, caches: Mapping[str, torch.Tensor], run_ahead: bool) -> None:
         self.step, self.kernel, self.caches, self.run_ahead = step, kernel, caches, run_ahead
         self.knobs = [name for name, _ in SAMPLING_INPUTS] if _samples(kernel) else []
-        self.greedy: dict[str, torch.Tensor] | None = None  # (the settings of a prompt row's unread draw)
         self.launchers = {}
         self.ahead = None  # (the row it runs: slot, pos, token, sampling; its LaunchResult)
         self.dropped = []  # launches run ahead and not taken: their errors are nobody's (settled before the next)
@@ -674,7 +669,7 @@ class _LoneDecode:
         ahead, self.ahead = self.ahead, None
         if len(rows.host_pos) != 1 or rows.out.numel() != 1 or not (self.knobs or rows.greedy):
             self.dropped += [ahead[1]] if ahead else []
-            return self.step(rows) if self.step is not None else self._prompt_row(rows)
+            return self.step(rows)
         if not (rows.host_token and rows.host_sampling):
             raise GraphError("single_sequence_decode needs the rows' host_token and host_sampling (as Batcher fills them)")
         slot, pos, sampling = rows.host_slot[0], rows.host_pos[0], rows.host_sampling[0]
@@ -705,20 +700,6 @@ class _LoneDecode:
             return tokens
 
         return QueuedTokens(get, result.device)
-
-    def _prompt_row(self, rows: StepRows) -> QueuedTokens:
-        """(no step function) A launch of one prompt row that draws nothing read: the decode graph feeds it."""
-        if len(rows.host_pos) != 1 or rows.out.numel():
-            raise GraphError(f"single_sequence_decode without a step function runs one row a launch, a prompt's or a "
-                             f"greedy or sampled decoding one the decode graph takes; got {len(rows.host_pos)} rows")
-        knobs = {}
-        if self.knobs:
-            if self.greedy is None:
-                self.greedy = {name: torch.zeros(1, dtype=dt.torch, device=rows.token.device)
-                               for name, dt in SAMPLING_INPUTS}
-            knobs = self.greedy
-        result = self._launch(rows.host_slot[0], rows.host_pos[0], {"token": rows.token, **knobs})
-        return QueuedTokens(lambda: result.get()[:0], result.device[:0])
 
     def _settle(self) -> None:
         """Wait for the launches dropped so far and clear what they recorded (a kernel's error record stays set
