@@ -272,7 +272,7 @@ def main(argv=None) -> dict:
     if not need <= max_len <= cfg.max_positions:
         raise SystemExit(f"error: --max-len {max_len} must hold a prompt of {a.prompt_len[1]} tokens and {a.output_len} "
                          f"more ({need} rows) and be at most the model's {cfg.max_positions} positions")
-    slots = 1 if cfg.moe is not None else a.slots or a.concurrency  # (Qwen3-MoE: one sequence at a time)
+    slots = a.slots or a.concurrency
     t0 = time.perf_counter()
     # the engine in a process of its own, as `python -m megaegg serve` runs it
     engine = EngineProcess(EngineSpec(cfg, backend, device, max_len, slots, max(slots, a.max_step_tokens), seed=0,

@@ -27,8 +27,9 @@ TILE_FIELD = "rows"  # the weight rows an instance streams: the choice refine_ti
 COMBINING = ("attn_partial_merge",)  # kinds whose last arrivals combine the partials (their SMs held longer)
 # kinds whose instances the model does not describe: a routed expert instance's top-k and scattered expert rows
 # were never traced against it, and on qwen3-30b-a3b it predicted 2.6% off the step for a change that measured
-# +1.6% (perf-notes #100); a program with one keeps the extraction's tiles
-UNMODELLED = ("moe_glu_down",)
+# +1.6% (perf-notes #100); a program with one keeps the extraction's tiles (moe_experts: an instance's rows,
+# possibly none, are data)
+UNMODELLED = ("moe_glu_down", "moe_experts")
 
 
 @dataclass(frozen=True)
