@@ -93,7 +93,7 @@ def _layer_graph():
                                                                  ("p", [2], me.f32), ("s", [2], me.i32), ("c", [2], me.i32)))),
          r"sample: logits 'l' f32\[2, S\] must have static vocab"),
         (lambda g: me.moe_mlp(g.input("x", [2, 16], me.f32), g.input("r", [2, 4], me.f32), *(g.weight(n, s, me.f32) for n, s in (
-            ("wg", [4, 8, 16]), ("wu", [4, 8, 16]), ("wd", [4, 16, 8]))), top_k=2, normalize=True), r"moe_mlp: x 'x' f32\[2, 16\] must be one row"),
+            ("wg", [4, 8, 16]), ("wu", [4, 8, 16]), ("wd", [4, 16, 8]))), top_k=5, normalize=True), r"moe_mlp: top_k must be an int in \[1, 4\] \(the number of experts\), got 5"),
         (lambda g: me.rope(g.input("x", [2, S, 16], me.f32), g.input("i", [2], me.i32)), r"rope: x 'x' f32\[2, S, 16\] must have static dims between"),
         (lambda g: me.slice(g.input("x", [4, 6], me.f32), 1, S + 4, S), r"slice: bad range S \+ 4:S"),
     ],
