@@ -33,7 +33,7 @@ class ProgramBuilder:
     """Accumulates buffers and block ops while the chosen terms lower themselves in order.
 
     The terms' ``lower`` use its operand helpers (``operand``, ``rows``, ``view``, ``output``,
-    ``sum``, ``cache_row``, ``transposed_weight``, ``scratch``) and ``emit``.
+    ``sum``, ``keep_sum``, ``cache_row``, ``transposed_weight``, ``scratch``) and ``emit``.
     """
 
     def __init__(self, graph: Graph, env_hint: dict[str, int]) -> None:
@@ -42,6 +42,7 @@ class ProgramBuilder:
         self.buffers: list[Buffer] = []
         self.buffer_of: dict[int, int] = {}
         self.sum_of: dict[int, int] = {}  # Sum node -> its accum buffer
+        self.kept_sums: dict[int, Operand] = {}  # Sum node -> the operand its producer keeps it in (keep_sum)
         self.transposed_of: dict[int, int] = {}  # weight node -> its transposed copy's buffer
         self.ops: list[BlockOp] = []
         # inputs that an in-place op (kv_append, kv_store) updates
@@ -85,11 +86,19 @@ class ProgramBuilder:
     def sum(self, node: int) -> Operand:
         """The f32 sum whose rounding is node ``node``'s value, as ``[rows, N]`` (an ``accum``
         buffer: zero at every launch, added into by its producer's instances)."""
+        if node in self.kept_sums:
+            return self.kept_sums[node]
         n = self.graph.nodes[node]
         shape = (numel(n.shape[:-1]), n.shape[-1])
         if node not in self.sum_of:
             self.sum_of[node] = self.new_buffer(f"mlp_acc{node}", "accum", shape, f32)
         return Operand(self.sum_of[node], shape, f32)
+
+    def keep_sum(self, node: int, o: Operand) -> None:
+        """Node ``node``'s f32 sum is ``o``, ``[rows, N]`` in a buffer its producer zeroes itself (``moe_route``:
+        the rows of a runtime row count), not an ``accum`` buffer of the counter bank, which every launch zeroes
+        whole at its largest size."""
+        self.kept_sums[node] = o
 
     def transposed_weight(self, i: int) -> Operand:
         """Weight node ``i`` ``[..., N, F]`` as a ``[..., F, N]`` buffer, transposed once when weights are bound."""

@@ -267,8 +267,8 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
         ("acc_residual_rows", "acc_residual", [Arg((40, 2048), T), Arg((40, 2048), f32)], Arg((40, 2048), T),
          {"tile": 1024}),
         # a batch's or a prompt's rows through qwen3-30b-a3b's experts (blockops/moe_rows.py), and qwen3-235b's width
-        ("moe_route_qwen3_30b", "moe_route", [Arg((40, 128), T)], Arg((40, 2, 8), f32),
-         {"rows_per": 8, "top_k": 8, "normalize": True, "dtype": T.name}),
+        ("moe_route_qwen3_30b", "moe_route", [Arg((40, 128), T)], Arg((40, 2064), f32),
+         {"rows_per": 8, "top_k": 8, "sum": 2048, "normalize": True, "dtype": T.name}),
         ("moe_experts_qwen3_30b", "moe_experts", [Arg((40, 2048), T), Arg((2048,), T), Arg((40, 2, 8), f32),
                                                   Arg((128, 768, 2048), T), Arg((128, 768, 2048), T),
                                                   Arg((128, 768, 2048), T)], Arg((40, 2048), f32),
@@ -566,7 +566,8 @@ def _randint(lo, hi):
 
 
 def _routes(used: int):
-    """A route buffer [n, 2, top_k] (moe_rows.py): random weights, each row's experts distinct among the first ``used``."""
+    """The route [n, 2, top_k] of moe_rows.py's state: random weights, each row's experts distinct among the first
+    ``used``."""
     import torch
 
     def fill(v, gen):
@@ -672,10 +673,10 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
          {}),
         # 21 rows (a ragged last routing instance); the experts of rows that chose among 6 of 9, ~10 rows each
         # (3 passes of 4), so instances 6-8 find no expert; 72 = 2 tiles of 32 + 8; N = 1024: 2 vectors a thread
-        ("moe_route", "moe_route", [Arg((21, 9), T)], Arg((21, 2, 3), f32),
-         {"rows_per": 8, "top_k": 3, "normalize": True, "dtype": T.name}, {}),
-        ("moe_route_f32_logits", "moe_route", [Arg((5, 7), f32, strides=(9, 1))], Arg((5, 2, 2), f32),
-         {"rows_per": 8, "top_k": 2, "normalize": False, "dtype": T.name}, {}),
+        ("moe_route", "moe_route", [Arg((21, 9), T)], Arg((21, 24), f32),
+         {"rows_per": 8, "top_k": 3, "sum": 16, "normalize": True, "dtype": T.name}, {}),
+        ("moe_route_f32_logits", "moe_route", [Arg((5, 7), f32, strides=(9, 1))], Arg((5, 16), f32),
+         {"rows_per": 8, "top_k": 2, "sum": 12, "normalize": False, "dtype": T.name}, {}),
         ("moe_experts_norm", "moe_experts", [Arg((21, 256), T), Arg((256,), T), Arg((21, 2, 3), f32), Arg((9, 72, 256), T),
                                              Arg((9, 72, 256), T), Arg((9, 72, 256), T)], Arg((21, 256), f32),
          {"rows": 32, "roles": ("x", "g", "route", "w", "w2", "wd"), "eps": 1e-5, "top_k": 3}, {2: _routes(6)}),

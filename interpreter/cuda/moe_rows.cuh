@@ -1,9 +1,10 @@
-// Routed experts over many rows, grouped by expert (blockops/moe_rows.py).
+// Routed experts over many rows, grouped by expert (blockops/moe_rows.py). Both ops work in the op's own
+// state[n, W] f32: columns [0, N) the rows' f32 sums, [N, N + top_k) the routing weights, [N + top_k,
+// N + 2 * top_k) the expert ids (as f32).
 // moe_route:   instance c0 routes rows [c0 * rows_per, ...), warp w row c0 * rows_per + w: the top_k of
 //              softmax(logits[r, :E]) in f32, largest first, ties to the lower expert, divided by their sum
-//              when `normalize`, rounded to T (reference.moe_routing); written to route[r, 0, j] (weight)
-//              and route[r, 1, j] (the expert id, as f32). NaN logits report MEGA_ERR_NAN (the row) and
-//              route to expert 0 with weight 0.
+//              when `normalize`, rounded to T (reference.moe_routing); and zeroes the row's sums. NaN logits
+//              report MEGA_ERR_NAN (the row) and route to expert 0 with weight 0.
 // moe_experts: instance (used, n_tile) takes the used-th smallest expert id in the route (none left: it
 //              returns), then M rows routed to it at a time (in row order): stages them (RMSNorm when
 //              NORM), runs the gated matvec body's loop on the expert's rows [n_tile*ROWS, ...) into h in
@@ -15,10 +16,11 @@
 
 namespace moe_rows_impl {
 
-// Warp-level routing of one row; p: E + 2 * top_k floats of shared memory that only this warp uses.
+// Warp-level routing of one row into weight[0, top_k) and id[0, top_k); p: E + 2 * top_k floats of shared memory
+// that only this warp uses.
 template <class T, class TL>
 __device__ void route_row(float* p, const TL* logits, long long ls, int E, int top_k, bool normalize, float* weight,
-                          float* id, long long rs, long long row) {
+                          float* id, long long row) {
     const int lane = threadIdx.x & 31;
     float* top_v = p + E;            // [top_k] the chosen probabilities, largest first (lane 0 writes)
     float* top_i = p + E + top_k;    // [top_k] their experts (as f32)
@@ -55,8 +57,8 @@ __device__ void route_row(float* p, const TL* logits, long long ls, int E, int t
     for (int j = lane; j < top_k; j += 32) {
         const bool nan = top_i[j] < 0.0f;
         if (nan) mega_body_error(MEGA_ERR_NAN, row);
-        weight[j * rs] = nan ? 0.0f : round_to<T>(normalize ? top_v[j] / chosen : top_v[j]);
-        id[j * rs] = nan ? 0.0f : top_i[j];
+        weight[j] = nan ? 0.0f : round_to<T>(normalize ? top_v[j] / chosen : top_v[j]);
+        id[j] = nan ? 0.0f : top_i[j];
     }
 }
 
@@ -97,14 +99,20 @@ __device__ int used_expert(char* smem, Ten3<const float> route, long long n, int
 
 template <class T, class TL>
 __device__ __noinline__ void moe_route(char* smem, Mat<const TL> logits, int E, int top_k, bool normalize,
-                                       Ten3<float> route, long long n, int rows_per, long long c0) {
-    in_global(logits, route);
-    const int warp = threadIdx.x >> 5;
+                                       Mat<float> state, int N, int W, long long n, int rows_per, long long c0) {
+    in_global(logits, state);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if ((long long)rows_per * (E + 2 * top_k) * 4 > MEGA_SMEM || rows_per > MEGA_WARPS) {  // (moe_rows.py: ROUTE_FLOATS)
+        if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
+        return;
+    }
     const long long row = c0 * rows_per + warp;
     if (warp >= rows_per || row >= n) return;  // (no block barrier below: each warp routes alone)
+    float* s = state.p + row * state.s0;
+    for (int i = lane; i < N; i += 32) s[i] = 0.0f;  // the sums the experts add into
     float* p = shared_ptr<float>(smem) + warp * (E + 2 * top_k);
-    moe_rows_impl::route_row<T>(p, logits.p + row * logits.s0, logits.s1, E, top_k, normalize, route.p + row * route.s0,
-                                route.p + row * route.s0 + route.s1, route.s2, row);
+    moe_rows_impl::route_row<T>(p, logits.p + row * logits.s0, logits.s1, E, top_k, normalize, s + N, s + N + top_k, row);
+    for (int i = N + 2 * top_k + lane; i < W; i += 32) s[i] = 0.0f;  // (the padding: every element written)
 }
 
 template <class T, int M, int K, int N, int ROWS, bool NORM>

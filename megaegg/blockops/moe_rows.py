@@ -1,20 +1,25 @@
 """Routed experts over a runtime number of rows (a batch, a prompt: ``moe_mlp`` in the step graph),
 grouped by expert so that each chosen expert's weights are read once a launch, not once a row.
 
+Both ops work in one buffer of the op's own, ``state [n, W]`` f32: columns ``[0, N)`` the rows' f32 sum
+(what ``moe_glu_down`` keeps in an ``accum`` buffer for its one row), ``[N, N + top_k)`` the routing
+weights, ``[N + top_k, N + 2 * top_k)`` the expert ids (exact in f32), ``W`` rounded up to 4 columns (16-byte
+rows for the vector atomics). Why not an ``accum`` sum: the counter bank is zeroed whole every launch at
+its largest size, and ``[max rows, N]`` a layer a row band is qwen3-30b-a3b's 769 MB at 512 rows; here the
+routing zeroes the launch's rows only.
+
 ``moe_route``: instance ``t`` routes rows ``[t*rows_per, ...)`` from the router's logits
-(``reference.moe_routing``: softmax in f32, the ``top_k`` largest, ties to the lower expert, the
-optional renormalisation, rounded to the model's dtype) into the op's own buffer
-``route [n, 2, top_k]`` f32: ``route[r, 0, j]`` the weight of row ``r``'s ``j``-th expert,
-``route[r, 1, j]`` its id (exact in f32: at most MAX_ROUTED_EXPERTS). One buffer, not two, because a
-block op has one output. NaN logits are an error naming the row (MEGA_ERR_NAN in the CUDA body).
+(``reference.moe_routing``: softmax in f32, the ``top_k`` largest, ties to the lower expert, the optional
+renormalisation, rounded to the model's dtype) and zeroes their sums. NaN logits are an error naming the
+row (MEGA_ERR_NAN in the CUDA body).
 
 ``moe_experts``: instance ``(u, t)`` takes the ``u``-th smallest expert id that any row chose (``u``
 past the number of distinct ones: nothing to do), finds the rows routed to it in row order (at
 most one hit a row: a row's experts are distinct), and for them, ``M`` rows at a time, computes
 rows ``[t*rows, ...)`` of the expert's gated MLP (RMSNorm prologue when fused) and adds
-``p_r * h[tile] @ wd_t[e][tile, :]`` into row ``r`` of the f32 sum, as ``moe_glu_down`` does for
-one row. Its grid is ``min(E, n * top_k)`` by the MLP's row tiles: at most as many experts as the
-rows chose. It waits for the whole route (which experts, which rows is data) and the whole of x.
+``p_r * h[tile] @ wd_t[e][tile, :]`` into row ``r``'s sum, as ``moe_glu_down`` does for one row.
+Its grid is ``min(E, n * top_k)`` by the MLP's row tiles: at most as many experts as the rows chose.
+It waits for the whole route (which experts, which rows is data; the sums zeroed) and the whole of x.
 
 Why grouped: a prompt of 512 rows routes ~4000 (row, expert) pairs to 128 experts; per pair the
 weights would be read ~32 times each. Here the rows after an expert's first ``M`` re-read its tile
@@ -27,7 +32,7 @@ import math
 
 import torch
 
-from ..dims import as_dim, ceildiv, dmin
+from ..dims import ceildiv, dmin
 from ..dtypes import as_dtype, f32
 from ..ir.footprint import Full, Tile
 from ..reference import expert_mlp, moe_routing
@@ -38,9 +43,15 @@ from .matvec import roles
 from .moe import MOE_FIELDS, expert_rows_fit
 
 ROUTE_ROWS = 8  # rows a routing instance: one a warp (moe_rows.cuh)
-MAX_ROUTED_EXPERTS = 2048  # a routing warp holds a row's E f32 probabilities in shared memory (8 warps: 64 KB)
+ROUTE_FLOATS = 2048  # a routing warp's E probabilities and 2 * top_k picks in shared memory (8 warps: 64 KB)
 EXPERT_ROWS = 4  # x rows an expert instance stages and multiplies at a time (M: the batch matvec body's)
-NEEDS = (f"expert weights that are graph weights (not views) with 16-byte rows, at most {MAX_ROUTED_EXPERTS} experts")
+NEEDS = (f"expert weights that are graph weights (not views) with 16-byte rows, experts + 2 * top_k at most "
+         f"{ROUTE_FLOATS}")
+
+
+def state_width(n: int, top_k: int) -> int:
+    """Columns of the state buffer: the sum's ``n``, then the weights and ids, rounded up to whole 16-byte vectors."""
+    return -(-(n + 2 * top_k) // 4) * 4
 
 
 @register
@@ -51,25 +62,27 @@ class MoeRoute(BlockKind):
     def build(self, inputs, output, params) -> Partition:
         per = params["rows_per"]
         return Partition(grid=(ceildiv(inputs[0].shape[0], per),), reads=((Tile(0, per), Full()),),
-                         writes=(Tile(0, per), Full(), Full()))
+                         writes=(Tile(0, per), Full()))
 
     def cpu(self, op, env, ins, out):
-        per = op.params["rows_per"]
-        r0 = env["_i0"] * per
-        logits = ins[0][r0 : r0 + per]
+        p = op.params
+        r0, n, k = env["_i0"] * p["rows_per"], p["sum"], p["top_k"]
+        logits = ins[0][r0 : r0 + p["rows_per"]]
         bad = torch.isnan(logits.float()).any(-1).nonzero()
         if bad.numel():
             raise NaNError(f"NaN router logits in row {r0 + int(bad[0])} of {op.label}")
-        weight, ids = moe_routing(logits, op.params["top_k"], op.params["normalize"], as_dtype(op.params["dtype"]).torch)
-        out[r0 : r0 + per, 0] = weight.float()
-        out[r0 : r0 + per, 1] = ids.float()
+        weight, ids = moe_routing(logits, k, p["normalize"], as_dtype(p["dtype"]).torch)
+        rows = out[r0 : r0 + p["rows_per"]]
+        rows.zero_()  # (the sums, and the padding)
+        rows[:, n : n + k] = weight.float()
+        rows[:, n + k : n + 2 * k] = ids.float()
 
     def cuda_call(self, op, ins, out) -> str:
         (logits,), p = ins, op.params
         args = [("smem", "smem"), ("logits", logits.view()), ("E", str(op.inputs[0].shape[1].value)),
                 ("top_k", str(p["top_k"])), ("normalize", "true" if p["normalize"] else "false"),
-                ("route", out.view(const=False)), ("n", op.inputs[0].shape[0].to_c(dimc)), ("rows_per", str(p["rows_per"])),
-                ("c0", "c0")]
+                ("state", out.view(const=False)), ("N", str(p["sum"])), ("W", str(op.output.shape[1].value)),
+                ("n", op.inputs[0].shape[0].to_c(dimc)), ("rows_per", str(p["rows_per"])), ("c0", "c0")]
         return c_call("moe_route", [as_dtype(p["dtype"]).c_type, logits.ctype], args)
 
 
@@ -78,6 +91,7 @@ class MoeExperts(BlockKind):
     name = "moe_experts"
     cuda_file = "moe_rows.cuh"
     accumulates = True  # every instance adds its rows' share into the sum
+    last_writer = True  # (its instances share the sum, ready once all of them have added: the routing zeroed it)
 
     def build(self, inputs, output, params) -> Partition:
         rows = params["rows"]
@@ -91,7 +105,7 @@ class MoeExperts(BlockKind):
     def cpu(self, op, env, ins, out):
         k, p = roles(op), op.params
         dt = op.inputs[k["w"]].dtype.torch
-        route = ins[k["route"]]
+        route = ins[k["route"]]  # [n, 2, top_k]: weights, ids
         ids = route[:, 1].long()
         used = torch.unique(ids)  # sorted
         if env["_i0"] >= used.numel():
@@ -140,21 +154,26 @@ def _fits(graph, args) -> bool:
     if any(graph.nodes[args[r]].op != "weight" for r in ("w", "w2", "wd")):
         return False
     experts, _, kdim = (d.value for d in graph.nodes[args["w"]].shape)
-    return expert_rows_fit(kdim, graph.nodes[args["w"]].dtype) and experts <= MAX_ROUTED_EXPERTS
+    top_k = graph.nodes[args["node"]].attrs["top_k"]
+    return expert_rows_fit(kdim, graph.nodes[args["w"]].dtype) and experts + 2 * top_k <= ROUTE_FLOATS
 
 
 def _emit(b, args, node: int):
     """The routing op and the expert op adding into the f32 sum of node ``node``; returns that sum."""
     n = b.graph.nodes[node]
-    top_k = n.attrs["top_k"]
+    top_k, width = n.attrs["top_k"], n.shape[-1].value
     logits = b.rows(b.operand(args["logits"]))
-    route = b.scratch(f"moe_route{node}", (logits.shape[0], 2, top_k), f32)
-    b.emit("moe_route", [node], [logits], route, {"rows_per": ROUTE_ROWS, "top_k": top_k, "normalize": n.attrs["normalize"],
-                                              "dtype": b.graph.nodes[args["w"]].dtype.name})
+    rows = logits.shape[0]
+    state = b.scratch(f"moe{node}", (rows, state_width(width, top_k)), f32)
+    b.emit("moe_route", [node], [logits], state, {"rows_per": ROUTE_ROWS, "top_k": top_k, "sum": width,
+                                                  "normalize": n.attrs["normalize"],
+                                                  "dtype": b.graph.nodes[args["w"]].dtype.name})
+    route = b.view(b.view(state, "slice", (1, width, width + 2 * top_k)), "reshape", (rows, 2, top_k))
+    acc = b.view(state, "slice", (1, 0, width))
+    b.keep_sum(node, acc)
     operands = {"x": args["x"], "g": args["g"]}
     present = tuple(r for r, v in operands.items() if v != NONE)
     inputs = [b.rows(b.operand(operands[r])) if r == "x" else b.operand(operands[r]) for r in present]
-    acc = b.sum(node)
     reads = {v for v in (*operands.values(), args["logits"], args["w"], args["w2"], args["wd"]) if v != NONE}
     params = {"rows": args["rows"], "roles": (*present, "route", "w", "w2", "wd"), "eps": args["eps"], "top_k": top_k}
     weights = [b.operand(args["w"]), b.operand(args["w2"]), b.transposed_weight(args["wd"])]
