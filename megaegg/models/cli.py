@@ -29,7 +29,7 @@ from ..interpreter.simulator import SimulationError
 from .batch import Batcher, Request, Sampling, kernel_batch_step, lone_decode_kernel, single_sequence_decode
 from .config import ModelConfig
 from .decoder import build_decode_graph, build_step_graph
-from .generate import Generation, Generator, StepInfo, check_token_ids, kernel_step
+from .generate import Generation, Generator, StepInfo, check_token_ids
 from .presets import DEFAULT_PRESET, FAMILY, PRESETS, presets_of
 from .weights import CheckpointError, eos_token_ids, load_checkpoint, random_weights, read_config
 
@@ -122,9 +122,8 @@ unit_float = number_arg(float, "in (0, 1]", lambda v: 0 < v <= 1)
 def parse(arch: str, argv=None) -> argparse.Namespace:
     p = OneLineParser(description=f"Generate text with a {arch} model, one megakernel launch per step: greedy "
                                   "decoding by default, or tokens sampled on the device with --temperature > 0 "
-                                  "(--top-k, --top-p, --seed)" + ("; Qwen3-MoE models are greedy only" if arch == "qwen3"
-                                                                  else "") + ". Ctrl-C stops it and prints what was "
-                                  "generated so far (exit status 130).")
+                                  "(--top-k, --top-p, --seed). Ctrl-C stops it and prints what was generated so far "
+                                  "(exit status 130).")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="local Hugging Face checkpoint directory")
     src.add_argument("--preset", choices=presets_of(arch), default=DEFAULT_PRESET[arch],
@@ -241,8 +240,6 @@ def run(arch: str, a: argparse.Namespace, session: Session | None = None) -> dic
             which = f"prompt {i}" if len(prompts) > 1 else "a"
             raise GraphError(f"--max-new-tokens {a.max_new_tokens} after {which} {len(prompt)}-token prompt needs "
                              f"{len(prompt) + a.max_new_tokens - 1} cache rows; --max-len is {max_len}")
-    if cfg.moe is not None and not sampling.greedy:
-        raise GraphError("--temperature > 0: sampling is not supported for Qwen3-MoE models yet (greedy only)")
     if a.dtype:
         cfg = dataclasses.replace(cfg, dtype=me.dtypes.as_dtype(a.dtype))
     elif not a.model and backend == "sim":
@@ -254,7 +251,7 @@ def run(arch: str, a: argparse.Namespace, session: Session | None = None) -> dic
         tokenizer = load_tokenizer(a)  # optional: to print text, not ids
     if a.tp > 1 and (len(prompts) > 1 or not sampling.greedy):
         raise GraphError(f"--tp {a.tp}: one prompt, greedy decoding (a batch or sampling runs on one GPU so far)")
-    engine_cls = ParallelEngine if a.tp > 1 else SequentialEngine if cfg.moe is not None else BatchEngine
+    engine_cls = ParallelEngine if a.tp > 1 else BatchEngine
     engine = session.engine = engine_cls(cfg, a, backend, device, max_len, len(prompts), sampling)
     out = session.output = Output(a, prompts, tokenizer, backend, engine, eos)
     requests = [Request(p, a.max_new_tokens, eos, sampling, on_token=out.on_token(i)) for i, p in enumerate(prompts)]
@@ -413,23 +410,8 @@ class BatchEngine(Engine):
 
 
 class SequentialEngine(Engine):
-    """Qwen3-MoE models: the batch-1 decode graph, one token a launch, one prompt after another (the
-    routed experts take one row per step so far)."""
-
-    def __init__(self, cfg, a, backend, device, max_len, n_prompts, sampling) -> None:
-        import megaegg as me
-
-        t = progress("building graph")
-        graph, spec = build_decode_graph(cfg, max_len=max_len, logits=False)  # tokens only: LM head + argmax fuse
-        weights = load_weights(a, spec, device)
-        t = progress("weights loaded", t)
-        kernel = me.compile(graph, weights, backend=backend, max_dims={"pos": max_len - 1},
-                            dims_hint={"pos": min(512, max_len - 1)})
-        progress(f"compiled: {len(kernel.queue.entries)} queue entries ({compile_summary(kernel.artifact.timings)})", t)
-        if n_prompts > 1:
-            note("Qwen3-MoE: the prompts run one after another, one token a launch")
-        self._start(Generator(kernel_step(kernel, spec.new_caches(device=device)), max_len=max_len, device=device,
-                              vocab=cfg.vocab))
+    """One prompt after another through a :class:`Generator` (set by ``_start``), one token a launch: the
+    tensor-parallel engine's base (a batch runs on one GPU so far)."""
 
     def _start(self, gen: Generator) -> None:
         self.gen, self.requests, self.outs = gen, [], []
