@@ -42,11 +42,11 @@ def _reshape_of_transpose(g, dt):
     g.output("flat", flat)
 
 
-def moe(g, dt, *, residual=True, normalize=True, top_k=2):
+def moe(g, dt, *, residual=True, normalize=True, top_k=2, rows=1):
     """A mixture of 5 experts (72 rows each: ragged tiles): the router's linear on the normed x,
     then the experts, routed inside the kernel; with the residual add, the experts' sum is
-    rounded by it."""
-    x = g.input("x", [1, 128], dt)
+    rounded by it. ``rows`` > 1: the experts grouped over the rows (moe_route, moe_experts)."""
+    x = g.input("x", [rows, 128], dt)
     h = me.rms_norm(x, g.weight("g", [128], dt), 1e-5)
     logits = me.linear(h, g.weight("wr", [5, 128], dt))
     y = me.moe_mlp(h, logits, g.weight("we_g", [5, 72, 128], dt), g.weight("we_u", [5, 72, 128], dt),
@@ -73,6 +73,9 @@ CASES = {
     "qk_norm_rope_append": lambda dt: (lambda g: qk_norm_rope_append(g, dt), {"q": [4, 64], "k": [2, 64], "v": [2, 64], "kc": [2, 16, 64], "vc": [2, 16, 64]}, {"gq": [64], "gk": [64]}),
     "moe_residual": lambda dt: (lambda g: moe(g, dt), {"x": [1, 128]}, MOE_WEIGHTS),
     "moe_alone_top3": lambda dt: (lambda g: moe(g, dt, residual=False, normalize=False, top_k=3), {"x": [1, 128]}, MOE_WEIGHTS),
+    "moe_rows_residual": lambda dt: (lambda g: moe(g, dt, rows=9), {"x": [9, 128]}, MOE_WEIGHTS),
+    "moe_rows_alone_top3": lambda dt: (lambda g: moe(g, dt, residual=False, normalize=False, top_k=3, rows=9), {"x": [9, 128]},
+                                       MOE_WEIGHTS),
     # a reshape of a transpose has no strides: copied first (read by silu, and as an output)
     "reshape_of_transpose": lambda dt: (lambda g: _reshape_of_transpose(g, dt), {"x": [6, 4]}, {}),
     "elementwise_5d": lambda dt: (lambda g: g.output("y", me.silu(g.input("a", [2, 3, 1, 4, 5], dt)) + g.input("b", [5], dt)), {"a": [2, 3, 1, 4, 5], "b": [5]}, {}),
