@@ -82,27 +82,26 @@ def test_batches_run_ahead_get_the_tokens_of_one_launch_at_a_time(kernels):
     assert outs[True] == outs[False] and outs[True][2][1] == stop[0]
 
 
-def test_a_moe_model_one_sequence_at_a_time_gets_the_reference_tokens():
-    """Qwen3-MoE in the server's engine (megaegg.serve: one sequence at a time over the batch-1 decode graph,
-    its prompt one token a launch, decoding run one token ahead): greedy tokens equal the reference
-    executor's; a seeded draw repeats."""
-    from megaegg.models import Generator, reference_step
+def test_a_moe_model_is_batched_and_gets_the_reference_tokens():
+    """Qwen3-MoE as the server runs it (megaegg.serve: the step graph, its rows' experts grouped, a lone decoding
+    sequence on the batch-1 decode graph, run ahead): three requests through two slots (prompts prefilling
+    beside decoding rows; a shared prefix) get the reference executor's greedy tokens; a seeded draw repeats."""
+    from megaegg.models.batch import reference_batch_step
 
     cfg = dataclasses.replace(ModelConfig.preset("qwen3-moe-tiny"), dtype=me.f32)
-    graph, spec = build_decode_graph(cfg, max_len=48, logits=False, sampling=True)
+    graph, spec = build_step_graph(cfg, max_len=48, slots=2, sampling=True)
     w = random_weights(spec, seed=3, device="cuda")
-    decode = me.compile(graph, w, backend="cuda", max_dims={"pos": 47})
-    caches = {n: c.unsqueeze(0) for n, c in spec.new_caches("cuda").items()}
-    batch = Batcher(single_sequence_decode(None, decode, caches), slots=1, max_len=48,
-                    max_tokens=1, device="cuda", prefix_cache=True)
+    step = me.compile(graph, w, backend="cuda", max_dims={"n": 16, "r": 2, "ctx": 48})
+    decode = me.compile(build_decode_graph(cfg, max_len=48, logits=False, sampling=True)[0], w, backend="cuda",
+                        max_dims={"pos": 47})
+    caches = spec.new_caches("cuda")
+    batch = Batcher(single_sequence_decode(kernel_batch_step(step, caches), decode, caches), slots=2, max_len=48,
+                    max_tokens=16, device="cuda")
     prompts = [[3, 17, 5, 60], [9, 2], [3, 17, 5, 60, 8]]
     got = [g.tokens for g in batch.run([Request(p, 8) for p in prompts])]
-    ref_graph, ref_spec = build_decode_graph(cfg, max_len=48)
-    want = []
-    for p in prompts:
-        gen = Generator(reference_step(ref_graph, {k: v.cpu() for k, v in w.items()}, ref_spec.new_caches()), max_len=48)
-        want.append(gen.generate(p, max_new_tokens=8).tokens)
-    assert got == want
+    ref = Batcher(reference_batch_step(graph, {k: v.cpu() for k, v in w.items()}, spec.new_caches()), slots=2,
+                  max_len=48, max_tokens=16)
+    assert got == [g.tokens for g in ref.run([Request(p, 8) for p in prompts])]
     drawn = [[g.tokens for g in batch.run([Request([4, 4, 4], 6, sampling=Sampling(temperature=0.9, seed=5))])]
              for _ in range(2)]
     assert drawn[0] == drawn[1]
