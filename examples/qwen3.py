@@ -1,5 +1,5 @@
 """Text generation with a Qwen3 model (or Qwen3-MoE), one megakernel launch per step: greedy, or
-sampled on the device with --temperature (--top-k, --top-p, --seed; Qwen3-MoE: greedy only).
+sampled on the device with --temperature (--top-k, --top-p, --seed).
 
     python examples/qwen3.py --random-weights                              # the qwen3-tiny preset
     python examples/qwen3.py --preset qwen3-0.6b --random-weights --max-new-tokens 16
