@@ -80,8 +80,8 @@ MOE_FIELDS = fields("x:ref g:ref eps:float logits:ref w:ref w2:ref wd:ref node:n
 
 
 ROW_BYTES = 16  # the glu_down body reads the experts' rows in vectors of this many bytes
-MOE_NEEDS = (f"expert weights that are graph weights (not views) with rows of a multiple of {ROW_BYTES} bytes, "
-             f"at most {MAX_EXPERTS} experts")
+MOE_NEEDS = (f"one x row, expert weights that are graph weights (not views) with rows of a multiple of {ROW_BYTES} "
+             f"bytes, at most {MAX_EXPERTS} experts")
 
 
 def expert_rows_fit(k_dim: int, dtype) -> bool:

@@ -45,8 +45,8 @@ from .moe import MOE_FIELDS, expert_rows_fit
 ROUTE_ROWS = 8  # rows a routing instance: one a warp (moe_rows.cuh)
 ROUTE_FLOATS = 2048  # a routing warp's E probabilities and 2 * top_k picks in shared memory (8 warps: 64 KB)
 EXPERT_ROWS = 4  # x rows an expert instance stages and multiplies at a time (M: the batch matvec body's)
-NEEDS = (f"expert weights that are graph weights (not views) with 16-byte rows, experts + 2 * top_k at most "
-         f"{ROUTE_FLOATS}")
+NEEDS = (f"several x rows, expert weights that are graph weights (not views) with 16-byte rows, experts + 2 * top_k "
+         f"at most {ROUTE_FLOATS}")
 
 
 def state_width(n: int, top_k: int) -> int:
