@@ -11,54 +11,27 @@
 //              shared memory, and adds weight * h @ wd[tile, :] into the row's f32 sum (glu_down's phase 2,
 //              M rows). The interpreter has waited for the route and x (which expert, which rows is data).
 #pragma once
-#include "argmax.cuh"
-#include "glu_down.cuh"
+#include "moe.cuh"
 
 namespace moe_rows_impl {
 
-// Warp-level routing of one row into weight[0, top_k) and id[0, top_k); p: E + 2 * top_k floats of shared memory
-// that only this warp uses.
+// Warp-level routing of one row into weight[0, top_k) and id[0, top_k) (moe.cuh: warp_top_k); p: E + 2 * top_k
+// floats of shared memory that only this warp uses.
 template <class T, class TL>
 __device__ void route_row(float* p, const TL* logits, long long ls, int E, int top_k, bool normalize, float* weight,
                           float* id, long long row) {
     const int lane = threadIdx.x & 31;
-    float* top_v = p + E;            // [top_k] the chosen probabilities, largest first (lane 0 writes)
-    float* top_i = p + E + top_k;    // [top_k] their experts (as f32)
-    float m = MEGA_NEG_INF;
-    for (int i = lane; i < E; i += 32) {
-        p[i] = ld_f32(logits + i * ls);
-        m = fmaxf(m, p[i]);
-    }
-    m = warp_max(m);
-    float s = 0.0f;
-    for (int i = lane; i < E; i += 32) {
-        p[i] = expf(p[i] - m);
-        s += p[i];
-    }
-    s = warp_sum(s);
-    for (int i = lane; i < E; i += 32) p[i] /= s;
-    float chosen = 0.0f;
-    for (int j = 0; j < top_k; ++j) {  // j-th largest: a warp argmax, then taken out by its owner lane
-        float bv = MEGA_NEG_INF;
-        long long bi = 0x7fffffffffffffffll;
-        for (int i = lane; i < E; i += 32)
-            if (argmax_impl::better(p[i], i, bv, bi)) bv = p[i], bi = i;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float v = __shfl_xor_sync(MEGA_FULL_MASK, bv, o);
-            const long long i = __shfl_xor_sync(MEGA_FULL_MASK, bi, o);
-            if (argmax_impl::better(v, i, bv, bi)) bv = v, bi = i;
-        }
-        chosen += bv;
-        if (lane == 0) top_v[j] = bv, top_i[j] = bi < E ? (float)bi : -1.0f;  // (NaN logits: no probability compares)
-        if (bi < E && (bi & 31) == lane) p[bi] = MEGA_NEG_INF;  // (lane-owned: the next round's reads are its own)
-    }
+    float* top_v = p + E;                                  // [top_k] the chosen probabilities (lane 0 writes)
+    int* top_i = reinterpret_cast<int*>(p + E + top_k);    // [top_k] their experts (E: none)
+    const float chosen = moe_impl::warp_top_k(p, logits, ls, E, top_k, lane, [&](int j, float v, int e) {
+        if (lane == 0) top_v[j] = v, top_i[j] = e;
+    });
     __syncwarp();
     for (int j = lane; j < top_k; j += 32) {
-        const bool nan = top_i[j] < 0.0f;
+        const bool nan = top_i[j] >= E;  // (NaN logits: no probability compares; none chosen)
         if (nan) mega_body_error(MEGA_ERR_NAN, row);
         weight[j] = nan ? 0.0f : round_to<T>(normalize ? top_v[j] / chosen : top_v[j]);
-        id[j] = nan ? 0.0f : top_i[j];
+        id[j] = nan ? 0.0f : (float)top_i[j];
     }
 }
 
