@@ -939,8 +939,10 @@ def test_cuda_bodies_match_cpu(tname):
         mod.launch(name, grid, [*dev, dev_out, env["pos"]])
         torch.cuda.synchronize()
         got = dev_out.cpu().as_strided(out_view.shape, out_view.stride())
-        # an f32 sum of T products: T's tolerance (a T-rounded intermediate may round the other way)
-        exact = _compare(name, got, want_view, ins[0].dtype if REGISTRY[kind].accumulates else out.dtype)
+        # an f32 sum of T products: T's tolerance (a T-rounded intermediate may round the other way); so are the
+        # f32 partials of decode attention on tensor cores, whose p.V rounds p to T (attention.cuh: attn_partial)
+        t_sums = REGISTRY[kind].accumulates or kind == "attn_partial"
+        exact = _compare(name, got, want_view, ins[0].dtype if t_sums else out.dtype)
         r = mod.resources[name]
         print(f"{name:34s} exact {exact:6.1%}  regs {r.registers}")
     assert mod.error_code() == 0

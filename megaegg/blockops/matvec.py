@@ -182,15 +182,17 @@ def staged_rows(k_dim: int, dtype, *, norm: bool) -> int:
     return 0
 
 
-def runtime_mrows(k_dim: int, dtype, *, norm: bool, rows: int | None = None, gated: bool = False) -> int:
+def runtime_mrows(k_dim: int, dtype, *, norm: bool, rows: int | None = None, gated: bool = False,
+                  sums: bool = False) -> int:
     """x rows per instance for a runtime M: a wide tile of 64 where one fits a tile of ``rows`` weight rows
     (None: no wide tile; its body hands 16 valid rows or fewer to the staged one, matvec.cuh: matvec);
     else 16 on tensor cores (bf16 / f16, K a multiple of 32, a normalised x staged within
-    MMA_STAGE_BYTES); else a power of two up to RUNTIME_MROWS within RUNTIME_M_BYTES (CUDA cores)."""
-    if rows is not None and wide_fits(k_dim, dtype, rows, gated=gated):
+    MMA_STAGE_BYTES); else a power of two up to RUNTIME_MROWS within RUNTIME_M_BYTES (CUDA cores), as
+    always with f32 sums read with x or r (``sums``: no tensor-core body reads them, matvec.cuh: use_mma)."""
+    if rows is not None and not sums and wide_fits(k_dim, dtype, rows, gated=gated):
         return WIDE_MROWS
     item = dtype.itemsize
-    if dtype.name in ("bf16", "f16") and k_dim % 32 == 0 and staged_rows(k_dim, dtype, norm=norm):
+    if not sums and dtype.name in ("bf16", "f16") and k_dim % 32 == 0 and staged_rows(k_dim, dtype, norm=norm):
         return staged_rows(k_dim, dtype, norm=norm)
     m = RUNTIME_MROWS
     while m > 1 and m * k_dim * item > RUNTIME_M_BYTES:
@@ -259,9 +261,8 @@ def lower_matvec(b, value: int, operands: dict, args, *, transpose_w: bool) -> N
         params["mrows"] = m.value
     else:  # a batch or a prompt: tiles of x rows, the weight tiles outermost
         x = inputs[present.index("x")]
-        # (no wide tile with f32 sums: neither tensor-core body reads them)
-        rows = None if sums else args["rows"]
-        mrows = runtime_mrows(x.shape[1].value, x.dtype, norm="g" in present, rows=rows, gated="w2" in present)
+        mrows = runtime_mrows(x.shape[1].value, x.dtype, norm="g" in present, rows=args["rows"], gated="w2" in present,
+                              sums=bool(sums))
         if transpose_w:  # a transposed w has no 16-byte rows for the tensor-core bodies: the generic body's
             mrows = min(mrows, 4)  # tiles (matvec.cuh takes tensor cores for x rows in tiles of 8)
         params.update(mrows=mrows, m_last=True)
