@@ -118,7 +118,8 @@ def _emit(b, args, node: int):
 @term
 class MoeSumTerm(Term):
     """The f32 sum of a ``moe_mlp`` (computes a Sum): its reader rounds it (``acc_residual``, or a
-    matvec staging ``r + T(sum)``), as a ``glu_down`` sum's."""
+    matvec staging ``r + T(sum)``), as a ``glu_down`` sum's. The many-row form (moe_rows.py) is this
+    term with its own ``fits`` and ``emit``."""
 
     name = "moe_sum"
     fields = MOE_FIELDS
@@ -129,23 +130,22 @@ class MoeSumTerm(Term):
     def fits(self, graph, args):
         return _fits(graph, args)
 
+    def emit(self, b, args, node: int):
+        """The op(s) adding into the f32 sum of node ``node``; returns that sum."""
+        return _emit(b, args, node)
+
     def lower(self, b, value, args):
-        _emit(b, args, value.node)
+        self.emit(b, args, value.node)
 
 
 @term
-class MoeRoundedTerm(Term):
+class MoeRoundedTerm(MoeSumTerm):
     """A ``moe_mlp`` value on its own: the sum, then rounded to the node's dtype (a cast)."""
 
     name = "moe_rounded"
-    fields = MOE_FIELDS
-    tile = "rows"
-    needs = MOE_NEEDS
-
-    def fits(self, graph, args):
-        return _fits(graph, args)
+    computes = "node"
 
     def lower(self, b, value, args):
-        acc = _emit(b, args, value)
+        acc = self.emit(b, args, value)
         out = b.rows(b.output(value))
         b.emit("elementwise", [value], [acc], out, elementwise_params("cast", out.shape, b.env_hint))

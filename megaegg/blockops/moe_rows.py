@@ -37,10 +37,9 @@ from ..dtypes import as_dtype, f32
 from ..ir.footprint import Full, Tile
 from ..reference import expert_mlp, moe_routing
 from ..sampling import NaNError
-from .base import NONE, BlockKind, Partition, Term, c_call, dimc, fields, no_view, register, rms_normed, term
-from .elementwise import elementwise_params
+from .base import NONE, BlockKind, Partition, c_call, dimc, no_view, register, rms_normed, term
 from .matvec import roles
-from .moe import MOE_FIELDS, expert_rows_fit
+from .moe import MoeRoundedTerm, MoeSumTerm, expert_rows_fit
 
 ROUTE_ROWS = 8  # rows a routing instance: one a warp (moe_rows.cuh)
 ROUTE_FLOATS = 2048  # a routing warp's E probabilities and 2 * top_k picks in shared memory (8 warps: 64 KB)
@@ -182,35 +181,23 @@ def _emit(b, args, node: int):
 
 
 @term
-class MoeRowsSumTerm(Term):
+class MoeRowsSumTerm(MoeSumTerm):
     """The f32 sum of a ``moe_mlp`` over many rows (computes a Sum), rounded by its reader as ``moe_sum``'s."""
 
     name = "moe_rows_sum"
-    fields = MOE_FIELDS
-    computes = "sum"
-    tile = "rows"
     needs = NEEDS
 
     def fits(self, graph, args):
         return _fits(graph, args)
 
-    def lower(self, b, value, args):
-        _emit(b, args, value.node)
+    def emit(self, b, args, node: int):
+        return _emit(b, args, node)
 
 
 @term
-class MoeRowsRoundedTerm(Term):
+class MoeRowsRoundedTerm(MoeRowsSumTerm):
     """A ``moe_mlp`` value over many rows on its own: the sum, then rounded to the node's dtype (a cast)."""
 
     name = "moe_rows_rounded"
-    fields = MOE_FIELDS
-    tile = "rows"
-    needs = NEEDS
-
-    def fits(self, graph, args):
-        return _fits(graph, args)
-
-    def lower(self, b, value, args):
-        acc = _emit(b, args, value)
-        out = b.rows(b.output(value))
-        b.emit("elementwise", [value], [acc], out, elementwise_params("cast", out.shape, b.env_hint))
+    computes = "node"
+    lower = MoeRoundedTerm.lower
