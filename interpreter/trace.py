@@ -16,7 +16,7 @@ import numpy as np
 
 from ..lowering.queue import WorkQueue
 
-# u64 words a traced instance writes (runtime.cuh: MEGA_TRACE_WORDS): entry << 40 | sm << 32 | instance;
+# u64 words a traced instance writes (common.cuh: MEGA_TRACE_WORDS): entry << 40 | sm << 32 | instance;
 # claimed, waits passed, done (globaltimer ns); the SM's cycle counter at each of CLOCKS (0: none)
 TRACE_WORDS = 11
 CLOCKS = ("issued", "claimed", "poll", "waited", "mark", "signal", "done")

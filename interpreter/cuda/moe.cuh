@@ -5,7 +5,6 @@
 // chosen expert's weights with the slot's routing weight as the sum's scale. The interpreter
 // has waited for the logits and x before the call (the weights' address depends on them).
 #pragma once
-#include "argmax.cuh"
 #include "glu_down.cuh"
 
 namespace moe_impl {

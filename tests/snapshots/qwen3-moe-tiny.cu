@@ -548,7 +548,7 @@ extern "C" __global__ void __launch_bounds__(MEGA_THREADS, 1) megakernel(const _
       rec[2] = t_waited ? t_waited : t_claim;
       rec[3] = mega_globaltimer();
       const long long c[] = {c_issue, c_claim, mega_c_poll, c_waited ? c_waited : c_claim, mega_c_mark, c_signal, clock64()};
-      for (int i = 0; i < 7; ++i) rec[4 + i] = (unsigned long long)c[i];
+      for (int i = 0; i < (int)(sizeof(c) / sizeof(c[0])); ++i) rec[4 + i] = (unsigned long long)c[i];
     }
 #endif
     if (mega_abort_block) break;
