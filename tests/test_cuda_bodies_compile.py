@@ -10,7 +10,7 @@ and compiled with ``--ptxas-options=-v``. The register / spill figures are print
 
 GPU tests (marked ``gpu``, skipped without one): each body against its kind's ``cpu()``
 on random data with poisoned outputs (bf16 / f32 / f16); out-of-range ids and positions
-reported, not written. (The bandwidth printout of matvec and attention, which checks
+reported, not written; ``BODY_CASES=REGEX`` runs only the cases whose labels match. (The bandwidth printout of matvec and attention, which checks
 nothing, is ``scripts/dev/bandwidth_probe.py``; it imports this file's helpers.)
 """
 
@@ -29,6 +29,7 @@ from megaegg import dtypes as dt
 from megaegg.blockops import REGISTRY, CudaOperand
 from megaegg.dims import Dim, as_dim, sym
 from megaegg.blockops.matvec import runtime_mrows
+from megaegg.blockops.moe_rows import expert_block
 from megaegg.blockops.ragged_attention import SPLIT_WAVE, split_count
 from megaegg.interpreter.nvrtc import function_sizes
 from megaegg.interpreter.render import SMEM_BYTES, THREADS
@@ -272,10 +273,11 @@ def cases(dtype: dt.DType) -> dict[str, list[tuple]]:
         ("moe_experts_qwen3_30b", "moe_experts", [Arg((40, 2048), T), Arg((2048,), T), Arg((40, 2, 8), f32),
                                                   Arg((128, 768, 2048), T), Arg((128, 768, 2048), T),
                                                   Arg((128, 768, 2048), T)], Arg((40, 2048), f32),
-         {"rows": 32, "roles": ("x", "g", "route", "w", "w2", "wd"), "eps": 1e-6, "top_k": 8}),
+         {"rows": 32, "roles": ("x", "g", "route", "w", "w2", "wd"), "eps": 1e-6, "top_k": 8, **_moe_block(2048, T, True)}),
         ("moe_experts_k4096", "moe_experts", [Arg((40, 4096), T), Arg((40, 2, 8), f32), Arg((128, 1536, 4096), T),
                                               Arg((128, 1536, 4096), T), Arg((128, 1536, 4096), T)],
-         Arg((40, 4096), f32), {"rows": 64, "roles": ("x", "route", "w", "w2", "wd"), "eps": 0.0, "top_k": 8}),
+         Arg((40, 4096), f32), {"rows": 64, "roles": ("x", "route", "w", "w2", "wd"), "eps": 0.0, "top_k": 8,
+                                **_moe_block(4096, T, False)}),
         ("sum_norm_q", "matvec", [Arg((1, 2048), T), Arg((2048, 2048), T), Arg((2048,), T), Arg((1, 2048), f32)],
          Arg((1, 2048), T), {"rows": 24, "mrows": 1, "roles": ("x", "w", "g", "xa"), "eps": 1e-5}),
         ("sum_res_o", "matvec", [Arg((1, 2048), T), Arg((2048, 2048), T), Arg((1, 2048), T), Arg((1, 2048), f32)],
@@ -565,6 +567,12 @@ def _randint(lo, hi):
     return lambda v, gen: v.copy_(torch.randint(lo, hi, v.shape, generator=gen, dtype=v.dtype))
 
 
+def _moe_block(k_dim: int, dtype, norm: bool) -> dict:
+    """moe_experts' block fields as the emit chooses them (moe_rows.expert_block)."""
+    block, mma = expert_block(k_dim, dtype, norm=norm)
+    return {"block": block, "mma": mma}
+
+
 def _routes(used: int):
     """The route [n, 2, top_k] of moe_rows.py's state: random weights, each row's experts distinct among the first
     ``used``."""
@@ -672,17 +680,29 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
         ("acc_residual_rows", "acc_residual", [Arg((5, 3000), T), Arg((5, 3000), f32)], Arg((5, 3000), T), {"tile": 1024},
          {}),
         # 21 rows (a ragged last routing instance); the experts of rows that chose among 6 of 9, ~10 rows each
-        # (3 passes of 4), so instances 6-8 find no expert; 72 = 2 tiles of 32 + 8; N = 1024: 2 vectors a thread
+        # (one block each; f32: 3 passes of 4), so the instances past 6 find none; 72 = 2 tiles of 32 + 8;
+        # N = 1024: 2 vectors a thread
         ("moe_route", "moe_route", [Arg((21, 9), T)], Arg((21, 24), f32),
          {"rows_per": 8, "top_k": 3, "sum": 16, "normalize": True, "dtype": T.name}, {}),
         ("moe_route_f32_logits", "moe_route", [Arg((5, 7), f32, strides=(9, 1))], Arg((5, 16), f32),
          {"rows_per": 8, "top_k": 2, "sum": 12, "normalize": False, "dtype": T.name}, {}),
         ("moe_experts_norm", "moe_experts", [Arg((21, 256), T), Arg((256,), T), Arg((21, 2, 3), f32), Arg((9, 72, 256), T),
                                              Arg((9, 72, 256), T), Arg((9, 72, 256), T)], Arg((21, 256), f32),
-         {"rows": 32, "roles": ("x", "g", "route", "w", "w2", "wd"), "eps": 1e-5, "top_k": 3}, {2: _routes(6)}),
+         {"rows": 32, "roles": ("x", "g", "route", "w", "w2", "wd"), "eps": 1e-5, "top_k": 3, **_moe_block(256, T, True)},
+         {2: _routes(6)}),
         ("moe_experts_wide_n", "moe_experts", [Arg((21, 128), T), Arg((21, 2, 3), f32), Arg((9, 40, 128), T),
                                                Arg((9, 40, 128), T), Arg((9, 40, 1024), T)], Arg((21, 1024), f32),
-         {"rows": 16, "roles": ("x", "route", "w", "w2", "wd"), "eps": 0.0, "top_k": 3}, {1: _routes(6)}),
+         {"rows": 16, "roles": ("x", "route", "w", "w2", "wd"), "eps": 0.0, "top_k": 3, **_moe_block(128, T, False)},
+         {1: _routes(6)}),
+        # 40 rows among 4 experts, ~30 rows each: two blocks an expert; and K = 4096 normalised: blocks of 8 rows
+        ("moe_experts_blocks", "moe_experts", [Arg((40, 256), T), Arg((256,), T), Arg((40, 2, 3), f32),
+                                               Arg((4, 72, 256), T), Arg((4, 72, 256), T), Arg((4, 72, 256), T)],
+         Arg((40, 256), f32), {"rows": 32, "roles": ("x", "g", "route", "w", "w2", "wd"), "eps": 1e-5, "top_k": 3,
+                               **_moe_block(256, T, True)}, {2: _routes(4)}),
+        ("moe_experts_k4096_norm", "moe_experts", [Arg((12, 4096), T), Arg((4096,), T), Arg((12, 2, 2), f32),
+                                                   Arg((3, 40, 4096), T), Arg((3, 40, 4096), T), Arg((3, 40, 128), T)],
+         Arg((12, 128), f32), {"rows": 32, "roles": ("x", "g", "route", "w", "w2", "wd"), "eps": 1e-5, "top_k": 2,
+                               **_moe_block(4096, T, True)}, {2: _routes(3)}),
         # a runtime M's tiles of 64 x rows (matvec_wide.cuh), ragged in x rows and weight rows: two tiles
         # (64 + 36 rows) gated with the norm, one of 40 rows with the residual (24-row tiles: half a
         # group padded), K = 4096's norm (its staged body takes 8 rows), and 10 rows (the staged body)
@@ -916,7 +936,7 @@ def test_cuda_bodies_match_cpu(tname):
 
     dtype = DTYPES[tname]
     env = {"pos": 700}
-    specs = gpu_cases(dtype)
+    specs = [s for s in gpu_cases(dtype) if re.search(os.environ.get("BODY_CASES", ""), s[0])]  # (a dev filter)
     names = [f"g_{label}_{tname}" for label, *_ in specs]
     files = sorted({k.cuda_file for k in REGISTRY.values() if k.name not in WHOLE_KERNEL_KINDS})
     src = [PRELUDE] + [f'#include "{f}"' for f in files]

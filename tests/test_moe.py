@@ -167,27 +167,32 @@ def test_a_mixed_step_routes_rows_to_experts_on_adversarial_interleavings(moe_st
             kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=True), **ins, **fresh(), **dims)
 
 
-def test_the_expert_op_takes_each_chosen_expert_once_and_skips_the_rest(moe_step):
-    """Instance (u, t) takes the u-th smallest expert any row chose: with 11 rows of top-3 among 7 experts every
-    expert is someone's, and the instances past min(7, 33) are none; one row uses 3 experts, so 3 instances."""
+def test_the_expert_op_takes_blocks_of_each_chosen_experts_rows_and_skips_the_rest(moe_step):
+    """Instance (b, t) takes block b of the routed rows: the chosen experts in increasing id order, each one's
+    rows in row order cut into blocks of ``block`` rows. With blocks of 2 and 5 rows of top-3 where expert 4 is
+    every row's and experts 1, 2, 3, 5 and 6 two rows' each: 8 blocks, expert 4's three (rows 0-1, 2-3, 4); the
+    instances past them do nothing (the grid's bound: ceildiv(15, 2) + min(15, 7) = 15)."""
     from megaegg.blockops import REGISTRY
 
     _, _, kernel, *_ = moe_step
     op = [e.op for e in kernel.queue.entries if e.op.kind == "moe_experts"][0]
-    assert [str(d) for d in op.grid] == ["min(n * 3, 7)", str(op.grid[1])]
-    route = torch.zeros(2, 2, 3)
-    route[:, 1] = torch.tensor([[4.0, 1.0, 6.0], [6.0, 2.0, 1.0]])
+    block = op.params["block"]
+    assert [str(d) for d in op.grid] == [f"ceildiv(n * 3, {block}) + min(n * 3, 7)", str(op.grid[1])]
+    op = dataclasses.replace(op, params={**op.params, "block": 2})
+    route = torch.zeros(5, 2, 3)
+    route[:, 1] = torch.tensor([[4.0, 1.0, 6.0], [6.0, 2.0, 4.0], [4.0, 1.0, 3.0], [3.0, 4.0, 5.0], [5.0, 4.0, 2.0]])
     route[:, 0] = 0.5
     k = {r: i for i, r in enumerate(op.params["roles"])}
     gen = torch.Generator().manual_seed(0)
-    ins = [torch.randn([d.eval({"n": 2}) for d in o.shape], generator=gen) for o in op.inputs]
+    ins = [torch.randn([d.eval({"n": 5}) for d in o.shape], generator=gen) for o in op.inputs]
     ins[k["route"]] = route
     seen = []
-    for u in range(6):
-        out = torch.zeros(2, ins[k["x"]].shape[1])
-        REGISTRY["moe_experts"].cpu(op, {"n": 2, "_i0": u, "_i1": 0}, ins, out)
-        seen.append([r for r in range(2) if out[r].abs().sum() > 0])
-    assert seen == [[0, 1], [1], [0], [0, 1], [], []]  # experts 1, 2, 4, 6, then none
+    for b in range(10):
+        out = torch.zeros(5, ins[k["x"]].shape[1])
+        REGISTRY["moe_experts"].cpu(op, {"n": 5, "_i0": b, "_i1": 0}, ins, out)
+        seen.append([r for r in range(5) if out[r].abs().sum() > 0])
+    # experts 1: rows 0, 2; 2: rows 1, 4; 3: rows 2, 3; 4: rows 0-4 (blocks 0-1, 2-3, 4); 5: rows 3, 4; 6: rows 0, 1
+    assert seen == [[0, 2], [1, 4], [2, 3], [0, 1], [2, 3], [4], [3, 4], [0, 1], [], []]
 
 
 def test_moe_mlp_checks_its_operands():

@@ -571,9 +571,11 @@ __device__ __forceinline__ void store_mma_output(float d, float d2, Mat<const T>
     out.p[m * out.s0 + n * out.s1] = from_f32<T>(y);
 }
 
-template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES>
+// GATHER: x row m is x[xrow[m]] (xrow in shared memory: moe_rows.cuh's rows of one expert), else x[m].
+template <class T, int M, int K, int ROWS, bool NORM, bool GLU, bool RES, bool GATHER = false>
 __device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, Mat<const T> w, Mat<const T> w2,
-                        Mat<const T> r, Mat<T> out, long long N, long long n_tile, const MegaWaits& wl, int mv) {
+                        Mat<const T> r, Mat<T> out, long long N, long long n_tile, const MegaWaits& wl, int mv,
+                        const int* xrow = nullptr) {
     using P = MmaPlan<T, M, K, ROWS, NORM, GLU>;
     constexpr int VEC = VecN<T>::value, KV = K / VEC;
     T* xs = reinterpret_cast<T*>(smem);
@@ -589,6 +591,7 @@ __device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, M
     const T* va_p = GLU ? w2.p + (row0 + la) * w2.s0 + t4 * 8 : nullptr;
     const T* vb_p = GLU ? w2.p + (row0 + lb) * w2.s0 + t4 * 8 : nullptr;
     const int kb0 = ks * P::KPS, kb1 = cmin(P::KB, kb0 + P::KPS);
+    const auto x_row = [&](int m) { return x.p + (GATHER ? xrow[m] : m) * x.s0; };
     float acc[P::NT][4], acc2[GLU ? P::NT : 1][4];
 #pragma unroll
     for (int n = 0; n < P::NT; ++n)
@@ -627,7 +630,7 @@ __device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, M
 #pragma unroll
                 for (int j = 0; j < CH; ++j) {
                     const int kv = c + j * 32 + lane;
-                    v[j] = kv < KV ? ldcg16(x.p + m * x.s0 + kv * VEC) : make_uint4(0, 0, 0, 0);
+                    v[j] = kv < KV ? ldcg16(x_row(m) + kv * VEC) : make_uint4(0, 0, 0, 0);
                 }
 #pragma unroll
                 for (int j = 0; j < CH; ++j) {
@@ -675,7 +678,7 @@ __device__ bool run_mma(char* smem, Mat<const T> x, Vec<const T> g, float eps, M
 #pragma unroll
                     for (int n = 0; n < P::NT; ++n) {
                         const int m = n * 8 + gq;
-                        xv[NORM ? 0 : u][n] = kb + u < kb1 && m < mv ? ldcg16(x.p + m * x.s0 + (kb + u) * 32 + t4 * 8)
+                        xv[NORM ? 0 : u][n] = kb + u < kb1 && m < mv ? ldcg16(x_row(m) + (kb + u) * 32 + t4 * 8)
                                                                    : make_uint4(0, 0, 0, 0);
                     }
             }

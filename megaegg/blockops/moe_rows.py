@@ -13,17 +13,20 @@ routing zeroes the launch's rows only.
 renormalisation, rounded to the model's dtype) and zeroes their sums. NaN logits are an error naming the
 row (MEGA_ERR_NAN in the CUDA body).
 
-``moe_experts``: instance ``(u, t)`` takes the ``u``-th smallest expert id that any row chose (``u``
-past the number of distinct ones: nothing to do), finds the rows routed to it in row order (at
-most one hit a row: a row's experts are distinct), and for them, ``M`` rows at a time, computes
-rows ``[t*rows, ...)`` of the expert's gated MLP (RMSNorm prologue when fused) and adds
-``p_r * h[tile] @ wd_t[e][tile, :]`` into row ``r``'s sum, as ``moe_glu_down`` does for one row.
-Its grid is ``min(E, n * top_k)`` by the MLP's row tiles: at most as many experts as the rows chose.
-It waits for the whole route (which experts, which rows is data; the sums zeroed) and the whole of x.
+``moe_experts``: instance ``(b, t)`` takes block ``b`` of the routed rows: the experts in increasing id
+order, each one's rows (at most one hit a row: a row's experts are distinct) in row order, cut into blocks
+of ``block`` rows (past the last block: nothing to do); for them it computes rows ``[t*rows, ...)`` of the
+expert's gated MLP (RMSNorm prologue when fused) and adds ``p_r * h[tile] @ wd_t[e][tile, :]`` into row
+``r``'s sum, as ``moe_glu_down`` does for one row. Its grid is ``ceildiv(n * top_k, block) + min(E, n *
+top_k)`` (a bound on the blocks: each expert's last one may be partial) by the MLP's row tiles. It waits
+for the whole route (which experts, which rows is data; the sums zeroed) and the whole of x.
 
 Why grouped: a prompt of 512 rows routes ~4000 (row, expert) pairs to 128 experts; per pair the
-weights would be read ~32 times each. Here the rows after an expert's first ``M`` re-read its tile
-from L2. (A first version: CUDA cores, ``M`` rows a pass; vLLM's fused MoE runs tensor-core tiles.)
+weights would be read ~32 times each. Here an expert's tile is read from HBM about once and from L2 once
+a block; and a block is one tensor-core tile (bf16 / f16: ``block`` 16, or 8 where 16 normalised x rows
+do not stage), h and the down projection on ``mma.sync``, as vLLM's fused MoE cuts an expert's rows into
+tiles. Blocks, not one instance an expert: an expert that many rows chose (random weights route most of a
+prompt to a few) is spread over many SMs. Elsewhere (f32, odd K) CUDA cores, ``EXPERT_ROWS`` rows a pass.
 """
 
 from __future__ import annotations
@@ -38,14 +41,33 @@ from ..ir.footprint import Full, Tile
 from ..reference import expert_mlp, moe_routing
 from ..sampling import NaNError
 from .base import NONE, BlockKind, Partition, c_call, dimc, no_view, register, rms_normed, term
-from .matvec import roles
+from .matvec import roles, staged_rows
 from .moe import MoeRoundedTerm, MoeSumTerm, expert_rows_fit
 
 ROUTE_ROWS = 8  # rows a routing instance: one a warp (moe_rows.cuh)
 ROUTE_FLOATS = 2048  # a routing warp's E probabilities and 2 * top_k picks in shared memory (8 warps: 64 KB)
-EXPERT_ROWS = 4  # x rows an expert instance stages and multiplies at a time (M: the batch matvec body's)
+EXPERT_ROWS = 4  # x rows the CUDA-core body stages and multiplies at a time (M: the batch matvec body's)
+CUDA_CORE_BLOCK = 16  # rows of one expert an instance takes on CUDA cores (EXPERT_ROWS a pass)
 NEEDS = (f"several x rows, expert weights that are graph weights (not views) with 16-byte rows, experts + 2 * top_k "
          f"at most {ROUTE_FLOATS}")
+
+
+def expert_block(k_dim: int, dtype, *, norm: bool) -> tuple[int, bool]:
+    """(rows of one expert an instance takes, whether on tensor cores): bf16 / f16 with K in 32-column blocks
+    take one tensor-core tile of x rows as the staged matvec body does (matvec.staged_rows: 16, or 8); else
+    CUDA cores."""
+    rows = staged_rows(k_dim, dtype, norm=norm) if dtype.name in ("bf16", "f16") and k_dim % 32 == 0 else 0
+    return (rows, True) if rows else (CUDA_CORE_BLOCK, False)
+
+
+def routed_blocks(ids: torch.Tensor, block: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The blocks of routed rows, in instance order: (expert, its rows, their slots) for each ``block`` rows of
+    each expert any row chose, the experts in increasing id order and each one's rows in row order."""
+    out = []
+    for e in torch.unique(ids).tolist():  # sorted
+        rows, slots = (ids == e).nonzero(as_tuple=True)  # row order, one slot a row
+        out += [(e, rows[i : i + block], slots[i : i + block]) for i in range(0, rows.numel(), block)]
+    return out
 
 
 def state_width(n: int, top_k: int) -> int:
@@ -98,19 +120,18 @@ class MoeExperts(BlockKind):
         reads = tuple({"x": (Full(), Full()), "g": (Full(),), "route": (Full(), Full(), Full())}.get(role, expert_tile)
                       for role in params["roles"])
         experts, f = inputs[list(params["roles"]).index("w")].shape[:2]
-        used = dmin(experts, output.shape[0] * params["top_k"])  # distinct experts the rows chose, at most
-        return Partition(grid=(used, ceildiv(f, rows)), reads=reads, writes=(Full(), Full()))
+        picks = output.shape[0] * params["top_k"]
+        blocks = ceildiv(picks, params["block"]) + dmin(experts, picks)  # each chosen expert's last block partial, at most
+        return Partition(grid=(blocks, ceildiv(f, rows)), reads=reads, writes=(Full(), Full()))
 
     def cpu(self, op, env, ins, out):
         k, p = roles(op), op.params
         dt = op.inputs[k["w"]].dtype.torch
         route = ins[k["route"]]  # [n, 2, top_k]: weights, ids
-        ids = route[:, 1].long()
-        used = torch.unique(ids)  # sorted
-        if env["_i0"] >= used.numel():
+        blocks = routed_blocks(route[:, 1].long(), p["block"])
+        if env["_i0"] >= len(blocks):
             return
-        e = int(used[env["_i0"]])
-        rows, slots = (ids == e).nonzero(as_tuple=True)  # row order, one slot a row
+        e, rows, slots = blocks[env["_i0"]]
         tile = slice(env["_i1"] * p["rows"], env["_i1"] * p["rows"] + p["rows"])
         x = ins[k["x"]][rows].float()
         if "g" in k:
@@ -127,9 +148,10 @@ class MoeExperts(BlockKind):
         args = [("smem", "smem"), ("x", x.view()), ("g", g), ("eps", f"{float(p.get('eps', 0.0))!r}f"),
                 ("route", route.view()), ("n", op.inputs[k["x"]].shape[0].to_c(dimc)), ("E", str(experts)),
                 ("top_k", str(p["top_k"])), ("w", w.view()), ("w2", w2.view()), ("wd", wd.view()),
-                ("acc", out.view(const=False)), ("F", f"{f}LL"), ("used", "c0"), ("n_tile", "c1")]
+                ("acc", out.view(const=False)), ("F", f"{f}LL"), ("b", "c0"), ("n_tile", "c1")]
         norm = "true" if "g" in k else "false"
-        return c_call("moe_experts", [x.ctype, EXPERT_ROWS, kdim, n, p["rows"], norm], args)
+        mma = "true" if p["mma"] else "false"
+        return c_call("moe_experts", [x.ctype, EXPERT_ROWS, p["block"], mma, kdim, n, p["rows"], norm], args)
 
     def bytes_moved(self, op, env):
         """The experts the rows likely chose (each of ``n * top_k`` picks a uniformly random expert: the expected
@@ -174,7 +196,10 @@ def _emit(b, args, node: int):
     present = tuple(r for r, v in operands.items() if v != NONE)
     inputs = [b.rows(b.operand(operands[r])) if r == "x" else b.operand(operands[r]) for r in present]
     reads = {v for v in (*operands.values(), args["logits"], args["w"], args["w2"], args["wd"]) if v != NONE}
-    params = {"rows": args["rows"], "roles": (*present, "route", "w", "w2", "wd"), "eps": args["eps"], "top_k": top_k}
+    w = b.graph.nodes[args["w"]]
+    block, mma = expert_block(w.shape[2].value, w.dtype, norm="g" in present)
+    params = {"rows": args["rows"], "roles": (*present, "route", "w", "w2", "wd"), "eps": args["eps"], "top_k": top_k,
+              "block": block, "mma": mma}
     weights = [b.operand(args["w"]), b.operand(args["w2"]), b.transposed_weight(args["wd"])]
     b.emit("moe_experts", b.absorbed(node, reads), [*inputs, route, *weights], acc, params)
     return acc

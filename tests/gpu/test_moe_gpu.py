@@ -21,7 +21,7 @@ def rel(a, b):
 @pytest.mark.parametrize("dt, tol", [(me.f32, 1e-4), (me.bf16, 3e-2)], ids=["f32", "bf16"])
 def test_the_moe_step_graph_on_the_gpu_gives_the_references_logits(dt, tol):
     """qwen3-moe-tiny (top-3 of 7 experts) with random weights, its step graph compiled for the GPU: a decode
-    batch of four sequences, a 37-token prompt (each expert ~16 rows: four passes of 4), and a mixed step of
+    batch of four sequences, a 37-token prompt (each expert ~16 rows: one or two blocks, on tensor cores in bf16), and a mixed step of
     a prompt beside decoding rows; each against the reference executor (f32: the same greedy tokens)."""
     cfg = dataclasses.replace(ModelConfig.preset("qwen3-moe-tiny"), dtype=dt)
     graph, spec = build_step_graph(cfg, max_len=64, slots=4)
