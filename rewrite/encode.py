@@ -162,6 +162,13 @@ def heads_view(graph: Graph, n: Node) -> Op | None:
     return None
 
 
+def row_linear_view(graph: Graph, n: Node) -> Op | None:
+    """``Op.row_linear`` for a linear of one x row (every dim of x but the last 1; weights have constant dims)."""
+    if n.op != "linear" or not _ones(graph.nodes[n.inputs[0]].shape[:-1]):
+        return None
+    return Op.row_linear(x=n.inputs[0], w=n.inputs[1], n=graph.nodes[n.inputs[1]].shape[0].value)
+
+
 def encode(graph: Graph, live: set[int]) -> EGraph:
     """An e-graph holding every live computing node's term (leaves and views have none)."""
     egraph = EGraph()
@@ -170,7 +177,8 @@ def encode(graph: Graph, live: set[int]) -> EGraph:
         for n in graph.nodes
         if n.id in live and n.op not in LEAF_OPS and n.op not in VIEW_OPS
     ]
-    actions += [union(node(n.id)).with_(t) for n in graph.nodes if n.id in live and (t := heads_view(graph, n)) is not None]
+    actions += [union(node(n.id)).with_(t) for n in graph.nodes if n.id in live
+                for t in (heads_view(graph, n), row_linear_view(graph, n)) if t is not None]
     actions += [union(node(n.id)).with_(t) for n in graph.nodes if n.id in live for t in scale_views(graph, n)]
     actions += [union(node(n.id)).with_(t) for n in graph.nodes if n.id in live for t in rope_views(graph, n)]
     if actions:

@@ -1,12 +1,15 @@
 """Rewrite rules, as named rulesets next to the ``Op`` sort. ``schedule.py`` runs them.
 
-``lowering``: every graph op gets its block-term alternatives (tile sizes).
+``lowering``: every graph op gets its block-term alternatives (tile sizes); ``wave_tiles(sms)``
+adds the heights that fill ``sms`` SMs in a wave or two where those cannot (an LM head).
 ``fusion``: fused alternatives side by side with the unfused ones; the extractor
 chooses by cost. This is the one file that says which graph patterns become which
 block terms; each term itself (fields, operands, lowering) lives in ``megaegg/blockops``.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 from egglog import String, eq, f64, i64, ne, rule, ruleset, union
 
@@ -17,6 +20,10 @@ from .terms import NONE, Op, acc, node
 # docs/design.md: pops cost a few % below ~128 KB, so the larger tiles win on big layers.
 # 24, 48, 96 and 112 fill 128 SMs with common widths (3072, 6144, 12288 rows: qwen3's MLPs; 14336: llama-3.1-8b's).
 MATVEC_ROWS = (8, 16, 24, 32, 48, 64, 96, 112, 128)
+# A matvec of one x row too tall for the tallest of those to fill the SMs in one wave (an LM head: 128256 rows are
+# 1002 instances, 7.6 waves, whose claims and ragged last wave cost ~30 us over its bytes) also gets the tiles that
+# run it in this many waves (wave_tiles)
+WAVES = (1, 2)
 ELEMENTWISE_TILES = (1024, 8192)
 ROW_TILES = (1, 4, 16, 64)  # (16, 64: the rows of a prompt, whose instances would otherwise be mostly overhead)
 ATTENTION_CHUNKS = (64, 256)  # KV rows per split-KV instance
@@ -105,6 +112,22 @@ def _lower(x: i64, w: i64, g: i64, a: i64, b: i64, s: i64, eps: f64, dt: String,
             make = getattr(Op, name)
             alts += [make(node=i, **{tile: t}) for t in tiles] if tile else [make(node=i)]
         yield rule(eq(node(i)).to(Op.other(op=op, node=i))).then(*(union(node(i)).with_(t) for t in alts))
+
+
+@cache
+def wave_tiles(sms: int):
+    """The ruleset that gives a linear of one x row taller than ``max(MATVEC_ROWS) * sms`` rows (an LM head) the
+    matvec tiles that run it in WAVES waves on ``sms`` SMs (the cost model's), each ``ceil(n / (waves * sms))``
+    rows rounded up to a multiple of 8 (whole row groups: matvec.cuh deals rows to 8 warps). One x row only: a
+    batch's tensor-core bodies are instantiated per tile height (matvec.cuh: matvec_fixed_rows)."""
+    rules = ruleset(name=f"wave_tiles_{sms}")
+
+    @rules.register
+    def _wave_tiles(x: i64, w: i64, n: i64, i: i64):
+        yield rule(eq(node(i)).to(Op.row_linear(x=x, w=w, n=n)), n > max(MATVEC_ROWS) * sms).then(
+            *(union(node(i)).with_(matvec(x, w, rows=(n + 8 * k * sms - 1) / (8 * k * sms) * 8)) for k in WAVES))
+
+    return rules
 
 
 @fusion.register

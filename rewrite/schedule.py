@@ -18,7 +18,7 @@ from ..ir.program import BlockProgram, Regime
 from ..blockops import TERMS
 from ..blockops.base import Sum
 from .regimes import bands, large_rows_model, merge, row_symbol
-from .rules import fusion, lowering
+from .rules import fusion, lowering, wave_tiles
 from .siblings import balance_siblings
 
 DEFAULT_DIM_HINT = 512  # representative value of every runtime dim for cost estimates
@@ -61,6 +61,7 @@ def rewrite(
     egraph = encode(small, live)  # one SSA term per computing node
     t = stats.lap("encode", t)
     egraph.run(lowering.saturate())  # block-op alternatives: tile sizes per op
+    egraph.run(wave_tiles(cost_model.sms))  # ... and for a tall matvec, the heights that fill the SMs
     egraph.run(fusion.saturate())  # fused alternatives beside the unfused ones
     t = stats.lap("saturate", t)
     alts = alternatives(egraph, small, computing_nodes(small, live))

@@ -37,6 +37,9 @@ GRAPH_TERMS = {
     "neg": fields("a:ref"),
     "silu": fields("a:ref"),
     "heads": fields("src:ref head_dim:int"),  # a reshape view [1, H*D] -> [H, D], seen so QKV fusion can look through it
+    # a linear of one x row (x's dims but the last all 1) and its weight's n rows, seen so that a tall one (an LM head)
+    # gets the tile heights that fill the SMs (rules.py: wave_tiles)
+    "row_linear": fields("x:ref w:ref n:int"),
     "rope": fields("x:ref node:node"),  # RoPE at a runtime-dim position
     # RoPE at positions from the i32 tensor pos (a batch, a prompt), frequencies inv, hf: Hugging Face's rounding
     # (ops.rope's rounding="hf"); node: its value (a rope node, or the sum of a RoPE written out: rules.py)

@@ -161,6 +161,14 @@ def grid_axes(params) -> tuple[int, int]:
 
 
 RUNTIME_MROWS = 8  # (16: the gated body spills 4 KB a thread and NVRTC takes minutes)
+# The top of shared memory that the fused kinds (matvec_heads, matvec_argmax) compute their rows into
+# (matvec.cuh: MEGA_SMEM_RESERVED; matvec_tile.cuh: matvec_to_tile)
+EPILOGUE_TILE_BYTES = 4096
+
+
+def fits_epilogue_tile(graph, args) -> bool:
+    """Whether a fused kind's ``rows`` rows of ``w``'s dtype fit EPILOGUE_TILE_BYTES."""
+    return args["rows"] * graph.nodes[args["w"]].dtype.itemsize <= EPILOGUE_TILE_BYTES
 MMA_MROWS = 16  # x rows per instance on tensor cores (matvec.cuh: run_mma, bf16 and f16)
 MMA_STAGE_BYTES = 80 * 1024  # x staged (RMSNorm prologue) for run_mma, at most
 WIDE_MROWS = 64  # x rows of a wide tile (matvec_wide.cuh: both operands through a cp.async ring)

@@ -13,7 +13,7 @@ from ..dtypes import f32
 from .base import NONE, BlockKind, Partition, Term, c_call, fields, no_view, register, term
 from .argmax import nan_rows
 from ..ir.footprint import Full, Tile
-from .matvec import products, roles
+from .matvec import fits_epilogue_tile, products, roles
 
 
 @register
@@ -62,6 +62,9 @@ class MatVecArgmaxTerm(Term):
     name = "matvec_argmax"
     fields = fields("x:ref w:ref g:ref eps:float rows:int")
     tile = "rows"
+
+    def fits(self, graph, args) -> bool:
+        return fits_epilogue_tile(graph, args)
 
     def lower(self, b, value, args):
         operands = {"x": args["x"], "w": args["w"], "g": args["g"]}

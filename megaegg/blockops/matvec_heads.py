@@ -15,7 +15,7 @@ import torch
 from ..dims import as_dim, ceildiv
 from .base import NONE, BlockKind, Partition, Term, c_call, dimc, fields, no_view, register, term
 from ..ir.footprint import Full, Tile
-from .matvec import products, roles
+from .matvec import fits_epilogue_tile, products, roles
 from .rope import hf_param, hf_rounding, rotated
 
 
@@ -79,6 +79,9 @@ class MatVecHeadsTerm(Term):
     name = "matvec_heads"
     fields = fields("x:ref w:ref g:ref eps:float rows:int rope:node append:node")
     tile = "rows"
+
+    def fits(self, graph, args) -> bool:
+        return fits_epilogue_tile(graph, args)
 
     def refs(self, graph, args):
         inv = graph.nodes[args["rope"]].inputs[1] if args["rope"] != NONE else NONE
