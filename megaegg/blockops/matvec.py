@@ -169,6 +169,8 @@ EPILOGUE_TILE_BYTES = 4096
 def fits_epilogue_tile(graph, args) -> bool:
     """Whether a fused kind's ``rows`` rows of ``w``'s dtype fit EPILOGUE_TILE_BYTES."""
     return args["rows"] * graph.nodes[args["w"]].dtype.itemsize <= EPILOGUE_TILE_BYTES
+
+
 MMA_MROWS = 16  # x rows per instance on tensor cores (matvec.cuh: run_mma, bf16 and f16)
 MMA_STAGE_BYTES = 80 * 1024  # x staged (RMSNorm prologue) for run_mma, at most
 WIDE_MROWS = 64  # x rows of a wide tile (matvec_wide.cuh: both operands through a cp.async ring)
