@@ -14,10 +14,6 @@
 #pragma once
 #include "moe.cuh"
 
-#ifndef MEGA_MOE_PREFETCH
-#define MEGA_MOE_PREFETCH 1  // moe_experts' down tile into L2 at the instance's start
-#endif
-
 namespace moe_rows_impl {
 
 // Warp-level routing of one row into weight[0, top_k) and id[0, top_k) (moe.cuh: warp_top_k); p: E + 2 * top_k
@@ -216,10 +212,6 @@ __device__ void moe_block_mma(char* smem, Mat<const T> x, Vec<const T> g, float 
     static_assert(P::BYTES + H_BYTES <= MEGA_SMEM - MEGA_SMEM_RESERVED && RING + D::BYTES <= MEGA_SMEM - MEGA_SMEM_RESERVED,
                   "moe_experts: x, h and the down projection's ring do not fit in shared memory");
     T* hs = reinterpret_cast<T*>(smem + P::BYTES);
-#if MEGA_MOE_PREFETCH
-    // the down tile streams into L2 while the gated half runs: its ring then reads L2, not HBM
-    if (threadIdx.x == 0) mega_prefetch_l2_range(wde.p + row0 * wde.s0, (long long)rows * wde.s0 * (long long)sizeof(T));
-#endif
     for (int i = threadIdx.x; i < H_BYTES / 16; i += MEGA_THREADS) reinterpret_cast<uint4*>(hs)[i] = make_uint4(0, 0, 0, 0);
     // (run_mma's block barriers order the zeros before its epilogue writes h)
     matvec_impl::run_mma<T, BLOCK, K, ROWS, NORM, true, false, true>(smem, x, g, eps, we, w2e, Mat<const T>{}, Mat<T>{hs - row0, HS, 1},
