@@ -137,11 +137,14 @@ def timed(fn, iters: int, warmup: int, cuda: bool) -> float:
 
 def prefill_flops(cfg: ModelConfig, t: int) -> float:
     """FLOPs of a t-token prefill that yields one token: every linear of every row (2 per weight
-    element), causal attention (QK^T and PV over t (t + 1) / 2 pairs a head), the LM head of one row."""
+    element; a MoE layer: the router and the top_k experts a row chose), causal attention (QK^T and PV
+    over t (t + 1) / 2 pairs a head), the LM head of one row."""
     h, d = cfg.hidden, cfg.head_dim
-    per_layer = h * d * (2 * cfg.heads + 2 * cfg.kv_heads) + 3 * h * cfg.intermediate
+    attention_weights = h * d * (2 * cfg.heads + 2 * cfg.kv_heads)
+    mlp = [h * cfg.moe.experts + 3 * h * cfg.moe.intermediate * cfg.moe.top_k if cfg.is_sparse(i)
+           else 3 * h * cfg.intermediate for i in range(cfg.layers)]
     attention = 2 * 2 * cfg.heads * d * t * (t + 1) / 2
-    return cfg.layers * (2.0 * per_layer * t + attention) + 2.0 * h * cfg.vocab
+    return sum(2.0 * (attention_weights + m) * t + attention for m in mlp) + 2.0 * h * cfg.vocab
 
 
 def dense_rate(cuda: bool) -> float | None:

@@ -319,8 +319,8 @@ def main(argv=None) -> dict:
     itl = [b - c for r in ok for c, b in zip(r["stamps"], r["stamps"][1:])]
     out_tokens = sum(len(r["stamps"]) for r in ok)
     peer = None
-    # (the same random weights, in this process: the engine's has exited; no batched step of routed experts)
-    if cuda and not a.skip_peer and cfg.moe is None:
+    # (the same random weights, in this process: the engine's has exited)
+    if cuda and not a.skip_peer:
         from megaegg.models import build_step_graph, random_weights
 
         spec = build_step_graph(cfg, max_len=max_len, slots=slots, sampling=True)[1]

@@ -262,3 +262,35 @@ def test_bench_dry_run_tensor_parallel(tmp_path):
     assert v["megakernel tp=2"]["status"] == "ok" and v["megakernel tp=2"]["correctness"]["next_token_equal"]
     assert v["plain tp=2 CUDA graph"]["status"] == "skipped"
     assert "tensor parallel over 2 GPUs: megakernel tp=2" in run.stdout and "best PyTorch tp=2 peer (plain tp=2 eager" in run.stdout
+
+
+# --- PlainBatch (megaegg.models.torch_batch): the batched peer of the step graph ------------------
+@pytest.mark.parametrize("batch", [2, 3], ids=["gathered", "every-expert"])
+def test_plain_batch_moe_matches_one_sequence_at_a_time(batch):
+    """f32 Qwen3-MoE (top-3 of 7 experts): PlainBatch's prompt and its batched decode steps give each sequence's
+    logits as PlainDecoder (checked against the reference's arithmetic above) run on that sequence alone; 2
+    rows gather their experts (6 picks < 7 experts), 3 run every expert weighted by the routing, as does the
+    5-token prompt."""
+    from megaegg.models.torch_batch import PlainBatch
+
+    cfg, max_len = f32(CONFIGS["qwen3-moe-tiny"]), 16
+    _, spec = build_decode_graph(cfg, max_len=max_len)
+    weights = random_weights(spec, seed=7)
+    weights = {n: t * 3 if ".mlp.gate." in n else t for n, t in weights.items()}  # (spread routing: fewer near-ties)
+    peer = PlainBatch(cfg, weights, max_len=max_len, slots=batch, device="cpu")
+    alone = [PlainDecoder(cfg, weights, max_len=max_len, device="cpu") for _ in range(batch)]
+    prompt = [5, 17, 99, 3, 42]
+    with torch.no_grad():
+        got, _ = peer.prefill(torch.tensor(prompt, dtype=torch.int32))
+        for pos, tok in enumerate(prompt):
+            want, _ = alone[0].step(torch.tensor([tok], dtype=torch.int32), torch.tensor([pos]))
+        assert rel_err(got, want) < 1e-4
+        positions = [len(prompt)] + [0] * (batch - 1)  # sequence 0 goes on after its prompt, the others start
+        for step in range(3):
+            tokens = [(7 + 31 * i + 5 * step) % cfg.vocab for i in range(batch)]
+            got, got_next = peer.decode(torch.tensor(tokens, dtype=torch.int32), torch.tensor(positions))
+            for i, dec in enumerate(alone):
+                want, want_next = dec.step(torch.tensor([tokens[i]], dtype=torch.int32), torch.tensor([positions[i]]))
+                assert rel_err(got[i : i + 1], want) < 1e-4, (step, i)
+                assert got_next[i].item() == want_next.item()
+            positions = [p + 1 for p in positions]

@@ -1,7 +1,8 @@
 """Batched decode and prompt prefill in plain PyTorch (gpt-fast style): the peer of the step graph.
 
 :class:`PlainBatch` holds per-layer static caches ``[slots, kv_heads, max_len, head_dim]`` (sequence
-``i`` in slot ``i``) and the fused q/k/v and gate/up weights of
+``i`` in slot ``i``) and the fused q/k/v and gate/up weights (Qwen3-MoE: the routed experts of
+:class:`~megaegg.models.torch_moe.ExpertsMLP`) of
 :class:`~megaegg.models.torch_plain.PlainDecoder`, with the same numerics (``F.rms_norm``, fp32
 RoPE from a cos/sin table, SDPA):
 
@@ -34,6 +35,7 @@ from torch import nn
 from ..ops import rope_inv_freq
 from .config import ModelConfig
 from .torch_decode import frozen
+from .torch_moe import ExpertsMLP
 from .torch_plain import HAS_ENABLE_GQA, _rms_norm
 
 
@@ -55,13 +57,11 @@ def _sdpa(q, k, v, **kw):
 
 
 class PlainBatch(nn.Module):
-    """Dense Llama / Qwen3 models (see the module docstring)."""
+    """Llama, Qwen3 and Qwen3-MoE models (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, max_len: int, slots: int,
                  device="cuda") -> None:
         super().__init__()
-        if cfg.moe is not None:
-            raise ValueError("PlainBatch: dense models only")
         self.cfg, self.max_len = cfg, max_len
         H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.sizes = [H * D, Hkv * D, Hkv * D]
@@ -79,13 +79,16 @@ class PlainBatch(nn.Module):
                 "ln1": w(p + "input_layernorm.weight"), "ln2": w(p + "post_attention_layernorm.weight"),
                 "wqkv": torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
                 "wo": w(p + "self_attn.o_proj.weight"),
-                "w13": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "w2": w(p + "mlp.down_proj.weight"),
                 "k": torch.zeros(slots, Hkv, max_len, D, dtype=cfg.dtype.torch, device=device),
                 "v": torch.zeros(slots, Hkv, max_len, D, dtype=cfg.dtype.torch, device=device),
             }
             if cfg.qk_norm:
                 layer["qn"], layer["kn"] = w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight")
+            if cfg.is_sparse(i):  # Qwen3-MoE's routed experts (torch_moe.py: gathered for few rows, all for many)
+                layer["experts"] = ExpertsMLP(cfg, weights, i, device)
+            else:
+                layer["w13"] = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+                layer["w2"] = w(p + "mlp.down_proj.weight")
             self.layers.append(layer)
         inv = rope_inv_freq(D, cfg.rope_theta, cfg.rope_scaling).to(torch.float32)
         angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv[None, :]
@@ -108,7 +111,10 @@ class PlainBatch(nn.Module):
 
     def _mlp(self, layer, x, o):
         x = x + F.linear(o, layer["wo"])
-        gate, up = F.linear(_rms_norm(x, layer["ln2"], self.cfg.rms_eps), layer["w13"]).chunk(2, dim=-1)
+        h = _rms_norm(x, layer["ln2"], self.cfg.rms_eps)
+        if "experts" in layer:
+            return x + layer["experts"](h)
+        gate, up = F.linear(h, layer["w13"]).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, layer["w2"])
 
     def _head(self, x):
