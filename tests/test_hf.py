@@ -36,6 +36,18 @@ def _config(arch: str):
         return transformers.Gemma2Config(**SMALL, head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=30.0)
     if arch == "gemma3":  # (+ q / k norms, local and global RoPE; a window no shorter than max_len)
         return transformers.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=64)
+    # routed experts (hf.py: ROUTED_BLOCKS): top-2 of 4, Qwen3-MoE's first layer dense; Qwen2-MoE's shared expert
+    moe = dict(num_experts_per_tok=2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**SMALL, **moe, head_dim=16, num_experts=4, moe_intermediate_size=32,
+                                           mlp_only_layers=[0], norm_topk_prob=True)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**SMALL, **moe, num_local_experts=4)
+    if arch == "olmoe":
+        return transformers.OlmoeConfig(**SMALL, **moe, num_experts=4)
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**SMALL, **moe, num_experts=4, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48)
     # more architectures without a hand-written builder (interleaved RoPE: GLM, Helium, ERNIE 4.5; SmolLM3's
     # layers without RoPE; OLMo3's and EXAONE 4's norms after the blocks)
     more = {"exaone4": "Exaone4Config", "olmo3": "Olmo3Config", "seed_oss": "SeedOssConfig", "ministral": "MinistralConfig",
@@ -59,7 +71,7 @@ def _model(arch: str, seed: int = 0):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2", "granite", "phi3", "qwen2", "gemma", "gemma2",
                                   "gemma3", "exaone4", "olmo3", "seed_oss", "ministral", "smollm3", "helium", "ernie4_5",
-                                  "glm", "glm4"])
+                                  "glm", "glm4", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 def test_greedy_tokens_equal_transformers(arch):
     model = _model(arch)
     prompt = [5, 17, 42, 8, 63, 1]
@@ -71,14 +83,15 @@ def test_greedy_tokens_equal_transformers(arch):
     assert got == want, (arch, got, want)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny", "qwen3-moe-tiny"])
 def test_the_traced_decode_step_runs_the_hand_built_graphs_block_ops(preset):
     """RoPE as transformers writes it (angles, cos / sin cast to bf16, slices, a negation, a concatenation,
     products and a sum) becomes one rope op each for q and k, rounded as transformers rounds (rules.py:
     _recover_rope), with qwen3's q / k norms and the K append folded into it: the traced bf16 decode step
     runs the block ops of the hand-built decode graph of the same config (no elementwise op left), but the
     built graph's greedy argmax (the traced step returns the logits), with the logits of transformers' bf16
-    forward (to bf16's noise: the fused RoPE itself is bit for bit, test_frontend.py)."""
+    forward (to bf16's noise: the fused RoPE itself is bit for bit, test_frontend.py). Qwen3-MoE's sparse blocks
+    (hf.py: ROUTED_BLOCKS) become the built graph's routed experts, the router and the norm fused alike."""
     from collections import Counter
 
     from megaegg.models import PRESETS, ModelConfig, build_decode_graph, random_weights
@@ -97,7 +110,7 @@ def test_the_traced_decode_step_runs_the_hand_built_graphs_block_ops(preset):
     assert traced == built - Counter(argmax_partial=1, argmax_reduce=1), (traced, built)
     ropes = [e.op for e in lm.kernel.kernel.queue.entries if e.op.kind == "rope"]
     assert all(op.params.get("hf") and "pos_ids" in op.params["roles"] for op in ropes)
-    assert all(("g" in op.params["roles"]) == (preset == "qwen3-tiny") for op in ropes)
+    assert all(("g" in op.params["roles"]) == preset.startswith("qwen3") for op in ropes)
     ids = [5, 17, 42, 8, 63, 1]
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].float()
@@ -151,6 +164,22 @@ def test_generate_takes_a_tokenizers_tensor_and_several_eos_ids():
     assert lm.generate(ids, 0) == []
 
 
+def test_a_moe_prompt_routes_its_rows_inside_the_kernel():
+    """Qwen3-MoE's prompt step (n rows) takes the step graph's routed experts (moe_route, moe_experts: each chosen
+    expert once for its rows), its decode step the one-row moe_glu_down."""
+    lm = me.from_transformers(_model("qwen3_moe"), max_len=24, backend="sim")
+    assert {"moe_route", "moe_experts"} <= {e.op.kind for e in lm.prompt_kernel.kernel.queue.entries}
+    assert "moe_glu_down" in {e.op.kind for e in lm.kernel.kernel.queue.entries}
+
+
+def test_other_moe_blocks_are_refused_by_name():
+    """Phi-3.5-MoE's router (sparsemixer) is not ops.moe_mlp's softmax top-k: one error naming the block."""
+    cfg = transformers.PhimoeConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(me.frontend.UnsupportedTorch, match=r"routed experts \(PhimoeSparseMoeBlock\) are not supported"):
+        me.from_transformers(model, max_len=16, backend="sim")
+
+
 def test_what_the_attention_ops_do_not_compute_is_refused():
     """Gemma 2's attention soft-capping would be silently dropped: one error naming it instead."""
     cfg = transformers.Gemma2Config(**{**SMALL, "head_dim": 16})
@@ -159,7 +188,8 @@ def test_what_the_attention_ops_do_not_compute_is_refused():
         me.from_transformers(model, max_len=16, backend="sim")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2", "granite", "phi3", "qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2", "granite", "phi3", "qwen2", "gemma3", "qwen3_moe",
+                                  "mixtral"])
 def test_the_example_cli_generates_transformers_tokens(arch, capsys):
     """examples/hf.py's flags (--arch ... --random-weights, --prompt-ids, --json): its generated_ids are
     transformers' greedy tokens for the same random model."""

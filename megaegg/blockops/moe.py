@@ -80,8 +80,17 @@ MOE_FIELDS = fields("x:ref g:ref eps:float logits:ref w:ref w2:ref wd:ref node:n
 
 
 ROW_BYTES = 16  # the glu_down body reads the experts' rows in vectors of this many bytes
-MOE_NEEDS = (f"one x row, expert weights that are graph weights (not views) with rows of a multiple of {ROW_BYTES} "
+MOE_NEEDS = (f"one x row, expert weights that are graph weights (or row slices of one) with rows of a multiple of {ROW_BYTES} "
              f"bytes, at most {MAX_EXPERTS} experts")
+
+
+def expert_weight(graph, ref: int) -> bool:
+    """Whether node ``ref`` is a stack of expert weights the bodies read as they are: a weight, or a slice of one
+    along its rows (transformers' gate_up_proj [E, 2F, K] as the gate's and the up projection's halves)."""
+    n = graph.nodes[ref]
+    if n.op == "slice" and n.attrs["dim"] == 1:
+        n = graph.nodes[n.inputs[0]]
+    return n.op == "weight"
 
 
 def expert_rows_fit(k_dim: int, dtype) -> bool:
@@ -95,7 +104,7 @@ def _fits(graph, args) -> bool:
     xs = graph.nodes[args["x"]].shape
     if not all(d.is_const for d in xs) or math.prod(d.value for d in xs[:-1]) != 1:
         return False
-    if any(graph.nodes[args[r]].op != "weight" for r in ("w", "w2", "wd")):
+    if not all(expert_weight(graph, args[r]) for r in ("w", "w2")) or graph.nodes[args["wd"]].op != "weight":
         return False
     experts, _, kdim = (d.value for d in graph.nodes[args["w"]].shape)
     return expert_rows_fit(kdim, graph.nodes[args["w"]].dtype) and experts <= MAX_EXPERTS

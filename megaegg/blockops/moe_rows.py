@@ -42,13 +42,13 @@ from ..reference import expert_mlp, moe_routing
 from ..sampling import NaNError
 from .base import NONE, BlockKind, Partition, c_call, dimc, no_view, register, rms_normed, term
 from .matvec import roles, staged_rows
-from .moe import MoeRoundedTerm, MoeSumTerm, expert_rows_fit
+from .moe import MoeRoundedTerm, MoeSumTerm, expert_rows_fit, expert_weight
 
 ROUTE_ROWS = 8  # rows a routing instance: one a warp (moe_rows.cuh)
 ROUTE_FLOATS = 2048  # a routing warp's E probabilities and 2 * top_k picks in shared memory (8 warps: 64 KB)
 EXPERT_ROWS = 4  # x rows the CUDA-core body stages and multiplies at a time (M: the batch matvec body's)
 CUDA_CORE_BLOCK = 16  # rows of one expert an instance takes on CUDA cores (EXPERT_ROWS a pass)
-NEEDS = (f"several x rows, expert weights that are graph weights (not views) with 16-byte rows, experts + 2 * top_k "
+NEEDS = (f"several x rows, expert weights that are graph weights (or row slices of one) with 16-byte rows, experts + 2 * top_k "
          f"at most {ROUTE_FLOATS}")
 
 
@@ -172,7 +172,7 @@ def _fits(graph, args) -> bool:
     xs = graph.nodes[args["x"]].shape
     if all(d.is_const for d in xs) and math.prod(d.value for d in xs[:-1]) == 1:
         return False
-    if any(graph.nodes[args[r]].op != "weight" for r in ("w", "w2", "wd")):
+    if not all(expert_weight(graph, args[r]) for r in ("w", "w2")) or graph.nodes[args["wd"]].op != "weight":
         return False
     experts, _, kdim = (d.value for d in graph.nodes[args["w"]].shape)
     top_k = graph.nodes[args["node"]].attrs["top_k"]

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from . import cache_ops  # noqa: F401  (torch.ops.megaegg.*: the table names them)
+from . import cache_ops, routed_ops  # noqa: F401  (torch.ops.megaegg.*: the table names them)
 from ..dtypes import DType, bf16, f16, f32, i32
 
 Entry = Callable[[Any, Any, list, dict], Any]
@@ -330,6 +330,7 @@ ATEN: dict[str, Entry] = {
                                                                              scale=args[4]),
     # a prompt's or a batch's rows: each at its own (slot, position); bound's length bounds every position + 1
     "megaegg.kv_store.default": lambda t, node, args, kwargs: ops.kv_store(*args),
+    "megaegg.moe_mlp.default": lambda t, node, args, kwargs: ops.moe_mlp(*args[:5], top_k=args[5], normalize=args[6]),
     "megaegg.ragged_attention.default": lambda t, node, args, kwargs: ops.ragged_attention(
         *args[:5], length=args[5].shape[0], scale=args[6]),
 }

@@ -16,15 +16,22 @@ computes) is the model's own ATen graph.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
-from . import cache_ops  # noqa: F401  (registers torch.ops.megaegg.kv_append / attention)
+from . import cache_ops, routed_ops  # noqa: F401  (registers torch.ops.megaegg.kv_append / attention / moe_mlp)
 from .aten import UnsupportedTorch
 
 ATTN_IMPLEMENTATION = "megaegg"
+# transformers' sparse MoE blocks whose routing ops.moe_mlp computes (softmax in f32, the top k, silu experts of
+# stacked gate_up_proj / down_proj; Qwen2-MoE's shared expert and its sigmoid gate traced as they are), by class:
+# the config field that says whether the top-k weights are divided by their sum (None: always)
+ROUTED_BLOCKS = {"Qwen3MoeSparseMoeBlock": "norm_topk_prob", "MixtralSparseMoeBlock": None,
+                 "OlmoeSparseMoeBlock": "norm_topk_prob", "Qwen2MoeSparseMoeBlock": "norm_topk_prob"}
 
 
 def _megaegg_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -77,6 +84,45 @@ def register() -> None:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, _megaegg_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, lambda *args, **kwargs: None)
+
+
+def _routed_forward(block, normalize: bool, hidden_states):
+    """A sparse MoE block's forward as ``megaegg::moe_mlp`` (its experts' loop over data-dependent rows does not
+    export): the router's logits, then every row's top-k experts."""
+    x = hidden_states  # (its shape as it is: a reshape between the norm, the experts and the residual add would
+    # keep the rewrite from fusing them, rules.py)
+    gate_up, f = block.experts.gate_up_proj, block.experts.down_proj.shape[-1]
+    out = torch.ops.megaegg.moe_mlp(x, F.linear(x, block.gate.weight), gate_up[:, :f], gate_up[:, f:],
+                                    block.experts.down_proj, block.gate.top_k, normalize)
+    if hasattr(block, "shared_expert"):  # (Qwen2-MoE)
+        out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    return out
+
+
+@contextmanager
+def _routed_experts(model):
+    """While exporting: ``model``'s sparse MoE blocks run as ``megaegg::moe_mlp`` (ROUTED_BLOCKS); any other
+    block with experts is refused by name."""
+    text = model.config.get_text_config()
+    patched = []
+    try:
+        for m in model.modules():
+            if not hasattr(m, "experts"):
+                continue
+            name = type(m).__name__
+            silu = getattr(text, "hidden_act", None) == "silu"
+            if name not in ROUTED_BLOCKS or not hasattr(m.experts, "gate_up_proj") or not silu:
+                raise UnsupportedTorch(f"{type(model).__name__}: its routed experts ({name}) are not supported: "
+                                       f"from_transformers takes {', '.join(ROUTED_BLOCKS)} (silu experts stacked in "
+                                       "gate_up_proj / down_proj, transformers 5)")
+            field = ROUTED_BLOCKS[name]
+            normalize = True if field is None else bool(getattr(text, field))
+            m.forward = lambda h, m=m, normalize=normalize: _routed_forward(m, normalize, h)
+            patched.append(m)
+        yield
+    finally:
+        for m in patched:
+            del m.forward
 
 
 class DecodeStep(torch.nn.Module):
@@ -237,7 +283,7 @@ def _export(model, step, example, dynamic_shapes):
     """``torch.export`` of a step; its failure (a construct torch.export cannot trace) as one error naming the
     model, not torch's traceback (an UnsupportedTorch raised while tracing stays as it is)."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _routed_experts(model):
             return torch.export.export(step, example, dynamic_shapes=dynamic_shapes)
     except UnsupportedTorch:
         raise

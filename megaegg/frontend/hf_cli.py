@@ -25,7 +25,10 @@ ARCHS = {"llama": ("LlamaConfig", {}), "qwen3": ("Qwen3Config", {"head_dim": 16}
          "granite": ("GraniteConfig", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5,
                                        "attention_multiplier": 0.25, "logits_scaling": 4.0}),
          "phi3": ("Phi3Config", {"pad_token_id": 0}), "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
-         "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 256})}
+         "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 256}),
+         "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                          "moe_intermediate_size": 32, "norm_topk_prob": True}),
+         "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2})}
 
 
 def parse(argv=None) -> argparse.Namespace:
