@@ -39,6 +39,10 @@ def hf_model(arch: str, *, tie: bool, seed: int):
             **TINY, tie_word_embeddings=tie, rope_parameters=LLAMA3_ROPE, max_position_embeddings=131072
         )
         model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "mistral":  # (a window longer than the test's context: the whole cache attended, as the graph does)
+        cfg = transformers.MistralConfig(**TINY, tie_word_embeddings=tie, rope_theta=1e6, sliding_window=48,
+                                         max_position_embeddings=4096)
+        model = transformers.MistralForCausalLM(cfg)
     else:
         cfg = transformers.Qwen3Config(**TINY, tie_word_embeddings=tie, rope_theta=1e6, max_position_embeddings=4096)
         model = transformers.Qwen3ForCausalLM(cfg)
@@ -56,7 +60,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     "arch,tie,shard,seed,executor",
     [("llama", True, False, 10, "reference"), ("llama", False, True, 11, "reference"),
      ("qwen3", False, False, 12, "reference"), ("qwen3", True, True, 13, "reference"),
-     ("llama", True, False, 14, "megakernel-sim"), ("qwen3", False, True, 15, "megakernel-sim")],
+     ("llama", True, False, 14, "megakernel-sim"), ("qwen3", False, True, 15, "megakernel-sim"),
+     ("mistral", False, False, 16, "reference"), ("mistral", True, True, 17, "megakernel-sim")],
 )
 def test_greedy_matches_transformers(tmp_path, arch, tie, shard, seed, executor):
     model = hf_model(arch, tie=tie, seed=seed)
@@ -66,6 +71,7 @@ def test_greedy_matches_transformers(tmp_path, arch, tie, shard, seed, executor)
     cfg = read_config(tmp_path)
     assert (cfg.arch, cfg.tie_embeddings, cfg.dtype) == (arch, tie, me.f32)
     assert (cfg.rope_scaling or {}).get("rope_type") == ("llama3" if arch == "llama" else None)
+    assert arch != "mistral" or cfg.max_positions == 48  # (its sliding window bounds the context)
     max_len = 32
     graph, spec = build_decode_graph(cfg, max_len=max_len)
     weights = load_checkpoint(tmp_path, spec)
@@ -123,7 +129,7 @@ QWEN_HF = {**PRESETS["qwen3-0.6b"]}
 @pytest.mark.parametrize(
     "base,override,field",
     [
-        (LLAMA_HF, {"model_type": "mistral"}, "model_type"),
+        (LLAMA_HF, {"model_type": "gemma"}, "model_type"),
         (LLAMA_HF, {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
         (LLAMA_HF, {"hidden_act": "gelu"}, "hidden_act"),
         (LLAMA_HF, {"attention_bias": True}, "attention_bias"),
@@ -157,7 +163,7 @@ def test_config_reads_both_rope_layouts():
     assert got == ("qwen3", None, 1e6, 128, False)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "qwen3_moe"])
 def test_config_fields_left_out_take_the_architectures_defaults(arch):
     """A config.json may leave out head_dim, num_key_value_heads, max_position_embeddings: transformers'
     defaults differ by architecture (Qwen3's head_dim is 128 whatever the hidden size; they were read
@@ -168,8 +174,9 @@ def test_config_fields_left_out_take_the_architectures_defaults(arch):
     cfg = ModelConfig.from_hf({"model_type": arch, **sizes})
     hf = transformers.AutoConfig.for_model(arch, **sizes)
     hf_head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads  # (the models' fallback)
+    window = getattr(hf, "sliding_window", None) if arch == "mistral" else None  # (Mistral's default: 4096)
     assert (cfg.head_dim, cfg.kv_heads, cfg.max_positions) == (
-        hf_head_dim, hf.num_key_value_heads, hf.max_position_embeddings)
+        hf_head_dim, hf.num_key_value_heads, min(hf.max_position_embeddings, window or hf.max_position_embeddings))
     # null num_key_value_heads: transformers reads num_attention_heads
     assert ModelConfig.from_hf({"model_type": arch, **sizes, "num_key_value_heads": None}).kv_heads == 32
 

@@ -520,7 +520,8 @@ def cache_rows(max_len: int | None, cfg: ModelConfig) -> int:
     if max_len is None:
         return min(DEFAULT_MAX_LEN, cfg.max_positions)
     if max_len > cfg.max_positions:
-        raise GraphError(f"--max-len {max_len} is above the model's max_position_embeddings ({cfg.max_positions})")
+        raise GraphError(f"--max-len {max_len} is above the model's max_position_embeddings ({cfg.max_positions}) or its "
+                         "sliding_window, where that is shorter")
     return max_len
 
 

@@ -19,14 +19,18 @@ from typing import Any, Mapping
 from ..dtypes import DType, bf16, f16, f32
 from ..graph import GraphError
 
-ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# (Mistral is Llama's graph; its sliding window, where one is set, bounds the context instead: below it the
+# window is the whole cache, so the model is exact there)
+ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "qwen3_moe": "Qwen3MoeForCausalLM"}
 ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"bfloat16": bf16, "float16": f16, "float32": f32}
 # transformers' defaults of fields a config.json may leave out, where an architecture's differ from
 # Llama's (head_dim: hidden_size // num_attention_heads, num_key_value_heads: num_attention_heads,
 # max_position_embeddings: 2048); e.g. Qwen3Config's head_dim is 128 whatever the hidden size
 _DEFAULTS = {"qwen3": {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768},
-             "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768}}
+             "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768},
+             "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096}}
 
 
 class UnsupportedConfig(GraphError):
@@ -48,7 +52,7 @@ class MoeConfig:
 class ModelConfig:
     """A decoder-only transformer (Llama / Qwen3 / Qwen3-MoE family), sizes in elements."""
 
-    arch: str  # "llama" | "qwen3" | "qwen3_moe" (qwen3 and qwen3_moe add per-head q/k RMSNorm)
+    arch: str  # "llama" | "mistral" | "qwen3" | "qwen3_moe" (qwen3 and qwen3_moe add per-head q/k RMSNorm)
     hidden: int
     intermediate: int
     layers: int
@@ -154,7 +158,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             tie_embeddings=_bool(cfg, "tie_word_embeddings", default=False),
-            max_positions=_int(cfg, "max_position_embeddings", default=defaults.get("max_position_embeddings", 2048)),
+            max_positions=_max_positions(cfg, defaults),
             dtype=_DTYPES[dtype_name],
             moe=moe,
         )
@@ -186,6 +190,16 @@ def _check_size(cfg: ModelConfig) -> None:
         field, elements = next(iter(cfg.weight_terms().items()))
         raise UnsupportedConfig(f"config describes {fmt_bytes(n)} of weights ({cfg.dtype}), more than any machine holds: "
                                 f"{field} is {elements} elements")
+
+
+def _max_positions(cfg: Mapping[str, Any], defaults: Mapping[str, Any]) -> int:
+    """max_position_embeddings, bounded by a sliding window (Mistral: absent is transformers' 4096, null none):
+    below the window every cached row is attended, as the graph attends them."""
+    limit = _int(cfg, "max_position_embeddings", default=defaults.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window", defaults.get("sliding_window")) if "sliding_window" in defaults else None
+    if window is not None:
+        limit = min(limit, _int({"sliding_window": window}, "sliding_window"))
+    return limit
 
 
 def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:

@@ -237,7 +237,8 @@ SAMPLING_INPUTS = (("temperature", f32), ("top_k", i32), ("top_p", f32), ("seed"
 
 def _check_max_len(cfg: ModelConfig, max_len: int) -> None:
     if not 0 < max_len <= cfg.max_positions:
-        raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings)")
+        raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings, or a "
+                         "shorter sliding_window)")
 
 
 def _spec(g: Graph, cfg: ModelConfig, max_len: int, *, slots: int, tp: int = 1) -> ModelSpec:

@@ -152,7 +152,8 @@ class StaticCacheDecoder(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, max_len: int, device) -> None:
         super().__init__()
         if not 0 < max_len <= cfg.max_positions:
-            raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings)")
+            raise GraphError(f"max_len {max_len} must be in [1, {cfg.max_positions}] (max_position_embeddings, "
+                             "or a shorter sliding_window)")
         bad = sorted(n for n, t in weights.items() if t.dtype != cfg.dtype.torch)
         if bad:
             raise GraphError(f"weights must be {cfg.dtype} like the config; {bad[0]!r} is {weights[bad[0]].dtype}")
