@@ -39,6 +39,11 @@ def hf_model(arch: str, *, tie: bool, seed: int):
             **TINY, tie_word_embeddings=tie, rope_parameters=LLAMA3_ROPE, max_position_embeddings=131072
         )
         model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "mixtral":  # (routed experts in every layer, their top-2 weights renormalised; checkpoint names
+        # block_sparse_moe.gate / experts.{e}.w1 / w3 / w2)
+        cfg = transformers.MixtralConfig(**TINY, tie_word_embeddings=tie, num_local_experts=5, num_experts_per_tok=2,
+                                         max_position_embeddings=4096)
+        model = transformers.MixtralForCausalLM(cfg)
     elif arch == "mistral":  # (a window longer than the test's context: the whole cache attended, as the graph does)
         cfg = transformers.MistralConfig(**TINY, tie_word_embeddings=tie, rope_theta=1e6, sliding_window=48,
                                          max_position_embeddings=4096)
@@ -61,7 +66,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     [("llama", True, False, 10, "reference"), ("llama", False, True, 11, "reference"),
      ("qwen3", False, False, 12, "reference"), ("qwen3", True, True, 13, "reference"),
      ("llama", True, False, 14, "megakernel-sim"), ("qwen3", False, True, 15, "megakernel-sim"),
-     ("mistral", False, False, 16, "reference"), ("mistral", True, True, 17, "megakernel-sim")],
+     ("mistral", False, False, 16, "reference"), ("mistral", True, True, 17, "megakernel-sim"),
+     ("mixtral", False, True, 18, "reference"), ("mixtral", False, False, 19, "megakernel-sim")],
 )
 def test_greedy_matches_transformers(tmp_path, arch, tie, shard, seed, executor):
     model = hf_model(arch, tie=tie, seed=seed)

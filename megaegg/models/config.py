@@ -21,8 +21,8 @@ from ..graph import GraphError
 
 # (Mistral is Llama's graph; its sliding window, where one is set, bounds the context instead: below it the
 # window is the whole cache, so the model is exact there)
-ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"bfloat16": bf16, "float16": f16, "float32": f32}
 # transformers' defaults of fields a config.json may leave out, where an architecture's differ from
@@ -30,7 +30,8 @@ _DTYPES = {"bfloat16": bf16, "float16": f16, "float32": f32}
 # max_position_embeddings: 2048); e.g. Qwen3Config's head_dim is 128 whatever the hidden size
 _DEFAULTS = {"qwen3": {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768},
              "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768},
-             "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096}}
+             "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+             "mixtral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": None}}
 
 
 class UnsupportedConfig(GraphError):
@@ -52,7 +53,7 @@ class MoeConfig:
 class ModelConfig:
     """A decoder-only transformer (Llama / Qwen3 / Qwen3-MoE family), sizes in elements."""
 
-    arch: str  # "llama" | "mistral" | "qwen3" | "qwen3_moe" (qwen3 and qwen3_moe add per-head q/k RMSNorm)
+    arch: str  # a key of ARCHS (qwen3 and qwen3_moe add per-head q/k RMSNorm; qwen3_moe and mixtral route experts)
     hidden: int
     intermediate: int
     layers: int
@@ -141,7 +142,7 @@ class ModelConfig:
         if layers > MAX_LAYERS:
             _unsupported("num_hidden_layers", layers, f"at most {MAX_LAYERS} (the queue has entries per layer: 1024 "
                                                       "layers compile in ~45 s)")
-        moe = _moe(cfg, layers) if arch == "qwen3_moe" else None
+        moe = _moe(cfg, layers, arch) if arch in ("qwen3_moe", "mixtral") else None
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"  # transformers' default
         if dtype_name not in _DTYPES:
             _unsupported("torch_dtype", dtype_name, f"one of {', '.join(_DTYPES)}")
@@ -226,8 +227,9 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
     return theta, params
 
 
-def _moe(cfg: Mapping[str, Any], layers: int) -> MoeConfig:
-    """The experts of a qwen3_moe config; which layers are sparse as transformers decides it."""
+def _moe(cfg: Mapping[str, Any], layers: int, arch: str) -> MoeConfig:
+    """The experts of a qwen3_moe config, which layers are sparse as transformers decides it; or of a mixtral
+    one: every layer, experts of intermediate_size, the top-k weights always divided by their sum."""
     for field in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
         if cfg.get(field):  # (Qwen2-MoE style shared experts: not in Qwen3-MoE)
             _unsupported(field, cfg[field], "absent (shared experts are not implemented)")
@@ -236,6 +238,9 @@ def _moe(cfg: Mapping[str, Any], layers: int) -> MoeConfig:
     top_k = _int(cfg, "num_experts_per_tok")
     if top_k > experts:
         _unsupported("num_experts_per_tok", top_k, f"at most {field}={experts}")
+    if arch == "mixtral":
+        return MoeConfig(experts=experts, top_k=top_k, intermediate=_int(cfg, "intermediate_size"), normalize=True,
+                         sparse_layers=tuple(range(layers)))
     step = _int(cfg, "decoder_sparse_step") if "decoder_sparse_step" in cfg else 1
     dense = cfg.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):

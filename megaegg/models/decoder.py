@@ -76,9 +76,18 @@ class ModelSpec:
         moe = self.config.moe
         if moe is None:
             return {}
-        return {expert_stack(layer, proj): tuple(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+        return {expert_stack(layer, proj): tuple(checkpoint_expert(self.config.arch, layer, e, proj)
                                                   for e in range(moe.experts))
                 for layer in moe.sparse_layers if layer < self.config.layers for proj in EXPERT_PROJS}
+
+    @functools.cached_property
+    def renamed(self) -> dict[str, str]:
+        """Graph weights stored under another name in a checkpoint (Mixtral's routers): name -> the tensor's."""
+        moe, arch = self.config.moe, self.config.arch
+        if moe is None or arch not in MOE_CHECKPOINT_NAMES:
+            return {}
+        return {f"model.layers.{layer}.mlp.gate.weight": f"model.layers.{layer}.{MOE_CHECKPOINT_NAMES[arch][0]}.weight"
+                for layer in moe.sparse_layers if layer < self.config.layers}
 
     def new_caches(self, device="cpu", dtype=None) -> dict:
         """Fresh KV caches by input name (zeros: rows at or past ``pos`` are never read)."""
@@ -276,6 +285,20 @@ def head_norms(cfg: ModelConfig, layer: int, q: Tensor, k: Tensor) -> tuple[Tens
 
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+# Where a checkpoint other than Qwen3-MoE's keeps a sparse layer's router and its experts' projections (the graph
+# names them as Qwen3-MoE does): the router, an expert, and each projection's tensor
+MOE_CHECKPOINT_NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts",
+                                    {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
+
+
+def checkpoint_expert(arch: str, layer: int, e: int, proj: str) -> str:
+    """The checkpoint tensor of expert ``e``'s ``proj`` in ``layer`` (Hugging Face's ``mlp.experts.{e}.gate_proj.weight``)."""
+    if arch in MOE_CHECKPOINT_NAMES:
+        _, experts, projs = MOE_CHECKPOINT_NAMES[arch]
+        return f"model.layers.{layer}.{experts}.{e}.{projs[proj]}.weight"
+    return f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
 
 
 def expert_stack(layer: int, proj: str) -> str:

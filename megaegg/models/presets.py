@@ -146,7 +146,7 @@ PRESETS: dict[str, dict] = {
 }
 
 DEFAULT_PRESET = {"llama": "tiny", "qwen3": "qwen3-tiny"}  # what each example runs with --random-weights alone
-FAMILY = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3"}  # model_type -> the example that runs it
+FAMILY = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3"}  # model_type -> the example that runs it
 
 
 def presets_of(family: str) -> list[str]:

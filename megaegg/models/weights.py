@@ -198,6 +198,7 @@ def load_checkpoint(path, spec: ModelSpec, device="cpu", dtype=None, *, progress
     stacked = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in spec.weights.items()
                if name in spec.stacks}  # filled expert by expert: no second copy of the experts
     where = {src: (name, e) for name, srcs in spec.stacks.items() for e, src in enumerate(srcs)}
+    graph_name = {src: name for name, src in spec.renamed.items()}
     ticker = _Ticker(spec, progress)
     for i, (file, names) in enumerate(by_file.items()):
         with _safetensors(path / file, device) as f:
@@ -213,8 +214,8 @@ def load_checkpoint(path, spec: ModelSpec, device="cpu", dtype=None, *, progress
                     if e == len(spec.stacks[stack]) - 1:
                         ticker.tick(stack, file)
                 else:
-                    out[name] = f.get_tensor(name).to(dtype).contiguous()
-                    ticker.tick(name, file)
+                    out[graph_name.get(name, name)] = f.get_tensor(name).to(dtype).contiguous()
+                    ticker.tick(graph_name.get(name, name), file)
         if len(by_file) > 1:
             ticker.tick(None, f"shard {i + 1}/{len(by_file)} {file}", force=True)
     out.update(stacked)
@@ -294,7 +295,7 @@ def _checkpoint_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     are separate tensors (Hugging Face's ``mlp.experts.{e}.gate_proj.weight``)."""
     out = {}
     for name, shape in spec.weights.items():
-        for src in spec.stacks.get(name, (name,)):
+        for src in spec.stacks.get(name, (spec.renamed.get(name, name),)):
             out[src] = shape[1:] if name in spec.stacks else shape
     return out
 
