@@ -308,17 +308,23 @@ def expert_mlp(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, dt: torch.dt
     return (torch.nn.functional.silu(g).to(dt).float() * u).to(dt).float()
 
 
-def _moe_mlp(node, args, env, device):
-    x, logits, wg, wu, wd = args
-    dt = node.dtype.torch
+def moe_sum(x: torch.Tensor, logits: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, top_k: int,
+            normalize: bool, dt: torch.dtype) -> torch.Tensor:
+    """``ops.moe_mlp`` of ``x [..., K]``, ``logits [..., E]`` before its one rounding: each row's routed experts'
+    gated MLPs summed by their weights in f32, ``x``'s shape."""
     rows = x.reshape(-1, x.shape[-1]).float()
-    p, ids = moe_routing(logits.reshape(-1, logits.shape[-1]), node.attrs["top_k"], node.attrs["normalize"], dt)
-    out = torch.zeros(rows.shape, dtype=torch.float32, device=device)
+    p, ids = moe_routing(logits.reshape(-1, logits.shape[-1]), top_k, normalize, dt)
+    out = torch.zeros(rows.shape, dtype=torch.float32, device=x.device)
     for r in range(rows.shape[0]):
         for j, e in enumerate(ids[r].tolist()):
             h = expert_mlp(rows[r : r + 1], wg[e], wu[e], dt)
             out[r] += p[r, j].float() * (h @ wd[e].float().T)[0]
-    return _to(node, out.reshape(x.shape))
+    return out.reshape(x.shape)
+
+
+def _moe_mlp(node, args, env, device):
+    a = node.attrs
+    return _to(node, moe_sum(*args, a["top_k"], a["normalize"], node.dtype.torch))
 
 
 _EVAL: dict[str, Callable] = {

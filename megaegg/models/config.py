@@ -197,10 +197,9 @@ def _max_positions(cfg: Mapping[str, Any], defaults: Mapping[str, Any]) -> int:
     """max_position_embeddings, bounded by a sliding window (Mistral: absent is transformers' 4096, null none):
     below the window every cached row is attended, as the graph attends them."""
     limit = _int(cfg, "max_position_embeddings", default=defaults.get("max_position_embeddings", 2048))
-    window = cfg.get("sliding_window", defaults.get("sliding_window")) if "sliding_window" in defaults else None
-    if window is not None:
-        limit = min(limit, _int({"sliding_window": window}, "sliding_window"))
-    return limit
+    if "sliding_window" not in defaults or (cfg.get("sliding_window", defaults["sliding_window"]) is None):
+        return limit  # (an architecture without one; or none set)
+    return min(limit, _int(cfg, "sliding_window", default=defaults["sliding_window"]))
 
 
 def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
