@@ -143,7 +143,8 @@ def _choice_costs(graph, alts, model: CostModel, env) -> dict:
             b = ProgramBuilder(graph, env)
             b.lower(c)
             costs[c] = sum(model.seconds(op.estimate.bytes, op.estimate.instances, op.estimate.flops, op.estimate.steps,
-                                           op.estimate.hops) for op in b.ops)
+                                           op.estimate.hops) for op in b.ops
+                           if op.estimate.instances > 0 or not op.grid)  # (an op that does not launch there: free)
             if len(b.ops) == 1:
                 estimates[c] = b.ops[0].estimate
     return costs, estimates

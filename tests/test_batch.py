@@ -126,29 +126,72 @@ def test_the_draw_is_a_uniform_hash_of_seed_and_counter():
     assert {sample_row(logits, 1.0, 1, 1.0, s, 0) for s in range(50)} <= {1, 2}  # top_k 1 keeps ties of the k-th
 
 
-def test_kv_store_and_ragged_attention_on_adversarial_interleavings():
-    """Rows of three sequences (one prefilling four tokens that attend each other) write their K and V and
-    attend their own slot's rows; a dropped wait lets attention read the cache before the write."""
+@pytest.mark.parametrize("dtype, hkv, rows, heads", [(me.f32, 2, 7, 1), (me.bf16, 8, 7, 1), (me.bf16, 8, 64, 4),
+                                                     (me.bf16, 4, 64, 2), (me.bf16, 6, 48, 2)])
+def test_kv_store_and_ragged_attention_on_adversarial_interleavings(dtype, hkv, rows, heads):
+    """Rows of four sequences (prompts whose tokens attend each other, at scattered positions) write their K
+    and V and attend their own slot's rows; a dropped wait lets attention read the cache before the write.
+    On the tensor-core body (bf16) a batch whose rows fill a wave of (row, KV head) pairs takes several KV
+    heads an instance."""
     n = me.sym("n")
     g = me.Graph("ragged")
-    slots, hkv, length, d = 3, 2, 16, 64
-    q, k, v = (g.input(name, [n, h, d], me.f32) for name, h in (("q", 4), ("k", hkv), ("v", hkv)))
+    slots, length, d, group = 4, 16, 64, 2
+    q, k, v = (g.input(name, [n, h, d], dtype) for name, h in (("q", group * hkv), ("k", hkv), ("v", hkv)))
     pos, slot = g.input("pos", [n], me.i32), g.input("slot", [n], me.i32)
-    kc = me.kv_store(g.input("kc", [slots, hkv, length, d], me.f32), k, pos, slot)
-    vc = me.kv_store(g.input("vc", [slots, hkv, length, d], me.f32), v, pos, slot)
+    kc = me.kv_store(g.input("kc", [slots, hkv, length, d], dtype), k, pos, slot)
+    vc = me.kv_store(g.input("vc", [slots, hkv, length, d], dtype), v, pos, slot)
     g.output("o", me.ragged_attention(q, kc, vc, pos, slot))
-    kernel = me.compile(g, {}, backend="sim", max_dims={"n": 8})
+    kernel = me.compile(g, {}, backend="sim", max_dims={"n": 64}, dims_hint={"n": 4})  # (decode rows: not flash)
+    launching = [e.op for e in kernel.queue.entries if e.op.kind == "ragged_partial_merge"
+                 and e.op.launch_count.eval({"n": rows, "length": length}) > 0]
+    assert [op.params.get("heads", 1) for op in launching] == [heads]
     gen = torch.Generator().manual_seed(2)
-    rows = 7
-    ins = {"q": torch.randn(rows, 4, d, generator=gen), "k": torch.randn(rows, hkv, d, generator=gen),
-           "v": torch.randn(rows, hkv, d, generator=gen), "pos": torch.tensor([0, 1, 2, 3, 9, 15, 0], dtype=torch.int32),
-           "slot": torch.tensor([1, 1, 1, 1, 0, 2, 0], dtype=torch.int32)}
-    caches = {"kc": torch.randn(slots, hkv, length, d, generator=gen), "vc": torch.randn(slots, hkv, length, d, generator=gen)}
+    t = dtype.torch
+    cells = torch.randperm(slots * length, generator=gen)[:rows]  # distinct (slot, position)s
+    ins = {"q": torch.randn(rows, group * hkv, d, generator=gen).to(t), "k": torch.randn(rows, hkv, d, generator=gen).to(t),
+           "v": torch.randn(rows, hkv, d, generator=gen).to(t),
+           "pos": (cells % length).to(torch.int32), "slot": (cells // length).to(torch.int32)}
+    caches = {name: torch.randn(slots, hkv, length, d, generator=gen).to(t) for name in ("kc", "vc")}
     fresh = lambda: {k: c.clone() for k, c in caches.items()}  # noqa: E731
     ref = me.run_reference(g, {**ins, **fresh()}, {}, {"n": rows})
-    for seed in range(4):
+    tol = 1e-5 if dtype == me.f32 else 2e-2
+    for seed in range(2):
         out = kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=seed % 2 == 1), **ins, **fresh(), n=rows)
-        assert torch.allclose(out["o"], ref["o"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out["o"].float(), ref["o"].float(), atol=tol, rtol=tol)
+    with without_waits(kernel, "ragged_partial_merge"), pytest.raises(
+            SimulationError, match=r"ragged_partial_merge .* read unwritten elements of buffer '[kv]c'"):
+        for seed in range(8):
+            kernel.simulate(Interleaving(sms=4, seed=seed, adversarial=True), **ins, **fresh(), n=rows)
+
+
+def test_grouped_heads_read_a_paged_cache():
+    """64 bf16 rows of 8 KV heads through a page table (the tensor-core body finds each row's page): the
+    grouped op (4 heads an instance) launches, and gives the reference's output under adversarial
+    interleavings; without its waits it reads the cache before the write."""
+    n = me.sym("n")
+    g = me.Graph("ragged_paged")
+    hkv, d, page, slots, per, pool, rows = 8, 64, 8, 4, 3, 14, 64
+    q, k, v = (g.input(name, [n, h, d], me.bf16) for name, h in (("q", 2 * hkv), ("k", hkv), ("v", hkv)))
+    pos, slot = g.input("pos", [n], me.i32), g.input("slot", [n], me.i32)
+    table = g.input("pages", [slots, per], me.i32)
+    kc = me.kv_store(g.input("kc", [pool, hkv, page, d], me.bf16), k, pos, slot, pages=table)
+    vc = me.kv_store(g.input("vc", [pool, hkv, page, d], me.bf16), v, pos, slot, pages=table)
+    g.output("o", me.ragged_attention(q, kc, vc, pos, slot, pages=table))
+    kernel = me.compile(g, {}, backend="sim", max_dims={"n": 64}, dims_hint={"n": 4})
+    launching = [e.op for e in kernel.queue.entries if e.op.kind == "ragged_partial_merge"
+                 and e.op.launch_count.eval({"n": rows}) > 0]
+    assert [(op.params.get("heads", 1), op.params["paged"]) for op in launching] == [(4, "rows")]
+    gen = torch.Generator().manual_seed(9)
+    cells = torch.randperm(slots * per * page, generator=gen)[:rows]  # distinct (slot, position)s
+    ins = {"q": torch.randn(rows, 2 * hkv, d, generator=gen).bfloat16(), "k": torch.randn(rows, hkv, d, generator=gen).bfloat16(),
+           "v": torch.randn(rows, hkv, d, generator=gen).bfloat16(), "pos": (cells % (per * page)).to(torch.int32),
+           "slot": (cells // (per * page)).to(torch.int32),
+           "pages": torch.randperm(pool, generator=gen)[: slots * per].reshape(slots, per).to(torch.int32)}
+    pools = {name: torch.randn(pool, hkv, page, d, generator=gen).bfloat16() for name in ("kc", "vc")}
+    fresh = lambda: {k: c.clone() for k, c in pools.items()}  # noqa: E731
+    ref = me.run_reference(g, {**ins, **fresh()}, {}, {"n": rows})
+    out = kernel.simulate(Interleaving(sms=4, seed=1, adversarial=True), **ins, **fresh(), n=rows)
+    torch.testing.assert_close(out["o"].float(), ref["o"].float(), atol=2e-2, rtol=2e-2)
     with without_waits(kernel, "ragged_partial_merge"), pytest.raises(
             SimulationError, match=r"ragged_partial_merge .* read unwritten elements of buffer '[kv]c'"):
         for seed in range(8):

@@ -853,15 +853,22 @@ def gpu_cases(dtype: dt.DType) -> list[tuple]:
         # merge's warp of 32
         *(("ragged_pm" + label, "ragged_partial_merge",
            [Arg((len(pos), hkv * g, d), T), Arg((slots, hkv, max_len, d), T), Arg((slots, hkv, max_len, d), T),
-            Arg((len(pos),), i32), Arg((len(pos),), i32), Arg((max(len(pos) * hkv, SPLIT_WAVE), g, d + 2), f32),
-            Arg((len(pos) * hkv,), i32)], Arg((len(pos), hkv * g, d), T),
-           {"splits": split_count(as_dim(length), chunk, len(pos) * hkv), "group": g, "scale": d ** -0.5,
-            "length": as_dim(length)}, {3: _values(*pos), 4: _randint(0, slots), 6: lambda v, gen: v.zero_()})
-          for label, pos, hkv, g, d, slots, max_len, length, chunk in (
-              ("_d64", [0, 100, 350, 351, 700, 500], 8, 4, 64, 4, 1024, 701, 64),  # 2 splits of 351
-              ("_d128_g8", [10, 255, 120], 8, 8, 128, 2, 512, 256, 16),  # 5 splits of 52
-              ("_many_splits", [999], 2, 4, 64, 1, 1024, 1000, 8),  # 66 splits of 16 (63 of them)
-              ("_d128_g2", [0, 28, 29, 288, 150], 2, 2, 128, 3, 300, 289, 32))),  # 10 splits of 29
+            Arg((len(pos),), i32), Arg((len(pos),), i32),
+            Arg((max(len(pos) * hkv, SPLIT_WAVE * heads), g, d + 2), f32), Arg((len(pos) * hkv,), i32)],
+           Arg((len(pos), hkv * g, d), T),
+           {"splits": split_count(as_dim(length), chunk, len(pos) * -(-hkv // heads)), "group": g,
+            "scale": d ** -0.5, "length": as_dim(length), "heads": heads},
+           {3: _values(*pos), 4: _randint(0, slots), 6: lambda v, gen: v.zero_()})
+          for label, pos, hkv, g, d, slots, max_len, length, chunk, heads in (
+              ("_d64", [0, 100, 350, 351, 700, 500], 8, 4, 64, 4, 1024, 701, 64, 1),  # 2 splits of 351
+              ("_d128_g8", [10, 255, 120], 8, 8, 128, 2, 512, 256, 16, 1),  # 5 splits of 52
+              ("_many_splits", [999], 2, 4, 64, 1, 1024, 1000, 8, 1),  # 66 splits of 16 (63 of them)
+              ("_d128_g2", [0, 28, 29, 288, 150], 2, 2, 128, 3, 300, 289, 32, 1),  # 10 splits of 29
+              # several KV heads an instance (a warp group each): 4 of 8 (llama's batches), 2 of 4 (qwen3-moe's),
+              # and a ragged last group (6 heads in groups of 4); one split and several
+              ("_heads4_d64", [0, 100, 350, 351, 700, 500], 8, 4, 64, 4, 1024, 701, 64, 4),  # 11 splits of 64
+              ("_heads2_d128_g8", [10, 255, 120, 400], 4, 8, 128, 2, 512, 401, 512, 2),  # 1 split
+              ("_heads4_ragged", [3, 64, 299], 6, 4, 64, 2, 300, 300, 16, 4))),  # 19 splits of 16
         *([] if T != dt.bf16 else [
             # flash attention over prompts: rows of three slots at random positions (several passes a tile),
             # then one prompt of consecutive positions (one pass), ragged in tokens, D 64 and 128

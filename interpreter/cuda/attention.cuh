@@ -59,25 +59,26 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x, MUFU.EX2 (2 ulp; 2^-inf
     return y;
 }
 
-// Combine the MEGA_WARPS warp states ws[warp][g][D + 2] (output, then max in the log2 domain and sum)
-// of query heads c0*G .. c0*G+G-1 and write part[h, c1, :] (max in the natural-log domain).
-template <int D, int G>
+// Combine the warp states ws[warp][g][D + 2] (output, then max in the log2 domain and sum) of KV heads
+// c0 .. c0 + nh - 1 (HPI at most; warps [i * MEGA_WARPS / HPI, (i + 1) * MEGA_WARPS / HPI) took head c0 + i),
+// query heads (c0 + i)*G .. + G - 1, and write part[h, c1, :] (max in the natural-log domain).
+template <int D, int G, int HPI = 1>
 __device__ __forceinline__ void combine_warps(const float* ws, float* part, long long p_s0, long long p_s1, long long c0,
-                                              long long c1) {
-    constexpr int WS = D + 2;
-    for (int idx = threadIdx.x; idx < G * (D + 1); idx += MEGA_THREADS) {  // column j of head g; j == D: max, sum
-        const int g = idx / (D + 1), j = idx % (D + 1);
+                                              long long c1, int nh = 1) {
+    constexpr int WS = D + 2, WPH = MEGA_WARPS / HPI;
+    for (int idx = threadIdx.x; idx < nh * G * (D + 1); idx += MEGA_THREADS) {  // column j of head g; j == D: max, sum
+        const int hg = idx / (D + 1), j = idx % (D + 1), w0 = (hg / G) * WPH;
         float mx = MEGA_NEG_INF;
 #pragma unroll
-        for (int i = 0; i < MEGA_WARPS; ++i) mx = fmaxf(mx, ws[(i * G + g) * WS + D]);
+        for (int i = 0; i < WPH; ++i) mx = fmaxf(mx, ws[((w0 + i) * G + hg % G) * WS + D]);
         float sum = 0.0f;
 #pragma unroll
-        for (int i = 0; i < MEGA_WARPS; ++i) {
-            const float* src = ws + (i * G + g) * WS;
+        for (int i = 0; i < WPH; ++i) {
+            const float* src = ws + ((w0 + i) * G + hg % G) * WS;
             const float wm = src[D];
             sum += (wm == MEGA_NEG_INF ? 0.0f : ex2(wm - mx)) * src[j == D ? D + 1 : j];
         }
-        float* dst = part + (c0 * G + g) * p_s0 + c1 * p_s1;
+        float* dst = part + (c0 * G + hg) * p_s0 + c1 * p_s1;
         if (j < D) {
             dst[j] = sum;
         } else {
@@ -261,24 +262,25 @@ struct MmaPath {
                                D <= 128;
 };
 
-// The warps' states ws[warp][g][D + 2] combined and normalised: out[c0*G + g, :] = T(num / den), as
-// attn_merge writes a merged row (a split that is its row's only one needs no partials).
-template <class T, int D, int G>
-__device__ __forceinline__ void combine_warps_out(const float* ws, T* out, long long o_s0, long long c0) {
-    constexpr int WS = D + 2;
-    for (int idx = threadIdx.x; idx < G * D; idx += MEGA_THREADS) {
-        const int g = idx / D, j = idx % D;
+// The warps' states ws[warp][g][D + 2] combined and normalised, KV heads as combine_warps':
+// out[(c0 + i)*G + g, :] = T(num / den), as attn_merge writes a merged row (a split that is its row's only
+// one needs no partials).
+template <class T, int D, int G, int HPI = 1>
+__device__ __forceinline__ void combine_warps_out(const float* ws, T* out, long long o_s0, long long c0, int nh = 1) {
+    constexpr int WS = D + 2, WPH = MEGA_WARPS / HPI;
+    for (int idx = threadIdx.x; idx < nh * G * D; idx += MEGA_THREADS) {
+        const int hg = idx / D, j = idx % D, w0 = (hg / G) * WPH;
         float mx = MEGA_NEG_INF;
 #pragma unroll
-        for (int i = 0; i < MEGA_WARPS; ++i) mx = fmaxf(mx, ws[(i * G + g) * WS + D]);
+        for (int i = 0; i < WPH; ++i) mx = fmaxf(mx, ws[((w0 + i) * G + hg % G) * WS + D]);
         float num = 0.0f, den = 0.0f;
 #pragma unroll
-        for (int i = 0; i < MEGA_WARPS; ++i) {
-            const float* src = ws + (i * G + g) * WS;
+        for (int i = 0; i < WPH; ++i) {
+            const float* src = ws + ((w0 + i) * G + hg % G) * WS;
             const float w = src[D] == MEGA_NEG_INF ? 0.0f : ex2(src[D] - mx);
             num += w * src[j], den += w * src[D + 1];
         }
-        out[(c0 * G + g) * o_s0 + j] = from_f32<T>(num / den);
+        out[(c0 * G + hg) * o_s0 + j] = from_f32<T>(num / den);
     }
 }
 
@@ -294,12 +296,22 @@ struct PagedRows {
     long long t_s1, page_len, ks0, vs0;
 };
 
-// part == nullptr: write the normalised rows to out (o_s0: its head stride) instead of partials.
-template <class T, int D, int G, bool PAGED = false>
+// An instance's KV heads (partial_mma<HPI>): `count` heads (HPI at most) from kh / vh, `k_hs` / `v_hs`
+// elements apart.
+struct KvHeads {
+    long long k_hs, v_hs;
+    int count;
+};
+
+// part == nullptr: write the normalised rows to out (o_s0: its head stride) instead of partials. HPI > 1: the
+// instance takes KV heads c0 .. c0 + heads.count - 1, MEGA_WARPS / HPI warps each, so a batch's (row, KV head)
+// pairs run as fewer, longer instances (blockops/ragged_attention.py: heads_per_instance).
+template <class T, int D, int G, bool PAGED = false, int HPI = 1>
 __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0, const T* kh, long long k_s1,
                                             const T* vh, long long v_s1, long long p0, long long p1, float scale,
                                             float* part, long long p_s0, long long p_s1, long long c0, long long c1,
-                                            T* out = nullptr, long long o_s0 = 0, PagedRows pg = {}) {
+                                            T* out = nullptr, long long o_s0 = 0, PagedRows pg = {},
+                                            KvHeads heads = {0, 0, 1}) {
     constexpr int BR = D == 64 ? 16 : 8;  // cache rows a warp step
     constexpr int NTS = BR / 8;           // n8 tiles of S
     constexpr int KS = D / 16;            // k16 steps of q.K
@@ -314,7 +326,13 @@ __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0
     constexpr int CPL = 2 * BR * CPR / 32;  // chunks a lane copies a step
     static_assert(MEGA_WARPS * G * (D + 2) * 4 <= MEGA_SMEM, "attention (mma): warp states do not fit in shared memory");
     static_assert(MEGA_WARPS * RS * STEP * (int)sizeof(T) <= MEGA_SMEM, "attention (mma): the ring does not fit");
+    static_assert(MEGA_WARPS % HPI == 0, "attention (mma): an instance's KV heads must share the warps evenly");
+    constexpr int WPH = MEGA_WARPS / HPI;  // warps a KV head
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int head = warp / WPH, sub = warp % WPH;  // this warp's KV head of the instance, its rank among the head's
+    if (head < heads.count) kh += head * heads.k_hs, vh += head * heads.v_hs;
+    else p1 = p0;  // (a ragged last group: no rows; its state is -inf, zeros)
+    const long long qh = (c0 + head) * G;  // the head's first query head
     const float scale2 = scale * LOG2E;
     T* ring = reinterpret_cast<T*>(sm) + warp * RS * STEP;
     struct Step {
@@ -355,13 +373,13 @@ __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0
                 s.v[i][c] = *reinterpret_cast<const uint4*>(src + (BR + 2 * t + (i & 1) + 8 * (i >> 1)) * LD +
                                                             g * (D / 8) + 8 * c);
     };
-    const long long stride = (long long)MEGA_WARPS * BR, base = p0 + warp * BR;  // step j: rows base + j * stride
+    const long long stride = (long long)WPH * BR, base = p0 + sub * BR;  // step j: rows base + j * stride
 #pragma unroll
     for (int j = 0; j < RS - 1; ++j) issue(j, base + j * stride);
     unsigned qa[KS][2];  // A of q: row g, halves 0 and 1 (rows g + 8 are zero)
 #pragma unroll
     for (int c = 0; c < KC; ++c) {
-        const uint4 v = g < G ? ldcg16(q + (c0 * G + g) * q_s0 + 8 * (t + 4 * c)) : make_uint4(0, 0, 0, 0);
+        const uint4 v = g < G && p0 < p1 ? ldcg16(q + (qh + g) * q_s0 + 8 * (t + 4 * c)) : make_uint4(0, 0, 0, 0);
         qa[2 * c][0] = v.x, qa[2 * c][1] = v.y, qa[2 * c + 1][0] = v.z, qa[2 * c + 1][1] = v.w;
     }
     float o[MT][4];  // O^T: d-rows (g, g + 8) of m-tile mt x heads (2t, 2t + 1)
@@ -447,9 +465,9 @@ __device__ __forceinline__ void partial_mma(char* sm, const T* q, long long q_s0
     if (t == 0 && g < G) ws[(warp * G + g) * WS + D] = m_run, ws[(warp * G + g) * WS + D + 1] = l_run;
     mega_sync();
     if (part == nullptr)
-        combine_warps_out<T, D, G>(ws, out, o_s0, c0);
+        combine_warps_out<T, D, G, HPI>(ws, out, o_s0, c0, heads.count);
     else
-        combine_warps<D, G>(ws, part, p_s0, p_s1, c0, c1);
+        combine_warps<D, G, HPI>(ws, part, p_s0, p_s1, c0, c1, heads.count);
 }
 
 // Fast path: every lane streams the 16-byte pieces of K and V it will read (its slots of
@@ -711,18 +729,20 @@ __device__ __forceinline__ bool ragged_row_ok(long long p, long long max_len, lo
     return false;  // uniform: every thread read the same values
 }
 
-// ragged_partial_merge<T, D, G, PAGING>: row c0's KV head c1, split c2 of `splits`. The split count is a
-// run-time value (the op's launch count: blockops/ragged_attention.py picks it so that a batch's rows x KV
-// heads x splits fill about one wave of SMs), each split `chunk = ceil(length / splits)` cache rows of the
-// op's bound `length`; the row has ceil((pos + 1) / chunk) of them, and an instance past those does
-// nothing. A paged cache (pages.table): PAGING 2, the tensor-core body finds each row's page in the table
-// (the split's pages checked first); PAGING 1 (the other bodies), split c2 is page c2 of the row's sequence
-// (chunk = page_len), read as a cache of one page. Partials go to part[c0, Hq, splits, D + 2]; the last of
-// the row's splits for this KV head to arrive (a counter per (row, KV head) in the launch-zeroed counter
-// bank, as attn_partial_merge) merges them into out[c0, c1*G .. c1*G + G). A position outside
-// min(rows, length), a slot outside the cache or a page outside the pool reports MEGA_ERR_INDEX and
-// writes nothing.
-template <class T, int D, int G, int PAGING>
+// ragged_partial_merge<T, D, G, PAGING, HPI>: row c0's KV heads c1*HPI .. c1*HPI + HPI - 1 (those below Hkv),
+// split c2 of `splits`. The split count is a run-time value (the op's launch count: blockops/ragged_attention.py
+// picks it so that a batch's rows x KV head groups x splits fill about one wave of SMs), each split `chunk =
+// ceil(length / splits)` cache rows of the op's bound `length`; the row has ceil((pos + 1) / chunk) of them, and
+// an instance past those does nothing. A paged cache (pages.table): PAGING 2, the tensor-core body finds each
+// row's page in the table (the split's pages checked first); PAGING 1 (the other bodies), split c2 is page c2
+// of the row's sequence (chunk = page_len), read as a cache of one page. Partials go to part[c0, Hq, splits,
+// D + 2]; the last of the row's splits for this head group to arrive (a counter per (row, group) in the
+// launch-zeroed counter bank, as attn_partial_merge) merges them into the group's query heads of out[c0].
+// HPI (1, 2 or 4) > 1 in the op that runs where a batch's rows alone fill a wave; on the tensor-core body a warp
+// group takes each head; off it, the heads run one after another. A
+// position outside min(rows, length), a slot outside the cache or a page outside the pool reports
+// MEGA_ERR_INDEX and writes nothing.
+template <class T, int D, int G, int PAGING, int HPI>
 __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, Ten4<const T> kc, Ten4<const T> vc,
                                                   Vec<const int> pos, Vec<const int> slot, KvPages pages,
                                                   long long length, long long splits, long long Hkv, float scale,
@@ -732,6 +752,8 @@ __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, T
                   "on the tensor-core body only (blockops/ragged_attention.py: paged)");
     in_global(q, kc, vc, pos, slot, out);
     const long long bound = min_i64(pages.rows, length);
+    const long long h0 = c1 * HPI;               // the group's first KV head
+    const int nh = (int)min_i64(HPI, Hkv - h0);  // its heads (fewer in a ragged last group)
     const long long chunk = PAGING == 1 ? pages.page_len : (length + splits - 1) / splits;
     const auto page_at = [&](long long s, long long j) -> long long {  // page j of sequence s (-1: outside the pool)
         const long long page = ld_cg(pages.table.p + s * pages.table.s0 + j * pages.table.s1);
@@ -750,9 +772,9 @@ __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, T
             for (long long r = r0; r < r1;) {  // (a cache of slots: one run)
                 const long long page = PAGING ? page_at(s, r / pages.page_len) : s;
                 const long long row = PAGING ? r % pages.page_len : r, n = min_i64(r1 - r, pages.page_len - row);
-                if (page >= 0) {
-                    mega_prefetch_l2_range(kc.p + page * kc.s0 + c1 * kc.s1 + row * D, n * D * (long long)sizeof(T));
-                    mega_prefetch_l2_range(vc.p + page * vc.s0 + c1 * vc.s1 + row * D, n * D * (long long)sizeof(T));
+                for (int h = 0; h < nh && page >= 0; ++h) {
+                    mega_prefetch_l2_range(kc.p + page * kc.s0 + (h0 + h) * kc.s1 + row * D, n * D * (long long)sizeof(T));
+                    mega_prefetch_l2_range(vc.p + page * vc.s0 + (h0 + h) * vc.s1 + row * D, n * D * (long long)sizeof(T));
                 }
                 r += n;
             }
@@ -786,14 +808,17 @@ __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, T
     kr.p -= first * kr.s1, vr.p -= first * vr.s1;
     const long long hs = splits * (D + 2);  // a query head's partials
     const Mat<float> pr{part + c0 * Hkv * G * hs, hs, D + 2};
-    const bool mma = attn_impl::MmaPath<T, D, G>::ok && attn_vec_ok(qr, kr, vr, c1) && out.s2 == 1;
+    const int bytes = (int)sizeof(T);
+    const bool mma = attn_impl::MmaPath<T, D, G>::ok && attn_vec_ok(qr, kr, vr, h0) && out.s2 == 1 &&
+                     (nh == 1 || (((kr.s0 * bytes) & 15) == 0 && ((vr.s0 * bytes) & 15) == 0));
     if constexpr (attn_impl::MmaPath<T, D, G>::ok) {
         if (mma) {  // the row's only split writes its output from the block's combine; else its partials
             const bool only = nsplit == 1;
-            attn_impl::partial_mma<T, D, G, PAGING == 2>(
-                shared_ptr(smem), qr.p, qr.s0, kr.p + c1 * kr.s0, kr.s1, vr.p + c1 * vr.s0, vr.s1, r0, r1, scale,
-                only ? nullptr : pr.p, pr.s0, pr.s1, c1, c2, out.p + c0 * out.s0, out.s1,
-                attn_impl::PagedRows{pages.table.p + s * pages.table.s0, pages.table.s1, pages.page_len, kc.s0, vc.s0});
+            attn_impl::partial_mma<T, D, G, PAGING == 2, HPI>(
+                shared_ptr(smem), qr.p, qr.s0, kr.p + h0 * kr.s0, kr.s1, vr.p + h0 * vr.s0, vr.s1, r0, r1, scale,
+                only ? nullptr : pr.p, pr.s0, pr.s1, h0, c2, out.p + c0 * out.s0, out.s1,
+                attn_impl::PagedRows{pages.table.p + s * pages.table.s0, pages.table.s1, pages.page_len, kc.s0, vc.s0},
+                attn_impl::KvHeads{kr.s0, vr.s0, nh});
             if (only) return;
         }
     }
@@ -802,8 +827,11 @@ __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, T
             if (threadIdx.x == 0) mega_body_error(MEGA_ERR_LAYOUT, 0);
             return;
         }
-        attn_partial<T, D, G>(smem, qr, kr, vr, p + 1, chunk, scale, pr, c1, c2);
+        for (int h = 0; h < nh; ++h) {
+            if (h) mega_sync();  // (the shared memory of the head before)
+            attn_partial<T, D, G>(smem, qr, kr, vr, p + 1, chunk, scale, pr, h0 + h, c2);
+        }
     }
     if (mega_last_arrival(arrive + c0 * Hkv + c1, (unsigned)nsplit))  // (the last split merges)
-        attn_merge<T, D>(Mat<const float>{pr.p, pr.s0, pr.s1}, p + 1, chunk, (c1 + 1) * G, G, out.at(c0), c1);
+        attn_merge<T, D>(Mat<const float>{pr.p, pr.s0, pr.s1}, p + 1, chunk, (h0 + nh) * G, HPI * G, out.at(c0), c1);
 }

@@ -2,7 +2,14 @@
 ``slot[i]`` (caches ``[slots, Hkv, max_len, D]``), split over the KV rows as decode attention is
 (``attention.py``), in one op: ``ragged_partial_merge``.
 
-Grid ``(N, Hkv, splits)``. The split count is a run-time expression (``split_count``): about one wave
+Grid ``(N, ceil(Hkv / heads), splits)``, ``heads`` KV heads an instance (``params["heads"]``, 1 if absent).
+On the tensor-core body the lowering emits two of these ops, of which one launches (``params["active"]``, a
+run-time 0 or 1 on the grid): one head an instance, or, where a batch's rows alone fill a wave of (row, KV
+head) pairs (``grouped``), 2 or 4 heads of a row an instance (``heads_per_instance``; a warp group each) in one
+split, so the batch runs as about one wave of long instances instead of several waves of short ones, each
+paying the instance's fixed chain (the wait, the row's position and slot, q, the ring's first steps, the
+combine; perf-notes #92, #116). Two ops, not one with a run-time head count, keep each one's waits exact (a
+head's instance waits for its head's K and V rows, not every head's: +5% at batch 1 and 16). The split count is a run-time expression (``split_count``): about one wave
 of instances whatever the batch, so one sequence's 513 cache rows go to 9 splits of 57 rows and 16
 sequences' to one split each (a fixed chunk gave 384 instances of 256 rows or 1 row at batch 16,
 perf-notes #74). Split ``s`` covers cache rows ``[s*chunk, s*chunk + chunk)``, ``chunk = ceil(length /
@@ -51,6 +58,23 @@ def row_length(op, ins_pos, ins_slot, i: int, where: CacheRows, bound: int | Non
     return p + 1, s
 
 
+WAVE_PAIRS = 128  # (row, KV head group)s that count as a wave: 132 SMs less the few a last wave may leave idle
+
+
+def heads_per_instance(hkv: int, tensor_core: bool) -> int:
+    """KV heads an instance of the grouped op takes: on the tensor-core body the most of 4 and 2 that divides
+    ``hkv`` into at least two groups (8 KV heads: 4, so a 64-row batch is 128 instances), else 1 (no grouped
+    op). Its 8 warps split evenly among them."""
+    return next((h for h in (4, 2) if tensor_core and hkv % h == 0 and hkv // h >= 2), 1)
+
+
+def grouped(rows: DimLike, hkv: int, heads: int):
+    """1 (at run time) where ``rows`` x ``hkv`` / ``heads`` >= WAVE_PAIRS: the rows alone fill a wave of
+    instances of ``heads`` KV heads, so the grouped op needs no split; else 0. Grouping that needs splits
+    loses (a 16-row batch, 4 heads in 4 splits instead of 1 head in 1: +3.7%, the splits' merge)."""
+    return dmin(1, as_dim(rows) * hkv // (heads * WAVE_PAIRS))
+
+
 def tensor_core_body(dtype, group: int, head_dim: int) -> bool:
     """Whether the tensor-core body runs the attention (attention.cuh: MmaPath): it can read a paged cache's
     rows through the page table."""
@@ -65,8 +89,8 @@ def paged_splits(length: DimLike, page_len: int):
 @register
 class RaggedPartialMerge(BlockKind):
     """Inputs ``q, k_cache, v_cache, pos, slot, part, arrive[, pages]``: ``part`` (the partials) and ``arrive``
-    (a counter per (row, KV head)) are the op's own, ordered by its arrival counter; ``pages`` a paged
-    cache's page table (``params["paged"]``)."""
+    (a counter per (row, KV head group)) are the op's own, ordered by its arrival counter; ``pages`` a paged
+    cache's page table (``params["paged"]``); ``params["heads"]``: KV heads an instance (1 if absent)."""
 
     name = "ragged_partial_merge"
     cuda_file = "attention.cuh"
@@ -78,14 +102,14 @@ class RaggedPartialMerge(BlockKind):
 
     def build(self, inputs, output, params) -> Partition:
         q, kc = inputs[0], inputs[1]
-        g = params["group"]
-        kv = (Full(), Tile(1, 1), Full(), Full())
+        g, h = params["group"], params.get("heads", 1)
+        kv = (Full(), Tile(1, h), Full(), Full())
         row = (Tile(0, 1),)
         return Partition(
-            grid=(q.shape[0], kc.shape[1], params["splits"]),
-            reads=((Tile(0, 1), Tile(1, g), Full()), kv, kv, row, row, (Full(), Full(), Full()), (Full(),),
+            grid=(q.shape[0] * as_dim(params.get("active", 1)), ceildiv(kc.shape[1], h), params["splits"]),
+            reads=((Tile(0, 1), Tile(1, g * h), Full()), kv, kv, row, row, (Full(), Full(), Full()), (Full(),),
                    *(((Full(), Full()),) if params.get("paged") else ())),
-            writes=(Tile(0, 1), Tile(1, g), Full()),
+            writes=(Tile(0, 1), Tile(1, g * h), Full()),
         )
 
     def cpu(self, op, env, ins, out):
@@ -95,19 +119,21 @@ class RaggedPartialMerge(BlockKind):
         q, kc, vc, pos, slot = ins[:5]
         p = op.params
         where = CacheRows(op.kind, kc.shape, ins[7] if p.get("paged") else None)
-        i, h = env["_i0"], env["_i1"]
+        i, heads = env["_i0"], p.get("heads", 1)
         length, splits = p["length"].eval(env), p["splits"].eval(env)
         rows, sl = row_length(op, pos, slot, i, where, min(where.rows, length))
         chunk = where.page_len if p.get("paged") == "split" else -(-length // splits)
         k, v = where.sequence(kc, sl, rows), where.sequence(vc, sl, rows)
-        parts = [partial(q[i], k, v, {**p, "chunk": chunk}, h, s, rows) for s in range(-(-rows // chunk))]
-        part = torch.stack([torch.cat([num, m[:, None], l[:, None]], 1) for num, m, l in parts], 1)  # [G, S, D+2]
-        out[i, h * p["group"] : (h + 1) * p["group"]] = merge(part).to(out.dtype)
+        for h in range(env["_i1"] * heads, min((env["_i1"] + 1) * heads, kc.shape[1])):
+            parts = [partial(q[i], k, v, {**p, "chunk": chunk}, h, s, rows) for s in range(-(-rows // chunk))]
+            part = torch.stack([torch.cat([num, m[:, None], l[:, None]], 1) for num, m, l in parts], 1)  # [G, S, D+2]
+            out[i, h * p["group"] : (h + 1) * p["group"]] = merge(part).to(out.dtype)
 
     def bytes_moved(self, op, env):
         q, kc = op.inputs[0], op.inputs[1]
         rows = kc.shape[2].value * (op.inputs[7].shape[1].value if op.params.get("paged") else 1)  # a sequence's
-        n, length = q.shape[0].eval(env), min(rows, op.params["length"].eval(env))
+        n = q.shape[0].eval(env) * as_dim(op.params.get("active", 1)).eval(env)  # (0: the other op of the pair runs)
+        length = min(rows, op.params["length"].eval(env))
         hq, d = q.shape[1].value, q.shape[2].value
         splits = op.params["splits"].eval(env)  # (one split: the output straight from the block, no partials)
         partials = 2 * n * hq * splits * (d + 2) * 4 if splits > 1 else 0  # written, then read by the merge
@@ -126,7 +152,7 @@ class RaggedPartialMerge(BlockKind):
                 ("scale", f"{float(p['scale'])!r}f"), ("part", f"(float*){part.ptr}"), ("arrive", f"(unsigned*){arrive.ptr}"),
                 ("out", out.view(const=False)), ("c0", "c0"), ("c1", "c1"), ("c2", "c2"), ("wl", "wl")]
         paging = {None: 0, "split": 1, "rows": 2}[p.get("paged")]
-        return c_call("ragged_partial_merge", [q.ctype, d, p["group"], paging], args)
+        return c_call("ragged_partial_merge", [q.ctype, d, p["group"], paging, p.get("heads", 1)], args)
 
 
 @term
@@ -154,10 +180,21 @@ class RaggedSplitTerm(Term):
             # out [rows, Hq, splits, D + 2] by the body
             params["splits"] = split_count(length, chunk, rows * hkv)
             part_rows = dmax(rows * hkv, SPLIT_WAVE)
+            heads = heads_per_instance(hkv, tensor_core_body(q.dtype, group, d.value))
         else:  # a split a page: at most a sequence's pages a (row, KV head)
             params["splits"], params["paged"] = paged_splits(length, kc.shape[2].value), "split"
             part_rows = rows * hkv * b.graph.nodes[pages].shape[1].value
-        part = b.scratch(f"ragged_part{value}", (part_rows, as_dim(group), as_dim(d.value + 2)), F32)
-        arrive = b.accum(f"ragged_arrive{value}", (rows * hkv,), I32)
+            heads = 1
         extra = [b.operand(pages)] if pages is not None else []
-        b.emit("ragged_partial_merge", [value], [q, kc, vc, pos, slot, part, arrive, *extra], out, params)
+
+        def emit(tag: str, params: dict) -> None:  # (each op its own partials and arrival counters)
+            part = b.scratch(f"ragged_part{value}{tag}", (part_rows, as_dim(group), as_dim(d.value + 2)), F32)
+            arrive = b.accum(f"ragged_arrive{value}{tag}", (rows * hkv,), I32)
+            b.emit("ragged_partial_merge", [value], [q, kc, vc, pos, slot, part, arrive, *extra], out, params)
+
+        if heads == 1:
+            emit("", params)
+        else:  # one head an instance, or `heads` in one split where the rows fill a wave: one of the two runs
+            on = grouped(rows, hkv, heads)
+            emit("", {**params, "active": 1 - on})
+            emit("_heads", {**params, "heads": heads, "splits": as_dim(1), "active": on})

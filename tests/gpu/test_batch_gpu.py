@@ -44,9 +44,14 @@ def test_projections_of_a_batch(dt, tol, rows):
 
 
 @pytest.mark.parametrize("dt, tol", [(me.f32, 1e-4), (me.bf16, 2e-2)], ids=["f32", "bf16"])
-@pytest.mark.parametrize("hq, hkv, d", [(4, 2, 64), (8, 2, 128)])
-def test_kv_store_and_ragged_attention(dt, tol, hq, hkv, d):
-    gen = torch.Generator(device="cuda").manual_seed(hq * d)
+@pytest.mark.parametrize("hq, hkv, d, rows", [(4, 2, 64, 0), (8, 2, 128, 0), (32, 8, 64, 8), (32, 8, 64, 64),
+                                             (16, 4, 128, 64), (32, 8, 64, 40)])
+def test_kv_store_and_ragged_attention(dt, tol, hq, hkv, d, rows):
+    """rows 0: a prompt of four tokens beside decoding rows, the extractor's choice of op; else `rows` rows at
+    scattered (slot, position)s, the extractor told to expect decode batches (the split-KV op, not flash):
+    where they fill a wave of (row, KV head) pairs, bf16 instances take several KV heads (4 of 8 at 64 rows,
+    2 of 4, 2 of 8 at 40)."""
+    gen = torch.Generator(device="cuda").manual_seed(hq * d + rows)
     slots, length = 3, 96
     g = me.Graph("ragged")
     q, k, v = (g.input(name, [N, h, d], dt) for name, h in (("q", hq), ("k", hkv), ("v", hkv)))
@@ -54,16 +59,21 @@ def test_kv_store_and_ragged_attention(dt, tol, hq, hkv, d):
     kc = me.kv_store(g.input("kc", [slots, hkv, length, d], dt), k, pos, slot)
     vc = me.kv_store(g.input("vc", [slots, hkv, length, d], dt), v, pos, slot)
     g.output("o", me.ragged_attention(q, kc, vc, pos, slot))
-    kern = me.compile(g, {}, backend="cuda", max_dims={"n": 16})
-    p = [0, 1, 2, 3, 70, 95, 0, 40]  # a prompt of four tokens in slot 1, decoding rows elsewhere
-    s = [1, 1, 1, 1, 0, 2, 0, 2]
-    ins = {"q": rand([8, hq, d], dt, gen), "k": rand([8, hkv, d], dt, gen), "v": rand([8, hkv, d], dt, gen),
+    kern = me.compile(g, {}, backend="cuda", max_dims={"n": 64}, dims_hint={"n": 8} if rows else None)
+    if rows:
+        cells = torch.randperm(slots * length, device="cuda", generator=gen)[:rows]  # distinct (slot, position)s
+        p, s = (cells % length).tolist(), (cells // length).tolist()
+    else:
+        p = [0, 1, 2, 3, 70, 95, 0, 40]  # a prompt of four tokens in slot 1, decoding rows elsewhere
+        s = [1, 1, 1, 1, 0, 2, 0, 2]
+    n = len(p)
+    ins = {"q": rand([n, hq, d], dt, gen), "k": rand([n, hkv, d], dt, gen), "v": rand([n, hkv, d], dt, gen),
            "pos": torch.tensor(p, dtype=torch.int32, device="cuda"), "slot": torch.tensor(s, dtype=torch.int32, device="cuda")}
     caches = {"kc": rand([slots, hkv, length, d], dt, gen), "vc": rand([slots, hkv, length, d], dt, gen)}
     mine = {n: c.clone() for n, c in caches.items()}
-    out = kern(**ins, **mine, n=8)
+    out = kern(**ins, **mine, n=n)
     ref_caches = {n: c.clone() for n, c in caches.items()}
-    ref = me.run_reference(g, {**ins, **ref_caches}, {}, {"n": 8})
+    ref = me.run_reference(g, {**ins, **ref_caches}, {}, {"n": n})
     assert rel(out["o"], ref["o"]) < tol
     assert all(torch.equal(mine[n], ref_caches[n]) for n in caches)  # the K and V rows written where they belong
 
