@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..dims import Dim, as_dim
+from ..dims import Dim, as_dim, upper_bound
 from ..ir.layout import Layout, layout_of
 from ..ir.program import BlockOp, BlockProgram, Operand
 from .barriers import BarrierPlan, BarrierSet, Wait, derive_barriers
@@ -103,39 +103,6 @@ class WorkQueue:
             "waits": sum(len(e.waits) for e in self.entries),
             "arena_bytes": self.memory.arena_bytes,
         }
-
-
-def upper_bound(d: Dim, max_env: Mapping[str, int]) -> int:
-    """An upper bound of ``d`` with every runtime dim in ``[0, max_env[name]]`` (``bounds``)."""
-    return bounds(d, max_env)[1]
-
-
-def bounds(d: Dim, max_env: Mapping[str, int]) -> tuple[int, int]:
-    """(lower, upper) bounds of ``d`` with every runtime dim in ``[0, max_env[name]]``, by interval
-    arithmetic: a product takes the extremes of its endpoints' products, so negative coefficients (a
-    count that falls as the rows grow, matvec_split's split count) are bounded too. A quotient by a
-    constant divisor is monotone; by a runtime one (at least 1 wherever the queue divides by it) it lies
-    between 0 and the dividend; ``x % c`` in ``[0, c)``."""
-    if d.op == "const":
-        return d.args[0], d.args[0]
-    if d.op == "sym":
-        return 0, d.eval(max_env)
-    (alo, ahi), (blo, bhi) = bounds(d.args[0], max_env), bounds(d.args[1], max_env)
-    if d.op == "mod":  # (a divisor of at least 1)
-        return 0, (min(ahi, bhi - 1) if alo >= 0 else bhi - 1)
-    if d.op in ("floordiv", "ceildiv"):
-        if blo != bhi:
-            return min(0, alo), max(0, ahi)
-        q = (lambda v: v // blo) if d.op == "floordiv" else (lambda v: -(-v // blo))
-        return tuple(sorted((q(alo), q(ahi))))
-    if d.op == "add":
-        return alo + blo, ahi + bhi
-    if d.op == "mul":
-        ends = (alo * blo, alo * bhi, ahi * blo, ahi * bhi)
-        return min(ends), max(ends)
-    if d.op == "min":
-        return min(alo, blo), min(ahi, bhi)
-    return max(alo, blo), max(ahi, bhi)  # max
 
 
 def build_queue(program: BlockProgram, max_dims: Mapping[str, int]) -> WorkQueue:

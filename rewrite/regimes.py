@@ -22,7 +22,7 @@ import dataclasses
 from typing import Callable, Mapping
 
 from ..blockops import REGISTRY
-from ..dims import dmin, sym
+from ..dims import dmin, sym, upper_bound
 from ..graph import Graph
 from ..ir.program import BlockOp, BlockProgram, Operand, Regime
 from .cost import CostModel
@@ -134,9 +134,24 @@ def merge(programs: list[BlockProgram], regime: Regime) -> BlockProgram:
         def moved(o: Operand, remap=remap) -> Operand:
             return dataclasses.replace(o, buffer=remap[o.buffer])
 
-        base = len(ops)  # (op ids are positions)
-        ops += [gated(op, base + op.id, band, regime.symbol, dim, moved) for op in p.ops]
+        top = regime.thresholds[band] if band < len(regime.thresholds) else None
+        for op in p.ops:
+            op = gated(op, len(ops), band, regime.symbol, dim, moved)  # (op ids are positions)
+            if not idle(op, dim, top):
+                ops.append(op)
     return dataclasses.replace(first, buffers=buffers, ops=ops, symbols=first.symbols + regime.derived, regime=regime)
+
+
+UNBOUNDED = 1 << 40  # the other runtime dims' bound when asking whether a launch count is 0 in a band
+
+
+def idle(op: BlockOp, dim: str, top: int | None) -> bool:
+    """Whether ``op``, gated to a band of row counts ``dim <= top``, launches no instance at any of them:
+    one of a pair that only larger batches run (``ragged_attention.py``: the grouped heads' op below 64
+    rows of 8 KV heads), which the band's queue then leaves out (no entry, no wait on it)."""
+    if top is None or not op.grid:
+        return False
+    return upper_bound(op.launch_count, {**{s: UNBOUNDED for s in op.launch_count.symbols()}, dim: top}) <= 0
 
 
 def _shared_buffers(p: BlockProgram, first: BlockProgram, shared: dict, buffers: list) -> dict[int, int]:

@@ -356,6 +356,37 @@ def test_bf16_decode_rows_store_k_rotated_and_attend_in_one_op(preset):
         assert err < 1e-2, err
 
 
+def test_a_batch_of_64_rows_takes_the_grouped_attention_op_and_matches_the_reference():
+    """8 KV heads (bf16): the step graph's 17-65-row band holds both attention ops, the per-head one and the
+    grouped one (4 heads an instance), and at 64 decoding rows the grouped one runs and gives the
+    reference's logits; the band below 17 rows holds only the per-head op (the grouped one could never run
+    there: no queue entry, no wait on it)."""
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dtype=me.bf16, kv_heads=8, heads=16)
+    graph, spec = build_step_graph(cfg, max_len=40, slots=64)
+    weights = random_weights(spec, seed=4)
+    kernel = me.compile(graph, weights, backend="sim", max_dims={"n": 600, "r": 64, "ctx": 40},
+                        dims_hint={"n": 16, "r": 16, "ctx": 33})
+    regime = kernel.queue.program.regime
+    attn = [e.op for e in kernel.queue.entries if e.op.kind == "ragged_partial_merge"]
+    by_band = {b: sorted(op.params.get("heads", 1) for op in attn if op.regime == b) for b in range(regime.bands)}
+    assert by_band[0] == [1] * cfg.layers and by_band[1] == [1] * cfg.layers + [4] * cfg.layers, by_band
+    gen = torch.Generator().manual_seed(12)
+    caches = {n: (torch.randn(s, generator=gen) * 0.5).to(torch.bfloat16) for n, s in spec.caches.items()}
+    rows = 64
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    ins = {"token": torch.randint(0, cfg.vocab, (rows,), generator=gen, dtype=torch.int32),
+           "pos": torch.randint(0, 39, (rows,), generator=gen, dtype=torch.int32), "slot": i32(list(range(rows))),
+           "out": i32(list(range(rows)))}
+    dims = {"n": rows, "r": rows, "ctx": 40}
+    env = kernel.queue.program.with_derived(dims)
+    assert [op.params.get("heads", 1) for op in attn if op.launch_count.eval(env) > 0] == [4] * cfg.layers
+    ref = me.run_reference(graph, {**ins, **{n: c.clone() for n, c in caches.items()}}, weights, dims)
+    out = kernel.simulate(Interleaving(sms=6, seed=3, adversarial=True), **ins, **{n: c.clone() for n, c in caches.items()},
+                          **dims)
+    err = ((out["logits"].float() - ref["logits"].float()).norm() / ref["logits"].float().norm()).item()
+    assert err < 1e-2, err
+
+
 def test_runtime_row_tiles_by_operand_layout():
     """A runtime M's linears take wide 64-row tiles (bf16, K a multiple of 64); a matmul's transposed
     weight has no 16-byte rows for the tensor-core bodies, so its tiles stay below 8 rows (the generic

@@ -181,7 +181,7 @@ def test_bounds_hold_at_every_point(d):
     """``lowering.queue.bounds`` (the sizes of buffers, counters and the trace, from the largest dims) holds at
     every point with the symbols in [0, max], negative coefficients included (matvec_split's split count falls
     as the rows grow); points that divide by 0 are not runtime points."""
-    from megaegg.lowering.queue import bounds
+    from megaegg.dims import bounds
 
     top = {"S": 64, "T": 7, "_i0": 3}
     lo, hi = bounds(d, top)
@@ -197,7 +197,7 @@ def test_bounds_hold_at_every_point(d):
 
 def test_a_count_that_falls_with_the_rows_is_bounded_by_its_largest_value():
     from megaegg.blockops.matvec_split import split_count
-    from megaegg.lowering.queue import upper_bound
+    from megaegg.dims import upper_bound
 
     n = sym("n")
     for top in (16, 40, 64, 65, 100, 2112):
