@@ -3,23 +3,25 @@
 (``attention.py``), in one op: ``ragged_partial_merge``.
 
 Grid ``(N, ceil(Hkv / heads), splits)``, ``heads`` KV heads an instance (``params["heads"]``, 1 if absent).
-On the tensor-core body the lowering emits two of these ops, of which one launches (``params["active"]``, a
-run-time 0 or 1 on the grid): one head an instance, or, where a batch's rows alone fill a wave of (row, KV
-head) pairs (``grouped``), 2 or 4 heads of a row an instance (``heads_per_instance``; a warp group each) in one
-split, so the batch runs as about one wave of long instances instead of several waves of short ones, each
+The split count is a run-time expression (``split_count``): about one wave of instances whatever the batch,
+so one sequence's 513 cache rows go to 9 splits of 57 rows and 16 sequences' to one split each (a fixed chunk
+gave 384 instances of 256 rows or 1 row at batch 16, perf-notes #74). Split ``s`` covers cache rows
+``[s*chunk, s*chunk + chunk)``, ``chunk = ceil(length / splits)`` (``length``: the op's bound on every
+``pos[i] + 1``, a runtime dim, at most ``max_len``); a row has ``ceil((pos[i] + 1) / chunk)`` splits and an
+instance past them does nothing. Each split writes its partials (f32: unnormalised output, max, sum of
+exponentials) to the op's own ``part``; the last of a (row, KV head group)'s splits to arrive (a counter in
+the launch-zeroed counter bank) merges them into the row's query heads, so the merge needs no op and no
+hand-off of its own. The caches are read whole along slots and positions (which ones is data), so an
+instance waits for the ``kv_store`` instances of its heads.
+
+Grouped heads: on the tensor-core body the lowering emits two of these ops, of which one launches
+(``params["active"]``, a run-time 0 or 1 on the grid): one head an instance, or, where a batch's rows alone
+fill a wave (``grouped``), 2 or 4 KV heads of a row an instance in one split (``heads_per_instance``; a warp
+group a head), so a 64-row batch runs as one wave of long instances instead of four waves of short ones, each
 paying the instance's fixed chain (the wait, the row's position and slot, q, the ring's first steps, the
-combine; perf-notes #92, #116). Two ops, not one with a run-time head count, keep each one's waits exact (a
-head's instance waits for its head's K and V rows, not every head's: +5% at batch 1 and 16). The split count is a run-time expression (``split_count``): about one wave
-of instances whatever the batch, so one sequence's 513 cache rows go to 9 splits of 57 rows and 16
-sequences' to one split each (a fixed chunk gave 384 instances of 256 rows or 1 row at batch 16,
-perf-notes #74). Split ``s`` covers cache rows ``[s*chunk, s*chunk + chunk)``, ``chunk = ceil(length /
-splits)`` (``length``: the op's bound on every ``pos[i] + 1``, a runtime dim, at most ``max_len``); a
-row has ``ceil((pos[i] + 1) / chunk)`` splits and an instance past them does nothing. Each split writes
-its partials (f32: unnormalised output, max, sum of exponentials) to the op's own ``part``; the last of
-a (row, KV head)'s splits to arrive (a counter in the launch-zeroed counter bank) merges them into the
-row's ``group`` query heads, so the merge needs no op and no hand-off of its own. The caches are read
-whole along slots and positions (which ones is data), so an instance waits for the ``kv_store``
-instance of its head.
+combine; perf-notes #92, #116). Two ops rather than one with a run-time head count keep both ops' waits per
+head (a run-time span of heads waits for every head's ``kv_store``: +5% at 1 and 16 rows); a row band whose
+rows never reach the grouped op's threshold leaves it out (``rewrite/regimes.py: idle``).
 
 Paged caches (``ragged_attention(..., pages=)``, the op's last input; ``params["paged"]``): on the
 tensor-core body (bf16 / f16, ``group`` <= 8, head dim 64 or 128: ``"rows"``) the splits are as above and
