@@ -739,9 +739,8 @@ __device__ __forceinline__ bool ragged_row_ok(long long p, long long max_len, lo
 // D + 2]; the last of the row's splits for this head group to arrive (a counter per (row, group) in the
 // launch-zeroed counter bank, as attn_partial_merge) merges them into the group's query heads of out[c0].
 // HPI (1, 2 or 4) > 1 in the op that runs where a batch's rows alone fill a wave; on the tensor-core body a warp
-// group takes each head; off it, the heads run one after another. A
-// position outside min(rows, length), a slot outside the cache or a page outside the pool reports
-// MEGA_ERR_INDEX and writes nothing.
+// group takes each head; off it, the heads run one after another. A position outside min(rows, length), a slot
+// outside the cache or a page outside the pool reports MEGA_ERR_INDEX and writes nothing.
 template <class T, int D, int G, int PAGING, int HPI>
 __device__ __noinline__ void ragged_partial_merge(char* smem, Ten3<const T> q, Ten4<const T> kc, Ten4<const T> vc,
                                                   Vec<const int> pos, Vec<const int> slot, KvPages pages,
