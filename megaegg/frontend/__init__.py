@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_unflatten
 
 from ..graph import GraphError
 from .aten import ATEN, UnsupportedTorch
-from .export import InputSpec, Translator, dim_names
+from .export import InputSpec, Translator, dim_names, export_program
 
 __all__ = ["from_torch", "TorchKernel", "UnsupportedTorch", "ATEN"]
 
@@ -82,8 +82,7 @@ def from_torch(fn_or_module: Any, example_args: Sequence, *, dynamic_shapes: Any
         module, name, export_shapes = fn_or_module, type(fn_or_module).__name__, dynamic_shapes
     else:  # a function: a module whose forward it is (its parameters, names and source lines are the function's)
         module, name, export_shapes = _FunctionModule(fn_or_module), getattr(fn_or_module, "__name__", "fn").strip("<>"), dynamic_shapes
-    with torch.no_grad():
-        ep = torch.export.export(module, example_args, dynamic_shapes=export_shapes)
+    ep = export_program(module, example_args, export_shapes)
     return compile_exported(ep, dim_names(ep, dynamic_shapes), name=name, backend=backend, max_dims=max_dims,
                             dims_hint=dims_hint, device=device)
 

@@ -27,7 +27,7 @@ import torch
 
 from ..graph import GraphError
 from .aten import UnsupportedTorch
-from .export import dim_names
+from .export import dim_names, export_program
 
 log = logging.getLogger("megaegg.frontend")
 
@@ -124,9 +124,8 @@ def _compile(gm, example_inputs: list):
 
     def build(ts, at: dict[str, int]):
         if "ep" not in state:
-            with torch.no_grad():
-                # (forward(*tensors): one argument, whose dynamic-shapes spec is the tuple of the tensors' specs)
-                state["ep"] = torch.export.export(module, tuple(ts), dynamic_shapes=(tuple(shapes),) if dims else None)
+            # (forward(*tensors): one argument, whose dynamic-shapes spec is the tuple of the tensors' specs)
+            state["ep"] = export_program(module, tuple(ts), (tuple(shapes),) if dims else None)
             state["names"] = dim_names(state["ep"], tuple(shapes)) if dims else {}
         ep = state["ep"]
         user = list(ep.graph_signature.user_inputs)

@@ -10,8 +10,8 @@ after the ``torch.export.Dim`` the caller gave for it; ``aten.py`` translates ea
 from __future__ import annotations
 
 import operator
-
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -235,6 +235,37 @@ def _live(graph) -> set:
             live.add(n)
             stack.extend(n.all_input_nodes)
     return live
+
+
+def export_program(module, args: tuple, dynamic_shapes=None):
+    """``torch.export.export(module, args, dynamic_shapes=...)`` under no_grad, with torch's report of the
+    solved dim constraints made robust (``_plain_constraint_report``)."""
+    with torch.no_grad(), _plain_constraint_report():
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+
+
+@contextmanager
+def _plain_constraint_report():
+    """torch.export formats its solved dim constraints (``DimConstraints.prettify_results``) after every
+    export, but reads the text only to word a violated constraint's error. Some torch releases (2.11) raise
+    ValueError there on a result it cannot split into "lhs op rhs" (a CUDA export of a transformers model
+    hit it), failing an export that has no violation: such a report is given as the results, unformatted."""
+    from torch.fx.experimental.symbolic_shapes import DimConstraints
+
+    pretty = DimConstraints.prettify_results
+
+    def report(self, *args, **kwargs):
+        try:
+            return pretty(self, *args, **kwargs)
+        except ValueError:
+            results = sorted(map(str, self._static_results | self._dynamic_results))
+            return "\nSolved dim constraints:\n" + "\n".join(f"  {r}" for r in results)
+
+    DimConstraints.prettify_results = report
+    try:
+        yield
+    finally:
+        DimConstraints.prettify_results = pretty
 
 
 def dim_names(ep, dynamic_shapes) -> dict:

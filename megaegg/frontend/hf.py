@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from . import cache_ops, routed_ops  # noqa: F401  (registers torch.ops.megaegg.kv_append / attention / moe_mlp)
 from .aten import UnsupportedTorch
+from .export import export_program
 
 ATTN_IMPLEMENTATION = "megaegg"
 # transformers' sparse MoE blocks whose routing ops.moe_mlp computes (softmax in f32, the top k, silu experts of
@@ -283,8 +284,8 @@ def _export(model, step, example, dynamic_shapes):
     """``torch.export`` of a step; its failure (a construct torch.export cannot trace) as one error naming the
     model, not torch's traceback (an UnsupportedTorch raised while tracing stays as it is)."""
     try:
-        with torch.no_grad(), _routed_experts(model):
-            return torch.export.export(step, example, dynamic_shapes=dynamic_shapes)
+        with _routed_experts(model):
+            return export_program(step, example, dynamic_shapes)
     except UnsupportedTorch:
         raise
     except Exception as e:
