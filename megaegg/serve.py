@@ -367,8 +367,15 @@ def _chat_prompt(messages, tokenizer) -> list[int]:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
         raise RequestError("'messages' must be a non-empty list of {role, content} objects with string content",
                            param="messages")
-    text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                         add_generation_prompt=True, tokenize=False)
+    from jinja2 import TemplateError  # (transformers renders chat templates with jinja2)
+
+    try:
+        text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                             add_generation_prompt=True, tokenize=False)
+    except (TemplateError, ValueError) as e:  # (a template refuses what it does not take, by raise_exception:
+        # roles out of order, a system message, ...: the client's messages, a 400, not the server's 500)
+        raise RequestError(f"the chat template refused these messages: {type(e).__name__}: {e}",
+                           param="messages") from e
     return list(tokenizer.encode(text, add_special_tokens=False))  # (the template wrote the special tokens)
 
 

@@ -25,7 +25,8 @@ httpx = pytest.importorskip("httpx")
 
 from tiny_checkpoints import save_tiny  # noqa: E402
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool messages') }}{% endif %}"
+                 "{{ m['content'] }} {% endfor %}")  # (refuses a role, as real templates do)
 PROMPTS = ["w1 w2 w3", "w5", "w9 w8 w7 w6", "w40 w41", "w3 w3 w3", "w60", "w11 w12 w13 w14 w15", "w2 w90",
            "w70 w71 w72", "w33", "w17 w18", "w50 w51 w52 w53", "w88", "w4 w44 w4", "w95 w1", "w61 w62 w63 w64 w65 w66"]
 
@@ -206,6 +207,7 @@ def test_a_client_that_goes_away_leaves_the_others_intact(fixture, request, gree
     ({"model": "tiny-llama", "prompt": "w1", "echo": True}, 400, "echo"),
     ({"model": "tiny-llama", "prompt": "w1", "best_of": 0}, 400, "best_of"),
     ({"model": "tiny-llama", "messages": [{"role": "user", "content": "w1"}], "logprobs": True}, 400, "logprobs"),
+    ({"model": "tiny-llama", "messages": [{"role": "tool", "content": "w1"}]}, 400, "messages"),  # (the template's refusal)
 ])
 def test_bad_requests_get_one_error_naming_the_field(served, body, status, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
