@@ -263,3 +263,32 @@ def test_the_smallest_caches():
     """max_len 2: the export's example sizes stay in range."""
     lm = me.from_transformers(_model("llama"), max_len=2, backend="sim")
     assert len(lm.generate([7], 1)) == 1
+
+
+def test_rope_that_transformers_rescales_by_length_runs_below_that_length():
+    """LongRoPE (Phi-3.5-mini, Phi-3-128k) and dynamic NTK scaling recompute their frequencies from the sequence
+    length in the forward (an in-place buffer update torch.export refused): below the length past which they
+    change, the compiled steps take the frequencies transformers uses there, with its logits; a max_len past it
+    is one error naming the rope type and the length. The model is left as it was."""
+    rope = dict(rope_type="longrope", short_factor=[1.5] * 8, long_factor=[3.0] * 8)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(
+        **SMALL, pad_token_id=0, rope_scaling=rope, original_max_position_embeddings=32)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if p.ndim > 1 else 0.2) + (1.0 if p.ndim == 1 else 0.0))
+    ids = [5, 17, 42, 8, 63, 1]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+    lm = me.from_transformers(model, max_len=24, backend="sim")
+    tol = dict(rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    torch.testing.assert_close(lm.prompt(ids[:5]), want[4], **tol)
+    torch.testing.assert_close(lm.step(ids[5], 5), want[5], **tol)
+    assert model.model.rotary_emb.rope_type == "longrope"
+    with pytest.raises(me.frontend.UnsupportedTorch, match="rope_type 'longrope' changes its frequencies past 32 "
+                                                           "positions.*give max_len <= 32"):
+        me.from_transformers(model, max_len=40, backend="sim")
+    llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        **{**SMALL, "max_position_embeddings": 16}, rope_scaling=dict(rope_type="dynamic", factor=2.0)))
+    with pytest.raises(me.frontend.UnsupportedTorch, match="rope_type 'dynamic' changes its frequencies past 16"):
+        me.from_transformers(llama, max_len=24, backend="sim")

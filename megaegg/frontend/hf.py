@@ -126,6 +126,51 @@ def _routed_experts(model):
             del m.forward
 
 
+@contextmanager
+def _static_rope(model, max_len: int):
+    """While exporting: rotary embeddings whose frequencies transformers recomputes from the sequence length
+    (``dynamic_rope_update``: ``dynamic`` NTK scaling, ``longrope``; a data-dependent branch and an in-place
+    buffer update that torch.export cannot take) run with the frequencies they have at every position below
+    ``max_len``: the original ones, where max_len stays within the length past which they change; a longer
+    max_len is refused, naming the rope type and that length."""
+    patched = []
+    try:
+        for m in model.modules():
+            kinds = getattr(m, "rope_type", None)
+            if not hasattr(m, "original_max_seq_len") or kinds is None:
+                continue
+            layered = isinstance(kinds, dict)  # (Gemma 3: a rope type a layer type)
+            changed = {}
+            for layer_type, kind in (kinds.items() if layered else [(None, kinds)]):
+                if "dynamic" not in kind and kind != "longrope":
+                    continue
+                if kind == "longrope":  # (long factors past it, short ones below)
+                    params = m.config.rope_parameters if layer_type is None else m.config.rope_parameters[layer_type]
+                    limit = params["original_max_position_embeddings"]
+                else:  # (the frequencies grow past it)
+                    limit = m.original_max_seq_len
+                if max_len > limit:
+                    raise UnsupportedTorch(f"{type(model).__name__}: rope_type {kind!r} changes its frequencies past "
+                                           f"{limit} positions (transformers' dynamic_rope_update), which a compiled step "
+                                           f"does not follow: give max_len <= {limit}")
+                prefix = "" if layer_type is None else f"{layer_type}_"
+                changed[f"{prefix}inv_freq"] = getattr(m, f"{prefix}original_inv_freq")
+            if not changed:
+                continue
+            # (new tensors, not copy_: the exported program keeps the ones it read, the model gets its own back)
+            saved = {name: getattr(m, name) for name in changed}
+            patched.append((m, kinds, saved))
+            for name, freq in changed.items():
+                m.register_buffer(name, freq.clone(), persistent=False)
+            m.rope_type = {k: "default" for k in kinds} if layered else "default"  # (no update in the forward)
+        yield
+    finally:
+        for m, kinds, saved in patched:
+            m.rope_type = kinds
+            for name, t in saved.items():
+                m.register_buffer(name, t, persistent=False)
+
+
 class DecodeStep(torch.nn.Module):
     """One token of one sequence through ``model``: ``forward(input_ids [1, 1], positions [ctx], *caches)``
     -> logits [1, vocab] of the token at position ``ctx - 1`` (``positions[-1]``). ``caches``: per layer
@@ -314,6 +359,13 @@ def from_transformers(model, *, max_len: int = 512, backend: str | None = None, 
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
+        return _from_transformers(model, max_len, backend, device)
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _from_transformers(model, max_len: int, backend: str, device) -> TransformersLM:
+    with _static_rope(model, max_len):
         shape = cache_shape(model, max_len)
         dev = next(model.parameters()).device
         common = dict(backend=backend, device=device)
@@ -330,6 +382,4 @@ def from_transformers(model, *, max_len: int = 512, backend: str | None = None, 
         prompt = _compile_step(model, PromptStep(model), example, ({1: n}, {0: n}, {0: n}, {0: ctx}), len(caches),
                                max_dims={"n": max_len, "ctx": max_len}, dims_hint={"n": 16, "ctx": min(max_len, 512)},
                                **common)
-    finally:
-        model.set_attn_implementation(previous)
     return TransformersLM(run, prompt, shape, model.get_input_embeddings().weight.shape[0])
