@@ -145,6 +145,9 @@ QWEN_HF = {**PRESETS["qwen3-0.6b"]}
         (LLAMA_HF, {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_parameters"),
         (LLAMA_HF, {"num_key_value_heads": 3}, "num_key_value_heads"),
         (LLAMA_HF, {"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
+        (LLAMA_HF, {"dtype": "float8_e4m3fn"}, "dtype"),  # (transformers 5's name: the message names it)
+        (LLAMA_HF, {"dtype": ["bfloat16"]}, "dtype"),  # (unhashable: was a TypeError)
+        (LLAMA_HF, {"model_type": ["llama"]}, "model_type"),  # (likewise)
         (LLAMA_HF, {"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
         (LLAMA_HF, {"hidden_size": None}, "hidden_size"),
         (QWEN_HF, {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),

@@ -108,7 +108,7 @@ class ModelConfig:
     def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         """Read a Hugging Face config.json dict (transformers 4 or 5 layout) of a supported model."""
         arch = cfg.get("model_type")
-        if arch not in ARCHS:
+        if not isinstance(arch, str) or arch not in ARCHS:  # (a list or an object: unhashable, a TypeError)
             _unsupported("model_type", arch, f"one of {', '.join(ARCHS)}")
         archs = cfg.get("architectures") or [ARCHS[arch]]
         if list(archs) != [ARCHS[arch]]:
@@ -143,9 +143,10 @@ class ModelConfig:
             _unsupported("num_hidden_layers", layers, f"at most {MAX_LAYERS} (the queue has entries per layer: 1024 "
                                                       "layers compile in ~45 s)")
         moe = _moe(cfg, layers, arch) if arch in ("qwen3_moe", "mixtral") else None
-        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"  # transformers' default
-        if dtype_name not in _DTYPES:
-            _unsupported("torch_dtype", dtype_name, f"one of {', '.join(_DTYPES)}")
+        dtype_field = "dtype" if cfg.get("dtype") else "torch_dtype"  # (transformers 5 writes dtype, 4 torch_dtype)
+        dtype_name = cfg.get(dtype_field) or "float32"  # transformers' default
+        if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+            _unsupported(dtype_field, dtype_name, f"one of {', '.join(_DTYPES)}")
         cfg = cls(
             arch=arch,
             hidden=hidden,
