@@ -172,20 +172,24 @@ def test_config_reads_both_rope_layouts():
     assert got == ("qwen3", None, 1e6, 128, False)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral", "qwen3", "qwen3_moe"])
 def test_config_fields_left_out_take_the_architectures_defaults(arch):
-    """A config.json may leave out head_dim, num_key_value_heads, max_position_embeddings: transformers'
-    defaults differ by architecture (Qwen3's head_dim is 128 whatever the hidden size; they were read
-    as Llama's, hidden // heads, heads and 2048, so such a Qwen3 checkpoint failed to load)."""
+    """A config.json may leave out head_dim, num_key_value_heads, max_position_embeddings, rms_norm_eps,
+    rope_theta: transformers' defaults differ by architecture (Qwen3's head_dim is 128 whatever the hidden size;
+    they were read as Llama's, hidden // heads, heads and 2048, so such a Qwen3 checkpoint failed to load;
+    Mixtral's eps 1e-5 and theta 1e6 were read as 1e-6 and 1e4, other logits)."""
     sizes = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=32, vocab_size=97)
     if arch == "qwen3_moe":
         sizes.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "mixtral":
+        sizes.update(num_local_experts=4, num_experts_per_tok=2)
     cfg = ModelConfig.from_hf({"model_type": arch, **sizes})
     hf = transformers.AutoConfig.for_model(arch, **sizes)
     hf_head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads  # (the models' fallback)
     window = getattr(hf, "sliding_window", None) if arch == "mistral" else None  # (Mistral's default: 4096)
     assert (cfg.head_dim, cfg.kv_heads, cfg.max_positions) == (
         hf_head_dim, hf.num_key_value_heads, min(hf.max_position_embeddings, window or hf.max_position_embeddings))
+    assert (cfg.rms_eps, cfg.rope_theta) == (hf.rms_norm_eps, hf.rope_parameters["rope_theta"])
     # null num_key_value_heads: transformers reads num_attention_heads
     assert ModelConfig.from_hf({"model_type": arch, **sizes, "num_key_value_heads": None}).kv_heads == 32
 

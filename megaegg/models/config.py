@@ -27,11 +27,13 @@ ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"bfloat16": bf16, "float16": f16, "float32": f32}
 # transformers' defaults of fields a config.json may leave out, where an architecture's differ from
 # Llama's (head_dim: hidden_size // num_attention_heads, num_key_value_heads: num_attention_heads,
-# max_position_embeddings: 2048); e.g. Qwen3Config's head_dim is 128 whatever the hidden size
+# max_position_embeddings: 2048, rms_norm_eps: 1e-6, rope_theta: 10000); e.g. Qwen3Config's head_dim is 128
+# whatever the hidden size, MixtralConfig's rms_norm_eps 1e-5 and rope_theta 1e6
 _DEFAULTS = {"qwen3": {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768},
              "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768},
              "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
-             "mixtral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": None}}
+             "mixtral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": None,
+                         "rms_norm_eps": 1e-5, "rope_theta": 1e6}}
 
 
 class UnsupportedConfig(GraphError):
@@ -137,7 +139,7 @@ class ModelConfig:
         head_dim = _int(cfg, "head_dim", default=defaults.get("head_dim", hidden // heads))
         if head_dim % 2 or not head_dim:  # (0: hidden_size below num_attention_heads)
             _unsupported("head_dim", head_dim, "even, >= 2")
-        theta, scaling = _rope(cfg)
+        theta, scaling = _rope(cfg, defaults.get("rope_theta", 10000.0))
         layers = _int(cfg, "num_hidden_layers")
         if layers > MAX_LAYERS:
             _unsupported("num_hidden_layers", layers, f"at most {MAX_LAYERS} (the queue has entries per layer: 1024 "
@@ -156,7 +158,7 @@ class ModelConfig:
             kv_heads=kv_heads,
             head_dim=head_dim,
             vocab=_int(cfg, "vocab_size"),
-            rms_eps=_float(cfg, "rms_norm_eps", default=1e-6),
+            rms_eps=_float(cfg, "rms_norm_eps", default=defaults.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_embeddings=_bool(cfg, "tie_word_embeddings", default=False),
@@ -203,13 +205,13 @@ def _max_positions(cfg: Mapping[str, Any], defaults: Mapping[str, Any]) -> int:
     return min(limit, _int(cfg, "sliding_window", default=defaults["sliding_window"]))
 
 
-def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
+def _rope(cfg: Mapping[str, Any], default_theta: float) -> tuple[float, dict | None]:
     """(theta, scaling or None): transformers 5 nests both in ``rope_parameters``."""
     field = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
     if not isinstance(cfg.get(field) or {}, Mapping):
         _unsupported(field, cfg[field], "an object, e.g. {\"rope_type\": \"default\"}")
     params = dict(cfg.get(field) or {})
-    theta = _float(params, "rope_theta", default=_float(cfg, "rope_theta", default=10000.0), name=f"{field}.rope_theta")
+    theta = _float(params, "rope_theta", default=_float(cfg, "rope_theta", default=default_theta), name=f"{field}.rope_theta")
     params.pop("rope_theta", None)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
