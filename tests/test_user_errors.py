@@ -3,6 +3,8 @@ the tensor, file, argument or dim and what was expected (the CLI prints the same
 
 from __future__ import annotations
 
+import json
+import re
 import time
 
 import pytest
@@ -164,6 +166,19 @@ def test_index_naming_a_missing_shard(saved, tmp_path):
     gone = _shards(model)[0]
     (model / gone).unlink()
     with pytest.raises(CheckpointError, match=rf"safetensors\.index\.json: shard '{gone}' \(holding '.*'\) not found"):
+        load_checkpoint(model, spec)
+
+
+def test_index_placing_a_tensor_in_a_shard_without_it(saved, tmp_path):
+    """(was: the shard called unreadable, 'truncated or partly downloaded?', when the index is what is wrong)"""
+    model, spec = broken_copy(saved, tmp_path)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    name, shard = next(iter(index["weight_map"].items()))
+    other = next(f for f in _shards(model) if f != shard)
+    index["weight_map"][name] = other
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"index\.json: places tensor '{re.escape(name)}' in '{other}', which "
+                                              "does not hold it"):
         load_checkpoint(model, spec)
 
 

@@ -202,7 +202,10 @@ def load_checkpoint(path, spec: ModelSpec, device="cpu", dtype=None, *, progress
     ticker = _Ticker(spec, progress)
     for i, (file, names) in enumerate(by_file.items()):
         with _safetensors(path / file, device) as f:
+            stored = set(f.keys())
             for name in names:
+                if name not in stored:  # (an index that places a tensor in a shard without it)
+                    raise CheckpointError(f"{path / INDEX}: places tensor {name!r} in {file!r}, which does not hold it")
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != parts[name]:
                     raise CheckpointError(
