@@ -292,3 +292,23 @@ def test_rope_that_transformers_rescales_by_length_runs_below_that_length():
         **{**SMALL, "max_position_embeddings": 16}, rope_scaling=dict(rope_type="dynamic", factor=2.0)))
     with pytest.raises(me.frontend.UnsupportedTorch, match="rope_type 'dynamic' changes its frequencies past 16"):
         me.from_transformers(llama, max_len=24, backend="sim")
+
+
+def test_numpy_and_tensor_integers_are_token_ids_and_positions():
+    """What tokenizers (return_tensors="np") and argmax return: numpy integers and 0-d integer tensors are ints
+    (they were refused as 'not ints'); a sampling that is no Sampling is one error naming it (an AttributeError
+    before)."""
+    import numpy as np
+
+    lm = me.from_transformers(_model("llama", seed=8), max_len=12, backend="sim")
+    want = lm.generate([5, 17, 42], 4)
+    assert lm.generate(np.array([5, 17, 42]), np.int64(4)) == want
+    assert lm.generate([np.int32(5), torch.tensor(17), 42], 4) == want
+    lm.reset()
+    logits = [lm.step(t, p) for p, t in enumerate([torch.tensor(5), np.int64(17)])][-1]
+    lm.reset()
+    torch.testing.assert_close(lm.prompt(np.array([5, 17]), start=np.int64(0)), logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="token ids must be ints, got tensor\\(5.\\)"):
+        lm.step(torch.tensor(5.0), 0)
+    with pytest.raises(ValueError, match="sampling must be a megaegg.models.batch.Sampling, got dict"):
+        lm.generate([5], 2, sampling={"temperature": 1.0})

@@ -16,6 +16,7 @@ computes) is the model's own ATen graph.
 
 from __future__ import annotations
 
+import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
@@ -248,9 +249,10 @@ class TransformersLM:
                                  f"got a tensor of shape {tuple(ids.shape)} and dtype {ids.dtype}")
             ids = ids.tolist()
         out = []
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ValueError(f"{what}: token ids must be ints, got {t!r}")
+        for v in ids:
+            t = _index(v)  # (a numpy integer, a 0-d integer tensor: what tokenizers and argmax return)
+            if t is None:
+                raise ValueError(f"{what}: token ids must be ints, got {v!r}")
             if not 0 <= t < self.vocab:
                 raise ValueError(f"{what}: token {t} is outside the vocabulary [0, {self.vocab})")
             out.append(t)
@@ -265,8 +267,9 @@ class TransformersLM:
         ``start + 1``, ... in one launch (rows before ``start`` already in the caches)."""
         ids = self._tokens(ids, "prompt")
         n = len(ids)
-        if isinstance(start, bool) or not isinstance(start, int):
+        if _index(start) is None:
             raise ValueError(f"start must be an int, got {start!r}")
+        start = _index(start)
         if n == 0 or not 0 <= start or start + n > self.shape.max_len:
             raise ValueError(f"{n} tokens at position {start}: outside the caches' max_len {self.shape.max_len}")
         tokens = torch.tensor([ids], dtype=torch.int64, device=self.device)
@@ -277,8 +280,9 @@ class TransformersLM:
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits [vocab] (f32) of ``token`` at position ``pos`` (rows before it already in the caches)."""
         (token,) = self._tokens([token], "step")
-        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self.shape.max_len:
+        if _index(pos) is None or not 0 <= _index(pos) < self.shape.max_len:  # (1.5 too: no int position)
             raise ValueError(f"position {pos!r} is outside the caches' max_len {self.shape.max_len}")
+        pos = _index(pos)
         ids = torch.tensor([[token]], dtype=torch.int64, device=self.device)
         return self.kernel(ids, self.rows[:pos + 1], *self.caches)[0].float()
 
@@ -290,11 +294,14 @@ class TransformersLM:
         from ..sampling import sample_row
 
         sampling = sampling or Sampling()
+        if not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling must be a megaegg.models.batch.Sampling, got {type(sampling).__name__}")
         ids = self._tokens(prompt_ids, "prompt_ids")
         if not ids:
             raise ValueError("prompt_ids is empty: give at least one token")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if _index(max_new_tokens) is None or _index(max_new_tokens) < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        max_new_tokens = _index(max_new_tokens)
         if len(ids) + max_new_tokens > self.shape.max_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_len "
                              f"{self.shape.max_len}")
@@ -312,6 +319,17 @@ class TransformersLM:
             if tok in eos or len(out) == max_new_tokens:
                 return out
             logits = self.step(tok, len(ids) + len(out) - 1)
+
+
+def _index(v) -> int | None:
+    """``v`` as an int where it is one (an int, a numpy integer, a 0-d integer tensor), else None (a bool, a
+    float, a float or bool tensor, a list)."""
+    if isinstance(v, (bool, float)) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
 
 
 def _compile_step(model, step, example, specs, caches: int, **compile_args):
