@@ -296,8 +296,8 @@ def test_rope_that_transformers_rescales_by_length_runs_below_that_length():
 
 def test_numpy_and_tensor_integers_are_token_ids_and_positions():
     """What tokenizers (return_tensors="np") and argmax return: numpy integers and 0-d integer tensors are ints
-    (they were refused as 'not ints'); a sampling that is no Sampling is one error naming it (an AttributeError
-    before)."""
+    (they were refused as 'not ints'); a sampling that is no Sampling, and caches beyond the host's memory, are
+    one error naming them (an AttributeError and the allocator's message before)."""
     import numpy as np
 
     lm = me.from_transformers(_model("llama", seed=8), max_len=12, backend="sim")
@@ -312,3 +312,5 @@ def test_numpy_and_tensor_integers_are_token_ids_and_positions():
         lm.step(torch.tensor(5.0), 0)
     with pytest.raises(ValueError, match="sampling must be a megaegg.models.batch.Sampling, got dict"):
         lm.generate([5], 2, sampling={"temperature": 1.0})
+    with pytest.raises(me.GraphError, match=r"KV caches of max_len 1000000000 .* needs .*: give a smaller max_len"):
+        me.from_transformers(_model("llama"), max_len=10**9, backend="sim")

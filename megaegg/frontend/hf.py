@@ -211,6 +211,10 @@ class CacheShape:
     max_len: int
     dtype: torch.dtype
 
+    @property
+    def bytes(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.max_len * self.head_dim * self.dtype.itemsize
+
     def new(self, device=None) -> list[torch.Tensor]:
         """Zeroed caches in the step's argument order (K, V per layer)."""
         shape = (self.kv_heads, self.max_len, self.head_dim)
@@ -383,9 +387,14 @@ def from_transformers(model, *, max_len: int = 512, backend: str | None = None, 
 
 
 def _from_transformers(model, max_len: int, backend: str, device) -> TransformersLM:
+    from ..compiler import check_fits
+
     with _static_rope(model, max_len):
         shape = cache_shape(model, max_len)
         dev = next(model.parameters()).device
+        # (before allocating them: a max_len beyond the memory is one error naming it, not the allocator's)
+        check_fits([("cache", f"KV caches of max_len {max_len} ({2 * shape.layers} x [{shape.kv_heads}, {max_len}, "
+                              f"{shape.head_dim}] {shape.dtype})", shape.bytes)], dev, hint=": give a smaller max_len")
         common = dict(backend=backend, device=device)
         ctx = torch.export.Dim("ctx", min=1, max=max_len)
         caches = shape.new(dev)
