@@ -147,7 +147,7 @@ def _static_rope(model, max_len: int):
                     continue
                 if kind == "longrope":  # (long factors past it, short ones below)
                     params = m.config.rope_parameters if layer_type is None else m.config.rope_parameters[layer_type]
-                    limit = params["original_max_position_embeddings"]
+                    limit = params.get("original_max_position_embeddings", m.original_max_seq_len)
                 else:  # (the frequencies grow past it)
                     limit = m.original_max_seq_len
                 if max_len > limit:
