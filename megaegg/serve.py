@@ -364,19 +364,38 @@ def _chat_prompt(messages, tokenizer) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template: use /v1/completions", param="messages")
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-        raise RequestError("'messages' must be a non-empty list of {role, content} objects with string content",
-                           param="messages")
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", param="messages")
+    turns = [{"role": m["role"], "content": _message_text(m.get("content"), i)} for i, m in enumerate(messages)]
     from jinja2 import TemplateError  # (transformers renders chat templates with jinja2)
 
     try:
-        text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                             add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
     except (TemplateError, ValueError) as e:  # (a template refuses what it does not take, by raise_exception:
         # roles out of order, a system message, ...: the client's messages, a 400, not the server's 500)
         raise RequestError(f"the chat template refused these messages: {type(e).__name__}: {e}",
                            param="messages") from e
     return list(tokenizer.encode(text, add_special_tokens=False))  # (the template wrote the special tokens)
+
+
+def _message_text(content, i: int) -> str:
+    """A message's content as the chat template takes it: a string, or OpenAI's list of content parts, whose
+    text parts are joined by newlines (as vLLM joins them); a part of another type (an image, audio) is refused,
+    naming it: this server runs text models."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise RequestError(f"'messages[{i}].content' must be a string or a non-empty list of content parts",
+                           param="messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RequestError(f"'messages[{i}].content[{j}]' must be a text part {{\"type\": \"text\", \"text\": ...}}"
+                               f"{f' (got type {kind!r}: this model takes text only)' if kind not in (None, 'text') else ''}",
+                               param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 # --- the HTTP app ---------------------------------------------------------------------------------------

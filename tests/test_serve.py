@@ -143,6 +143,13 @@ def test_chat_completion_through_the_chat_template(served, greedy):
     assert r.choices[0].message.role == "assistant" and len(r.choices[0].message.content.split()) == 4
     streamed = list(c.chat.completions.create(model="tiny-llama", messages=msg, max_tokens=4, temperature=0, stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == r.choices[0].message.content
+    # OpenAI's content parts: the text parts joined by newlines, the same prompt as the joined string
+    words = PROMPTS[3].split()
+    parts = [{"role": "user", "content": [{"type": "text", "text": words[0]}, {"type": "text", "text": " ".join(words[1:])}]}]
+    joined = [{"role": "user", "content": words[0] + "\n" + " ".join(words[1:])}]
+    got = c.chat.completions.create(model="tiny-llama", messages=parts, max_tokens=4, temperature=0)
+    want = c.chat.completions.create(model="tiny-llama", messages=joined, max_tokens=4, temperature=0)
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens and got.choices[0].message.content == want.choices[0].message.content
 
 
 def test_sixteen_concurrent_streaming_clients_each_get_their_greedy_text(served, greedy):
@@ -208,6 +215,10 @@ def test_a_client_that_goes_away_leaves_the_others_intact(fixture, request, gree
     ({"model": "tiny-llama", "prompt": "w1", "best_of": 0}, 400, "best_of"),
     ({"model": "tiny-llama", "messages": [{"role": "user", "content": "w1"}], "logprobs": True}, 400, "logprobs"),
     ({"model": "tiny-llama", "messages": [{"role": "tool", "content": "w1"}]}, 400, "messages"),  # (the template's refusal)
+    ({"model": "tiny-llama", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages"),
+    ({"model": "tiny-llama", "messages": [{"role": "user", "content": []}]}, 400, "messages"),
+    ({"model": "tiny-llama", "messages": [{"role": "user", "content": None}]}, 400, "messages"),
 ])
 def test_bad_requests_get_one_error_naming_the_field(served, body, status, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
