@@ -389,11 +389,11 @@ def _message_text(content, i: int) -> str:
                            param="messages")
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise RequestError(f"'messages[{i}].content[{j}]' must be a text part {{\"type\": \"text\", \"text\": ...}}"
-                               f"{f' (got type {kind!r}: this model takes text only)' if kind not in (None, 'text') else ''}",
-                               param="messages")
+        where, kind = f"'messages[{i}].content[{j}]'", part.get("type") if isinstance(part, dict) else None
+        if kind not in (None, "text"):
+            raise RequestError(f"{where} has type {kind!r}: this model takes text parts only", param="messages")
+        if kind is None or not isinstance(part.get("text"), str):
+            raise RequestError(f"{where} must be a text part {{\"type\": \"text\", \"text\": ...}}", param="messages")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -271,9 +271,10 @@ class TransformersLM:
         ``start + 1``, ... in one launch (rows before ``start`` already in the caches)."""
         ids = self._tokens(ids, "prompt")
         n = len(ids)
-        if _index(start) is None:
+        at = _index(start)
+        if at is None:
             raise ValueError(f"start must be an int, got {start!r}")
-        start = _index(start)
+        start = at
         if n == 0 or not 0 <= start or start + n > self.shape.max_len:
             raise ValueError(f"{n} tokens at position {start}: outside the caches' max_len {self.shape.max_len}")
         tokens = torch.tensor([ids], dtype=torch.int64, device=self.device)
@@ -284,9 +285,10 @@ class TransformersLM:
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits [vocab] (f32) of ``token`` at position ``pos`` (rows before it already in the caches)."""
         (token,) = self._tokens([token], "step")
-        if _index(pos) is None or not 0 <= _index(pos) < self.shape.max_len:  # (1.5 too: no int position)
+        at = _index(pos)
+        if at is None or not 0 <= at < self.shape.max_len:  # (1.5 too: no int position)
             raise ValueError(f"position {pos!r} is outside the caches' max_len {self.shape.max_len}")
-        pos = _index(pos)
+        pos = at
         ids = torch.tensor([[token]], dtype=torch.int64, device=self.device)
         return self.kernel(ids, self.rows[:pos + 1], *self.caches)[0].float()
 
@@ -303,9 +305,10 @@ class TransformersLM:
         ids = self._tokens(prompt_ids, "prompt_ids")
         if not ids:
             raise ValueError("prompt_ids is empty: give at least one token")
-        if _index(max_new_tokens) is None or _index(max_new_tokens) < 0:
+        count = _index(max_new_tokens)
+        if count is None or count < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        max_new_tokens = _index(max_new_tokens)
+        max_new_tokens = count
         if len(ids) + max_new_tokens > self.shape.max_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_len "
                              f"{self.shape.max_len}")
